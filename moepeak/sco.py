@@ -266,6 +266,9 @@ class _Engine:
         self.loads_pending_rewind = False
         self.counts = collections.Counter()
         self.log: List[tuple] = []  # (what, seq, ...) for schedule tests; cleared on rewind
+        # Test knob: GPU cycles of torch.cuda._sleep enqueued on the side stream
+        # before every copy, so a missing event shows up as wrong numbers.
+        self.delay_cycles = 0
 
     # -- helpers ------------------------------------------------------------
     def _event(self) -> int:
@@ -318,6 +321,8 @@ class _Engine:
                 _C.stream_wait_event(cs, self.load_tail_ev)
                 self.loads_pending_rewind = False
             with torch.cuda.stream(self.copy_stream):
+                if self.delay_cycles:
+                    torch.cuda._sleep(self.delay_cycles)
                 torch.ops.moepeak.sco_offload(xc, host)
             _C.event_record(rec.copy_ev, cs)
             rec.gpu = xc  # alive until copy_ev completes
@@ -346,6 +351,8 @@ class _Engine:
             _C.stream_wait_event(ls, self.ready_ev)  # buf's previous users are done
             _C.stream_wait_event(ls, rec.copy_ev)  # the D2H landed in the slot
             with torch.cuda.stream(self.load_stream):
+                if self.delay_cycles:
+                    torch.cuda._sleep(self.delay_cycles)
                 torch.ops.moepeak.sco_reload(self.arena.view(rec.slot, rec.nbytes), buf)
             _C.event_record(rec.load_ev, ls)
             _C.event_record(self.load_tail_ev, ls)
