@@ -256,6 +256,9 @@ class _Engine:
             with torch.cuda.device(device):
                 self.copy_stream = torch.cuda.Stream(device)
                 self.load_stream = torch.cuda.Stream(device)
+            # moepeak links its own (static) cudart, whose current device is
+            # per thread and independent of torch's: events are created on it.
+            _C.set_device(device.index)
             self.ready_ev = _C.event_create()  # re-recorded on compute before each side-stream use
             self.load_tail_ev = _C.event_create()  # last event on the load stream
         self.arena = _Arena(cfg, pinned=self.is_cuda)
@@ -272,7 +275,10 @@ class _Engine:
 
     # -- helpers ------------------------------------------------------------
     def _event(self) -> int:
-        return self.events.pop() if self.events else _C.event_create()
+        if self.events:
+            return self.events.pop()
+        _C.set_device(self.device.index)  # may run on an autograd worker thread
+        return _C.event_create()
 
     def _compute(self) -> int:
         return current_stream_handle(self.device)
