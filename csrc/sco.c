@@ -3,7 +3,7 @@
  *
  * What lives here (the Python schedule in moepeak/sco.py decides *when*):
  *  - sco_arena_alloc(nbytes) / sco_arena_free(ptr): one page-locked host chunk
- *    per call (cudaHostAlloc, portable). The arena is a handful of such
+ *    per call (cudaHostAlloc, portable; cuda/sco.cu). The arena is a handful of such
  *    chunks allocated once and reused for every iteration; there is no
  *    per-tensor pinning (first pinning costs about 1 s/GiB, and torch's caching
  *    host allocator rounds each request up to a power of two).
@@ -21,6 +21,9 @@
 #include "mp_python.h"
 
 #if MP_WITH_CUDA
+/* cuda/sco.cu: cudaHostAlloc that leaves no stale "last error" behind. */
+mp_status mp_sco_host_alloc(void **ptr, size_t nbytes);
+
 /* Enqueue wait -> copy -> record on `stream`. 0 for wait_event / done_event
  * means "none". */
 static mp_status sco_copy_impl(void *dst, const void *src, size_t nbytes, uintptr_t stream,
@@ -47,7 +50,7 @@ static PyObject *py_sco_arena_alloc(PyObject *self, PyObject *arg) {
 #if MP_WITH_CUDA
   void *p = NULL;
   mp_status st;
-  Py_BEGIN_ALLOW_THREADS st = mp_cu_host_alloc(&p, (size_t)n);
+  Py_BEGIN_ALLOW_THREADS st = mp_sco_host_alloc(&p, (size_t)n);
   Py_END_ALLOW_THREADS
   if (st != MP_OK || p == NULL) {
     PyErr_Format(PyExc_MemoryError,
