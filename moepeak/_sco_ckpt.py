@@ -73,6 +73,11 @@ class _Frame:
         return h
 
     def unpack(self, h: _Holder):
+        if torch.is_grad_enabled():  # backward with create_graph=True
+            raise RuntimeError(
+                "moepeak: double backward (create_graph=True) through an SCO-offloaded checkpoint boundary "
+                "is not supported: the recomputed activations are detached"
+            )
         if self.recomputed is None:
             self._replay()
         t = self.recomputed[h.idx]

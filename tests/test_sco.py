@@ -219,6 +219,9 @@ def test_double_backward_raises():
     y.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="second time"):
         y.backward()
+    y = _sco_forward(blocks, x, cfg).square().sum()
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(y, x, create_graph=True)
 
 
 def test_graph_dropped_without_backward_frees_slots():
@@ -332,6 +335,7 @@ def test_cuda_delayed_side_streams_still_exact(w):
             _compare(n=5, dropout=0.1, device="cuda", dtype=torch.bfloat16, cfg=cfg, t=1024, h=256)
     st = cfg.stats("cuda")
     assert st["max_in_flight"] <= w and st["live"] == 0
+    assert st["compute_waits"] >= 1  # the copies were slow: W was enforced by compute waiting
     torch.cuda.synchronize()
 
 
