@@ -58,9 +58,8 @@ def _cleanup():
 
 
 def make_stack(L, H, dtype):
-    with torch.device("cuda"):
-        blocks = torch.nn.ModuleList([SCOBlock(H, attention=False) for _ in range(L)])
-    return blocks.to(dtype)
+    with torch.device("cuda"):  # init each block in fp32 on the GPU, then cast it (no fp32 stack)
+        return torch.nn.ModuleList([SCOBlock(H, attention=False).to(dtype) for _ in range(L)])
 
 
 def step(blocks, x, g, arm, cfg):
@@ -113,6 +112,11 @@ def run_arm(blocks, T, H, arm, warmup, iters):
         res["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / GiB
     except torch.cuda.OutOfMemoryError:
         res["status"] = "oom"
+    except RuntimeError as e:  # e.g. torch's pinned host allocator: "CUDA error: out of memory"
+        if "out of memory" not in str(e):
+            raise
+        res["status"] = "oom"
+        print(f"  [{arm}] {str(e).splitlines()[0]}", file=sys.stderr)
     except MemoryError as e:  # pinned host arena
         res["status"] = "host_oom"
         print(f"  [{arm}] {e}", file=sys.stderr)
