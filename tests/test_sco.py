@@ -129,6 +129,21 @@ def test_gradient_accumulation_own_slots():
     assert cfg.stats("cpu")["live"] == 0
 
 
+def test_autocast_state_replayed():
+    ref = _stack(2)
+    ours = copy.deepcopy(ref)
+    cfg = SCOConfig()
+    x = torch.randn(B, T, H)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ya = sco_stack_forward(ref, xa, "torch")
+        yb = _sco_forward(ours, xb, cfg)
+    assert yb.dtype == torch.bfloat16 and torch.equal(ya, yb)
+    ya.float().square().sum().backward()  # backward outside autocast: recompute must re-enter it
+    yb.float().square().sum().backward()
+    _assert_grads_equal(ref, ours, xa, xb)
+
+
 def test_tuple_output_and_kwargs_and_nontensor_args():
     lin = torch.nn.Linear(H, H)
     lin2 = copy.deepcopy(lin)
