@@ -277,40 +277,40 @@ def test_opcheck():
     assert torch.equal(out, x)
 
 
-def _fsdp_rank(rank, world, use_sco):
+def _fsdp_rank(rank, world, _unused):
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[SCOBlock(H, dropout=0.1) for _ in range(3)])
-    ref = copy.deepcopy(model)
-    cfg = SCOConfig()
-    moepeak.apply_sco(model, blocks=list(model), config=cfg)
+    ref = torch.nn.Sequential(*[SCOBlock(H, dropout=0.1) for _ in range(3)])
+    sco_first, fsdp_first = copy.deepcopy(ref), copy.deepcopy(ref)
+    cfgs = [SCOConfig(), SCOConfig()]
     for blk in ref:
         fwd = blk.forward
         blk.forward = lambda x, _f=fwd: torch.utils.checkpoint.checkpoint(_f, x, use_reentrant=False)
-    for m in (model, ref):
+    moepeak.apply_sco(sco_first, blocks=list(sco_first), config=cfgs[0])  # apply_sco, then fully_shard
+    for m in (ref, sco_first, fsdp_first):
         for blk in m:
             fully_shard(blk)
         fully_shard(m)
-    torch.manual_seed(1 + rank)
-    x = torch.randn(B, T, H)
+    moepeak.apply_sco(fsdp_first, blocks=list(fsdp_first), config=cfgs[1])  # fully_shard, then apply_sco
+    x = torch.randn(B, T, H, generator=torch.Generator().manual_seed(1 + rank))
     for step in range(2):
-        torch.manual_seed(10 + step + rank)
-        ref(x).square().sum().backward()
-        torch.manual_seed(10 + step + rank)
-        model(x).square().sum().backward()
-    for (n, a), (_, b) in zip(ref.named_parameters(), model.named_parameters()):
-        ga, gb = a.grad.to_local(), b.grad.to_local()
-        assert torch.equal(ga, gb), n
-    st = cfg.stats("cpu")
-    assert st["live"] == 0 and st["offloads"] == 4 and st["kept"] == 2  # keep_last: 2 offloads + 1 kept per step
+        for m in (ref, sco_first, fsdp_first):
+            torch.manual_seed(10 + step + rank)
+            m(x).square().sum().backward()
+    for m in (sco_first, fsdp_first):
+        for (n, a), (_, b) in zip(ref.named_parameters(), m.named_parameters()):
+            assert torch.equal(a.grad.to_local(), b.grad.to_local()), n
+    for cfg in cfgs:
+        st = cfg.stats("cpu")
+        assert st["live"] == 0 and st["offloads"] == 4 and st["kept"] == 2  # keep_last: 2 offloads + 1 kept per step
 
 
 def test_fsdp2_gloo():
     pytest.importorskip("torch.distributed.fsdp")
     from tests.dist_utils import run_ranks
 
-    run_ranks(2, _fsdp_rank, True, timeout=150)
+    run_ranks(2, _fsdp_rank, None, timeout=150)
 
 
 # ---------------------------------------------------------------------------
