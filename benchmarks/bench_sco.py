@@ -134,6 +134,28 @@ def run_arm(blocks, T, H, arm, warmup, iters):
     return res
 
 
+def reach(T, H, max_L=512):
+    """Largest L (doubling from 8) at which one step of ckpt / sco runs. Host RAM
+    bounds SCO too: its arena holds (L-1)·T·H·2 bytes pinned."""
+    for arm in ("ckpt", "sco"):
+        best, L = 0, 8
+        while L <= max_L:
+            try:
+                blocks = make_stack(L, H, torch.bfloat16)
+            except torch.cuda.OutOfMemoryError:
+                _cleanup()
+                print(f"reach T={T} {arm}: weights of L={L} do not fit")
+                break
+            r = run_arm(blocks, T, H, arm, warmup=1, iters=1)
+            del blocks
+            _cleanup()
+            print(f"reach T={T} L={L} {arm}: {r['status']}", flush=True)
+            if r["status"] != "ok":
+                break
+            best, L = L, 2 * L
+        print(f"reach T={T} {arm}: max L ok = {best} (depth x tokens = {best * T})", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="directory; rows appended to OUT/sco.csv")
@@ -144,11 +166,15 @@ def main():
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--reach", action="store_true",
+                    help="optional probe: at T = first --T, double L from 8 until ckpt / sco fail (one step each)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_sco needs a CUDA GPU")
     if a.quick:
         a.T, a.L = [32768], [8, 32]
+    if a.reach:
+        return reach(a.T[0], a.H)
     gpu = torch.cuda.get_device_name()
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     rows = []
