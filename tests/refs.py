@@ -23,7 +23,60 @@ import torch
 # ---------------------------------------------------------------------------
 # SCO (checkpoint offload)
 # ---------------------------------------------------------------------------
-# (references for sco_offload go here)
+# SCO references: a small decoder stack, and the same stack checkpointed with
+# torch.utils.checkpoint(use_reentrant=False), the bitwise target of SCO.
+#   x: [B, T, H] (any float dtype); heads nh, head dim H/nh; MLP hidden 4H.
+class SCORMSNorm(torch.nn.Module):
+    def __init__(self, h, eps=1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(h))
+        self.eps = eps
+
+    def forward(self, x):  # x: [.., H]
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+class SCOBlock(torch.nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)); x + mlp(norm(x)).
+    attention=False gives the benchmark block (RMSNorm + 4H MLP only)."""
+
+    def __init__(self, h, nh=2, dropout=0.0, attention=True):
+        super().__init__()
+        self.nh, self.p, self.attention = nh, dropout, attention
+        if attention:
+            self.n1 = SCORMSNorm(h)
+            self.qkv = torch.nn.Linear(h, 3 * h, bias=False)
+            self.o = torch.nn.Linear(h, h, bias=False)
+        self.n2 = SCORMSNorm(h)
+        self.up = torch.nn.Linear(h, 4 * h, bias=False)
+        self.down = torch.nn.Linear(4 * h, h, bias=False)
+
+    def forward(self, x, scale=1.0):  # x: [B, T, H]; scale: a non-tensor argument
+        if self.attention:
+            b, t, h = x.shape
+            q, k, v = self.qkv(self.n1(x)).view(b, t, 3, self.nh, h // self.nh).permute(2, 0, 3, 1, 4)
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self._drop(self.o(a.transpose(1, 2).reshape(b, t, h)))
+        y = self._drop(self.down(torch.nn.functional.gelu(self.up(self.n2(x)))))
+        return x + (y if scale == 1.0 else scale * y)
+
+    def _drop(self, y):  # no kernel at all when p == 0 (the benchmark block)
+        return torch.nn.functional.dropout(y, self.p, self.training) if self.p > 0 else y
+
+
+def sco_stack_forward(blocks, x, mode="plain", **kw):
+    """Run blocks in order. mode: plain | torch (torch checkpoint, non-reentrant)."""
+    import torch.utils.checkpoint as tuc
+
+    for blk in blocks:
+        if mode == "plain":
+            x = blk(x, **kw)
+        elif mode == "torch":
+            x = tuc.checkpoint(blk, x, use_reentrant=False, **kw)
+        else:
+            raise ValueError(mode)
+    return x
 
 
 # ---------------------------------------------------------------------------
