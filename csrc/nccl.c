@@ -66,13 +66,14 @@ typedef struct {
 
 static mp_nccl_lib N; /* N.lib != NULL once loaded; guarded by the GIL */
 
-/* Record the failed call, NCCL's error string and its last detailed message. */
+/* Record the failed call, NCCL's error string and its last detailed message.
+ * `call` is always N.<Name>(...); "nccl" + (#call + 2) prints ncclName(...). */
 #define MP_NCCL_CHECK(status_var, call)                                                       \
   do {                                                                                        \
     ncclResult_t r_ = (call);                                                                 \
     if (r_ != ncclSuccess) {                                                                  \
       const char *last_ = N.GetLastError ? N.GetLastError(NULL) : NULL;                       \
-      MP_FAIL(status_var, MP_ERR_NCCL, "%s failed: %s (ncclResult %d)%s%s", #call,            \
+      MP_FAIL(status_var, MP_ERR_NCCL, "nccl%s failed: %s (ncclResult %d)%s%s", #call + 2,            \
               N.GetErrorString ? N.GetErrorString(r_) : "?", r_,                              \
               (last_ && last_[0]) ? "; NCCL says: " : "", (last_ && last_[0]) ? last_ : "");  \
     }                                                                                         \
