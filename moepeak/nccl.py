@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import operator
+import os
 import threading
 import time
 import weakref
@@ -59,6 +60,27 @@ _LIVE: "weakref.WeakSet[NcclTransport]" = weakref.WeakSet()
 _LIVE_LOCK = threading.Lock()
 
 
+def _load_nccl() -> None:
+    """Open libnccl (csrc/nccl.c: the copy torch loaded, the loader path,
+    $MOEPEAK_NCCL_LIB); failing those, the NCCL pip wheel's or torch/lib's copy."""
+    try:
+        _C.nccl_load()
+        return
+    except RuntimeError as first:
+        err = first
+    cands = [os.path.join(os.path.dirname(torch.__file__), "lib", "libnccl.so.2")]
+    try:
+        import nvidia.nccl  # the nvidia-nccl-cu* wheel torch depends on
+        cands += [os.path.join(p, "lib", "libnccl.so.2") for p in nvidia.nccl.__path__]
+    except ImportError:
+        pass
+    for path in cands:
+        if os.path.exists(path):
+            _C.nccl_load(path)  # raises with every place tried
+            return
+    raise err
+
+
 def nccl_available() -> Optional[str]:
     """None when NcclTransport can be created here, else what is missing."""
     missing = []
@@ -68,7 +90,7 @@ def nccl_available() -> Optional[str]:
     if not torch.cuda.is_available():
         missing.append("a CUDA GPU (torch.cuda.is_available() is False)")
     try:
-        _C.nccl_load()
+        _load_nccl()
     except RuntimeError as e:
         missing.append(f"the NCCL library ({e})")
     return "; ".join(missing) if missing else None

@@ -274,6 +274,9 @@ def test_c_transport_against_fake_nccl(tmp_path):
 # ---------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------
+_LEFT_OPEN = []
+
+
 def _one_gpu_rank(rank, P):
     from moepeak.nccl import NcclTransport
     dev = torch.device("cuda", 0)
@@ -341,8 +344,10 @@ def _one_gpu_rank(rank, P):
     t.close()
     with pytest.raises(RuntimeError, match="closed"):
         t.all_reduce_(torch.zeros(2, device=dev))
-    # A second transport left open: closed by the atexit hook, without a hang.
-    get_transport(dist.group.WORLD, device=dev, backend="nccl").all_reduce_(torch.ones(3, device=dev))
+    # A second transport left open (a module-level reference keeps it from
+    # being collected): closed by the atexit hook at process exit, no hang.
+    _LEFT_OPEN.append(get_transport(dist.group.WORLD, device=dev, backend="nccl"))
+    _LEFT_OPEN[-1].all_reduce_(torch.ones(3, device=dev))
 
 
 @pytest.mark.cuda
