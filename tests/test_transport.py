@@ -146,6 +146,28 @@ def test_get_transport_nccl_refuses_cpu():
         get_transport(object(), backend="mpi")
 
 
+def test_count_lists_validated():
+    from moepeak.nccl import _counts
+    assert _counts("send_counts", [3, 0, 2], 3) == [3, 0, 2]
+    assert _counts("send_counts", torch.tensor([1, 2]), 2) == [1, 2]
+    with pytest.raises(ValueError, match=r"send_counts\[1\] must be >= 0, got -2"):
+        _counts("send_counts", [1, -2], 2)
+    with pytest.raises(ValueError, match="one count per rank \\(3\\), got 2"):
+        _counts("recv_counts", [1, 2], 3)
+    with pytest.raises(TypeError, match="recv_counts must be a sequence of ints"):
+        _counts("recv_counts", [1.5, 2], 2)
+    with pytest.raises(ValueError, match="1-D integer tensor"):
+        _counts("recv_counts", torch.tensor([1.0, 2.0]), 2)
+
+
+def test_benchmark_script_refuses_without_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present (the GPU run covers the script)")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_transport.py"), "--quick"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr, r.stdout + r.stderr
+
+
 def test_bindings_validate_before_loading():
     uid = bytes(128)
     with pytest.raises(ValueError, match="unique_id must be 128 bytes"):
