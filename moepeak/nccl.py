@@ -24,11 +24,13 @@ Data movement (send/recv, all-to-all-v, all-gather) is done in bytes (ncclUint8
 with count = numel * element_size), so every dtype moves, and sender and
 receiver agree whenever their byte sizes agree. all_reduce_ is typed.
 
-Shutdown: close() waits (bounded) for the comm stream, then destroys the
-communicator; if the work does not finish in time or NCCL reports an
-asynchronous error (a peer is gone), it aborts instead, which never blocks.
-At interpreter exit every live transport is closed with a short deadline and
-aborted, so exit never hangs.
+Shutdown: close() (call it on every rank) waits, bounded, for the comm stream,
+then destroys the communicator; if the work does not finish in time or NCCL
+reports an asynchronous error (a peer is gone), it aborts instead. The
+destroy/abort itself runs on a daemon thread joined with a deadline, since
+recent NCCL synchronises ranks even there. Garbage collection and interpreter
+exit abort (with short deadlines) every transport still open, so neither ever
+hangs.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ import operator
 import os
 import threading
 import time
+import warnings
 import weakref
 from typing import List, Optional, Sequence
 
@@ -265,19 +268,23 @@ class NcclTransport(Transport):
             raise RuntimeError(f"moepeak: NCCL communicator failed asynchronously: {msg} (ncclResult {code})")
 
     def close(self, timeout: float = 60.0, abort: bool = False) -> None:
-        """Release the communicator. Waits up to `timeout` s for the work already
-        issued, then destroys it; aborts instead (never blocks) if the work did
-        not finish, if NCCL reported an asynchronous error, or if abort=True.
-        Idempotent."""
+        """Release the communicator; call it on every rank, like
+        destroy_process_group (ncclCommDestroy is collective in recent NCCL).
+
+        Waits up to `timeout` s for the work already issued, then destroys the
+        communicator; aborts instead if that work did not finish, if NCCL
+        reported an asynchronous error, or if abort=True. The release runs in a
+        daemon thread joined with a deadline, so close() returns even when a
+        peer never joins it (a warning says so). Idempotent."""
         comm, self._comm = self._comm, None
         if comm is None:
             return
         with _LIVE_LOCK:
             _LIVE.discard(self)
+        deadline = time.monotonic() + timeout
         try:
             done = torch.cuda.Event()
             done.record(self._stream)
-            deadline = time.monotonic() + timeout
             while not done.query():
                 code, _ = _C.nccl_comm_async_error(comm)
                 if code not in (0, _NCCL_IN_PROGRESS) or time.monotonic() > deadline:
@@ -286,17 +293,41 @@ class NcclTransport(Transport):
                 time.sleep(1e-3)
         except Exception:  # CUDA already torn down, or a sticky error: do not block
             abort = True
-        _C.nccl_comm_destroy(comm, abort)
+        _release(comm, abort, max(5.0, deadline - time.monotonic()))
 
     def __del__(self):
+        # Garbage collection is not coordinated across ranks: never the
+        # collective destroy here, and never block for long.
         try:
-            self.close(timeout=10.0)
+            self.close(timeout=5.0, abort=True)
         except Exception:
             pass
 
     def __repr__(self):
         state = "closed" if self._comm is None else f"NCCL {self.nccl_version}"
         return f"NcclTransport(rank={self.rank}, world_size={self.world_size}, device={self.device}, {state})"
+
+
+def _release(comm: int, abort: bool, timeout: float) -> None:
+    """ncclCommDestroy/ncclCommAbort (GIL released in C) on a daemon thread,
+    joined for at most `timeout` s: a peer that never arrives, or an abort that
+    waits on one, cannot hang this process (a stuck thread is abandoned)."""
+    errors = []
+
+    def run():
+        try:
+            _C.nccl_comm_destroy(comm, abort)
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    th = threading.Thread(target=run, name="moepeak-nccl-release", daemon=True)
+    th.start()
+    th.join(timeout)
+    if th.is_alive():
+        warnings.warn(f"moepeak: NCCL communicator {'abort' if abort else 'destroy'} did not finish within "
+                      f"{timeout:.0f}s (a peer did not call close()?); abandoning it", RuntimeWarning)
+    elif errors:
+        warnings.warn(f"moepeak: releasing the NCCL communicator failed: {errors[0]}", RuntimeWarning)
 
 
 @atexit.register

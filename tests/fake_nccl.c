@@ -11,9 +11,11 @@
  * would on real NCCL. A count of exactly 12345 elements fails with
  * ncclInvalidArgument (to test error reporting). fake_nccl_calls() counts
  * every entry point call, so tests can check that bad arguments never
- * reached the library. Built by tests/test_transport.py with `cc -shared`. */
+ * reached the library; FAKE_NCCL_SLOW_DESTROY makes ncclCommDestroy take 3 s.
+ * Built by tests/test_transport.py with `cc -shared`. */
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 typedef struct { int nranks, rank; } fake_comm;
 typedef fake_comm *ncclComm_t;
@@ -44,7 +46,13 @@ int ncclCommInitRank(ncclComm_t *c, int nranks, ncclUniqueId id, int rank) {
   (*c)->rank = rank;
   return ok;
 }
-int ncclCommDestroy(ncclComm_t c) { calls++; free(c); return ok; }
+/* With FAKE_NCCL_SLOW_DESTROY set, destroy takes 3 s (a peer that is late). */
+int ncclCommDestroy(ncclComm_t c) {
+  calls++;
+  if (getenv("FAKE_NCCL_SLOW_DESTROY")) sleep(3);
+  free(c);
+  return ok;
+}
 int ncclCommAbort(ncclComm_t c) { calls++; free(c); return ok; }
 int ncclCommGetAsyncError(ncclComm_t c, int *e) { (void)c; calls++; *e = ok; return ok; }
 int ncclGroupStart(void) { calls++; depth++; return ok; }

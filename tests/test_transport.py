@@ -273,6 +273,24 @@ _FAKE_SCRIPT = textwrap.dedent(r"""
     raises(ValueError, ["not a live NCCL communicator"], C.nccl_comm_destroy, comm)
     raises(ValueError, ["not a live NCCL communicator"], C.nccl_send, comm, p, 1, 7, 0, 0)
     c2 = C.nccl_comm_init(uid, 1, 0, -1); C.nccl_comm_destroy(c2, True)     # abort path
+
+    # NcclTransport's release on a deadline thread (imports torch: after the fake is loaded)
+    import time, warnings
+    from moepeak.nccl import _release
+    c3 = C.nccl_comm_init(uid, 1, 0, -1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _release(c3, False, 5.0)                   # quick: no warning
+    raises(ValueError, ["not a live"], C.nccl_comm_destroy, c3)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        _release(c3, False, 5.0)                   # stale handle: a warning, not an exception
+        assert any("releasing the NCCL communicator failed" in str(x.message) for x in w), w
+        os.environ["FAKE_NCCL_SLOW_DESTROY"] = "1"
+        c4 = C.nccl_comm_init(uid, 1, 0, -1)
+        t0 = time.monotonic()
+        _release(c4, False, 0.5)                   # a destroy that outlasts its deadline: returns anyway
+        assert time.monotonic() - t0 < 2.5 and any("did not finish" in str(x.message) for x in w)
     print("FAKE OK")
 """)
 
