@@ -173,6 +173,8 @@ class NcclTransport(Transport):
             # Blocks (GIL released) until every rank of the group has joined.
             self._comm = _C.nccl_comm_init(uid[0], self.world_size, self.rank, device.index)
             self._stream = torch.cuda.Stream(device=device)
+            self._pre = torch.cuda.Event()   # current stream -> comm stream
+            self._post = torch.cuda.Event()  # comm stream -> current stream, for ops waited at once
         self.nccl_version = _C.nccl_loaded()[0]
         with _LIVE_LOCK:
             _LIVE.add(self)
@@ -192,13 +194,17 @@ class NcclTransport(Transport):
             raise ValueError(f"moepeak: {name} must be a rank in [0, {self.world_size}), got {p}")
         return p
 
-    def _run(self, fn, tensors: List[torch.Tensor]) -> torch.cuda.Event:
-        """Enqueue fn(comm, stream_int) on the comm stream after the current stream's work."""
+    def _run(self, fn, tensors: List[torch.Tensor], event: Optional[torch.cuda.Event] = None) -> torch.cuda.Event:
+        """Enqueue fn(comm, stream_int) on the comm stream after the current
+        stream's work; return an event recorded after it (a fresh one unless
+        `event` is given). The `_pre` event is reused: once the comm stream's
+        wait on it is enqueued, re-recording it cannot affect that wait."""
         comm = self._comm_or_raise()
         cur = torch.cuda.current_stream(self.device)
-        self._stream.wait_stream(cur)
+        self._pre.record(cur)
+        self._stream.wait_event(self._pre)
         fn(comm, self._stream.cuda_stream)
-        event = torch.cuda.Event()
+        event = event if event is not None else torch.cuda.Event()
         event.record(self._stream)
         for t in tensors:
             t.record_stream(self._stream)
@@ -246,7 +252,7 @@ class NcclTransport(Transport):
         if nbytes == 0:
             return
         ev = self._run(lambda comm, s: _C.nccl_all_gather(comm, inp.data_ptr(), out.data_ptr(), nbytes,
-                                                          _NCCL_UINT8, s), [inp, out])
+                                                          _NCCL_UINT8, s), [inp, out], self._post)
         torch.cuda.current_stream(self.device).wait_event(ev)
 
     def all_reduce_(self, t, op: str = "sum") -> None:
@@ -257,7 +263,7 @@ class NcclTransport(Transport):
             return
         code, opc = _REDUCE_DTYPES[t.dtype], _REDUCE_OPS[op]
         ev = self._run(lambda comm, s: _C.nccl_all_reduce(comm, t.data_ptr(), t.data_ptr(), t.numel(), code,
-                                                          opc, s), [t])
+                                                          opc, s), [t], self._post)
         torch.cuda.current_stream(self.device).wait_event(ev)
 
     # ---- health and shutdown -----------------------------------------------
