@@ -346,15 +346,19 @@ def _one_gpu_rank(rank, P):
     h = t.send_recv(x, 0, y2, 0)
     h.wait()
     z2 = y2 + 1
-    s = torch.full((4,), 2.0, device=dev)
+    # The same for the ops that return no handle (all_gather; an all-reduce of
+    # one rank is the identity, so it could not show a race).
+    gi = torch.full((n,), 2.0, device=dev)
+    go = torch.full((1, n), -1.0, device=dev)
+    torch.cuda.synchronize()
     torch.cuda._sleep(20_000_000)
-    s.mul_(3)                                      # producer of an all-reduce
-    t.all_reduce_(s, "sum")
-    s2 = s + 0                                     # consumer right after
+    gi.mul_(3)                                     # producer of an all-gather
+    t.all_gather(go, gi)
+    s2 = go[0] + 0                                 # consumer right after
     torch.cuda.synchronize()
     assert torch.equal(z, torch.full_like(z, 6.0)), "comm stream did not wait for the producer"
     assert torch.equal(z2, torch.full_like(z2, 4.0)), "Handle.wait() did not order the consumer"
-    assert torch.equal(s2, torch.full_like(s2, 6.0))
+    assert torch.equal(s2, torch.full_like(s2, 6.0)), "all_gather was not ordered with the current stream"
 
     # Buffers dropped before wait() stay valid (the handle holds them).
     a = torch.arange(n, device=dev, dtype=torch.float32)
