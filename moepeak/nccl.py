@@ -142,6 +142,7 @@ class NcclTransport(Transport):
     """Transport over moepeak's own NCCL communicator on `device` (CUDA)."""
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, device: Optional[torch.device] = None):
+        self._comm = None  # set last: a half-built transport holds nothing to release
         if device is not None and torch.device(device).type != "cuda":
             raise ValueError(f"moepeak: NcclTransport moves CUDA tensors only, got device={device}; "
                              "use backend='torch' (torch.distributed, e.g. gloo) for CPU tensors")
@@ -151,7 +152,6 @@ class NcclTransport(Transport):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("moepeak: NcclTransport needs torch.distributed initialized (to broadcast the "
                                "NCCL unique id over the group); call torch.distributed.init_process_group first")
-        self._comm = None
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
