@@ -90,6 +90,7 @@ int ncclRecv(void *b, size_t n, int dt, int peer, ncclComm_t c, void *s) { (void
 int ncclAllReduce(const void *sb, void *rb, size_t n, int dt, int op, ncclComm_t c, void *s) {
   (void)s;
   calls++;
+  if (c->nranks == 1) { memmove(rb, sb, n * dt_size[dt]); return ok; } /* one rank: identity for every op */
   if (dt != 7) { strcpy(last, "fake all-reduce is float32 only"); return invalid_argument; }
   for (size_t i = 0; i < n; i++) ((float *)rb)[i] = ((const float *)sb)[i] * (op == 0 ? (float)c->nranks : 1.0f);
   return ok;

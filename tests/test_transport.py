@@ -311,6 +311,80 @@ def test_c_transport_against_fake_nccl(tmp_path):
     assert "FAKE OK" in r.stdout, r.stdout + r.stderr
 
 
+_PY_SCRIPT = textwrap.dedent(r"""
+    import contextlib, os, sys
+    import moepeak._C as C
+    ver, how = C.nccl_load()
+    if ver != 29901:
+        print("REAL NCCL", ver, how); sys.exit(0)
+    import torch, torch.distributed as dist
+    import moepeak.nccl as MN
+    import test_transport as T
+
+    # CUDA stubbed out: streams and events become no-ops, tensors stay on the
+    # CPU, and the stand-in libnccl moves host memory. One rank, whose NCCL
+    # semantics (send/recv to self, gather of one, reduce of one) it matches.
+    class Ev:
+        def record(self, stream=None): pass
+        def query(self): return True
+    class St:
+        cuda_stream = 0
+        def wait_event(self, e): pass
+    torch.cuda.is_available = lambda: True
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.device = lambda d: contextlib.nullcontext()
+    torch.cuda.Stream = lambda device=None: St()
+    torch.cuda.Event = lambda *a, **k: Ev()
+    torch.cuda.current_stream = lambda device=None: St()
+    torch.Tensor.record_stream = lambda self, s: None
+    MN.HAS_CUDA_BUILD = True
+    class CProxy:                      # device -1: no cudaSetDevice on a machine without a GPU
+        def __getattr__(self, n): return getattr(C, n)
+        def nccl_comm_init(self, uid, n, r, dev): return C.nccl_comm_init(uid, n, r, -1)
+    MN._C = CProxy()
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    t = MN.NcclTransport(None, "cuda:0")
+    assert (t.rank, t.world_size) == (0, 1) and C.nccl_comm_info(t._comm)[:2] == (1, 0)
+    t.device = torch.device("cpu")     # the tensors of this run
+    T.exercise(t, 0, 1, torch.device("cpu"))
+    # every dtype moves as bytes, including ones NCCL has no type for
+    for dt in (torch.bool, torch.bfloat16, torch.float16, torch.int16, torch.float64):
+        a = (torch.arange(10) % 3).to(dt).reshape(5, 2); b = torch.zeros_like(a)
+        t.all_to_all_v(a, [5], b, [5]).wait(); assert torch.equal(a, b), dt
+    x = torch.arange(6.0)
+    t.all_reduce_(x, "max"); assert torch.equal(x, torch.arange(6.0))
+    t.close(); t.close()
+    try:
+        t.all_reduce_(x)
+    except RuntimeError as e:
+        assert "closed" in str(e)
+    else:
+        raise AssertionError("a closed transport worked")
+    dist.destroy_process_group()
+    print("PY OK")
+""")
+
+
+def test_nccl_transport_python_layer_on_stand_in(tmp_path):
+    """NcclTransport's own logic (byte counts, row offsets, validation, close)
+    end to end on the CPU: CUDA stubbed out, the stand-in libnccl underneath."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the stand-in libnccl")
+    lib = tmp_path / "libfakenccl.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib), os.path.join(ROOT, "tests", "fake_nccl.c")],
+                   check=True)
+    path = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, MOEPEAK_NCCL_LIB=str(lib), PYTHONPATH=path)
+    r = subprocess.run([sys.executable, "-c", _PY_SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    if "REAL NCCL" in r.stdout:
+        pytest.skip(f"a real libnccl.so.2 is found first here: {r.stdout.strip()}")
+    assert "PY OK" in r.stdout, r.stdout + r.stderr
+
+
 # ---------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------
