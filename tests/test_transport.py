@@ -8,6 +8,8 @@ CPU (here):
     grouped all-to-all-v offset arithmetic; against tests/fake_nccl.c (a
     stand-in libnccl on host memory, in a subprocess, because the loaded
     library sticks for the life of a process).
+  * NcclTransport's Python layer (byte counts, row offsets, validation,
+    close) end to end with CUDA stubbed out, over the stand-in libnccl.
   * NcclTransport refuses clearly when a CUDA build, a GPU or libnccl is
     missing, and refuses CPU tensors/devices.
 GPU (@pytest.mark.cuda):
