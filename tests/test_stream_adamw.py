@@ -273,6 +273,35 @@ def test_bad_input_and_nothing_half_updated():
         o.step()
 
 
+def _dtensor_rank(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(12)
+    full = [torch.randn(17, 5), torch.randn(33)]
+    grads = [[torch.randn(t.shape) for t in full] for _ in range(4)]
+    dps = [torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for t in full]
+    locs = [d.to_local().detach().clone().requires_grad_(True) for d in dps]
+    ours = moepeak.StreamAdamW(dps, lr=1e-2)
+    ref = torch.optim.AdamW(locs, lr=1e-2, fused=True)
+    for gs in grads:
+        for d, loc, g in zip(dps, locs, gs):
+            d.grad = distribute_tensor(g, mesh, [Shard(0)])
+            loc.grad = d.grad.to_local().clone()
+        ours.step()
+        ref.step()
+    for d, loc in zip(dps, locs):
+        assert torch.equal(d.to_local(), loc.detach()), f"rank {rank}: shard differs"
+        assert torch.equal(ours.state[d]["exp_avg_sq"], ref.state[loc]["exp_avg_sq"])
+
+
+def test_dtensor_params_update_local_shards():
+    from dist_utils import run_ranks
+
+    run_ranks(2, _dtensor_rank)
+
+
 def test_opcheck_cpu():
     torch.manual_seed(8)
     n = 37
