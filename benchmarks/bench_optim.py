@@ -48,6 +48,24 @@ def rss():
     return 0
 
 
+# Host bytes per parameter each arm needs (fp32 master/grad/m/v, pinned
+# staging, foreach temporaries); an arm that would not fit in 90% of
+# MemAvailable is recorded as skipped instead of letting the OOM killer in.
+HOST_BYTES = {"serial_foreach": 28, "serial_fused": 20, "torchao": 10, "stream_adamw": 12, "cpu_kernels": 16}
+
+
+def mem_available():
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 62
+
+
+def fits(arm, total):
+    return HOST_BYTES[arm] * total <= 0.9 * mem_available()
+
+
 def make_params(total, layout):
     if layout == "large":
         shapes = [(LARGE,)] * (total // LARGE)
@@ -171,6 +189,8 @@ def main():
     record(params=0, layout="-", arm="pinned_bw", d2h_GBs=bw["d2h"] / 1e9, h2d_GBs=bw["h2d"] / 1e9)
     for total in sizes:
         try:
+            if not fits("cpu_kernels", total):
+                raise MemoryError(f"needs ~{HOST_BYTES['cpu_kernels'] * total / 2**30:.0f} GiB of host RAM")
             k = cpu_kernels(total, args.threads, reps)
             for name, t in k.items():
                 record(params=total, layout="fp32-cpu", arm=name, step_s=t, dram_GBs=28 * total / t / 1e9)
@@ -188,6 +208,10 @@ def main():
                                                                      bucket_mb=args.bucket_mb))]
             for arm, make in arms:
                 params = opt = None
+                if not fits(arm, total):
+                    record(params=total, layout=layout, arm=arm,
+                           note=f"skipped: needs ~{HOST_BYTES[arm] * total / 2**30:.0f} GiB host RAM")
+                    continue
                 try:
                     params = make_params(total, layout)
                     if arm == "torchao":
