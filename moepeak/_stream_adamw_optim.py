@@ -148,7 +148,7 @@ class StreamAdamW(torch.optim.Optimizer):
             b2s.append(float(group["betas"][1]))
             epss.append(float(group["eps"]))
             wds.append(float(group["weight_decay"]))
-            if lp.is_cuda:
+            if lp.is_cuda and lp.numel() > 0:
                 cuda_key.append((lp.numel(), _DT[lg.dtype], _DT[lp.dtype]))
         if cuda_key:
             key = (tuple(k[0] for k in cuda_key), tuple(k[1] for k in cuda_key), tuple(k[2] for k in cuda_key))

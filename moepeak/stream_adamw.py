@@ -209,6 +209,8 @@ def stream_adamw(
         mst, p, g = masters[i], params[i], grads[i]
         if mst.dtype != torch.float32 or mst.device.type != "cpu":
             raise TypeError(f"moepeak.stream_adamw: masters[{i}] must be fp32 on the CPU")
+        if mst.numel() == 0:
+            continue  # nothing to update (and no bucket segment)
         if p.is_cuda:
             cuda_idx.append(i)
             continue
