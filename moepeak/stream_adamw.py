@@ -249,7 +249,8 @@ def _(params, grads, masters, exp_avgs, exp_avg_sqs, steps, lrs, beta1s, beta2s,
     return None
 
 
-# No register_autograd: the op has no outputs and runs under torch.no_grad()
-# (an optimizer step is not differentiable).
+# No register_autograd: torch refuses autograd formulas for mutating
+# (non-functional) ops ("Cannot register autograd formula for non-functional
+# operator"), and an optimizer step runs under torch.no_grad() anyway.
 
 from ._stream_adamw_optim import StreamAdamW  # noqa: E402,F401  (the public class)
