@@ -149,9 +149,10 @@ def cpu_kernels(total, threads, reps):
     p = torch.randn(total).requires_grad_(True)
     p.grad = torch.randn(total) * 1e-3
     out = {}
-    t_opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
-    o_opt = moepeak.StreamAdamW([p], lr=1e-4, threads=threads)
-    for name, opt in (("torch_fused_cpu_alone", t_opt), ("moepeak_kernel_alone", o_opt)):
+    makers = (("torch_fused_cpu_alone", lambda: torch.optim.AdamW([p], lr=1e-4, fused=True)),
+              ("moepeak_kernel_alone", lambda: moepeak.StreamAdamW([p], lr=1e-4, threads=threads)))
+    for name, make in makers:  # one optimizer (8 B/param of state) alive at a time
+        opt = make()
         opt.step()
         t = []
         for _ in range(reps):
@@ -159,7 +160,9 @@ def cpu_kernels(total, threads, reps):
             opt.step()
             t.append(time.perf_counter() - t0)
         out[name] = statistics.median(t)
-    del t_opt, o_opt, p
+        del opt
+        gc.collect()
+    del p
     gc.collect()
     return out
 
