@@ -26,7 +26,9 @@
  *          bucket_seg[b+1]-1.
  * Per-step buffers:
  *   ptrs:  [nparam, 8] int64 (master, exp_avg, exp_avg_sq, grad, param or
- *          low-precision copy, numel, grad dtype, param dtype); grad 0 = skip.
+ *          low-precision copy, numel, grad dtype, param dtype); grad 0 = skip
+ *          (the plan covers every CUDA param of the optimizer, so a param
+ *          without a grad this step keeps its bucket slot but moves nothing).
  *   hyper: [nparam, 6] double (lr, beta1, beta2, eps, weight_decay, step).
  *   torch_threads, torch_vlen: emulate torch's chunking (adamw_kernels.c) so
  *          the fp32 results are bitwise those of torch's fused CPU AdamW run
@@ -127,12 +129,15 @@ fail:
   return ret;
 }
 
-#if MP_WITH_CUDA
-/* ---------------------------------------------------------------- pipeline */
+/* ---------------------------------------------------------------- pipeline
+ * `host` plans (tests, any build) run the same schedule on CPU tensors with
+ * memcpy in place of the copy engines and no events; CUDA plans need a CUDA
+ * build. The wrappers below are the only place that differs. */
 static int dt_size(int dt) { return dt == MP_DT_F32 ? 4 : 2; }
 
 typedef struct {
   int64_t nseg, nb, nparam, gslots, pslots;
+  int host;            /* 1: memcpy + no events (CPU tensors); 0: CUDA */
   int64_t *segs;       /* [nseg, 5] */
   int64_t *bucket_seg; /* [nb + 1] */
   int64_t max_bucket_segs;
@@ -143,24 +148,60 @@ typedef struct {
   mp_adamw_seg *work;        /* [max_bucket_segs] scratch for one bucket */
 } adamw_plan;
 
+#if MP_WITH_CUDA
+#define PL_CUDA(expr) (expr)
+#else
+#define PL_CUDA(expr) (mp_set_error(__FILE__, __LINE__, "moepeak was built without CUDA"), MP_ERR_NO_CUDA)
+#endif
+
+static mp_status pl_copy(const adamw_plan *p, void *dst, const void *src, size_t n, uintptr_t stream) {
+  (void)stream;
+  if (p->host) {
+    memcpy(dst, src, n);
+    return MP_OK;
+  }
+  return PL_CUDA(mp_cu_memcpy_async(dst, src, n, stream));
+}
+static mp_status pl_record(const adamw_plan *p, uintptr_t ev, uintptr_t stream) {
+  (void)ev;
+  (void)stream;
+  return p->host ? MP_OK : PL_CUDA(mp_cu_event_record(ev, stream));
+}
+static mp_status pl_sync(const adamw_plan *p, uintptr_t ev) {
+  (void)ev;
+  return p->host ? MP_OK : PL_CUDA(mp_cu_event_synchronize(ev));
+}
+static mp_status pl_wait(const adamw_plan *p, uintptr_t stream, uintptr_t ev) {
+  (void)ev;
+  (void)stream;
+  return p->host ? MP_OK : PL_CUDA(mp_cu_stream_wait_event(stream, ev));
+}
+
 static void plan_free(adamw_plan *p) {
   if (!p) return;
-  /* Slots may still be read by an H2D in flight: wait before freeing. */
-  for (int64_t s = 0; p->pev && s < p->pslots; s++)
-    if (p->pev[s]) mp_cu_event_synchronize(p->pev[s]);
-  for (int64_t s = 0; p->gev && s < p->gslots; s++)
-    if (p->gev[s]) mp_cu_event_synchronize(p->gev[s]);
-  for (int64_t s = 0; p->gslot && s < p->gslots; s++)
-    if (p->gslot[s]) mp_cu_host_free(p->gslot[s]);
-  for (int64_t s = 0; p->pslot && s < p->pslots; s++)
-    if (p->pslot[s]) mp_cu_host_free(p->pslot[s]);
-  for (int64_t s = 0; p->gev && s < p->gslots; s++)
-    if (p->gev[s]) mp_cu_event_destroy(p->gev[s]);
-  for (int64_t s = 0; p->pev && s < p->pslots; s++)
-    if (p->pev[s]) mp_cu_event_destroy(p->pev[s]);
-  if (p->ev_start) mp_cu_event_destroy(p->ev_start);
-  if (p->d2h) mp_cu_stream_destroy(p->d2h);
-  if (p->h2d) mp_cu_stream_destroy(p->h2d);
+  if (p->host) {
+    for (int64_t s = 0; p->gslot && s < p->gslots; s++) free(p->gslot[s]);
+    for (int64_t s = 0; p->pslot && s < p->pslots; s++) free(p->pslot[s]);
+  } else {
+#if MP_WITH_CUDA
+    /* Slots may still be read by an H2D in flight: wait before freeing. */
+    for (int64_t s = 0; p->pev && s < p->pslots; s++)
+      if (p->pev[s]) mp_cu_event_synchronize(p->pev[s]);
+    for (int64_t s = 0; p->gev && s < p->gslots; s++)
+      if (p->gev[s]) mp_cu_event_synchronize(p->gev[s]);
+    for (int64_t s = 0; p->gslot && s < p->gslots; s++)
+      if (p->gslot[s]) mp_cu_host_free(p->gslot[s]);
+    for (int64_t s = 0; p->pslot && s < p->pslots; s++)
+      if (p->pslot[s]) mp_cu_host_free(p->pslot[s]);
+    for (int64_t s = 0; p->gev && s < p->gslots; s++)
+      if (p->gev[s]) mp_cu_event_destroy(p->gev[s]);
+    for (int64_t s = 0; p->pev && s < p->pslots; s++)
+      if (p->pev[s]) mp_cu_event_destroy(p->pev[s]);
+    if (p->ev_start) mp_cu_event_destroy(p->ev_start);
+    if (p->d2h) mp_cu_stream_destroy(p->d2h);
+    if (p->h2d) mp_cu_stream_destroy(p->h2d);
+#endif
+  }
   free(p->gslot);
   free(p->pslot);
   free(p->gev);
@@ -176,8 +217,16 @@ static void plan_capsule_free(PyObject *cap) {
   if (p) plan_free(p);
 }
 
-static mp_status plan_alloc_cuda(adamw_plan *p) {
+static mp_status plan_alloc(adamw_plan *p) {
   mp_status st = MP_OK;
+  if (p->host) {
+    for (int64_t s = 0; s < p->gslots; s++)
+      if (!(p->gslot[s] = (char *)malloc(p->gslot_bytes))) MP_FAIL(st, MP_ERR_NOMEM, "adamw: no host memory for a slot");
+    for (int64_t s = 0; s < p->pslots; s++)
+      if (!(p->pslot[s] = (char *)malloc(p->pslot_bytes))) MP_FAIL(st, MP_ERR_NOMEM, "adamw: no host memory for a slot");
+    return MP_OK;
+  }
+#if MP_WITH_CUDA
   for (int64_t s = 0; s < p->gslots; s++) {
     MP_TRY(st, mp_cu_host_alloc((void **)&p->gslot[s], p->gslot_bytes));
     MP_TRY(st, mp_cu_event_create(&p->gev[s]));
@@ -189,19 +238,31 @@ static mp_status plan_alloc_cuda(adamw_plan *p) {
   MP_TRY(st, mp_cu_event_create(&p->ev_start));
   MP_TRY(st, mp_cu_stream_create(&p->d2h, 0));
   MP_TRY(st, mp_cu_stream_create(&p->h2d, 0));
+#else
+  MP_FAIL(st, MP_ERR_NO_CUDA, "moepeak was built without CUDA");
+#endif
 fail:
   return st;
 }
 
 /* adamw_plan_create(segs, bucket_seg, nparam, gslot_bytes, pslot_bytes,
- * gslots, pslots) -> capsule. Call with the parameters' device current. */
+ * gslots, pslots, host) -> capsule. Call with the parameters' device current. */
 static PyObject *py_adamw_plan_create(PyObject *self, PyObject *args) {
   (void)self;
   Py_buffer segs = {0}, bseg = {0};
   long long nparam, gbytes, pbytes, gslots, pslots;
+  int host = 0;
   adamw_plan *p = NULL;
   PyObject *cap = NULL;
-  if (!PyArg_ParseTuple(args, "y*y*LLLLL", &segs, &bseg, &nparam, &gbytes, &pbytes, &gslots, &pslots)) return NULL;
+  if (!PyArg_ParseTuple(args, "y*y*LLLLLp", &segs, &bseg, &nparam, &gbytes, &pbytes, &gslots, &pslots, &host))
+    return NULL;
+#if !MP_WITH_CUDA
+  if (!host) {
+    PyBuffer_Release(&segs);
+    PyBuffer_Release(&bseg);
+    return mp_raise_no_cuda("StreamAdamW on CUDA parameters");
+  }
+#endif
   int64_t nseg = segs.len / (Py_ssize_t)(5 * sizeof(int64_t));
   int64_t nb = bseg.len / (Py_ssize_t)sizeof(int64_t) - 1;
   if (segs.len != nseg * 5 * (Py_ssize_t)sizeof(int64_t) || nb < 1 || gslots < 2 || pslots < 1 || gbytes <= 0 ||
@@ -214,6 +275,7 @@ static PyObject *py_adamw_plan_create(PyObject *self, PyObject *args) {
   p->nseg = nseg;
   p->nb = nb;
   p->nparam = nparam;
+  p->host = host;
   p->gslots = gslots;
   p->pslots = pslots;
   p->gslot_bytes = (size_t)gbytes;
@@ -247,7 +309,7 @@ static PyObject *py_adamw_plan_create(PyObject *self, PyObject *args) {
   if (!p->work) goto nomem;
   {
     mp_status st;
-    Py_BEGIN_ALLOW_THREADS st = plan_alloc_cuda(p);
+    Py_BEGIN_ALLOW_THREADS st = plan_alloc(p);
     Py_END_ALLOW_THREADS
     if (st != MP_OK) {
       mp_raise_status(st);
@@ -275,10 +337,10 @@ static mp_status issue_d2h(adamw_plan *p, const int64_t *P, int64_t b) {
     const int64_t *s = p->segs + 5 * k, *r = P + s[0] * PTR_COLS;
     if (r[3] == 0) continue;
     size_t es = (size_t)dt_size((int)r[6]);
-    MP_TRY(st, mp_cu_memcpy_async(p->gslot[slot] + s[3], (const char *)(intptr_t)r[3] + (size_t)s[1] * es,
+    MP_TRY(st, pl_copy(p, p->gslot[slot] + s[3], (const char *)(intptr_t)r[3] + (size_t)s[1] * es,
                                   (size_t)s[2] * es, p->d2h));
   }
-  MP_TRY(st, mp_cu_event_record(p->gev[slot], p->d2h));
+  MP_TRY(st, pl_record(p, p->gev[slot], p->d2h));
 fail:
   return st;
 }
@@ -288,14 +350,14 @@ static mp_status run_pipeline(adamw_plan *p, const int64_t *P, const mp_adamw_co
                               int threads) {
   mp_status st = MP_OK;
   int64_t nb = p->nb;
-  MP_TRY(st, mp_cu_event_record(p->ev_start, cur));
-  MP_TRY(st, mp_cu_stream_wait_event(p->d2h, p->ev_start));
-  MP_TRY(st, mp_cu_stream_wait_event(p->h2d, p->ev_start));
+  MP_TRY(st, pl_record(p, p->ev_start, cur));
+  MP_TRY(st, pl_wait(p, p->d2h, p->ev_start));
+  MP_TRY(st, pl_wait(p, p->h2d, p->ev_start));
   for (int64_t b = 0; b < nb && b < p->gslots; b++) MP_TRY(st, issue_d2h(p, P, b));
   for (int64_t b = 0; b < nb; b++) {
     int64_t gs = b % p->gslots, ps = b % p->pslots;
-    MP_TRY(st, mp_cu_event_synchronize(p->gev[gs])); /* grads of bucket b are in gslot[gs] */
-    MP_TRY(st, mp_cu_event_synchronize(p->pev[ps])); /* pslot[ps] no longer read by an H2D */
+    MP_TRY(st, pl_sync(p, p->gev[gs])); /* grads of bucket b are in gslot[gs] */
+    MP_TRY(st, pl_sync(p, p->pev[ps])); /* pslot[ps] no longer read by an H2D */
     int ns = 0;
     for (int64_t k = p->bucket_seg[b]; k < p->bucket_seg[b + 1]; k++) {
       const int64_t *s = p->segs + 5 * k, *r = P + s[0] * PTR_COLS;
@@ -310,13 +372,13 @@ static mp_status run_pipeline(adamw_plan *p, const int64_t *P, const mp_adamw_co
       const int64_t *s = p->segs + 5 * k, *r = P + s[0] * PTR_COLS;
       if (r[3] == 0) continue;
       size_t es = (size_t)dt_size((int)r[7]);
-      MP_TRY(st, mp_cu_memcpy_async((char *)(intptr_t)r[4] + (size_t)s[1] * es, p->pslot[ps] + s[4],
+      MP_TRY(st, pl_copy(p, (char *)(intptr_t)r[4] + (size_t)s[1] * es, p->pslot[ps] + s[4],
                                     (size_t)s[2] * es, p->h2d));
     }
-    MP_TRY(st, mp_cu_event_record(p->pev[ps], p->h2d));
+    MP_TRY(st, pl_record(p, p->pev[ps], p->h2d));
     if (b + p->gslots < nb) MP_TRY(st, issue_d2h(p, P, b + p->gslots)); /* gslot[gs] is free again */
   }
-  MP_TRY(st, mp_cu_stream_wait_event(cur, p->pev[(nb - 1) % p->pslots]));
+  MP_TRY(st, pl_wait(p, cur, p->pev[(nb - 1) % p->pslots]));
 fail:
   return st;
 }
@@ -344,6 +406,7 @@ static PyObject *py_adamw_plan_step(PyObject *self, PyObject *args) {
   const int64_t *P = (const int64_t *)ptrs.buf;
   for (int64_t k = 0; k < p->nseg; k++) {
     const int64_t *s = p->segs + 5 * k, *r = P + s[0] * PTR_COLS;
+    if (r[3] == 0) continue; /* no grad this step: skipped, never touched */
     if (s[1] + s[2] > r[5] || (size_t)(s[3] + s[2] * dt_size((int)r[6])) > p->gslot_bytes ||
         (size_t)(s[4] + s[2] * dt_size((int)r[7])) > p->pslot_bytes) {
       PyErr_Format(PyExc_ValueError, "moepeak: adamw_plan_step: segment %lld does not fit its param or slot "
@@ -366,18 +429,6 @@ fail:
   PyBuffer_Release(&hyper);
   return ret;
 }
-#else
-static PyObject *py_adamw_plan_create(PyObject *self, PyObject *args) {
-  (void)self;
-  (void)args;
-  return mp_raise_no_cuda("StreamAdamW on CUDA parameters");
-}
-static PyObject *py_adamw_plan_step(PyObject *self, PyObject *args) {
-  (void)self;
-  (void)args;
-  return mp_raise_no_cuda("StreamAdamW on CUDA parameters");
-}
-#endif
 
 static PyObject *py_best_isa(PyObject *self, PyObject *args) {
   (void)self;
@@ -389,7 +440,7 @@ PyMethodDef mp_adamw_methods[] = {
     {"adamw_cpu", py_adamw_cpu, METH_VARARGS,
      "adamw_cpu(ptrs, hyper, isa, threads, torch_threads, torch_vlen): AdamW on CPU tensors in place (GIL released)."},
     {"adamw_plan_create", py_adamw_plan_create, METH_VARARGS,
-     "adamw_plan_create(segs, bucket_seg, nparam, gslot_bytes, pslot_bytes, gslots, pslots) -> plan"},
+     "adamw_plan_create(segs, bucket_seg, nparam, gslot_bytes, pslot_bytes, gslots, pslots, host) -> plan"},
     {"adamw_plan_step", py_adamw_plan_step, METH_VARARGS,
      "adamw_plan_step(plan, ptrs, hyper, stream, isa, threads, torch_threads, torch_vlen): one pipelined step (GIL released)."},
     {"cpu_best_isa", py_best_isa, METH_NOARGS, "cpu_best_isa() -> 0 scalar, 1 avx2, 2 avx512"},

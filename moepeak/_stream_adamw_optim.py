@@ -23,7 +23,8 @@ class StreamAdamW(torch.optim.Optimizer):
     moepeak/stream_adamw.py for the full contract."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, amsgrad=False,
-                 maximize=False, bucket_mb=64, threads=None, isa=None, grad_slots=3, param_slots=2):
+                 maximize=False, bucket_mb=64, threads=None, isa=None, grad_slots=3, param_slots=2,
+                 _host_pipeline=False):
         _check_hyper("lr", lr, betas, eps, weight_decay, amsgrad, maximize)
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
             raise ValueError(f"moepeak.StreamAdamW: bucket_mb must be > 0, got {bucket_mb!r}")
@@ -44,6 +45,8 @@ class StreamAdamW(torch.optim.Optimizer):
                                  f"(best: {[k for k, v in _ISAS.items() if v == best][0]})")
             self._isa = code
         self._threads = threads or 0
+        # testing hook: CPU params go through the bucket pipeline (memcpy copies)
+        self._host_pipeline = bool(_host_pipeline)
         self._bucket_mb = float(bucket_mb)
         self._slots = (int(grad_slots), int(param_slots))
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
@@ -53,6 +56,7 @@ class StreamAdamW(torch.optim.Optimizer):
         self._gpu_master = {}  # fp32 CUDA param -> its fp32 CPU master (always equal to the param)
         self._plan = None
         self._plan_id = next(_plan_ids)
+        self._grad_dt = {}  # param -> dtype code of its last grad (for the plan's slot sizes)
 
     # ------------------------------------------------------------------ checks
     def _collect(self):
@@ -105,16 +109,19 @@ class StreamAdamW(torch.optim.Optimizer):
                 st[k] = torch.zeros(lp.shape, dtype=torch.float32)
         if lp.dtype != torch.float32 and "master_param" not in st:
             st["master_param"] = lp.detach().to("cpu", torch.float32).contiguous()
-        if lp.dtype == torch.float32 and lp.is_cuda and p not in self._gpu_master:
+        if lp.dtype == torch.float32 and self._piped(lp) and p not in self._gpu_master:
             self._gpu_master[p] = lp.detach().to("cpu", copy=True).contiguous()
         self._devices.setdefault(p, lp.device)
 
     def _master(self, p, lp):
         if lp.dtype != torch.float32:
             return self.state[p]["master_param"]
-        if lp.is_cuda:
+        if self._piped(lp):
             return self._gpu_master[p]
         return lp
+
+    def _piped(self, lp):
+        return lp.is_cuda or self._host_pipeline
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -133,34 +140,50 @@ class StreamAdamW(torch.optim.Optimizer):
         step_vals = torch.stack(steps).tolist()
         params, grads, masters, ms, vs = [], [], [], [], []
         lrs, b1s, b2s, epss, wds = [], [], [], [], []
-        cuda_key = []
+        plan_index = self._cuda_plan(entries)
         for group, p, lp, lg, _ in entries:
             st = self.state[p]
             mst = self._master(p, lp)
-            params.append(lp if (lp.is_cuda or lp.dtype != torch.float32) else _EMPTY)
+            params.append(lp if (self._piped(lp) or lp.dtype != torch.float32) else _EMPTY)
             grads.append(lg)
             masters.append(mst)
             ms.append(st["exp_avg"])
             vs.append(st["exp_avg_sq"])
-            lr = group["lr"]
-            lrs.append(float(lr))
+            lrs.append(float(group["lr"]))
             b1s.append(float(group["betas"][0]))
             b2s.append(float(group["betas"][1]))
             epss.append(float(group["eps"]))
             wds.append(float(group["weight_decay"]))
-            if lp.is_cuda and lp.numel() > 0:
-                cuda_key.append((lp.numel(), _DT[lg.dtype], _DT[lp.dtype]))
-        if cuda_key:
-            key = (tuple(k[0] for k in cuda_key), tuple(k[1] for k in cuda_key), tuple(k[2] for k in cuda_key))
-            if self._plan is None or self._plan.key != key:
-                self._plan = None  # free the old pinned slots first
-                dev = next(lp.device for _, _, lp, _, _ in entries if lp.is_cuda)
-                self._plan = _Plan(key, dev, self._bucket_mb, *self._slots)
-                _PLANS[self._plan_id] = self._plan
         stream_adamw(params, grads, masters, ms, vs, step_vals, lrs, b1s, b2s, epss, wds, isa=self._isa,
                      threads=self._threads, bucket_mb=self._bucket_mb, grad_slots=self._slots[0],
-                     param_slots=self._slots[1], plan_id=self._plan_id)
+                     param_slots=self._slots[1], plan_id=self._plan_id, plan_index=plan_index,
+                     host_pipeline=self._host_pipeline)
         return loss
+
+    def _cuda_plan(self, entries):
+        """Keep one bucket plan over EVERY non-empty CUDA param of the
+        optimizer (so a param whose grad is None this step, e.g. an expert
+        that got no tokens, does not force new pinned slots); return, for the
+        CUDA entries of this step in order, their rows in the plan."""
+        for _, p, _, lg, _ in entries:
+            self._grad_dt[p] = _DT[lg.dtype]
+        layout = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                lp = _local(p)
+                if self._piped(lp) and lp.numel() > 0:
+                    layout.append((p, lp.numel(), self._grad_dt.get(p, _DT.get(lp.dtype, 0)), _DT.get(lp.dtype, 0)))
+        if not layout:
+            return None
+        key = (tuple(x[1] for x in layout), tuple(x[2] for x in layout), tuple(x[3] for x in layout))
+        if self._plan is None or self._plan.key != key:
+            self._plan = None  # free the old pinned slots first
+            self._plan = _Plan(key, _local(layout[0][0]).device, self._bucket_mb, *self._slots,
+                               host=self._host_pipeline)
+            _PLANS[self._plan_id] = self._plan
+        row = {p: i for i, (p, _, _, _) in enumerate(layout)}
+        idx = [row[p] for _, p, lp, _, _ in entries if self._piped(lp) and lp.numel() > 0]
+        return idx or None
 
     def pinned_bytes(self):
         """Pinned host bytes held by the bucket pipeline (0 before the first CUDA step)."""

@@ -55,7 +55,7 @@ from __future__ import annotations
 import array
 import itertools
 import weakref
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -128,7 +128,7 @@ class _Plan:
     = 160 MiB whatever the model size.
     """
 
-    def __init__(self, key, device, bucket_mb, grad_slots, param_slots):
+    def __init__(self, key, device, bucket_mb, grad_slots, param_slots, host=False):
         numels, gdts, ldts = key
         bucket_elems = max(16, int(bucket_mb * (1 << 20)) // 4)
         segs, bucket_seg = [], [0]
@@ -150,19 +150,23 @@ class _Plan:
         if cur > 0:
             bucket_seg.append(len(segs) // 5)
         self.key = key
+        self.nparam = len(numels)
         self.nbuckets = len(bucket_seg) - 1
-        self.pinned_bytes = grad_slots * gmax + param_slots * pmax
-        with torch.cuda.device(device):
-            self.capsule = _C.adamw_plan_create(
-                array.array("q", segs), array.array("q", bucket_seg), len(numels), gmax, pmax, grad_slots, param_slots
-            )
+        self.pinned_bytes = 0 if host else grad_slots * gmax + param_slots * pmax
+        args = (array.array("q", segs), array.array("q", bucket_seg), len(numels), gmax, pmax, grad_slots,
+                param_slots, host)
+        if host:  # the same schedule on CPU tensors, memcpy for the copies (tests)
+            self.capsule = _C.adamw_plan_create(*args)
+        else:
+            with torch.cuda.device(device):
+                self.capsule = _C.adamw_plan_create(*args)
 
 
-def _get_plan(plan_id, key, device, bucket_mb, grad_slots, param_slots):
+def _get_plan(plan_id, key, device, bucket_mb, grad_slots, param_slots, host):
     plan = _PLANS.get(plan_id) if plan_id > 0 else None
     if plan is not None and plan.key == key:
         return plan
-    return _Plan(key, device, bucket_mb, grad_slots, param_slots)
+    return _Plan(key, device, bucket_mb, grad_slots, param_slots, host)
 
 
 # --------------------------------------------------------------------------
@@ -187,13 +191,20 @@ def stream_adamw(
     grad_slots: int = 3,
     param_slots: int = 2,
     plan_id: int = 0,
+    plan_index: Optional[List[int]] = None,
+    host_pipeline: bool = False,
 ) -> None:
     """One AdamW step. masters/exp_avgs/exp_avg_sqs: fp32 CPU tensors, updated
     in place. params[i]: the tensor that receives the new value in its own
     dtype (a CUDA param, a bf16/fp16 CPU param), or an empty tensor when the
     master is the param itself (fp32 CPU). grads[i]: on params[i]'s device
     (on the CPU for fp32 CPU params), fp32/bf16/fp16. steps: already
-    incremented. Arguments are validated by StreamAdamW before this runs."""
+    incremented. Arguments are validated by StreamAdamW before this runs.
+    plan_id/plan_index (StreamAdamW's): the bucket plan to reuse and, for
+    each CUDA entry in order, its row in that plan (the plan covers every
+    CUDA param of the optimizer, so params without a grad do not change it).
+    host_pipeline (tests): run CPU params through the bucket pipeline with
+    memcpy in place of the copy engines (params[i] then is the CPU param)."""
     n = len(masters)
     if not (len(params) == len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n):
         raise ValueError("moepeak.stream_adamw: params, grads, masters, exp_avgs, exp_avg_sqs differ in length")
@@ -211,7 +222,7 @@ def stream_adamw(
             raise TypeError(f"moepeak.stream_adamw: masters[{i}] must be fp32 on the CPU")
         if mst.numel() == 0:
             continue  # nothing to update (and no bucket segment)
-        if p.is_cuda:
+        if p.is_cuda or host_pipeline:
             cuda_idx.append(i)
             continue
         lp = 0 if p.numel() == 0 else p.data_ptr()
@@ -221,7 +232,8 @@ def stream_adamw(
     if cpu_rows:
         _C.adamw_cpu(array.array("q", cpu_rows), array.array("d", cpu_hyp), isa, threads, tthreads, tvlen)
     if cuda_idx:
-        require_cuda_build("moepeak.stream_adamw")
+        if not host_pipeline:
+            require_cuda_build("moepeak.stream_adamw")
         device = params[cuda_idx[0]].device
         rows, hyp, numels, gdts, ldts = [], [], [], [], []
         for i in cuda_idx:
@@ -235,17 +247,31 @@ def stream_adamw(
             rows += _ptr_row(masters[i].data_ptr(), exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr(), g.data_ptr(),
                              p.data_ptr(), p.numel(), gdts[-1], ldts[-1])
             hyp += [lrs[i], beta1s[i], beta2s[i], epss[i], weight_decays[i], steps[i]]
-        key = (tuple(numels), tuple(gdts), tuple(ldts))
-        plan = _get_plan(plan_id, key, device, bucket_mb, grad_slots, param_slots)
-        with torch.cuda.device(device):
-            stream = torch.cuda.current_stream(device).cuda_stream
-            _C.adamw_plan_step(plan.capsule, array.array("q", rows), array.array("d", hyp), stream, isa, threads,
-                               tthreads, tvlen)
+        if plan_index:
+            plan = _PLANS.get(plan_id)
+            if plan is None or len(plan_index) != len(cuda_idx):
+                raise ValueError("moepeak.stream_adamw: plan_index given without its live plan")
+            full = [0] * (8 * plan.nparam)
+            full_h = [0.0] * (6 * plan.nparam)
+            for j, slot in enumerate(plan_index):
+                full[8 * slot:8 * slot + 8] = rows[8 * j:8 * j + 8]
+                full_h[6 * slot:6 * slot + 6] = hyp[6 * j:6 * j + 6]
+            rows, hyp = full, full_h
+        else:
+            plan = _get_plan(plan_id, (tuple(numels), tuple(gdts), tuple(ldts)), device, bucket_mb, grad_slots,
+                             param_slots, host_pipeline)
+        step_args = (array.array("q", rows), array.array("d", hyp))
+        if host_pipeline:
+            _C.adamw_plan_step(plan.capsule, *step_args, 0, isa, threads, tthreads, tvlen)
+        else:
+            with torch.cuda.device(device):
+                stream = torch.cuda.current_stream(device).cuda_stream
+                _C.adamw_plan_step(plan.capsule, *step_args, stream, isa, threads, tthreads, tvlen)
 
 
 @stream_adamw.register_fake
 def _(params, grads, masters, exp_avgs, exp_avg_sqs, steps, lrs, beta1s, beta2s, epss, weight_decays, isa=-1,
-      threads=0, bucket_mb=64.0, grad_slots=3, param_slots=2, plan_id=0):
+      threads=0, bucket_mb=64.0, grad_slots=3, param_slots=2, plan_id=0, plan_index=None, host_pipeline=False):
     return None
 
 

@@ -273,6 +273,39 @@ def test_bad_input_and_nothing_half_updated():
         o.step()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("slots", [(3, 2), (2, 1), (5, 3)])
+def test_bucket_pipeline_schedule_on_host(dtype, slots):
+    """The bucket pipeline's schedule (split/packed buckets, slot rings, grads
+    that are None on some steps, empty params) run on CPU tensors with memcpy
+    for the copies: bitwise torch's fused AdamW on fp32 masters; the params
+    are the masters rounded to their dtype."""
+    torch.manual_seed(13)
+    sizes = [(3000, 101), (17,), (1,), (513, 257), (0,), (70000,)]
+    init = [torch.randn(s) for s in sizes]
+    ours_p = [t.to(dtype).requires_grad_(True) for t in init]
+    ref_p = [t.to(dtype).float().requires_grad_(True) for t in init]
+    # bucket_mb = 0.25: 65536 fp32 elements per bucket -> the 303000-element
+    # param spans 5 buckets, small ones are packed with pieces of big ones
+    ours = moepeak.StreamAdamW(ours_p, lr=1e-2, bucket_mb=0.25, grad_slots=slots[0], param_slots=slots[1],
+                               _host_pipeline=True)
+    ref = torch.optim.AdamW(ref_p, lr=1e-2, fused=True)
+    for t in range(8):
+        for i, (a, b) in enumerate(zip(ours_p, ref_p)):
+            if i == 1 and t % 3 == 1:
+                a.grad = b.grad = None
+                continue
+            g = torch.randn(a.shape).to(dtype)
+            a.grad, b.grad = g, g.float()
+        ours.step()
+        ref.step()
+    assert ours._plan.nbuckets == 8
+    for a, b in zip(ours_p, ref_p):
+        assert torch.equal(a.detach(), b.detach().to(dtype))
+        if a.numel():
+            assert torch.equal(ours.state[a]["exp_avg_sq"], ref.state[b]["exp_avg_sq"])
+
+
 def _dtensor_rank(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
