@@ -460,3 +460,31 @@ def test_cuda_stream_ordering_and_memory():
         assert torch.equal(seen.cpu(), ref_p.detach().bfloat16().float())
     # pinned slots: 3 grad + 2 param slots of one bucket (4 Mi bf16 elements)
     assert 0 < ours.pinned_bytes() <= 5 * (4 << 20) * 2
+
+
+@pytest.mark.cuda
+def test_cuda_state_dict_with_torch_cuda_fused():
+    """torch CUDA fused AdamW -> StreamAdamW -> torch CUDA fused: the state moves
+    both ways (fp32 CPU in ours, param device/dtype in torch) and training
+    continues; CUDA and CPU arithmetic differ by roundings: rtol 1e-5."""
+    torch.manual_seed(14)
+    init = [torch.randn(1000, 3), torch.randn(77)]
+    grads = [[torch.randn(t.shape, device="cuda") for t in init] for _ in range(9)]
+    a = [t.cuda().requires_grad_(True) for t in init]
+    ref = [t.cuda().requires_grad_(True) for t in init]
+    ta = torch.optim.AdamW(a, lr=1e-2, fused=True)
+    tr = torch.optim.AdamW(ref, lr=1e-2, fused=True)
+    _run(ta, a, grads[:3])
+    ours = moepeak.StreamAdamW(a, lr=1e-2)
+    ours.load_state_dict(copy.deepcopy(ta.state_dict()))
+    assert ours.state[a[0]]["exp_avg"].device.type == "cpu"
+    _run(ours, a, grads[3:6])
+    tb = torch.optim.AdamW(a, lr=1e-2, fused=True)
+    tb.load_state_dict(copy.deepcopy(ours.state_dict()))
+    for g in tb.param_groups:
+        g["fused"] = True
+    assert tb.state[a[0]]["exp_avg"].device.type == "cuda"
+    _run(tb, a, grads[6:])
+    _run(tr, ref, grads)
+    for x, y in zip(a, ref):
+        torch.testing.assert_close(x.detach(), y.detach(), rtol=1e-5, atol=1e-6)
