@@ -235,7 +235,7 @@ def main():
                     record(params=total, layout=layout, arm=arm, step_s=med, step_min_s=min(steps),
                            step_max_s=max(steps), exposed_s=statistics.median(exposed), gpu_added=gpu_added,
                            host_rss=rss(), pinned=pinned, vs_floor=statistics.median(exposed) / floor)
-                except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+                except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError) as e:
                     record(params=total, layout=layout, arm=arm, note=f"failed: {type(e).__name__}: {e}"[:200])
                 finally:
                     del params, opt
