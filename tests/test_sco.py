@@ -476,6 +476,43 @@ def test_cuda_steady_state_never_blocks_the_host(monkeypatch):
     assert after["offloads"] == before["offloads"] + 10 and after["live"] == 0
 
 
+_CTX_SCRIPT = r"""
+import warnings, torch, moepeak
+from moepeak.sco import SCOConfig
+from tests.refs import SCOBlock
+warnings.simplefilter("always")
+with torch.device("cuda"):
+    blocks = [SCOBlock(256, attention=False).to(torch.bfloat16) for _ in range(3)]
+x = torch.randn(1, 512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+cfg = SCOConfig()
+with warnings.catch_warnings(record=True) as caught:
+    for keep in (True, False):  # backward starting at a kept block / at an offloaded one
+        h = x
+        for i, b in enumerate(blocks):
+            h = moepeak.sco_checkpoint(b, h, sco_config=cfg, sco_keep_on_gpu=keep and i == 2)
+        h.backward(torch.ones_like(h))
+torch.cuda.synchronize()
+print("WARNINGS:", [str(w.message) for w in caught if "CUDA context" in str(w.message)])
+"""
+
+
+@pytest.mark.cuda
+def test_cuda_backward_thread_has_a_context_before_cublas():
+    # Autograd runs CUDA backward on its own thread, where torch binds no CUDA
+    # context (its guard skips cudaSetDevice for device 0); the first cuBLAS
+    # call there then warns "no current CUDA context". A block whose backward
+    # starts with a GEMM does that under plain autograd; SCO's reload must bind
+    # the context first. Fresh process: the warning is printed once per process.
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", _CTX_SCRIPT], cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "WARNINGS: []" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
 @pytest.mark.cuda
 def test_cuda_pinned_allocation_failure_is_clear():
     cfg = SCOConfig(arena_bytes=1 << 50, grow=False)
