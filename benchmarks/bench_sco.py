@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 
 import torch
 import torch.utils.checkpoint as tuc
@@ -90,7 +91,11 @@ def run_arm(blocks, T, H, arm, warmup, iters):
         cfg = SCOConfig(max_in_flight=2, prefetch=1, arena_bytes=max(1, L - 1) * T * H * 2 + 4096)
     res = {"status": "ok", "peak_gib": float("nan"), "ms": []}
     x = g = None
+    caught = []
+    warn_ctx = warnings.catch_warnings(record=True)  # names the arm a (once-per-process) torch warning came from
     try:
+        caught = warn_ctx.__enter__()
+        warnings.simplefilter("always")
         x = torch.randn(1, T, H, device="cuda", dtype=torch.bfloat16)
         g = torch.randn(1, T, H, device="cuda", dtype=torch.bfloat16)
         for _ in range(warmup):  # also allocates grads and (sco) the arena
@@ -98,6 +103,7 @@ def run_arm(blocks, T, H, arm, warmup, iters):
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
+        st0 = cfg.stats("cuda") if cfg is not None else None
         for _ in range(iters):
             for p in blocks.parameters():
                 if p.grad is not None:
@@ -110,6 +116,11 @@ def run_arm(blocks, T, H, arm, warmup, iters):
             res["ms"].append(e0.elapsed_time(e1))
         torch.cuda.synchronize()
         res["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / GiB
+        if cfg is not None:  # timed steps must not grow the pinned arena or create events
+            st1 = cfg.stats("cuda")
+            grew = {k: st1[k] - st0[k] for k in ("arena_chunks", "events_created") if st1[k] != st0[k]}
+            if grew:
+                print(f"  [{arm}] WARNING: timed steps allocated {grew}", file=sys.stderr)
     except torch.cuda.OutOfMemoryError:
         res["status"] = "oom"
     except RuntimeError as e:  # e.g. torch's pinned host allocator: "CUDA error: out of memory"
@@ -121,6 +132,9 @@ def run_arm(blocks, T, H, arm, warmup, iters):
         res["status"] = "host_oom"
         print(f"  [{arm}] {e}", file=sys.stderr)
     finally:
+        warn_ctx.__exit__(None, None, None)
+        for w in {str(w.message) for w in caught}:
+            print(f"  [{arm}] warning: {w}", file=sys.stderr)
         del x, g
         for p in blocks.parameters():
             p.grad = None

@@ -18,6 +18,8 @@
  * Pointers, streams and events are Python ints (uintptr_t). In a CPU-only
  * build every entry point raises a clear RuntimeError; the schedule never
  * calls them for CPU tensors (there is nothing to copy). */
+#include <stdio.h>
+
 #include "mp_python.h"
 
 #if MP_WITH_CUDA
@@ -53,11 +55,14 @@ static PyObject *py_sco_arena_alloc(PyObject *self, PyObject *arg) {
   Py_BEGIN_ALLOW_THREADS st = mp_sco_host_alloc(&p, (size_t)n);
   Py_END_ALLOW_THREADS
   if (st != MP_OK || p == NULL) {
+    /* PyErr_Format has no %f: format the GiB figure with snprintf first. */
+    char gib[32];
+    snprintf(gib, sizeof gib, "%.2f", (double)n / (double)(1ull << 30));
     PyErr_Format(PyExc_MemoryError,
-                 "moepeak: SCO could not allocate %lld bytes (%.2f GiB) of pinned host memory for its "
+                 "moepeak: SCO could not allocate %lld bytes (%s GiB) of pinned host memory for its "
                  "arena (%s); lower the depth x sequence offloaded, set SCOConfig(arena_bytes=...) "
                  "smaller, or free host RAM",
-                 n, (double)n / (double)(1ull << 30), mp_last_error());
+                 n, gib, mp_last_error());
     return NULL;
   }
   return PyLong_FromVoidPtr(p);

@@ -34,6 +34,11 @@ Schedule (one engine per device and SCOConfig; compute = torch's current stream)
                     the load stream's last event (a slot is never overwritten
                     before its previous H2D read it).
 GPU working set ≈ (kept + recomputing + prefetch depth + W) boundaries, flat in L.
+Never blocks the host between free() calls: no event/stream synchronize, no
+pinned allocation once the arena is sized, events come from a pool (the GPU
+test counts these calls). Every CUDA entry point runs under _bound(), which
+binds the device's primary context for both cudarts on the calling thread
+(autograd's device thread included).
 On CPU tensors the same hooks and slot bookkeeping run with nothing to copy.
 """
 from __future__ import annotations
@@ -159,8 +164,22 @@ class SCOConfig:
             eng = self._engines[device] = _Engine(self, device)
         return eng
 
-    def stats(self, device="cpu") -> dict:
-        return self.engine(device).stats()
+    def stats(self, device=None) -> dict:
+        """Counters and schedule log of the engine of `device`. device=None: the
+        one engine this config has used (blocks moved by FSDP2 / .to() land on
+        whatever device their inputs are on; None avoids guessing it)."""
+        if device is None:
+            if len(self._engines) > 1:
+                raise ValueError(f"moepeak: SCOConfig.stats(device=None) is ambiguous: engines on "
+                                 f"{sorted(str(d) for d in self._engines)}; pass the device")
+            if not self._engines:
+                return _Engine.empty_stats()
+            return next(iter(self._engines.values())).stats()
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        eng = self._engines.get(device)
+        return eng.stats() if eng is not None else _Engine.empty_stats()
 
     def free(self) -> None:
         """Free every engine's pinned arena (raises if boundaries are still live)."""
@@ -172,8 +191,8 @@ class _Arena:
     """Pinned host chunks (CUDA) or virtual offsets (CPU), handed out by a bump
     pointer that rewinds when no slot is live. Slot = (chunk index, offset)."""
 
-    def __init__(self, cfg: SCOConfig, pinned: bool):
-        self.cfg, self.pinned = cfg, pinned
+    def __init__(self, cfg: SCOConfig, pinned: bool, counts: collections.Counter):
+        self.cfg, self.pinned, self.counts = cfg, pinned, counts
         self.chunks: List[list] = []  # [ptr, nbytes, ctypes buffer, uint8 tensor view]
         self.cur, self.off = 0, 0
         self.cap = cfg.max_arena_bytes if cfg.grow else cfg.arena_bytes
@@ -192,6 +211,7 @@ class _Arena:
         else:
             ptr, buf, view = 0, None, None
         self.chunks.append([ptr, n, buf, view])
+        self.counts["arena_chunks"] += 1  # cudaHostAlloc: slow, blocking; never in steady state
 
     def rewind(self) -> None:
         self.cur, self.off = 0, 0
@@ -247,38 +267,56 @@ class _Boundary:
         self.copy_ev = self.load_ev = 0
 
 
+_COUNTERS = ("offloads", "offloaded_bytes", "kept", "reloads", "prefetches", "compute_waits",
+             "max_in_flight", "discarded", "arena_chunks", "events_created")
+
+
 class _Engine:
     def __init__(self, cfg: SCOConfig, device: torch.device):
         self.cfg, self.device = cfg, device
         self.is_cuda = device.type == "cuda"
+        self.counts = collections.Counter({k: 0 for k in _COUNTERS})
+        self.events: List[int] = []  # pool of idle events (moepeak runtime handles)
         if self.is_cuda:
             require_cuda_build("sco_checkpoint")
-            with torch.cuda.device(device):
+            with self._bound():
                 self.copy_stream = torch.cuda.Stream(device)
                 self.load_stream = torch.cuda.Stream(device)
-            # moepeak links its own (static) cudart, whose current device is
-            # per thread and independent of torch's: events are created on it.
-            _C.set_device(device.index)
-            self.ready_ev = _C.event_create()  # re-recorded on compute before each side-stream use
-            self.load_tail_ev = _C.event_create()  # last event on the load stream
-        self.arena = _Arena(cfg, pinned=self.is_cuda)
+                self.ready_ev = self._event()  # re-recorded on compute before each side-stream use
+                self.load_tail_ev = self._event()  # last event on the load stream
+                self.arena = _Arena(cfg, pinned=True, counts=self.counts)  # arena_bytes allocated now
+        else:
+            self.arena = _Arena(cfg, pinned=False, counts=self.counts)
         self.live: "collections.OrderedDict[int, _Boundary]" = collections.OrderedDict()
         self.inflight: "collections.deque[_Boundary]" = collections.deque()
-        self.events: List[int] = []
         self.seq = 0
         self.loads_pending_rewind = False
-        self.counts = collections.Counter()
         self.log: List[tuple] = []  # (what, seq, ...) for schedule tests; cleared on rewind
         # Test knob: GPU cycles of torch.cuda._sleep enqueued on the side stream
         # before every copy, so a missing event shows up as wrong numbers.
         self.delay_cycles = 0
 
     # -- helpers ------------------------------------------------------------
+    @contextlib.contextmanager
+    def _bound(self):
+        """Make this engine's device current for torch's cudart *and* moepeak's
+        own (statically linked) cudart on the calling thread, restoring torch's
+        device on exit. Each runtime keeps its own per-thread current device,
+        and on a fresh thread (autograd's device thread runs our backward) no
+        context may be bound yet: torch's guard skips cudaSetDevice when its
+        device already matches, so nothing would bind the primary context
+        before a cuBLAS call. cudaSetDevice through moepeak binds it (CUDA >= 12),
+        which also keeps event_create on the right device."""
+        with torch.cuda.device(self.device):
+            _C.set_device(self.device.index)
+            yield
+
     def _event(self) -> int:
+        """An event from the pool (events are reused: none are created in steady state)."""
         if self.events:
             return self.events.pop()
-        _C.set_device(self.device.index)  # may run on an autograd worker thread
-        return _C.event_create()
+        self.counts["events_created"] += 1
+        return _C.event_create()  # callers hold _bound()
 
     def _compute(self) -> int:
         return current_stream_handle(self.device)
@@ -302,6 +340,11 @@ class _Engine:
 
     # -- forward ------------------------------------------------------------
     def offload(self, x: torch.Tensor, keep: bool) -> _Boundary:
+        """Block forward starts: x goes to a slot (or stays, keep=True)."""
+        with self._bound() if self.is_cuda else contextlib.nullcontext():
+            return self._offload(x, keep)
+
+    def _offload(self, x: torch.Tensor, keep: bool) -> _Boundary:
         rec = _Boundary(self.seq, x)
         self.seq += 1
         if not self.live:  # a new iteration: every slot is free again
@@ -316,26 +359,7 @@ class _Engine:
             return rec
         rec.slot = self.arena.take(rec.nbytes)  # raises before anything is enqueued
         if self.is_cuda:
-            self._poll()
-            xc = x.contiguous()
-            host = self.arena.view(rec.slot, rec.nbytes)
-            rec.copy_ev = self._event()
-            cs = self.copy_stream.cuda_stream
-            _C.event_record(self.ready_ev, self._compute())
-            _C.stream_wait_event(cs, self.ready_ev)  # x is produced
-            if self.loads_pending_rewind:  # slots were last read by the previous iteration's loads
-                _C.stream_wait_event(cs, self.load_tail_ev)
-                self.loads_pending_rewind = False
-            with torch.cuda.stream(self.copy_stream):
-                if self.delay_cycles:
-                    torch.cuda._sleep(self.delay_cycles)
-                torch.ops.moepeak.sco_offload(xc, host)
-            _C.event_record(rec.copy_ev, cs)
-            rec.gpu = xc  # alive until copy_ev completes
-            self.inflight.append(rec)
-            while len(self.inflight) > self.cfg.max_in_flight:
-                self._drop_gpu(self.inflight[0], wait=True)
-                self.counts["compute_waits"] += 1
+            self._offload_cuda(rec, x)
         else:
             rec.cpu = x  # already in host memory: nothing to copy
         rec.state = "offloaded"
@@ -345,6 +369,31 @@ class _Engine:
         self.live[rec.seq] = rec
         self.log.append(("offload", rec.seq, rec.slot))
         return rec
+
+    def _offload_cuda(self, rec: _Boundary, x: torch.Tensor) -> None:
+        """Enqueue x's D2H into rec's slot; never blocks the host. x stays
+        referenced (rec.gpu) until its copy is known complete: _poll sees the
+        event done, or compute was made to wait on it (W rule / reload)."""
+        self._poll()
+        xc = x.contiguous()
+        host = self.arena.view(rec.slot, rec.nbytes)
+        rec.copy_ev = self._event()
+        cs = self.copy_stream.cuda_stream
+        _C.event_record(self.ready_ev, self._compute())
+        _C.stream_wait_event(cs, self.ready_ev)  # x is produced
+        if self.loads_pending_rewind:  # slots were last read by the previous iteration's loads
+            _C.stream_wait_event(cs, self.load_tail_ev)
+            self.loads_pending_rewind = False
+        with torch.cuda.stream(self.copy_stream):
+            if self.delay_cycles:
+                torch.cuda._sleep(self.delay_cycles)
+            torch.ops.moepeak.sco_offload(xc, host)
+        _C.event_record(rec.copy_ev, cs)
+        rec.gpu = xc  # alive until copy_ev completes
+        self.inflight.append(rec)
+        while len(self.inflight) > self.cfg.max_in_flight:
+            self._drop_gpu(self.inflight[0], wait=True)
+            self.counts["compute_waits"] += 1
 
     # -- backward -----------------------------------------------------------
     def _load(self, rec: _Boundary) -> None:
@@ -369,7 +418,14 @@ class _Engine:
             rec.state = "loaded"
 
     def reload(self, rec: _Boundary) -> torch.Tensor:
-        """Block rec.seq's backward starts: return its input, prefetch the previous ones."""
+        """Block rec.seq's backward starts (before its recompute is enqueued):
+        return its input, then enqueue the prefetch of the previous ones, so
+        their H2D overlaps this block's recompute and backward. Compute waits
+        only on rec's own load event, right before rec's replay."""
+        with self._bound() if self.is_cuda else contextlib.nullcontext():
+            return self._reload(rec)
+
+    def _reload(self, rec: _Boundary) -> torch.Tensor:
         if rec.state == "consumed":
             raise RuntimeError(
                 "moepeak: SCO boundary already consumed: backward through an offloaded checkpoint "
@@ -412,30 +468,41 @@ class _Engine:
         if rec.state == "consumed":
             return
         if self.is_cuda:
-            if rec.gpu is not None and rec.copy_ev:
-                self._drop_gpu(rec, wait=True)
-            if rec.buf is not None and rec.load_ev:
-                _C.stream_wait_event(self._compute(), rec.load_ev)
+            with self._bound():
+                if rec.gpu is not None and rec.copy_ev:
+                    self._drop_gpu(rec, wait=True)
+                if rec.buf is not None and rec.load_ev:
+                    _C.stream_wait_event(self._compute(), rec.load_ev)
         rec.gpu = rec.buf = rec.cpu = None
         self._release(rec)
         self.counts["discarded"] += 1
 
+    @staticmethod
+    def empty_stats() -> dict:
+        """stats() of an engine that has seen nothing (every counter present, 0)."""
+        d = {k: 0 for k in _COUNTERS}
+        d.update(live=0, gpu_held=0, arena_bytes=0, log=[])
+        return d
+
     def stats(self) -> dict:
         d = dict(self.counts)
-        d.update(live=len(self.live), gpu_held=sum(r.gpu is not None or r.buf is not None for r in self.live.values())
-                 + sum(1 for r in self.inflight if r.gpu is not None),
-                 arena_bytes=self.arena.nbytes, log=list(self.log))
+        held = {id(r) for r in self.live.values() if r.gpu is not None or r.buf is not None}
+        held |= {id(r) for r in self.inflight if r.gpu is not None}  # discarded but copy not yet seen done
+        d.update(live=len(self.live), gpu_held=len(held), arena_bytes=self.arena.nbytes, log=list(self.log))
         return d
 
     def free(self) -> None:
         if self.live:
             raise RuntimeError(f"moepeak: SCO arena cannot be freed: {len(self.live)} boundaries are still live")
-        if self.is_cuda:
-            torch.cuda.current_stream(self.device).synchronize()
-            self.copy_stream.synchronize()
-            self.load_stream.synchronize()
-            self.inflight.clear()
-        self.arena.free()
+        if self.is_cuda:  # explicit teardown: the one place SCO blocks the host
+            with self._bound():
+                torch.cuda.current_stream(self.device).synchronize()
+                self.copy_stream.synchronize()
+                self.load_stream.synchronize()
+                self.inflight.clear()
+                self.arena.free()
+        else:
+            self.arena.free()
 
 
 _DEFAULT = SCOConfig()

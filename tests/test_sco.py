@@ -251,6 +251,42 @@ def test_graph_dropped_without_backward_frees_slots():
     assert st["live"] == 0 and st["discarded"] == 3
 
 
+def test_replay_stops_after_last_saved_tensor():
+    # The block's last GEMM (down) and residual add produce nothing backward
+    # reads: like torch's checkpoint (early stop), the replay must stop before
+    # launching them. Count module calls in forward + backward for both.
+    def count_calls(blocks):
+        calls = {"up": 0, "down": 0}
+        for b in blocks:
+            for name in calls:
+                getattr(b, name).register_forward_hook(lambda *_, _n=name: calls.__setitem__(_n, calls[_n] + 1))
+        return calls
+
+    n = 3
+    ref = _stack(n, attention=False)
+    ours = copy.deepcopy(ref)
+    ca, cb = count_calls(ref), count_calls(ours)
+    x = torch.randn(B, T, H)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    sco_stack_forward(ref, xa, "torch").square().sum().backward()
+    _sco_forward(ours, xb, SCOConfig()).square().sum().backward()
+    _assert_grads_equal(ref, ours, xa, xb)
+    assert cb == ca, (ca, cb)
+    assert cb == {"up": 2 * n, "down": n}  # up: forward + replay; down: forward only
+
+
+def test_stats_counters_and_devices():
+    cfg = SCOConfig()
+    st = cfg.stats()  # no engine yet: every counter present and zero, none created
+    assert st["offloads"] == 0 and st["kept"] == 0 and st["live"] == 0 and not cfg._engines
+    _compare(n=2, cfg=cfg)
+    assert cfg.stats()["offloads"] == 2 and cfg.stats("cpu") == cfg.stats()
+    assert cfg.stats("meta")["offloads"] == 0  # a device this config never ran on
+    cfg.engine("meta")
+    with pytest.raises(ValueError, match="ambiguous"):
+        cfg.stats()
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="max_in_flight"):
         SCOConfig(max_in_flight=0)
@@ -301,8 +337,12 @@ def _fsdp_rank(rank, world, _unused):
     for m in (sco_first, fsdp_first):
         for (n, a), (_, b) in zip(ref.named_parameters(), m.named_parameters()):
             assert torch.equal(a.grad.to_local(), b.grad.to_local()), n
+    # fully_shard's default mesh is on the accelerator when one is present: it
+    # moves the blocks (and their inputs) there, so SCO ran on that device.
+    dev = next(sco_first.parameters()).to_local().device
     for cfg in cfgs:
-        st = cfg.stats("cpu")
+        assert list(cfg._engines) == [dev if dev.type == "cpu" else torch.device("cuda", dev.index)]
+        st = cfg.stats()  # the one engine used, whatever its device
         assert st["live"] == 0 and st["offloads"] == 4 and st["kept"] == 2  # keep_last: 2 offloads + 1 kept per step
 
 
@@ -382,6 +422,95 @@ def test_cuda_peak_flat_in_depth():
     assert t16 - t4 >= 11 * bnd, (t4, t16)
     assert s16 - s4 <= 2 * bnd, (s4, s16)
     assert s16 < t16 - 8 * bnd
+
+
+class _CountingC:
+    """Stands in for moepeak._C inside moepeak.sco: counts every call by name."""
+
+    def __init__(self, real):
+        self._real, self.calls = real, {}
+
+    def __getattr__(self, name):
+        fn = getattr(self._real, name)
+
+        def wrapped(*a, **k):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return fn(*a, **k)
+
+        return wrapped
+
+
+@pytest.mark.cuda
+def test_cuda_steady_state_never_blocks_the_host(monkeypatch):
+    # After a warm-up step the schedule must be pure enqueue: no event/stream
+    # synchronize, no pinned allocation (cudaHostAlloc blocks), no new events,
+    # no torch-level synchronize either; the GPU tensors are released by event
+    # polling or by compute waits (W rule / reload), never by a host wait.
+    import moepeak.sco as sco_mod
+
+    blocks = _stack(6, device="cuda", dtype=torch.bfloat16, h=256, attention=False)
+    cfg = SCOConfig(max_in_flight=2, prefetch=1)
+    x = torch.randn(2, 512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    _sco_forward(blocks, x, cfg, keep_last=True).float().sum().backward()  # warm-up: arena, events
+    torch.cuda.synchronize()
+    before = dict(cfg.stats("cuda"))
+    fake = _CountingC(sco_mod._C)
+    monkeypatch.setattr(sco_mod, "_C", fake)
+    torch_syncs = []
+    for mod, name in ((torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"),
+                      (torch.cuda.Event, "synchronize"), (torch.Tensor, "item")):
+        orig = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _o=orig, _n=name, **k: (torch_syncs.append(_n), _o(*a, **k))[1])
+    for _ in range(2):
+        _sco_forward(blocks, x, cfg, keep_last=True).float().sum().backward()
+    monkeypatch.undo()
+    torch.cuda.synchronize()
+    after = cfg.stats("cuda")
+    assert not torch_syncs, torch_syncs
+    blocking = {k: v for k, v in fake.calls.items()
+                if k in ("event_synchronize", "stream_synchronize", "device_synchronize", "sco_arena_alloc",
+                         "host_alloc", "event_create")}
+    assert not blocking, blocking
+    assert fake.calls.get("event_record", 0) > 0  # the proxy did see the engine's calls
+    assert after["arena_chunks"] == before["arena_chunks"] and after["events_created"] == before["events_created"]
+    assert after["offloads"] == before["offloads"] + 10 and after["live"] == 0
+
+
+_CTX_SCRIPT = r"""
+import warnings, torch, moepeak
+from moepeak.sco import SCOConfig
+from tests.refs import SCOBlock
+warnings.simplefilter("always")
+with torch.device("cuda"):
+    blocks = [SCOBlock(256, attention=False).to(torch.bfloat16) for _ in range(3)]
+x = torch.randn(1, 512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+cfg = SCOConfig()
+with warnings.catch_warnings(record=True) as caught:
+    for keep in (True, False):  # backward starting at a kept block / at an offloaded one
+        h = x
+        for i, b in enumerate(blocks):
+            h = moepeak.sco_checkpoint(b, h, sco_config=cfg, sco_keep_on_gpu=keep and i == 2)
+        h.backward(torch.ones_like(h))
+torch.cuda.synchronize()
+print("WARNINGS:", [str(w.message) for w in caught if "CUDA context" in str(w.message)])
+"""
+
+
+@pytest.mark.cuda
+def test_cuda_backward_thread_has_a_context_before_cublas():
+    # Autograd runs CUDA backward on its own thread, where torch binds no CUDA
+    # context (its guard skips cudaSetDevice for device 0); the first cuBLAS
+    # call there then warns "no current CUDA context". A block whose backward
+    # starts with a GEMM does that under plain autograd; SCO's reload must bind
+    # the context first. Fresh process: the warning is printed once per process.
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", _CTX_SCRIPT], cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "WARNINGS: []" in r.stdout, r.stdout + r.stderr[-3000:]
 
 
 @pytest.mark.cuda
