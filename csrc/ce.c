@@ -14,14 +14,17 @@
  *   s_i = s_i * exp(m_i - m') + sum_j exp(zc_ij - m');  m_i = m'
  *   zsum_i += sum_j zc_ij          (label smoothing needs sum over classes)
  *   zy_i = zc_{i, y_i - v0}        (when the label falls in this block)
+ *   sx_i: like s_i but without the target's term, so that 1 - p_y = sx/s
+ *   keeps full relative precision when p_y -> 1 (1 - exp(zy - lse) would
+ *   cancel: lse - zy is below fp32's resolution of lse there).
  * Partial (m, s, zy, zsum) of different blocks merge the same way, in any
  * order, on any rank. lse = m + log(s).
  *
  * Gradient (backward), in place (or into a low-precision copy on CUDA):
  *   p = exp(zc - lse); coef = 1 + 2*zl*lse  (z-loss zl * lse^2)
  *   d_j = coef*p_j - (1-eps)*[j == y] - eps/n_classes
- *   at j == y: d = (1-eps)*expm1(zc_y - lse) + (eps + 2*zl*lse)*p_y - eps/n_classes
- *     (expm1: p_y - 1 keeps its relative precision when p_y -> 1)
+ *   at j == y: d = -(1-eps)*q + (eps + 2*zl*lse)*p_y - eps/n_classes, q = 1 - p_y = sx/s
+ *     given per row (from the fold), never formed as p_y - 1
  *   dz_j = g_i * d_j * (1 - (zc_j/c)^2)   (softcap chain rule; 1 without softcap)
  * Rows whose label is ignore_index get dz = 0. The binding layer has already
  * replaced out-of-range labels by ignore_index (ring_dtp.py), and a label is
@@ -43,9 +46,9 @@ typedef struct {
   const int64_t *labels;
   int64_t ignore_index;
   float softcap;
-  float *m, *s, *zy, *zsum;
+  float *m, *s, *zy, *zsum, *sx;
   /* gradient only */
-  const float *lse, *g;
+  const float *lse, *g, *q;
   int64_t g_stride;
   float eps, zloss;
   int64_t n_classes;
@@ -80,11 +83,17 @@ static void ce_fold_rows(void *ctx, int64_t begin, int64_t end, int worker) {
     if (nv == 0 || bm == -INFINITY) continue; /* nothing to fold (all padding / -inf) */
     const float mo = a->m[i];
     const float mn = mo > bm ? mo : bm;
-    float se = 0.f;
-    for (int64_t j = 0; j < nv; ++j) se += expf(ce_cap(row[j], c) - mn);
-    const float so = (mo == -INFINITY) ? 0.f : a->s[i] * expf(mo - mn);
+    const int64_t jy = (y != a->ignore_index) ? y - a->v0 : -1;
+    float se = 0.f, sy = 0.f;
+    for (int64_t j = 0; j < nv; ++j) {
+      const float e = expf(ce_cap(row[j], c) - mn);
+      se += e;
+      if (j == jy) sy = e;
+    }
+    const float scale = (mo == -INFINITY) ? 0.f : expf(mo - mn);
     a->m[i] = mn;
-    a->s[i] = so + se;
+    a->s[i] = a->s[i] * scale + se;
+    a->sx[i] = a->sx[i] * scale + (se - sy);
   }
 }
 
@@ -115,7 +124,7 @@ static void ce_grad_rows(void *ctx, int64_t begin, int64_t end, int worker) {
       const float p = expf(x - L);
       float d;
       if (j == jy)
-        d = (1.f - eps) * expm1f(x - L) + (eps + 2.f * a->zloss * L) * p - uni;
+        d = -(1.f - eps) * a->q[i] + (eps + 2.f * a->zloss * L) * p - uni;
       else
         d = coef * p - uni;
       row[j] = gi * d * dcap;
@@ -130,10 +139,11 @@ static void ce_grad_rows(void *ctx, int64_t begin, int64_t end, int worker) {
 #if MP_WITH_CUDA
 mp_status mp_ce_fold_cuda(float *z, int64_t ldz, int64_t t, int64_t v, int64_t v0, int64_t v_valid,
                           const int64_t *labels, int64_t ignore_index, float softcap, float *m, float *s,
-                          float *zy, float *zsum, uintptr_t stream);
+                          float *zy, float *zsum, float *sx, uintptr_t stream);
 mp_status mp_ce_grad_cuda(float *z, int64_t ldz, int64_t t, int64_t v, int64_t v0, int64_t v_valid,
                           const int64_t *labels, int64_t ignore_index, float softcap, const float *lse,
-                          const float *g, int64_t g_stride, float eps, int64_t n_classes, float zloss, void *out,
+                          const float *q, const float *g, int64_t g_stride, float eps, int64_t n_classes,
+                          float zloss, void *out,
                           int64_t ldo, int out_dtype, uintptr_t stream);
 #endif
 
@@ -151,15 +161,15 @@ static int ce_check_sizes(const ce_args *a) {
   return 0;
 }
 
-/* ce_fold(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, s, zy, zsum, cuda, stream) */
+/* ce_fold(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, s, zy, zsum, sx, cuda, stream) */
 static PyObject *py_ce_fold(PyObject *self, PyObject *args) {
   (void)self;
-  unsigned long long z, labels, m, s, zy, zsum, stream;
+  unsigned long long z, labels, m, s, zy, zsum, sx, stream;
   long long ldz, t, v, v0, v_valid, ignore;
   double softcap;
   int cuda;
-  if (!PyArg_ParseTuple(args, "KLLLLLKLdKKKKpK:ce_fold", &z, &ldz, &t, &v, &v0, &v_valid, &labels, &ignore,
-                        &softcap, &m, &s, &zy, &zsum, &cuda, &stream))
+  if (!PyArg_ParseTuple(args, "KLLLLLKLdKKKKKpK:ce_fold", &z, &ldz, &t, &v, &v0, &v_valid, &labels, &ignore,
+                        &softcap, &m, &s, &zy, &zsum, &sx, &cuda, &stream))
     return NULL;
   ce_args a;
   memset(&a, 0, sizeof a);
@@ -169,7 +179,7 @@ static PyObject *py_ce_fold(PyObject *self, PyObject *args) {
   a.ignore_index = ignore;
   a.softcap = (float)softcap;
   a.m = (float *)(uintptr_t)m; a.s = (float *)(uintptr_t)s;
-  a.zy = (float *)(uintptr_t)zy; a.zsum = (float *)(uintptr_t)zsum;
+  a.zy = (float *)(uintptr_t)zy; a.zsum = (float *)(uintptr_t)zsum; a.sx = (float *)(uintptr_t)sx;
   a.n_classes = 1;
   if (ce_check_sizes(&a)) return NULL;
   if (t == 0) Py_RETURN_NONE;
@@ -177,7 +187,7 @@ static PyObject *py_ce_fold(PyObject *self, PyObject *args) {
   if (cuda) {
 #if MP_WITH_CUDA
     st = mp_ce_fold_cuda(a.z, ldz, t, v, v0, v_valid, a.labels, ignore, a.softcap, a.m, a.s, a.zy, a.zsum,
-                         (uintptr_t)stream);
+                         a.sx, (uintptr_t)stream);
 #else
     return mp_raise_no_cuda("ce_fold");
 #endif
@@ -190,17 +200,17 @@ static PyObject *py_ce_fold(PyObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
-/* ce_grad(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, lse, g, g_stride, eps, n_classes,
+/* ce_grad(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, lse, q, g, g_stride, eps, n_classes,
  *         zloss, out, ldo, out_dtype, cuda, stream)
  * out_dtype: 0 fp32 in place (out must equal z; the only CPU choice), 1 bf16, 2 fp16 (CUDA). */
 static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
   (void)self;
-  unsigned long long z, labels, lse, g, out, stream;
+  unsigned long long z, labels, lse, q, g, out, stream;
   long long ldz, t, v, v0, v_valid, ignore, g_stride, n_classes, ldo;
   double softcap, eps, zloss;
   int out_dtype, cuda;
-  if (!PyArg_ParseTuple(args, "KLLLLLKLdKKLdLdKLipK:ce_grad", &z, &ldz, &t, &v, &v0, &v_valid, &labels,
-                        &ignore, &softcap, &lse, &g, &g_stride, &eps, &n_classes, &zloss, &out, &ldo,
+  if (!PyArg_ParseTuple(args, "KLLLLLKLdKKKLdLdKLipK:ce_grad", &z, &ldz, &t, &v, &v0, &v_valid, &labels,
+                        &ignore, &softcap, &lse, &q, &g, &g_stride, &eps, &n_classes, &zloss, &out, &ldo,
                         &out_dtype, &cuda, &stream))
     return NULL;
   ce_args a;
@@ -212,6 +222,7 @@ static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
   a.softcap = (float)softcap;
   a.lse = (const float *)(uintptr_t)lse;
   a.g = (const float *)(uintptr_t)g;
+  a.q = (const float *)(uintptr_t)q;
   a.g_stride = g_stride;
   a.eps = (float)eps; a.zloss = (float)zloss; a.n_classes = n_classes;
   if (ce_check_sizes(&a)) return NULL;
@@ -228,7 +239,7 @@ static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
       PyErr_Format(PyExc_ValueError, "moepeak._C.ce_grad: ldo=%lld < v=%lld", ldo, v);
       return NULL;
     }
-    st = mp_ce_grad_cuda(a.z, ldz, t, v, v0, v_valid, a.labels, ignore, a.softcap, a.lse, a.g, g_stride,
+    st = mp_ce_grad_cuda(a.z, ldz, t, v, v0, v_valid, a.labels, ignore, a.softcap, a.lse, a.q, a.g, g_stride,
                          a.eps, n_classes, a.zloss, (void *)(uintptr_t)out, ldo, out_dtype, (uintptr_t)stream);
 #else
     return mp_raise_no_cuda("ce_grad");
@@ -248,10 +259,10 @@ static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
 
 PyMethodDef mp_ce_methods[] = {
     {"ce_fold", py_ce_fold, METH_VARARGS,
-     "ce_fold(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, s, zy, zsum, cuda, stream): "
-     "fold a fp32 logits block into per-row (m, s, zy, zsum)."},
+     "ce_fold(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, s, zy, zsum, sx, cuda, stream): "
+     "fold a fp32 logits block into per-row (m, s, zy, zsum, sx)."},
     {"ce_grad", py_ce_grad, METH_VARARGS,
-     "ce_grad(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, lse, g, g_stride, eps, n_classes, "
+     "ce_grad(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, lse, q, g, g_stride, eps, n_classes, "
      "zloss, out, ldo, out_dtype, cuda, stream): turn a fp32 logits block into dZ."},
     {NULL, NULL, 0, NULL},
 };

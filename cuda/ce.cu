@@ -43,7 +43,7 @@ __device__ __forceinline__ int64_t valid_cols(int64_t v, int64_t v0, int64_t v_v
 
 __global__ void ce_fold_kernel(const float *__restrict__ z, int64_t ldz, int64_t t, int64_t v, int64_t v0,
                                int64_t v_valid, const int64_t *__restrict__ labels, int64_t ignore_index,
-                               float c, float *m, float *s, float *zy, float *zsum) {
+                               float c, float *m, float *s, float *zy, float *zsum, float *sx) {
   __shared__ float sh[kThreads / 32];
   const int64_t nv = valid_cols(v, v0, v_valid);
   for (int64_t i = blockIdx.x; i < t; i += gridDim.x) {
@@ -58,18 +58,25 @@ __global__ void ce_fold_kernel(const float *__restrict__ z, int64_t ldz, int64_t
     zs = block_reduce(zs, 1, sh);
     const float mo = m[i];
     const float mn = fmaxf(mo, bm);
-    float se = 0.f;
+    const int64_t y = labels[i];
+    const int64_t jy = (y != ignore_index) ? y - v0 : -1;
+    float se = 0.f, sy = 0.f;
     if (bm != -INFINITY)
-      for (int64_t j = threadIdx.x; j < nv; j += kThreads) se += expf(cap(row[j], c) - mn);
+      for (int64_t j = threadIdx.x; j < nv; j += kThreads) {
+        const float e = expf(cap(row[j], c) - mn);
+        se += e;
+        if (j == jy) sy = e;
+      }
     se = block_reduce(se, 1, sh);
+    sy = block_reduce(sy, 1, sh);  // the one thread that saw the target contributes
     if (threadIdx.x == 0) {
-      const int64_t y = labels[i];
       if (y != ignore_index && y >= v0 && y < v0 + nv) zy[i] = cap(row[y - v0], c);
       zsum[i] += zs;
       if (nv > 0 && bm != -INFINITY) {
-        const float so = (mo == -INFINITY) ? 0.f : s[i] * expf(mo - mn);
+        const float scale = (mo == -INFINITY) ? 0.f : expf(mo - mn);
         m[i] = mn;
-        s[i] = so + se;
+        s[i] = s[i] * scale + se;
+        sx[i] = sx[i] * scale + (se - sy);
       }
     }
   }
@@ -85,12 +92,13 @@ template <>
 __device__ __forceinline__ __half to_out<__half>(float x) { return __float2half_rn(x); }
 
 // dZ = g * (softmax - target distribution) (+ z-loss term) * softcap', row by
-// row; out may alias z when Out is float (each element is read before written
+// row, with 1 - p_y = q[i] (from the fold's sx / s, see csrc/ce.c); out may alias z when Out is float (each element is read before written
 // by the same thread).
 template <typename Out>
 __global__ void ce_grad_kernel(const float *z, int64_t ldz, int64_t t, int64_t v, int64_t v0, int64_t v_valid,
                                const int64_t *__restrict__ labels, int64_t ignore_index, float c,
-                               const float *__restrict__ lse, const float *__restrict__ g, int64_t g_stride,
+                               const float *__restrict__ lse, const float *__restrict__ q,
+                               const float *__restrict__ g, int64_t g_stride,
                                float eps, float uni, float zloss, Out *out, int64_t ldo) {
   const int64_t nv = valid_cols(v, v0, v_valid);
   for (int64_t i = blockIdx.x; i < t; i += gridDim.x) {
@@ -115,7 +123,7 @@ __global__ void ce_grad_kernel(const float *z, int64_t ldz, int64_t t, int64_t v
           dcap = 1.f - th * th;
         }
         const float p = expf(x - L);
-        const float d = (j == jy) ? (1.f - eps) * expm1f(x - L) + (eps + 2.f * zloss * L) * p - uni
+        const float d = (j == jy) ? -(1.f - eps) * q[i] + (eps + 2.f * zloss * L) * p - uni
                                   : coef * p - uni;
         r = gi * d * dcap;
       }
@@ -132,11 +140,11 @@ extern "C" {
 
 mp_status mp_ce_fold_cuda(float *z, int64_t ldz, int64_t t, int64_t v, int64_t v0, int64_t v_valid,
                           const int64_t *labels, int64_t ignore_index, float softcap, float *m, float *s,
-                          float *zy, float *zsum, uintptr_t stream) {
+                          float *zy, float *zsum, float *sx, uintptr_t stream) {
   mp_status st = MP_OK;
   if (t <= 0) return MP_OK;
   ce_fold_kernel<<<grid_for(t), kThreads, 0, MP_STREAM(stream)>>>(z, ldz, t, v, v0, v_valid, labels,
-                                                                  ignore_index, softcap, m, s, zy, zsum);
+                                                                  ignore_index, softcap, m, s, zy, zsum, sx);
   MP_CUDA_CHECK_LAUNCH(st);
 fail:
   return st;
@@ -144,7 +152,8 @@ fail:
 
 mp_status mp_ce_grad_cuda(float *z, int64_t ldz, int64_t t, int64_t v, int64_t v0, int64_t v_valid,
                           const int64_t *labels, int64_t ignore_index, float softcap, const float *lse,
-                          const float *g, int64_t g_stride, float eps, int64_t n_classes, float zloss, void *out,
+                          const float *q, const float *g, int64_t g_stride, float eps, int64_t n_classes,
+                          float zloss, void *out,
                           int64_t ldo, int out_dtype, uintptr_t stream) {
   mp_status st = MP_OK;
   const float uni = eps / (float)n_classes;
@@ -152,17 +161,17 @@ mp_status mp_ce_grad_cuda(float *z, int64_t ldz, int64_t t, int64_t v, int64_t v
   switch (out_dtype) {
     case 0:
       ce_grad_kernel<float><<<grid_for(t), kThreads, 0, MP_STREAM(stream)>>>(
-          z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, lse, g, g_stride, eps, uni, zloss,
+          z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, lse, q, g, g_stride, eps, uni, zloss,
           z, ldz);  // fp32 output is always in place
       break;
     case 1:
       ce_grad_kernel<__nv_bfloat16><<<grid_for(t), kThreads, 0, MP_STREAM(stream)>>>(
-          z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, lse, g, g_stride, eps, uni, zloss,
+          z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, lse, q, g, g_stride, eps, uni, zloss,
           (__nv_bfloat16 *)out, ldo);
       break;
     case 2:
       ce_grad_kernel<__half><<<grid_for(t), kThreads, 0, MP_STREAM(stream)>>>(
-          z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, lse, g, g_stride, eps, uni, zloss,
+          z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, lse, q, g, g_stride, eps, uni, zloss,
           (__half *)out, ldo);
       break;
     default:

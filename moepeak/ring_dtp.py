@@ -139,12 +139,12 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct):
     db = None if bias is None else torch.zeros(V, dtype=torch.float32, device=x.device)
     for t0 in range(0, T, ct):
         t1 = min(T, t0 + ct)
-        m, s, zy, zs = (a[t0:t1] for a in st)
+        m, s, zy, zs, sx = (a[t0:t1] for a in st)
         xc = x[t0:t1]
         z = B.logits_block(xc, w, bias)                      # [ct, V] x fp32: the whole vocab row
-        B.fold(z, 0, V, y[t0:t1], ignore_index, softcap, m, s, zy, zs)
-        lse = B.lse_of(m, s)
-        dz = B.grad_block(z, 0, V, y[t0:t1], ignore_index, softcap, lse, g, eps, V, zloss, x.dtype)
+        B.fold(z, 0, V, y[t0:t1], ignore_index, softcap, m, s, zy, zs, sx)
+        lse, q = B.lse_of(m, s), B.q_of(s, sx)
+        dz = B.grad_block(z, 0, V, y[t0:t1], ignore_index, softcap, lse, q, g, eps, V, zloss, x.dtype)
         del z
         dx[t0:t1] = B.mm(dz, w, False)                       # exact: one GEMM over the whole row
         if f32acc or x.device.type == "cuda":
@@ -156,7 +156,7 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct):
     return st, dx, dw, db
 
 
-def _backward_blocked(x, w, bias, y, lse, g, ignore_index, softcap, eps, zloss, ct, cv, order):
+def _backward_blocked(x, w, bias, y, lse, q, g, ignore_index, softcap, eps, zloss, ct, cv, order):
     """4th and later GEMMs: recompute blocks and accumulate dX, dW (see module doc)."""
     T, H = x.shape
     V = w.shape[0]
@@ -166,7 +166,8 @@ def _backward_blocked(x, w, bias, y, lse, g, ignore_index, softcap, eps, zloss, 
     def grad(t0, t1, v0, v1):
         z = B.logits_block(x[t0:t1], w[v0:v1], None if bias is None else bias[v0:v1])
         gg = g if g1 else g[t0:t1]
-        dz = B.grad_block(z, v0, V, y[t0:t1], ignore_index, softcap, lse[t0:t1], gg, eps, V, zloss, x.dtype)
+        dz = B.grad_block(z, v0, V, y[t0:t1], ignore_index, softcap, lse[t0:t1], q[t0:t1], gg, eps, V,
+                           zloss, x.dtype)
         if db is not None:
             db[v0:v1].add_(dz.float().sum(0))
         return dz
@@ -231,9 +232,10 @@ def _sizes(T, H, V, dtype, mode, chunk_tokens, chunk_vocab):
 def ring_dtp_ce(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor], ignore_index: int,
                 reduction: int, label_smoothing: float, z_loss: float, softcap: float, mode: int,
                 chunk_tokens: int, chunk_vocab: int, grads: bool
-                ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """hidden [T, H], weight [V, H], labels [T] int64, bias [V] or None.
-    Returns (loss: [] or [T] x fp32, lse: [T] x fp32, dX [T, H], dW [V, H], dbias [V] x fp32);
+    Returns (loss: [] or [T] x fp32, lse: [T] x fp32, q = 1 - p_y: [T] x fp32, dX [T, H], dW [V, H],
+    dbias [V] x fp32);
     dX/dW/dbias are gradients for a unit upstream grad when
     the resolved mode is 'fused', else empty."""
     T, H = hidden.shape
@@ -254,10 +256,10 @@ def ring_dtp_ce(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[T
             db = dbb
     else:
         st = _fold_all(hidden, weight, bias, y, ignore_index, softcap, ct, cv)
-    lse = B.lse_of(st[0], st[1])
+    lse, q = B.lse_of(st[0], st[1]), B.q_of(st[1], st[4])
     rows = B.row_losses(lse, st[2], st[3], valid, bad, label_smoothing, V, z_loss)
     loss = _reduce(rows, valid, reduction)
-    return loss, lse, dx, dw, db
+    return loss, lse, q, dx, dw, db
 
 
 @ring_dtp_ce.register_fake
@@ -266,6 +268,7 @@ def _(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_
     T = hidden.shape[0]
     loss = hidden.new_empty((T,) if reduction == 0 else (), dtype=torch.float32)
     lse = hidden.new_empty((T,), dtype=torch.float32)
+    q = hidden.new_empty((T,), dtype=torch.float32)
     # dX/dW are either full gradients (fused) or empty: data-dependent in size only via
     # the mode choice, which depends on static arguments, so resolve it here the same way.
     ct_f = chunk_tokens or B.fused_chunk_tokens(weight.shape[0], hidden.dtype)
@@ -276,12 +279,12 @@ def _(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_
     else:
         dx, dw = hidden.new_empty(0), hidden.new_empty(0)
         db = hidden.new_empty((0,), dtype=torch.float32)
-    return loss, lse, dx, dw, db
+    return loss, lse, q, dx, dw, db
 
 
 @torch.library.custom_op("moepeak::ring_dtp_ce_backward", mutates_args=())
 def ring_dtp_ce_backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor],
-                         lse: Tensor, ignore_index: int, reduction: int, label_smoothing: float, z_loss: float,
+                         lse: Tensor, q: Tensor, ignore_index: int, reduction: int, label_smoothing: float, z_loss: float,
                          softcap: float, mode: int, chunk_tokens: int, chunk_vocab: int
                          ) -> Tuple[Tensor, Tensor, Tensor]:
     """Recompute-and-accumulate backward (modes vocab_outer / token_outer).
@@ -299,7 +302,7 @@ def ring_dtp_ce_backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labe
         g = (gl / (~ign).sum().clamp_min(1).to(torch.float32)).reshape(1).contiguous()
     order = "token_outer" if mode == MODES["token_outer"] else "vocab_outer"
     ct, cv = _sizes(T, H, V, hidden.dtype, MODES[order], chunk_tokens or None, chunk_vocab or None)
-    dx, dw, db = _backward_blocked(hidden, weight, bias, y, lse.contiguous(), g, ignore_index, softcap,
+    dx, dw, db = _backward_blocked(hidden, weight, bias, y, lse.contiguous(), q.contiguous(), g, ignore_index, softcap,
                                    label_smoothing, z_loss, ct, cv, order)
     if db is None:
         db = torch.empty(0, dtype=torch.float32, device=hidden.device)
@@ -307,7 +310,7 @@ def ring_dtp_ce_backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labe
 
 
 @ring_dtp_ce_backward.register_fake
-def _(grad_loss, hidden, weight, labels, bias, lse, ignore_index, reduction, label_smoothing, z_loss, softcap,
+def _(grad_loss, hidden, weight, labels, bias, lse, q, ignore_index, reduction, label_smoothing, z_loss, softcap,
       mode, chunk_tokens, chunk_vocab):
     db = hidden.new_empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32)
     return torch.empty_like(hidden), torch.empty_like(weight), db
@@ -316,7 +319,7 @@ def _(grad_loss, hidden, weight, labels, bias, lse, ignore_index, reduction, lab
 def _setup_context(ctx, inputs, output):
     (hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, mode,
      chunk_tokens, chunk_vocab, grads) = inputs
-    loss, lse, dx, dw, db = output
+    loss, lse, q, dx, dw, db = output
     ctx.fused = dw.numel() > 0
     ctx.args = (ignore_index, reduction, label_smoothing, z_loss, softcap, mode, chunk_tokens, chunk_vocab)
     ctx.has_bias = bias is not None
@@ -324,10 +327,10 @@ def _setup_context(ctx, inputs, output):
     if ctx.fused:
         ctx.save_for_backward(dx, dw, db)
     else:
-        ctx.save_for_backward(hidden, weight, labels, bias, lse)
+        ctx.save_for_backward(hidden, weight, labels, bias, lse, q)
 
 
-def _backward(ctx, grad_loss, grad_lse, gdx, gdw, gdb):
+def _backward(ctx, grad_loss, grad_lse, gq, gdx, gdw, gdb):
     if ctx.fused:
         dx, dw, db = ctx.saved_tensors
         g = grad_loss.to(torch.float32)
@@ -341,8 +344,8 @@ def _backward(ctx, grad_loss, grad_lse, gdx, gdw, gdb):
                 t.mul_(g) if t.dtype == torch.float32 else _scale_lowp_(t, g)
             db = db * g
     else:
-        hidden, weight, labels, bias, lse = ctx.saved_tensors
-        dx, dw, db = ring_dtp_ce_backward(grad_loss, hidden, weight, labels, bias, lse, *ctx.args)
+        hidden, weight, labels, bias, lse, q = ctx.saved_tensors
+        dx, dw, db = ring_dtp_ce_backward(grad_loss, hidden, weight, labels, bias, lse, q, *ctx.args)
     dbias = db.to(ctx.bias_dtype) if ctx.has_bias else None
     return dx, dw, None, dbias, None, None, None, None, None, None, None, None, None
 

@@ -7,6 +7,7 @@ Per-token state of the online log-sum-exp, all [T] x fp32:
   s     sum of exp(z - m) over them (0 at start)
   zy    the target's logit (0 until the block holding it is folded)
   zsum  sum of the logits over real vocab (label smoothing's uniform term)
+  sx    like s without the target's term: 1 - p_y = sx / s, precise as p_y -> 1
 lse = m + log(s). Partial states of disjoint vocab ranges merge with merge_state().
 """
 from __future__ import annotations
@@ -66,24 +67,24 @@ def logits_block(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor])
 
 def new_state(t: int, device) -> Tuple[torch.Tensor, ...]:
     m = torch.full((t,), -math.inf, dtype=torch.float32, device=device)
-    z = torch.zeros((3, t), dtype=torch.float32, device=device)
-    return m, z[0], z[1], z[2]  # m, s, zy, zsum
+    z = torch.zeros((4, t), dtype=torch.float32, device=device)
+    return m, z[0], z[1], z[2], z[3]  # m, s, zy, zsum, sx
 
 
 def fold(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ignore_index: int, softcap: float,
-         m, s, zy, zsum) -> None:
+         m, s, zy, zsum, sx) -> None:
     """Fold the logits block z: [t, v] (global columns [v0, v0+v)) into the state rows."""
     t, v = z.shape
     cuda = z.device.type == "cuda"
     _C.ce_fold(z.data_ptr(), z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
-               m.data_ptr(), s.data_ptr(), zy.data_ptr(), zsum.data_ptr(), cuda, current_stream_handle(z.device))
+               m.data_ptr(), s.data_ptr(), zy.data_ptr(), zsum.data_ptr(), sx.data_ptr(), cuda, current_stream_handle(z.device))
 
 
 def grad_block(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ignore_index: int, softcap: float,
-               lse: torch.Tensor, g: torch.Tensor, eps: float, n_classes: int, zloss: float,
+               lse: torch.Tensor, q: torch.Tensor, g: torch.Tensor, eps: float, n_classes: int, zloss: float,
                dtype: torch.dtype) -> torch.Tensor:
     """Turn the logits block z: [t, v] x fp32 into dZ, returned in `dtype` (the GEMM
-    operand dtype). g: [t] (per row) or [1] (broadcast) x fp32."""
+    operand dtype). lse, q = 1 - p_y: [t] x fp32; g: [t] (per row) or [1] (broadcast) x fp32."""
     t, v = z.shape
     g_stride = 0 if g.numel() == 1 else 1
     cuda = z.device.type == "cuda"
@@ -92,22 +93,24 @@ def grad_block(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ign
         out = torch.empty((t, v), dtype=dtype, device=z.device)
         code = 1 if dtype == torch.bfloat16 else 2
         _C.ce_grad(z.data_ptr(), z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
-                   lse.data_ptr(), g.data_ptr(), g_stride, eps, n_classes, zloss, out.data_ptr(), v, code, True,
+                   lse.data_ptr(), q.data_ptr(), g.data_ptr(), g_stride, eps, n_classes, zloss, out.data_ptr(), v, code, True,
                    stream)
         return out
     _C.ce_grad(z.data_ptr(), z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
-               lse.data_ptr(), g.data_ptr(), g_stride, eps, n_classes, zloss, z.data_ptr(), z.stride(0), 0, cuda,
+               lse.data_ptr(), q.data_ptr(), g.data_ptr(), g_stride, eps, n_classes, zloss, z.data_ptr(), z.stride(0), 0, cuda,
                stream)
     return z if dtype == torch.float32 else z.to(dtype)
 
 
 def merge_state(a, b) -> None:
     """a <- a (+) b for states of disjoint vocab ranges (in place on a)."""
-    ma, sa, zya, zsa = a
-    mb, sb, zyb, zsb = b
+    ma, sa, zya, zsa, sxa = a
+    mb, sb, zyb, zsb, sxb = b
     mn = torch.maximum(ma, mb)
     safe = torch.where(torch.isinf(mn), torch.zeros_like(mn), mn)
-    sa.mul_(torch.exp(ma - safe)).add_(sb * torch.exp(mb - safe))
+    ea, eb = torch.exp(ma - safe), torch.exp(mb - safe)
+    sa.mul_(ea).add_(sb * eb)
+    sxa.mul_(ea).add_(sxb * eb)
     ma.copy_(mn)
     zya.add_(zyb)
     zsa.add_(zsb)
@@ -115,6 +118,11 @@ def merge_state(a, b) -> None:
 
 def lse_of(m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return m + torch.log(s)
+
+
+def q_of(s: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
+    """1 - p_y per row, from sums that never cancel."""
+    return sx / s
 
 
 def row_losses(lse, zy, zsum, valid, bad, eps: float, n_classes: int, zloss: float) -> torch.Tensor:
