@@ -21,7 +21,7 @@
  * order, on any rank. lse = m + log(s).
  *
  * Gradient (backward), in place (or into a low-precision copy on CUDA):
- *   p = exp(zc - lse); coef = 1 + 2*zl*lse  (z-loss zl * lse^2)
+ *   p = exp((zc - m) - log s); coef = 1 + 2*zl*lse  (z-loss zl * lse^2)
  *   d_j = coef*p_j - (1-eps)*[j == y] - eps/n_classes
  *   at j == y: d = -(1-eps)*q + (eps + 2*zl*lse)*p_y - eps/n_classes, q = 1 - p_y = sx/s
  *     given per row (from the fold), never formed as p_y - 1
@@ -48,7 +48,7 @@ typedef struct {
   float softcap;
   float *m, *s, *zy, *zsum, *sx;
   /* gradient only */
-  const float *lse, *g, *q;
+  const float *mrow, *ls, *g, *q; /* m and log(s) of the full row: lse = m + ls */
   int64_t g_stride;
   float eps, zloss;
   int64_t n_classes;
@@ -84,16 +84,15 @@ static void ce_fold_rows(void *ctx, int64_t begin, int64_t end, int worker) {
     const float mo = a->m[i];
     const float mn = mo > bm ? mo : bm;
     const int64_t jy = (y != a->ignore_index) ? y - a->v0 : -1;
-    float se = 0.f, sy = 0.f;
+    float se = 0.f, sy = 0.f; /* sum without the target, summed on its own: (se + e_y) - e_y would cancel */
     for (int64_t j = 0; j < nv; ++j) {
       const float e = expf(ce_cap(row[j], c) - mn);
-      se += e;
-      if (j == jy) sy = e;
+      if (j == jy) sy = e; else se += e;
     }
     const float scale = (mo == -INFINITY) ? 0.f : expf(mo - mn);
     a->m[i] = mn;
-    a->s[i] = a->s[i] * scale + se;
-    a->sx[i] = a->sx[i] * scale + (se - sy);
+    a->s[i] = a->s[i] * scale + (se + sy);
+    a->sx[i] = a->sx[i] * scale + se;
   }
 }
 
@@ -111,7 +110,7 @@ static void ce_grad_rows(void *ctx, int64_t begin, int64_t end, int worker) {
       memset(row, 0, (size_t)a->v * sizeof(float));
       continue;
     }
-    const float L = a->lse[i];
+    const float mi = a->mrow[i], lsi = a->ls[i], L = mi + lsi;
     const float coef = 1.f + 2.f * a->zloss * L;
     const int64_t jy = y - a->v0; /* outside [0, nv) when the target is elsewhere */
     for (int64_t j = 0; j < nv; ++j) {
@@ -121,7 +120,7 @@ static void ce_grad_rows(void *ctx, int64_t begin, int64_t end, int worker) {
         x = c * th;
         dcap = 1.f - th * th;
       }
-      const float p = expf(x - L);
+      const float p = expf((x - mi) - lsi); /* x - m is exact-ish; x - lse would lose ulp(lse) */
       float d;
       if (j == jy)
         d = -(1.f - eps) * a->q[i] + (eps + 2.f * a->zloss * L) * p - uni;
@@ -141,7 +140,8 @@ mp_status mp_ce_fold_cuda(float *z, int64_t ldz, int64_t t, int64_t v, int64_t v
                           const int64_t *labels, int64_t ignore_index, float softcap, float *m, float *s,
                           float *zy, float *zsum, float *sx, uintptr_t stream);
 mp_status mp_ce_grad_cuda(float *z, int64_t ldz, int64_t t, int64_t v, int64_t v0, int64_t v_valid,
-                          const int64_t *labels, int64_t ignore_index, float softcap, const float *lse,
+                          const int64_t *labels, int64_t ignore_index, float softcap, const float *mrow,
+                          const float *ls,
                           const float *q, const float *g, int64_t g_stride, float eps, int64_t n_classes,
                           float zloss, void *out,
                           int64_t ldo, int out_dtype, uintptr_t stream);
@@ -200,17 +200,17 @@ static PyObject *py_ce_fold(PyObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
-/* ce_grad(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, lse, q, g, g_stride, eps, n_classes,
+/* ce_grad(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, ls, q, g, g_stride, eps, n_classes,
  *         zloss, out, ldo, out_dtype, cuda, stream)
  * out_dtype: 0 fp32 in place (out must equal z; the only CPU choice), 1 bf16, 2 fp16 (CUDA). */
 static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
   (void)self;
-  unsigned long long z, labels, lse, q, g, out, stream;
+  unsigned long long z, labels, mrow, ls, q, g, out, stream;
   long long ldz, t, v, v0, v_valid, ignore, g_stride, n_classes, ldo;
   double softcap, eps, zloss;
   int out_dtype, cuda;
-  if (!PyArg_ParseTuple(args, "KLLLLLKLdKKKLdLdKLipK:ce_grad", &z, &ldz, &t, &v, &v0, &v_valid, &labels,
-                        &ignore, &softcap, &lse, &q, &g, &g_stride, &eps, &n_classes, &zloss, &out, &ldo,
+  if (!PyArg_ParseTuple(args, "KLLLLLKLdKKKKLdLdKLipK:ce_grad", &z, &ldz, &t, &v, &v0, &v_valid, &labels,
+                        &ignore, &softcap, &mrow, &ls, &q, &g, &g_stride, &eps, &n_classes, &zloss, &out, &ldo,
                         &out_dtype, &cuda, &stream))
     return NULL;
   ce_args a;
@@ -220,7 +220,8 @@ static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
   a.labels = (const int64_t *)(uintptr_t)labels;
   a.ignore_index = ignore;
   a.softcap = (float)softcap;
-  a.lse = (const float *)(uintptr_t)lse;
+  a.mrow = (const float *)(uintptr_t)mrow;
+  a.ls = (const float *)(uintptr_t)ls;
   a.g = (const float *)(uintptr_t)g;
   a.q = (const float *)(uintptr_t)q;
   a.g_stride = g_stride;
@@ -239,7 +240,7 @@ static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
       PyErr_Format(PyExc_ValueError, "moepeak._C.ce_grad: ldo=%lld < v=%lld", ldo, v);
       return NULL;
     }
-    st = mp_ce_grad_cuda(a.z, ldz, t, v, v0, v_valid, a.labels, ignore, a.softcap, a.lse, a.q, a.g, g_stride,
+    st = mp_ce_grad_cuda(a.z, ldz, t, v, v0, v_valid, a.labels, ignore, a.softcap, a.mrow, a.ls, a.q, a.g, g_stride,
                          a.eps, n_classes, a.zloss, (void *)(uintptr_t)out, ldo, out_dtype, (uintptr_t)stream);
 #else
     return mp_raise_no_cuda("ce_grad");
@@ -262,7 +263,7 @@ PyMethodDef mp_ce_methods[] = {
      "ce_fold(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, s, zy, zsum, sx, cuda, stream): "
      "fold a fp32 logits block into per-row (m, s, zy, zsum, sx)."},
     {"ce_grad", py_ce_grad, METH_VARARGS,
-     "ce_grad(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, lse, q, g, g_stride, eps, n_classes, "
+     "ce_grad(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, ls, q, g, g_stride, eps, n_classes, "
      "zloss, out, ldo, out_dtype, cuda, stream): turn a fp32 logits block into dZ."},
     {NULL, NULL, 0, NULL},
 };

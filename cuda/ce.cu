@@ -64,19 +64,18 @@ __global__ void ce_fold_kernel(const float *__restrict__ z, int64_t ldz, int64_t
     if (bm != -INFINITY)
       for (int64_t j = threadIdx.x; j < nv; j += kThreads) {
         const float e = expf(cap(row[j], c) - mn);
-        se += e;
-        if (j == jy) sy = e;
+        if (j == jy) sy = e; else se += e;  // sum without the target kept apart (no cancellation)
       }
     se = block_reduce(se, 1, sh);
-    sy = block_reduce(sy, 1, sh);  // the one thread that saw the target contributes
+    sy = block_reduce(sy, 1, sh);  // only the thread that saw the target contributes
     if (threadIdx.x == 0) {
       if (y != ignore_index && y >= v0 && y < v0 + nv) zy[i] = cap(row[y - v0], c);
       zsum[i] += zs;
       if (nv > 0 && bm != -INFINITY) {
         const float scale = (mo == -INFINITY) ? 0.f : expf(mo - mn);
         m[i] = mn;
-        s[i] = s[i] * scale + se;
-        sx[i] = sx[i] * scale + (se - sy);
+        s[i] = s[i] * scale + (se + sy);
+        sx[i] = sx[i] * scale + se;
       }
     }
   }
@@ -97,7 +96,8 @@ __device__ __forceinline__ __half to_out<__half>(float x) { return __float2half_
 template <typename Out>
 __global__ void ce_grad_kernel(const float *z, int64_t ldz, int64_t t, int64_t v, int64_t v0, int64_t v_valid,
                                const int64_t *__restrict__ labels, int64_t ignore_index, float c,
-                               const float *__restrict__ lse, const float *__restrict__ q,
+                               const float *__restrict__ mrow, const float *__restrict__ ls,
+                               const float *__restrict__ q,
                                const float *__restrict__ g, int64_t g_stride,
                                float eps, float uni, float zloss, Out *out, int64_t ldo) {
   const int64_t nv = valid_cols(v, v0, v_valid);
@@ -110,7 +110,7 @@ __global__ void ce_grad_kernel(const float *z, int64_t ldz, int64_t t, int64_t v
       for (int64_t j = threadIdx.x; j < v; j += kThreads) orow[j] = to_out<Out>(0.f);
       continue;
     }
-    const float L = lse[i];
+    const float mi = mrow[i], lsi = ls[i], L = mi + lsi;
     const float coef = 1.f + 2.f * zloss * L;
     const int64_t jy = y - v0;
     for (int64_t j = threadIdx.x; j < v; j += kThreads) {
@@ -122,7 +122,7 @@ __global__ void ce_grad_kernel(const float *z, int64_t ldz, int64_t t, int64_t v
           x = c * th;
           dcap = 1.f - th * th;
         }
-        const float p = expf(x - L);
+        const float p = expf((x - mi) - lsi);
         const float d = (j == jy) ? -(1.f - eps) * q[i] + (eps + 2.f * zloss * L) * p - uni
                                   : coef * p - uni;
         r = gi * d * dcap;
@@ -151,7 +151,8 @@ fail:
 }
 
 mp_status mp_ce_grad_cuda(float *z, int64_t ldz, int64_t t, int64_t v, int64_t v0, int64_t v_valid,
-                          const int64_t *labels, int64_t ignore_index, float softcap, const float *lse,
+                          const int64_t *labels, int64_t ignore_index, float softcap, const float *mrow,
+                          const float *ls,
                           const float *q, const float *g, int64_t g_stride, float eps, int64_t n_classes,
                           float zloss, void *out,
                           int64_t ldo, int out_dtype, uintptr_t stream) {
@@ -161,17 +162,17 @@ mp_status mp_ce_grad_cuda(float *z, int64_t ldz, int64_t t, int64_t v, int64_t v
   switch (out_dtype) {
     case 0:
       ce_grad_kernel<float><<<grid_for(t), kThreads, 0, MP_STREAM(stream)>>>(
-          z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, lse, q, g, g_stride, eps, uni, zloss,
+          z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, mrow, ls, q, g, g_stride, eps, uni, zloss,
           z, ldz);  // fp32 output is always in place
       break;
     case 1:
       ce_grad_kernel<__nv_bfloat16><<<grid_for(t), kThreads, 0, MP_STREAM(stream)>>>(
-          z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, lse, q, g, g_stride, eps, uni, zloss,
+          z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, mrow, ls, q, g, g_stride, eps, uni, zloss,
           (__nv_bfloat16 *)out, ldo);
       break;
     case 2:
       ce_grad_kernel<__half><<<grid_for(t), kThreads, 0, MP_STREAM(stream)>>>(
-          z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, lse, q, g, g_stride, eps, uni, zloss,
+          z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, mrow, ls, q, g, g_stride, eps, uni, zloss,
           (__half *)out, ldo);
       break;
     default:

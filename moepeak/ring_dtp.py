@@ -143,8 +143,8 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct):
         xc = x[t0:t1]
         z = B.logits_block(xc, w, bias)                      # [ct, V] x fp32: the whole vocab row
         B.fold(z, 0, V, y[t0:t1], ignore_index, softcap, m, s, zy, zs, sx)
-        lse, q = B.lse_of(m, s), B.q_of(s, sx)
-        dz = B.grad_block(z, 0, V, y[t0:t1], ignore_index, softcap, lse, q, g, eps, V, zloss, x.dtype)
+        mm_, ls, q = B.fin((m, s, zy, zs, sx))
+        dz = B.grad_block(z, 0, V, y[t0:t1], ignore_index, softcap, mm_, ls, q, g, eps, V, zloss, x.dtype)
         del z
         dx[t0:t1] = B.mm(dz, w, False)                       # exact: one GEMM over the whole row
         if f32acc or x.device.type == "cuda":
@@ -156,7 +156,7 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct):
     return st, dx, dw, db
 
 
-def _backward_blocked(x, w, bias, y, lse, q, g, ignore_index, softcap, eps, zloss, ct, cv, order):
+def _backward_blocked(x, w, bias, y, m, ls, q, g, ignore_index, softcap, eps, zloss, ct, cv, order):
     """4th and later GEMMs: recompute blocks and accumulate dX, dW (see module doc)."""
     T, H = x.shape
     V = w.shape[0]
@@ -166,7 +166,7 @@ def _backward_blocked(x, w, bias, y, lse, q, g, ignore_index, softcap, eps, zlos
     def grad(t0, t1, v0, v1):
         z = B.logits_block(x[t0:t1], w[v0:v1], None if bias is None else bias[v0:v1])
         gg = g if g1 else g[t0:t1]
-        dz = B.grad_block(z, v0, V, y[t0:t1], ignore_index, softcap, lse[t0:t1], q[t0:t1], gg, eps, V,
+        dz = B.grad_block(z, v0, V, y[t0:t1], ignore_index, softcap, m[t0:t1], ls[t0:t1], q[t0:t1], gg, eps, V,
                            zloss, x.dtype)
         if db is not None:
             db[v0:v1].add_(dz.float().sum(0))
@@ -211,6 +211,8 @@ def _reduce(rows: Tensor, valid: Tensor, reduction: int) -> Tensor:
 
 
 def _pick_mode(mode: int, grads: bool, reduction: int, T: int, V: int, dtype, ct_fused: int) -> int:
+    if mode == MODES["fused"] and reduction == 0:
+        return MODES["vocab_outer"]  # per-token upstream grads are unknown in forward
     if mode != 0:
         return mode
     if grads and reduction != 0 and (dtype == torch.float32 or math.ceil(T / ct_fused) <= _FUSED_MAX_CHUNKS):
@@ -232,10 +234,10 @@ def _sizes(T, H, V, dtype, mode, chunk_tokens, chunk_vocab):
 def ring_dtp_ce(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor], ignore_index: int,
                 reduction: int, label_smoothing: float, z_loss: float, softcap: float, mode: int,
                 chunk_tokens: int, chunk_vocab: int, grads: bool
-                ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """hidden [T, H], weight [V, H], labels [T] int64, bias [V] or None.
-    Returns (loss: [] or [T] x fp32, lse: [T] x fp32, q = 1 - p_y: [T] x fp32, dX [T, H], dW [V, H],
-    dbias [V] x fp32);
+    Returns (loss: [] or [T] x fp32, m: [T] x fp32, ls = log s: [T] x fp32 (lse = m + ls),
+    q = 1 - p_y: [T] x fp32, dX [T, H], dW [V, H], dbias [V] x fp32);
     dX/dW/dbias are gradients for a unit upstream grad when
     the resolved mode is 'fused', else empty."""
     T, H = hidden.shape
@@ -256,10 +258,10 @@ def ring_dtp_ce(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[T
             db = dbb
     else:
         st = _fold_all(hidden, weight, bias, y, ignore_index, softcap, ct, cv)
-    lse, q = B.lse_of(st[0], st[1]), B.q_of(st[1], st[4])
-    rows = B.row_losses(lse, st[2], st[3], valid, bad, label_smoothing, V, z_loss)
+    m_, ls, q = B.fin(st)
+    rows = B.row_losses(m_, ls, st[2], st[3], st[4], valid, bad, label_smoothing, V, z_loss)
     loss = _reduce(rows, valid, reduction)
-    return loss, lse, q, dx, dw, db
+    return loss, m_, ls, q, dx, dw, db
 
 
 @ring_dtp_ce.register_fake
@@ -269,6 +271,7 @@ def _(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_
     loss = hidden.new_empty((T,) if reduction == 0 else (), dtype=torch.float32)
     lse = hidden.new_empty((T,), dtype=torch.float32)
     q = hidden.new_empty((T,), dtype=torch.float32)
+    ls = hidden.new_empty((T,), dtype=torch.float32)
     # dX/dW are either full gradients (fused) or empty: data-dependent in size only via
     # the mode choice, which depends on static arguments, so resolve it here the same way.
     ct_f = chunk_tokens or B.fused_chunk_tokens(weight.shape[0], hidden.dtype)
@@ -279,12 +282,12 @@ def _(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_
     else:
         dx, dw = hidden.new_empty(0), hidden.new_empty(0)
         db = hidden.new_empty((0,), dtype=torch.float32)
-    return loss, lse, q, dx, dw, db
+    return loss, lse, ls, q, dx, dw, db
 
 
 @torch.library.custom_op("moepeak::ring_dtp_ce_backward", mutates_args=())
 def ring_dtp_ce_backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor],
-                         lse: Tensor, q: Tensor, ignore_index: int, reduction: int, label_smoothing: float, z_loss: float,
+                         m: Tensor, ls: Tensor, q: Tensor, ignore_index: int, reduction: int, label_smoothing: float, z_loss: float,
                          softcap: float, mode: int, chunk_tokens: int, chunk_vocab: int
                          ) -> Tuple[Tensor, Tensor, Tensor]:
     """Recompute-and-accumulate backward (modes vocab_outer / token_outer).
@@ -302,7 +305,8 @@ def ring_dtp_ce_backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labe
         g = (gl / (~ign).sum().clamp_min(1).to(torch.float32)).reshape(1).contiguous()
     order = "token_outer" if mode == MODES["token_outer"] else "vocab_outer"
     ct, cv = _sizes(T, H, V, hidden.dtype, MODES[order], chunk_tokens or None, chunk_vocab or None)
-    dx, dw, db = _backward_blocked(hidden, weight, bias, y, lse.contiguous(), q.contiguous(), g, ignore_index, softcap,
+    dx, dw, db = _backward_blocked(hidden, weight, bias, y, m.contiguous(), ls.contiguous(), q.contiguous(), g,
+                                   ignore_index, softcap,
                                    label_smoothing, z_loss, ct, cv, order)
     if db is None:
         db = torch.empty(0, dtype=torch.float32, device=hidden.device)
@@ -310,7 +314,7 @@ def ring_dtp_ce_backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labe
 
 
 @ring_dtp_ce_backward.register_fake
-def _(grad_loss, hidden, weight, labels, bias, lse, q, ignore_index, reduction, label_smoothing, z_loss, softcap,
+def _(grad_loss, hidden, weight, labels, bias, m, ls, q, ignore_index, reduction, label_smoothing, z_loss, softcap,
       mode, chunk_tokens, chunk_vocab):
     db = hidden.new_empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32)
     return torch.empty_like(hidden), torch.empty_like(weight), db
@@ -319,7 +323,7 @@ def _(grad_loss, hidden, weight, labels, bias, lse, q, ignore_index, reduction, 
 def _setup_context(ctx, inputs, output):
     (hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, mode,
      chunk_tokens, chunk_vocab, grads) = inputs
-    loss, lse, q, dx, dw, db = output
+    loss, m, ls, q, dx, dw, db = output
     ctx.fused = dw.numel() > 0
     ctx.args = (ignore_index, reduction, label_smoothing, z_loss, softcap, mode, chunk_tokens, chunk_vocab)
     ctx.has_bias = bias is not None
@@ -327,14 +331,14 @@ def _setup_context(ctx, inputs, output):
     if ctx.fused:
         ctx.save_for_backward(dx, dw, db)
     else:
-        ctx.save_for_backward(hidden, weight, labels, bias, lse, q)
+        ctx.save_for_backward(hidden, weight, labels, bias, m, ls, q)
 
 
-def _backward(ctx, grad_loss, grad_lse, gq, gdx, gdw, gdb):
+def _backward(ctx, grad_loss, gm, gls, gq, gdx, gdw, gdb):
     if ctx.fused:
         dx, dw, db = ctx.saved_tensors
         g = grad_loss.to(torch.float32)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or type(dx) is not torch.Tensor:  # traced (functional/fake tensors)
             dx, dw = (dx.float() * g).to(dx.dtype), (dw.float() * g).to(dw.dtype)
             db = db * g
         else:
@@ -344,8 +348,8 @@ def _backward(ctx, grad_loss, grad_lse, gq, gdx, gdw, gdb):
                 t.mul_(g) if t.dtype == torch.float32 else _scale_lowp_(t, g)
             db = db * g
     else:
-        hidden, weight, labels, bias, lse, q = ctx.saved_tensors
-        dx, dw, db = ring_dtp_ce_backward(grad_loss, hidden, weight, labels, bias, lse, q, *ctx.args)
+        hidden, weight, labels, bias, m, ls, q = ctx.saved_tensors
+        dx, dw, db = ring_dtp_ce_backward(grad_loss, hidden, weight, labels, bias, m, ls, q, *ctx.args)
     dbias = db.to(ctx.bias_dtype) if ctx.has_bias else None
     return dx, dw, None, dbias, None, None, None, None, None, None, None, None, None
 
@@ -429,7 +433,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
         out = torch.ops.moepeak.ring_dtp_ce(x, w, y, bias, ignore_index, REDUCTIONS[reduction],
                                             float(label_smoothing), float(z_loss), float(softcap or 0.0),
                                             MODES[mode], chunk_tokens or 0, chunk_vocab or 0, grads)
-        loss, lse = out[0], out[1]
+        loss, lse = out[0], out[1] + out[2]
     if reduction == "none":
         loss = loss.reshape(lead)
     if return_lse:

@@ -81,10 +81,10 @@ def fold(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ignore_in
 
 
 def grad_block(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ignore_index: int, softcap: float,
-               lse: torch.Tensor, q: torch.Tensor, g: torch.Tensor, eps: float, n_classes: int, zloss: float,
+               m: torch.Tensor, ls: torch.Tensor, q: torch.Tensor, g: torch.Tensor, eps: float, n_classes: int, zloss: float,
                dtype: torch.dtype) -> torch.Tensor:
     """Turn the logits block z: [t, v] x fp32 into dZ, returned in `dtype` (the GEMM
-    operand dtype). lse, q = 1 - p_y: [t] x fp32; g: [t] (per row) or [1] (broadcast) x fp32."""
+    operand dtype). m, ls = log(s), q = 1 - p_y: [t] x fp32 (lse = m + ls); g: [t] (per row) or [1] (broadcast) x fp32."""
     t, v = z.shape
     g_stride = 0 if g.numel() == 1 else 1
     cuda = z.device.type == "cuda"
@@ -93,11 +93,11 @@ def grad_block(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ign
         out = torch.empty((t, v), dtype=dtype, device=z.device)
         code = 1 if dtype == torch.bfloat16 else 2
         _C.ce_grad(z.data_ptr(), z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
-                   lse.data_ptr(), q.data_ptr(), g.data_ptr(), g_stride, eps, n_classes, zloss, out.data_ptr(), v, code, True,
+                   m.data_ptr(), ls.data_ptr(), q.data_ptr(), g.data_ptr(), g_stride, eps, n_classes, zloss, out.data_ptr(), v, code, True,
                    stream)
         return out
     _C.ce_grad(z.data_ptr(), z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
-               lse.data_ptr(), q.data_ptr(), g.data_ptr(), g_stride, eps, n_classes, zloss, z.data_ptr(), z.stride(0), 0, cuda,
+               m.data_ptr(), ls.data_ptr(), q.data_ptr(), g.data_ptr(), g_stride, eps, n_classes, zloss, z.data_ptr(), z.stride(0), 0, cuda,
                stream)
     return z if dtype == torch.float32 else z.to(dtype)
 
@@ -120,15 +120,27 @@ def lse_of(m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return m + torch.log(s)
 
 
+def fin(st):
+    """(m, ls = log s, q = 1 - p_y) of a complete state: what backward needs."""
+    return st[0], torch.log(st[1]), st[4] / st[1]
+
+
 def q_of(s: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
     """1 - p_y per row, from sums that never cancel."""
     return sx / s
 
 
-def row_losses(lse, zy, zsum, valid, bad, eps: float, n_classes: int, zloss: float) -> torch.Tensor:
+def row_losses(m, ls, zy, zsum, sx, valid, bad, eps: float, n_classes: int, zloss: float) -> torch.Tensor:
     """Per-token loss [T] x fp32: (1-eps)(lse - z_y) + eps(lse - mean_j z_j) + zl*lse^2,
-    0 for ignored tokens, NaN for tokens whose label was out of range."""
-    loss = lse - (1.0 - eps) * zy - (eps / n_classes) * zsum
+    0 for ignored tokens, NaN for tokens whose label was out of range. Formed as
+    (m - zy) + log s: lse - zy would lose ulp(lse) under a large common offset."""
+    # lse - zy = log1p(sum_{j != y} exp(z_j - zy)) = log1p(sx * exp(m - zy)): exact as p_y -> 1,
+    # where log(s) ~ log(1 + tiny) would cancel; (m - zy) + log s when the target is far below m.
+    d = m - zy
+    near = d < 20.0
+    ce = torch.where(near, torch.log1p(sx * torch.exp(torch.where(near, d, torch.zeros_like(d)))), d + ls)
+    loss = ((1.0 - eps) * ce + eps * (m - zsum / n_classes)) + eps * ls
+    lse = m + ls
     if zloss:
         loss = loss + zloss * lse * lse
     loss = torch.where(valid, loss, torch.zeros_like(loss))
