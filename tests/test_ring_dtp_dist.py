@@ -1,0 +1,96 @@
+"""Ring-DTP on gloo ranks: both ring variants equal the single-device op.
+
+Each rank r has its own tokens X_r (T_r differs per rank, one rank may have
+ignored-only labels) and the dim-0 vocab shard W_r as FSDP2 cuts it
+(ceil(V/P) rows, the last rank fewer: V % P != 0). Expected, per rank:
+  loss_r, dX_r  == single-device linear_cross_entropy(X_r, W_full, y_r)
+  dW_r          == rows of sum_j d loss_j / d W_full for this rank's shard
+"""
+import pytest
+import torch
+
+from tests.dist_utils import run_ranks
+
+V, H = 53, 12  # prime V: never divisible by P
+
+
+def _data(P, dtype):
+    g = torch.Generator().manual_seed(1234)
+    w = (torch.randn(V, H, generator=g) * 0.4).to(dtype)
+    xs, ys = [], []
+    for r in range(P):
+        T = 5 + 3 * r
+        xs.append(torch.randn(T, H, generator=g).to(dtype))
+        y = torch.randint(0, V, (T,), generator=g)
+        y[1] = -100
+        ys.append(y)
+    return w, xs, ys
+
+
+def _shard_rows(P):
+    per = -(-V // P)
+    return [(min(V, r * per), min(V, (r + 1) * per)) for r in range(P)]
+
+
+def _rank_fn(rank, P, variants, dtype, opts):
+    import torch.distributed as dist
+
+    import moepeak
+
+    w, xs, ys = _data(P, dtype)
+    # single-device expectations
+    dw_sum = torch.zeros(V, H, dtype=torch.float64)
+    exp = None
+    for j in range(P):
+        xj = xs[j].clone().requires_grad_()
+        wj = w.clone().requires_grad_()
+        lj = moepeak.linear_cross_entropy(xj, wj, ys[j], mode="vocab_outer", **opts)
+        lj.backward()
+        dw_sum += wj.grad.double()
+        if j == rank:
+            exp = (lj.detach(), xj.grad)
+    a, b = _shard_rows(P)[rank]
+    for variant in variants:
+        x = xs[rank].clone().requires_grad_()
+        ws = w[a:b].clone().requires_grad_()
+        loss = moepeak.linear_cross_entropy(x, ws, ys[rank], group=dist.group.WORLD, ring=variant,
+                                            chunk_tokens=4, chunk_vocab=5, **opts)
+        loss.backward()
+        tol = dict(rtol=2e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+        torch.testing.assert_close(loss, exp[0], **tol, msg=lambda m: f"{variant} loss rank {rank}: {m}")
+        torch.testing.assert_close(x.grad, exp[1], **tol, msg=lambda m: f"{variant} dX rank {rank}: {m}")
+        torch.testing.assert_close(ws.grad.double(), dw_sum[a:b], **tol,
+                                   msg=lambda m: f"{variant} dW shard rank {rank}: {m}")
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_ring_variants_equal_single_device(P):
+    run_ranks(P, _rank_fn, ("weights", "activations", "auto"), torch.float32,
+              dict(label_smoothing=0.1, z_loss=1e-3, softcap=4.0, reduction="mean"), timeout=240)
+
+
+def _rank_fn_none(rank, P):
+    _rank_fn(rank, P, ("weights", "activations"), torch.float32, dict(reduction="sum"))
+
+
+def test_ring_reduction_sum_P2():
+    run_ranks(2, _rank_fn_none, timeout=120)
+
+
+def _bad_fn(rank, P):
+    import torch.distributed as dist
+
+    import moepeak
+
+    w, xs, ys = _data(P, torch.float32)
+    a, b = _shard_rows(P)[rank]
+    y = ys[rank].clone()
+    y[0] = V  # out of range for the global vocab
+    with pytest.raises(ValueError, match="labels must be in"):
+        moepeak.linear_cross_entropy(xs[rank], w[a:b], y, group=dist.group.WORLD)
+    with pytest.raises(ValueError, match="ring must be"):
+        moepeak.linear_cross_entropy(xs[rank], w[a:b], ys[rank], group=dist.group.WORLD, ring="tokens")
+
+
+def test_ring_bad_input():
+    run_ranks(2, _bad_fn, timeout=120)
