@@ -474,13 +474,25 @@ class RingDTPLinearCrossEntropy(torch.nn.Module):
 
     def forward(self, hidden: Tensor, labels: Tensor, return_lse: bool = False):
         w, b = self.weight, self.bias
+        group = self.group
         if hasattr(w, "to_local"):  # FSDP2 / DTensor: this rank's dim-0 shard is the ring shard
-            w = w.to_local()
+            w, group = self._local_shard(w, group)
             b = b.to_local() if b is not None and hasattr(b, "to_local") else b
         opts = dict(self.opts)
         mode = opts.pop("mode")
-        return linear_cross_entropy(hidden, w, labels, bias=b, group=self.group, return_lse=return_lse,
+        return linear_cross_entropy(hidden, w, labels, bias=b, group=group, return_lse=return_lse,
                                     mode=mode, **opts)
+
+    @staticmethod
+    def _local_shard(w, group):
+        """(local dim-0 shard, its group) of a DTensor weight; no all-gather. The gradient
+        flows back through to_local() into the DTensor's own Shard(0) gradient."""
+        from torch.distributed.tensor import Shard  # noqa: WPS433 (torch >= 2.4)
+        pl = tuple(w.placements)
+        if w.device_mesh.ndim != 1 or len(pl) != 1 or not (isinstance(pl[0], Shard) and pl[0].dim == 0):
+            raise ValueError(f"moepeak: a DTensor weight must be Shard(0) on a 1-D mesh (FSDP2's layout), "
+                             f"got placements {pl} on a {w.device_mesh.ndim}-D mesh")
+        return w.to_local(), (group if group is not None else w.device_mesh.get_group())
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}, bias={self.bias is not None}"

@@ -69,6 +69,47 @@ def _rank_fn_all(rank, P):
     if P == 2:  # one spawn does the rest (spawning ranks is the slow part on a small CI machine)
         _rank_fn(rank, P, ("weights", "activations"), torch.float32, dict(reduction="sum"))
         _bad_fn(rank, P)
+        _dtensor_lm_fn(rank, P)
+
+
+def _dtensor_lm_fn(rank, P):
+    """A tiny LM whose lm_head weight is an FSDP2-style Shard(0) DTensor trains like
+    the unsharded lm_head + F.cross_entropy (3 SGD steps, same data on every rank)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import moepeak
+
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(V, H)
+    head = torch.nn.Linear(H, V, bias=False)
+    ref_emb, ref_head = torch.nn.Embedding(V, H), torch.nn.Linear(H, V, bias=False)
+    ref_emb.load_state_dict(emb.state_dict())
+    ref_head.load_state_dict(head.state_dict())
+    mesh = init_device_mesh("cpu", (P,))
+    mod = moepeak.RingDTPLinearCrossEntropy(H, V, ring="weights")
+    mod.weight = torch.nn.Parameter(distribute_tensor(head.weight.detach().clone(), mesh, [Shard(0)]))
+    opt = torch.optim.SGD(list(emb.parameters()) + list(mod.parameters()), lr=0.5)
+    ref_opt = torch.optim.SGD(list(ref_emb.parameters()) + list(ref_head.parameters()), lr=0.5)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(3):
+        tok = torch.randint(0, V, (2, 9), generator=g)
+        inp, tgt = tok[:, :-1], tok[:, 1:]
+        loss = mod(torch.tanh(emb(inp)), tgt)
+        ref = torch.nn.functional.cross_entropy(ref_head(torch.tanh(ref_emb(inp))).reshape(-1, V), tgt.reshape(-1))
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss.backward()
+        ref.backward()
+        # every rank saw the same tokens: the ring's dW is the sum over P ranks; average like DDP/FSDP
+        mod.weight.grad.to_local().div_(P)
+        opt.step()
+        ref_opt.step()
+        torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    full = mod.weight.full_tensor()
+    torch.testing.assert_close(full, ref_head.weight, rtol=1e-5, atol=1e-6)
+    assert dist.get_world_size() == P
 
 
 @pytest.mark.parametrize("P", [2, 3, 4])
