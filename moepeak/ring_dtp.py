@@ -5,7 +5,7 @@
 Only a logits *block* exists at a time; forward keeps lse: [T] x fp32; the
 arithmetic torch lacks (online log-sum-exp fold with target pick, padded-vocab
 masking, softcap; the softmax-gradient epilogue with label smoothing, z-loss,
-ignore_index and expm1 for p_y - 1) is C (csrc/ce.c) and CUDA C (cuda/ce.cu);
+ignore_index, and 1 - p_y from a sum that never cancels) is C (csrc/ce.c) and CUDA C (cuda/ce.cu);
 every GEMM is torch's. Schedules ("mode"):
 
   fused        token-outer, gradients computed in forward (3 GEMMs: Z, dX, dW).
@@ -21,19 +21,24 @@ every GEMM is torch's. Schedules ("mode"):
                and the dW accumulation has at most 4 chunks or is fp32;
                vocab_outer otherwise.
 
-Accuracy evidence (the tension the design names): error of dW vs fp64 relative
-to naive bf16 (F.cross_entropy(F.linear(x, w).float(), y)); measured on CPU
-with T=2048, H=256, V=4096, bf16, fp32 logits, bf16 dW accumulation over n
-token chunks: n=1 1.0x, 2 1.2x, 4 1.55x, 8 2.06x, 16 2.8x, 32 3.8x, 64 5.0x;
-with fp32 dW accumulation 1.0x at every n; dX is 1.0x in every order (one
-GEMM per chunk). tests/test_ring_dtp.py::test_mode_errors re-measures this.
-So "fused" meets the 2x-naive rule only with <= ~6 chunks, i.e. for
-T <= ~6 * 576 tokens at V = 151936 in a 512 MiB workspace; at T = 32k the
-exact order is vocab_outer (fp32 dX accumulator 512 MiB + 512 MiB workspace +
-dX, dW 1.4 GiB, about 2.4 GiB; 4 GEMMs, so >= 1.33x the 3-GEMM time). The
-three targets (<= 2 GiB, <= 1.2x 3-GEMM time, <= 2x naive error) cannot all
-be met by either order at T = 32k; mode="fused" is the fast/small one,
-mode="vocab_outer" the exact one; "auto" keeps the error rule.
+Accuracy and memory evidence (the tension the design names). Error of dW
+against fp64, relative to naive bf16 (F.cross_entropy(F.linear(x, w).float(), y)),
+bf16 inputs, fp32 logits:
+  plain-torch study, T=2048, H=256, V=4096, bf16 dW accumulation over n token
+  chunks: n=1 1.0x, 2 1.2x, 4 1.55x, 8 2.06x, 16 2.8x, 32 3.8x, 64 5.0x; fp32
+  accumulation 1.0x at every n; dX 1.0x in every order (one GEMM per chunk);
+  this op, T=512, H=64, V=1024 (tests/test_ring_dtp.py::test_mode_errors):
+  fused 1 chunk 0.77x, 4 chunks 1.15x, 32 chunks 2.7x; vocab_outer 0.77x.
+So "fused" meets the 2x-naive rule only up to ~8 chunks ("auto" allows 4),
+i.e. T <= 4 * 576 tokens at V = 151936 in its 512 MiB workspace. Memory above
+the inputs at T = 32k, H = 4096, V = 151936 (dX 0.25 + dW 1.16 GiB included):
+fused ~1.9 GiB (Z [576, V] fp32 334 MiB + dZ bf16 167 MiB); vocab_outer
+~2.15 GiB (fp32 dX accumulator 512 MiB + 256 MiB block workspace), 4 GEMMs so
+>= 1.33x the 3-GEMM time. No order meets all three targets (<= 2 GiB,
+<= 1.2x 3-GEMM time, <= 2x naive error) at T = 32k: "fused" is the fast and
+small one, "vocab_outer" the exact one, and "auto" keeps the error rule.
+GEMMs: fp32 logits straight from cuBLAS via torch.mm(out_dtype=fp32) where
+torch has it (>= 2.8), else bf16 logits upcast (naive's rounding).
 
 Definitions: all labels ignored with reduction="mean" gives loss 0 and zero
 gradients (mean over zero tokens := 0, never NaN). Labels outside [0, V) that
@@ -51,10 +56,9 @@ import math
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from ._ext import check_tensor, cuda_ready, require_cuda_build
+from ._ext import check_tensor, require_cuda_build
 from . import ring_dtp_blocks as B
 
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}

@@ -24,6 +24,9 @@ from ._ext import current_stream_handle
 # given. 512 MiB keeps Ring-DTP's working set a small fraction of the 2 GiB
 # target at T = 32k, H = 4096, V = 151936 (DESIGN.md section 2).
 DEFAULT_WORKSPACE_BYTES = 512 << 20
+# The 4-GEMM orders also hold an fp32 [T, H] dX accumulator (vocab_outer:
+# 512 MiB at T = 32k, H = 4096), so their block workspace gets half as much.
+BLOCKED_WORKSPACE_BYTES = 256 << 20
 
 _OUT_DTYPE_OK = {"cuda": None}  # torch.mm(..., out_dtype=fp32) usable on CUDA? (probed once)
 
@@ -163,7 +166,7 @@ def fused_chunk_tokens(V: int, dtype: torch.dtype, budget: int = DEFAULT_WORKSPA
     return round_down(int(ct), 64) if ct >= 64 else max(1, int(ct))
 
 
-def blocked_chunks(T: int, H: int, dtype: torch.dtype, budget: int = DEFAULT_WORKSPACE_BYTES,
+def blocked_chunks(T: int, H: int, dtype: torch.dtype, budget: int = BLOCKED_WORKSPACE_BYTES,
                    chunk_tokens: Optional[int] = None) -> Tuple[int, int]:
     """(ct, cv) for the 4-GEMM orders (a [ct, cv] block at a time).
 
@@ -171,11 +174,12 @@ def blocked_chunks(T: int, H: int, dtype: torch.dtype, budget: int = DEFAULT_WOR
     [ct, H] x fp32, and the dW partial and its accumulator [cv, H] x fp32:
       ct*cv*(4+b) + 8*cv*H + 4*ct*H <= budget
       cv = (budget - 4*ct*H) / (ct*(4+b) + 8*H), rounded down to 128.
-    Worked once: ct = 8192, H = 4096, bf16, budget 512 MiB:
-      (536870912 - 134217728) / (49152 + 32768) = 4915 -> cv = 4864.
-    ct is fixed (default 8192), never T-dependent, so the working set is too.
+    Worked once: ct = 4096, H = 4096, bf16, budget 256 MiB:
+      (268435456 - 67108864) / (4096*6 + 8*4096) = 3510.9 -> cv = 3456
+      (Z 54 MiB + dZ 27 MiB + dX partial 64 MiB + dW partial/accumulator 108 MiB).
+    ct is fixed (default 4096), never T-dependent, so the working set is too.
     """
-    ct = chunk_tokens or 8192
+    ct = chunk_tokens or 4096
     per_col = ct * (4 + lowp_bytes(dtype)) + 8 * H
     cv = (budget - 4 * ct * H) // per_col
     return ct, round_down(int(max(cv, 128)), 128)

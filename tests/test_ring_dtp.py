@@ -310,3 +310,26 @@ def test_cuda_compile_and_opcheck():
     cf = torch.compile(lambda x, w, y: moepeak.linear_cross_entropy(x, w, y), fullgraph=True)
     cf(x, w, y).backward()
     assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_peak_memory_bounded(mode):
+    """The logits never exist: peak above the inputs stays within gradients +
+    fp32 dX accumulator (4-GEMM orders) + the block workspace, far below T*V*4."""
+    T, H, V = 16384, 1024, 65536
+    x, w, y, _ = make(T, H, V, torch.bfloat16, seed=14)
+    x, w, y = x.cuda().requires_grad_(), w.cuda().requires_grad_(), y.cuda()
+    moepeak.linear_cross_entropy(x, w, y, mode=mode).backward()  # warm-up
+    x.grad = w.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    moepeak.linear_cross_entropy(x, w, y, mode=mode).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    grads_bytes = (T + V) * H * 2
+    acc = T * H * 4 if mode != "fused" else 0
+    bound = grads_bytes + acc + (512 << 20) + (96 << 20)
+    assert peak <= bound, f"{mode}: peak {peak / 2**20:.0f} MiB > bound {bound / 2**20:.0f} MiB"
+    assert peak < T * V * 4 / 2  # well below one fp32 copy of the logits
