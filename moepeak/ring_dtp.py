@@ -445,20 +445,39 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
     return loss
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; gradient times `scale` (averaging the ring's summed dW)."""
+
+    @staticmethod
+    def forward(ctx, t, scale):
+        ctx.scale = scale
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
+
+
 class RingDTPLinearCrossEntropy(torch.nn.Module):
     """lm_head + cross-entropy in one module: holds `.weight` [V, H] (the name an
     lm_head uses, so checkpoints load) and `.bias` when bias=True.
     forward(hidden, labels) -> loss (and lse with return_lse=True).
 
-    Under FSDP2 (`fully_shard`) the weight is a DTensor sharded on dim 0; pass
-    `group` (the FSDP mesh's group) and the module uses weight.to_local() as
-    this rank's ring shard. Tied embeddings: assign `module.weight = emb.weight`."""
+    Sharded weight (FSDP2 layout): `shard_(mesh)` makes `.weight` a Shard(0)
+    DTensor; forward then uses weight.to_local() as this rank's ring shard and
+    the mesh's group (no all-gather of the full weight ever happens). Under
+    `fully_shard(model, mesh=mesh, ignored_params={head.weight})` FSDP2 leaves
+    that weight to the ring (without ignored_params FSDP2 would all-gather it
+    before forward; the result is still right, through the single-device op).
+    With grad_average=True (default) the shard's gradient is the mean over the
+    group's ranks, as FSDP2/DDP reduce gradients; False gives the sum.
+    Tied embeddings: assign `module.weight = emb.weight` (unsharded)."""
 
     def __init__(self, hidden_size: int, vocab_size: int, *, bias: bool = False, ignore_index: int = -100,
                  reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0,
                  softcap: Optional[float] = None, group=None, ring: str = "auto",
                  chunk_tokens: Optional[int] = None, chunk_vocab: Optional[int] = None, mode: str = "auto",
-                 device=None, dtype=None):
+                 grad_average: bool = True, device=None, dtype=None):
         super().__init__()
         fk = {"device": device, "dtype": dtype}
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
@@ -468,7 +487,16 @@ class RingDTPLinearCrossEntropy(torch.nn.Module):
                          z_loss=z_loss, softcap=softcap, ring=ring, chunk_tokens=chunk_tokens,
                          chunk_vocab=chunk_vocab, mode=mode)
         self.group = group
+        self.grad_average = grad_average
         self.reset_parameters()
+
+    def shard_(self, mesh) -> "RingDTPLinearCrossEntropy":
+        """Make .weight a dim-0 sharded DTensor on the 1-D `mesh` (FSDP2's layout)."""
+        from torch.distributed.tensor import Shard, distribute_tensor  # noqa: WPS433
+        if self.bias is not None:
+            raise ValueError("moepeak: shard_() supports bias=False only (the ring has no bias)")
+        self.weight = torch.nn.Parameter(distribute_tensor(self.weight.detach(), mesh, [Shard(0)]))
+        return self
 
     def reset_parameters(self) -> None:
         torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's init
@@ -482,6 +510,8 @@ class RingDTPLinearCrossEntropy(torch.nn.Module):
         if hasattr(w, "to_local"):  # FSDP2 / DTensor: this rank's dim-0 shard is the ring shard
             w, group = self._local_shard(w, group)
             b = b.to_local() if b is not None and hasattr(b, "to_local") else b
+        if group is not None and self.grad_average:
+            w = _ScaleGrad.apply(w, 1.0 / torch.distributed.get_world_size(group))
         opts = dict(self.opts)
         mode = opts.pop("mode")
         return linear_cross_entropy(hidden, w, labels, bias=b, group=group, return_lse=return_lse,

@@ -73,43 +73,53 @@ def _rank_fn_all(rank, P):
 
 
 def _dtensor_lm_fn(rank, P):
-    """A tiny LM whose lm_head weight is an FSDP2-style Shard(0) DTensor trains like
-    the unsharded lm_head + F.cross_entropy (3 SGD steps, same data on every rank)."""
-    import torch.distributed as dist
+    """FSDP2: a tiny LM under fully_shard whose lm_head is RingDTPLinearCrossEntropy
+    (weight sharded dim-0, left to the ring via ignored_params) trains like the
+    unsharded model with lm_head + F.cross_entropy (3 SGD steps, same data on
+    every rank, so FSDP's gradient average equals the one-process gradient)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.fsdp import fully_shard
 
     import moepeak
 
+    class LM(torch.nn.Module):
+        def __init__(self, head):
+            super().__init__()
+            self.emb = torch.nn.Embedding(V, H)
+            self.mlp = torch.nn.Linear(H, H)
+            self.head = head
+
+        def forward(self, tok, tgt):
+            h = torch.tanh(self.mlp(self.emb(tok)))
+            if isinstance(self.head, torch.nn.Linear):
+                return torch.nn.functional.cross_entropy(self.head(h).reshape(-1, V), tgt.reshape(-1))
+            return self.head(h, tgt)
+
     torch.manual_seed(0)
-    emb = torch.nn.Embedding(V, H)
-    head = torch.nn.Linear(H, V, bias=False)
-    ref_emb, ref_head = torch.nn.Embedding(V, H), torch.nn.Linear(H, V, bias=False)
-    ref_emb.load_state_dict(emb.state_dict())
-    ref_head.load_state_dict(head.state_dict())
+    ref = LM(torch.nn.Linear(H, V, bias=False))
+    lm = LM(moepeak.RingDTPLinearCrossEntropy(H, V, ring="weights"))
+    lm.load_state_dict(ref.state_dict())  # the checkpoint of an lm_head model loads as is
     mesh = init_device_mesh("cpu", (P,))
-    mod = moepeak.RingDTPLinearCrossEntropy(H, V, ring="weights")
-    mod.weight = torch.nn.Parameter(distribute_tensor(head.weight.detach().clone(), mesh, [Shard(0)]))
-    opt = torch.optim.SGD(list(emb.parameters()) + list(mod.parameters()), lr=0.5)
-    ref_opt = torch.optim.SGD(list(ref_emb.parameters()) + list(ref_head.parameters()), lr=0.5)
+    lm.head.shard_(mesh)
+    fully_shard(lm, mesh=mesh, ignored_params={lm.head.weight})
+    assert lm.head.weight.to_local().shape[0] == -(-V // P) or rank == P - 1
+    opt = torch.optim.SGD(lm.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     g = torch.Generator().manual_seed(7)
     for _ in range(3):
         tok = torch.randint(0, V, (2, 9), generator=g)
         inp, tgt = tok[:, :-1], tok[:, 1:]
-        loss = mod(torch.tanh(emb(inp)), tgt)
-        ref = torch.nn.functional.cross_entropy(ref_head(torch.tanh(ref_emb(inp))).reshape(-1, V), tgt.reshape(-1))
+        loss = lm(inp, tgt)
+        rl = ref(inp, tgt)
         opt.zero_grad()
         ref_opt.zero_grad()
         loss.backward()
-        ref.backward()
-        # every rank saw the same tokens: the ring's dW is the sum over P ranks; average like DDP/FSDP
-        mod.weight.grad.to_local().div_(P)
+        rl.backward()
         opt.step()
         ref_opt.step()
-        torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
-    full = mod.weight.full_tensor()
-    torch.testing.assert_close(full, ref_head.weight, rtol=1e-5, atol=1e-6)
-    assert dist.get_world_size() == P
+        torch.testing.assert_close(loss, rl, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lm.head.weight.full_tensor(), ref.head.weight, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lm.mlp.weight.full_tensor(), ref.mlp.weight, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("P", [2, 3, 4])
