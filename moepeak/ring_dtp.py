@@ -247,6 +247,8 @@ def ring_dtp_ce(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[T
     T, H = hidden.shape
     V = weight.shape[0]
     dev = hidden.device
+    if _LabelGuard.pending:  # inside the op: opaque to torch.compile, so no graph break
+        _LabelGuard.check()
     y, valid, bad = _sanitize_labels(labels, V, ignore_index)
     ct_f = chunk_tokens or B.fused_chunk_tokens(V, hidden.dtype)
     m = _pick_mode(mode, grads, reduction, T, V, hidden.dtype, ct_f)
@@ -421,7 +423,6 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
     """
     _check(hidden, weight, labels, bias, reduction, mode, label_smoothing, z_loss, softcap, chunk_tokens,
            chunk_vocab)
-    _LabelGuard.check() if _LabelGuard.pending else None
     lead = tuple(labels.shape)
     x = hidden.reshape(-1, hidden.shape[-1])
     x = x if x.is_contiguous() else x.contiguous()

@@ -223,7 +223,7 @@ class _RingCE(torch.autograd.Function):
 def ring_linear_cross_entropy(x, w, y, bias, group, ring, ignore_index, reduction, eps, zloss, softcap,
                               chunk_tokens: Optional[int], chunk_vocab: Optional[int]):
     """x: [T, H] (contiguous), w: [V_r, H] this rank's vocab shard, y: [T] int64."""
-    from .ring_dtp import REDUCTIONS, _sanitize_labels  # noqa: WPS433 (circular at import time)
+    from .ring_dtp import REDUCTIONS, _LabelGuard, _sanitize_labels  # noqa: WPS433 (circular at import time)
     if ring not in RINGS:
         raise ValueError(f"moepeak: ring must be one of {RINGS}, got {ring!r}")
     if bias is not None:
@@ -237,6 +237,8 @@ def ring_linear_cross_entropy(x, w, y, bias, group, ring, ignore_index, reductio
     variant = ring
     if ring == "auto":
         variant = "weights" if geo.Vmax <= geo.Tmax else "activations"
+    if _LabelGuard.pending:
+        _LabelGuard.check()
     y, _valid, bad = _sanitize_labels(y, geo.V, ignore_index)
     ct, cv = B.blocked_chunks(max(geo.Tmax, 1), x.shape[1], x.dtype, chunk_tokens=chunk_tokens)
     cv = chunk_vocab or cv

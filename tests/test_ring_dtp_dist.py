@@ -32,9 +32,7 @@ def _shard_rows(P):
     return [(min(V, r * per), min(V, (r + 1) * per)) for r in range(P)]
 
 
-def _rank_fn(rank, P, variants, dtype, opts):
-    import torch.distributed as dist
-
+def _rank_fn(rank, P, variants, dtype, opts, group):
     import moepeak
 
     w, xs, ys = _data(P, dtype)
@@ -53,7 +51,7 @@ def _rank_fn(rank, P, variants, dtype, opts):
     for variant in variants:
         x = xs[rank].clone().requires_grad_()
         ws = w[a:b].clone().requires_grad_()
-        loss = moepeak.linear_cross_entropy(x, ws, ys[rank], group=dist.group.WORLD, ring=variant,
+        loss = moepeak.linear_cross_entropy(x, ws, ys[rank], group=group, ring=variant,
                                             chunk_tokens=4, chunk_vocab=5, **opts)
         loss.backward()
         tol = dict(rtol=2e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
@@ -63,13 +61,22 @@ def _rank_fn(rank, P, variants, dtype, opts):
                                    msg=lambda m: f"{variant} dW shard rank {rank}: {m}")
 
 
-def _rank_fn_all(rank, P):
-    _rank_fn(rank, P, ("weights", "activations", "auto"), torch.float32,
-             dict(label_smoothing=0.1, z_loss=1e-3, softcap=4.0, reduction="mean"))
-    if P == 2:  # one spawn does the rest (spawning ranks is the slow part on a small CI machine)
-        _rank_fn(rank, P, ("weights", "activations"), torch.float32, dict(reduction="sum"))
-        _bad_fn(rank, P)
-        _dtensor_lm_fn(rank, P)
+def _rank_fn_all(rank, world):
+    """One spawn of 4 ranks runs P = 2, 3 (subgroups of ranks 0..P-1) and 4 (WORLD):
+    spawning is the slow part on a small CI machine, and subgroups test that the
+    ring uses ranks within the group."""
+    import torch.distributed as dist
+
+    opts = dict(label_smoothing=0.1, z_loss=1e-3, softcap=4.0, reduction="mean")
+    for P in (2, 3, 4):
+        group = dist.new_group(list(range(P))) if P < world else dist.group.WORLD  # collective on all ranks
+        if rank < P:
+            _rank_fn(rank, P, ("weights", "activations", "auto"), torch.float32, opts, group)
+            if P == 2:
+                _rank_fn(rank, P, ("weights", "activations"), torch.float32, dict(reduction="sum"), group)
+                _bad_fn(rank, P, group)
+        dist.barrier()
+    _dtensor_lm_fn(rank, world)
 
 
 def _dtensor_lm_fn(rank, P):
@@ -122,14 +129,11 @@ def _dtensor_lm_fn(rank, P):
     torch.testing.assert_close(lm.mlp.weight.full_tensor(), ref.mlp.weight, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("P", [2, 3, 4])
-def test_ring_variants_equal_single_device(P):
-    run_ranks(P, _rank_fn_all, timeout=300)
+def test_ring_variants_equal_single_device_P234_and_fsdp2():
+    run_ranks(4, _rank_fn_all, timeout=400)
 
 
-def _bad_fn(rank, P):
-    import torch.distributed as dist
-
+def _bad_fn(rank, P, group):
     import moepeak
 
     w, xs, ys = _data(P, torch.float32)
@@ -137,6 +141,6 @@ def _bad_fn(rank, P):
     y = ys[rank].clone()
     y[0] = V  # out of range for the global vocab
     with pytest.raises(ValueError, match="labels must be in"):
-        moepeak.linear_cross_entropy(xs[rank], w[a:b], y, group=dist.group.WORLD)
+        moepeak.linear_cross_entropy(xs[rank], w[a:b], y, group=group)
     with pytest.raises(ValueError, match="ring must be"):
-        moepeak.linear_cross_entropy(xs[rank], w[a:b], ys[rank], group=dist.group.WORLD, ring="tokens")
+        moepeak.linear_cross_entropy(xs[rank], w[a:b], ys[rank], group=group, ring="tokens")
