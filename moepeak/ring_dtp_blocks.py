@@ -50,8 +50,10 @@ def mm(a: torch.Tensor, b: torch.Tensor, f32: bool) -> torch.Tensor:
         if f32 and _OUT_DTYPE_OK["cuda"] is not False:
             try:
                 r = torch.mm(a, b, out_dtype=torch.float32)
-                _OUT_DTYPE_OK["cuda"] = True
-                return r
+                if r.dtype == torch.float32:
+                    _OUT_DTYPE_OK["cuda"] = True
+                    return r
+                _OUT_DTYPE_OK["cuda"] = False
             except (TypeError, RuntimeError, NotImplementedError):
                 _OUT_DTYPE_OK["cuda"] = False
         r = torch.mm(a, b)
