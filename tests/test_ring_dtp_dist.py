@@ -5,6 +5,8 @@ ignored-only labels) and the dim-0 vocab shard W_r as FSDP2 cuts it
 (ceil(V/P) rows, the last rank fewer: V % P != 0). Expected, per rank:
   loss_r, dX_r  == single-device linear_cross_entropy(X_r, W_full, y_r)
   dW_r          == rows of sum_j d loss_j / d W_full for this rank's shard
+One spawn of 4 gloo ranks covers P = 2, 3 (subgroups) and 4, bad input, and
+FSDP2 (fully_shard) with the module as lm_head.
 """
 import pytest
 import torch
