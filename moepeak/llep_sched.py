@@ -39,6 +39,8 @@ from . import llep_plan as lp
 LAST_STATS: Dict[str, object] = {}
 
 _GROUPED_MM_OK = [hasattr(torch, "_grouped_mm")]
+# Tests only: exercise the grouped path on CPU where torch supports it.
+GROUPED_ON_CPU = [False]
 
 
 class Workspace:
@@ -128,7 +130,7 @@ class Ctx:
             self._lend_weights()
         self.layouts: Dict[int, lp.ChunkLayout] = {}
         LAST_STATS.update(n_chunks=self.n, chunk_rows=C, spilled=self.plan.spilled, borrowed=list(self.borrowed),
-                          max_rows=0)
+                          max_rows=0, grouped_mm=0)
 
     # ---- weights ---------------------------------------------------------
     def _lend_weights(self):
@@ -171,29 +173,48 @@ class Ctx:
         return buf[:pos]
 
     # ---- expert GEMMs (torch) ---------------------------------------------
-    def _grouped_ok(self, ecount) -> bool:
-        if not (_GROUPED_MM_OK[0] and self.x.is_cuda and self.x.dtype == torch.bfloat16):
-            return False
-        if (self.H % 8) or (self.I % 8):
-            return False
+    def _grouped_ok(self) -> bool:
+        return (_GROUPED_MM_OK[0] and (self.x.is_cuda or GROUPED_ON_CPU[0]) and self.x.dtype == torch.bfloat16
+                and self.H % 8 == 0 and self.I % 8 == 0)
+
+    def _segments(self, ecount, which: int):
+        """Grouped rows split into runs of experts whose weights form one
+        [G, ., .] stack: borrowed experts below this rank's block, the local
+        block, borrowed experts above it. Yields (row_lo, row_hi, stack, counts)."""
         lo, hi = self.r * self.El, (self.r + 1) * self.El
-        return all(c == 0 for e, c in enumerate(ecount) if not lo <= e < hi)
+        below = [e for e in self.borrowed if e < lo]
+        above = [e for e in self.borrowed if e >= hi]
+        n1 = self.H * 2 * self.I
+        row = 0
+        for experts, kind in ((below, "b"), (list(range(lo, hi)), "l"), (above, "b")):
+            counts = [ecount[e] for e in experts]
+            nrows = sum(counts)
+            if nrows:
+                if kind == "l":
+                    W = self.wgu if which == 0 else self.wd
+                else:
+                    i0 = self.slot[experts[0]]
+                    blk = self.bflat[i0:i0 + len(experts)]
+                    W = (blk[:, :n1].unflatten(1, (self.H, 2 * self.I)) if which == 0
+                         else blk[:, n1:].unflatten(1, (self.I, self.H)))
+                yield row, row + nrows, W, counts
+            row += nrows
 
     def mm(self, inp, ecount, which: int, transpose: bool, out):
         """out[rows of e] = inp[rows of e] @ W_e (or W_e^T) for each expert e,
-        rows grouped expert-ascending; which 0: w_gate_up, 1: w_down."""
+        rows grouped expert-ascending; which 0: w_gate_up, 1: w_down.
+        torch._grouped_mm where it works (CUDA bf16), else one torch.mm per expert."""
         rows = inp.shape[0]
         if rows == 0:
             return
-        if self._grouped_ok(ecount):
+        if self._grouped_ok():
             try:
-                W = self.wgu if which == 0 else self.wd
-                if transpose:
-                    W = W.transpose(1, 2)
-                lo = self.r * self.El
-                counts = torch.tensor(ecount[lo:lo + self.El], dtype=torch.int32)
-                offs = counts.cumsum(0).to(torch.int32).to(self.x.device, non_blocking=True)
-                out[:rows].copy_(torch._grouped_mm(inp, W, offs=offs))
+                for a, b, W, counts in self._segments(ecount, which):
+                    offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+                    offs = offs.to(self.x.device, non_blocking=True)
+                    Wt = W.transpose(1, 2) if transpose else W
+                    out[a:b].copy_(torch._grouped_mm(inp[a:b], Wt, offs=offs))
+                LAST_STATS["grouped_mm"] = int(LAST_STATS.get("grouped_mm", 0)) + 1
                 return
             except (RuntimeError, TypeError, NotImplementedError):
                 _GROUPED_MM_OK[0] = False  # unsupported here: per-expert GEMMs from now on

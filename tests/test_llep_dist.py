@@ -63,8 +63,8 @@ def _run_case(rank, P, tokens, frac, C, m, expect_spill=None, seed=0, group=None
 
 
 def _cases(rank, P, group):
-    global E
-    E = 6 if P == 3 else 8
+    global E, I
+    E, I = (6 if P == 3 else 8), 12
     tokens = [40 + 7 * r for r in range(P)]
     kw = dict(group=group)
     _run_case(rank, P, tokens, 0.0, 1 << 16, 1024, expect_spill=False, **kw)       # balanced, one chunk
@@ -77,6 +77,34 @@ def _cases(rank, P, group):
     _run_case(rank, P, zero, 0.95, 3 * P, 1, **kw)                                  # T = 0 on the last rank
 
 
+def _grouped_vs_loop(rank, P, group):
+    """bf16: the torch._grouped_mm path (local + borrowed weight stacks) gives
+    the per-expert-GEMM result; run where torch has _grouped_mm on CPU."""
+    global E, I
+    E, I = 8, 16  # grouped_mm wants 16-byte aligned rows: bf16 dims multiple of 8
+    tokens = [50 + 3 * r for r in range(P)]
+    x, ids, tw, wgu, wd, gy = _global_problem(tokens, 0.95, 11)
+    lo, hi = sum(tokens[:rank]), sum(tokens[:rank + 1])
+    es = slice(rank * (E // P), (rank + 1) * (E // P))
+    outs = []
+    for grouped in (False, True):
+        llep_sched.GROUPED_ON_CPU[0] = grouped
+        try:
+            leaves = [x[lo:hi].to(torch.bfloat16).requires_grad_(), tw[lo:hi].float().requires_grad_(),
+                      wgu[es].to(torch.bfloat16).requires_grad_(), wd[es].to(torch.bfloat16).requires_grad_()]
+            y = llep_moe(leaves[0], ids[lo:hi], leaves[1], leaves[2], leaves[3], group=group, chunk_rows=24,
+                         min_tokens_per_gemm=2)
+            assert llep_sched.LAST_STATS["spilled"]
+            outs.append((y.detach(),) + torch.autograd.grad(y, leaves, gy[lo:hi].to(torch.bfloat16)))
+            # backward's own Ctx reset the counter: > 0 means its GEMMs went grouped
+            assert (llep_sched.LAST_STATS["grouped_mm"] > 0) == grouped, llep_sched.LAST_STATS
+            assert llep_sched._GROUPED_MM_OK[0]
+        finally:
+            llep_sched.GROUPED_ON_CPU[0] = False
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
 def _ranks_main(rank, world):
     """One spawn of 4 ranks runs P = 4 (WORLD), P = 2 and P = 3 (subgroups)."""
     g2 = dist.new_group([0, 1])
@@ -85,8 +113,19 @@ def _ranks_main(rank, world):
     if rank < 2:
         _cases(rank, 2, g2)
         _errors(rank, g2)
+        if _cpu_grouped_mm():
+            _grouped_vs_loop(rank, 2, g2)
     if rank < 3:
         _cases(rank, 3, g3)
+
+
+def _cpu_grouped_mm():
+    try:
+        torch._grouped_mm(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(1, 8, 8, dtype=torch.bfloat16),
+                          offs=torch.tensor([2], dtype=torch.int32))
+        return True
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
 
 
 def _errors(rank, group):
