@@ -261,6 +261,7 @@ def forward(ctx: Ctx) -> torch.Tensor:
             _experts_fwd(ctx, xg, lay.ecount, h, a, o)
             lp.combine_rows(acc, o[:lay.rows], idx, ctx.wflat, K)
         LAST_STATS.update(workspace_bytes=ws.nbytes)
+        xr = h = a = o = None  # release the working set before the output copy
         return acc.to(x.dtype)
 
     tr = ctx.tr
@@ -300,6 +301,7 @@ def forward(ctx: Ctx) -> torch.Tensor:
     if pend is not None:
         finish(pend)
     LAST_STATS.update(workspace_bytes=ws.nbytes)
+    sx = rx = yb = back = gx = h = a = o = cur = pend = None  # release the working set
     return acc.to(x.dtype)
 
 
@@ -377,6 +379,8 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True):
             lp.combine_rows(dx, o[:rows], idx, None, K)
             dtw.index_copy_(0, idx, dwr[:rows])
         LAST_STATS.update(workspace_bytes_bwd=ws.nbytes)
+        # release the working set (closure cells included) before the dx copy
+        h = dh = s = a = da = o = do = wr = dwr = xr = gr = None
         return dx.to(dt), dtw, dW[0], dW[1]
 
     tr = ctx.tr
@@ -433,6 +437,8 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True):
     if pend is not None:
         finish(pend)
     LAST_STATS.update(workspace_bytes_bwd=ws.nbytes)
+    h = dh = s = a = da = o = do = wr = dwr = None
+    sx = sg = rx = rg = dxb = back = gx = gg_ = sw = rw = dwb = dwback = cur = pend = None
 
     if ctx.plan.spilled and need_dw:
         # Weight gradients of lent experts come home and are summed there.
