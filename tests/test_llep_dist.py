@@ -57,6 +57,8 @@ def _run_case(rank, P, tokens, frac, C, m, expect_spill=None, seed=0, group=None
             f"P={P} tokens={tokens} frac={frac} C={C}: {name} max diff {err.max().item():.3g} " \
             f"mean {err.mean().item():.3g}"
     assert stats["max_rows"] <= C
+    assert stats["workspace_bytes"] == llep_sched.workspace_bytes(C, H, I, P, 4, backward=False)
+    assert llep_sched.LAST_STATS["workspace_bytes_bwd"] == llep_sched.workspace_bytes(C, H, I, P, 4, backward=True)
     if expect_spill is not None:
         assert stats["spilled"] == expect_spill, stats
     return stats
@@ -113,10 +115,30 @@ def _ranks_main(rank, world):
     if rank < 2:
         _cases(rank, 2, g2)
         _errors(rank, g2)
+        _module(rank, g2)
         if _cpu_grouped_mm():
             _grouped_vs_loop(rank, 2, g2)
     if rank < 3:
         _cases(rank, 3, g3)
+
+
+def _module(rank, group):
+    """PipelinedLLEPMoE over 2 ranks equals the dense block on all experts."""
+    import moepeak
+    torch.manual_seed(0)  # same router on every rank
+    m = moepeak.PipelinedLLEPMoE(8, 16, 8, 2, group=group, chunk_rows=6, min_tokens_per_gemm=1)
+    with torch.no_grad():
+        m.w_gate_up.normal_(generator=torch.Generator().manual_seed(10 + rank))
+        m.w_down.normal_(generator=torch.Generator().manual_seed(20 + rank)).mul_(0.25)
+    wgu = [torch.empty_like(m.w_gate_up) for _ in range(2)]
+    wd = [torch.empty_like(m.w_down) for _ in range(2)]
+    dist.all_gather(wgu, m.w_gate_up.detach(), group=group)
+    dist.all_gather(wd, m.w_down.detach(), group=group)
+    xs = torch.randn(2, 3, 7, 8, generator=torch.Generator().manual_seed(5))
+    y, logits = m(xs[rank])
+    yr, lr = refs.moe_block_ref(xs[rank].reshape(-1, 8), m.router.weight, torch.cat(wgu), torch.cat(wd), 2)
+    torch.testing.assert_close(y.reshape(-1, 8), yr, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, lr)
 
 
 def _cpu_grouped_mm():
