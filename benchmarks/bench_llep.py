@@ -118,6 +118,19 @@ def standard_ep(x, ids, tw, wgu, wd, group):
     return torch.zeros_like(x).index_add(0, order // K, back.to(x.dtype))
 
 
+def one_chunk_rows(ids, E, group, P):
+    """The smallest chunk budget that gives LLEP a single chunk for this
+    routing: P * max over pairs of rows sent (so buffers are sized by the
+    actual busiest pair, not by the worst case)."""
+    import torch.distributed as dist
+    from moepeak import llep_plan as lp
+    cnt = torch.bincount(ids.flatten(), minlength=E)
+    loads = [torch.empty_like(cnt) for _ in range(P)]
+    dist.all_gather(loads, cnt, group=group)
+    plan = lp.llep_plan(torch.stack(loads).cpu(), 1.0, 1024, 1.3)
+    return max(P * int(plan.S.max()), P)
+
+
 # ---------------------------------------------------------------------------
 # measurement
 # ---------------------------------------------------------------------------
@@ -229,9 +242,9 @@ def main():
                     "moepeak_1chunk": lambda: llep_moe(x, ids, tw, wgu, wd, chunk_rows=max(T * K, 1)),
                     "pipelined": lambda: llep_moe(x, ids, tw, wgu, wd, group=group),
                     "standard_ep": lambda: standard_ep(x, ids, tw, wgu, wd, group),
-                    "llep_1chunk": lambda: llep_moe(x, ids, tw, wgu, wd, group=group,
-                                                    chunk_rows=max(P * T * K, P)),
+                    "llep_1chunk": lambda: llep_moe(x, ids, tw, wgu, wd, group=group, chunk_rows=c1),
                 }
+                c1 = one_chunk_rows(ids, E, group, P) if P > 1 else None
                 if args.smoke:  # the arms compute the same layer
                     with torch.no_grad():
                         outs = {a: fns[a]().float() for a in arms}
