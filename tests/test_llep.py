@@ -192,17 +192,19 @@ def test_one_chunk_equals_many_chunks():
     _assert_close_all(many, one, 1e-6, 1e-6)
 
 
-def test_single_rank_bf16_tolerance_rule():
-    """bf16 error vs fp64 at most 2x PyTorch's own bf16 dense error (+ slack
-    for an all-zero reference error)."""
-    prob = _problem(45, 32, 32, 4, 2, torch.bfloat16, seed=3, frac=0.3)
+@pytest.mark.parametrize("frac", [0.0, 0.3, 0.95])
+def test_single_rank_bf16_tolerance_rule(frac):
+    """bf16 error vs fp64 at most 2x PyTorch's own bf16 dense error (+ a tiny
+    slack for an all-zero reference error); many chunks, so dW is rounded
+    into its bf16 accumulator several times."""
+    prob = _problem(45, 32, 32, 4, 2, torch.bfloat16, seed=3, frac=frac)
     truth = _dense_grads(*prob)
     torch_bf16 = _dense_grads(*[t.to(torch.bfloat16) if t.is_floating_point() else t for t in prob])
     got = _op_grads(*prob, torch.bfloat16, chunk_rows=16)
     for name, a, b, t in zip(NAMES, got, torch_bf16, truth):
         ea = (a.double() - t).abs().max().item()
         eb = (b.double() - t).abs().max().item()
-        assert ea <= 2 * eb + 1e-2 * t.abs().max().item(), f"{name}: op err {ea:.3g} vs torch bf16 err {eb:.3g}"
+        assert ea <= 2 * eb + 1e-4 * t.abs().max().item(), f"{name}: op err {ea:.3g} vs torch bf16 err {eb:.3g}"
 
 
 def test_zero_tokens():

@@ -106,7 +106,7 @@ def test_layer_p1_bf16_cuda(grouped, frac):
     for name, a, b, t in zip(NAMES, got, bf, truth):
         ea = (a.double() - t).abs().max().item()
         eb = (b.double() - t).abs().max().item()
-        assert ea <= 2 * eb + 1e-2 * t.abs().max().item(), f"{name}: op err {ea:.3g} vs torch bf16 err {eb:.3g}"
+        assert ea <= 2 * eb + 1e-4 * t.abs().max().item(), f"{name}: op err {ea:.3g} vs torch bf16 err {eb:.3g}"
 
 
 def test_working_set_cuda_peak():
