@@ -517,3 +517,18 @@ def test_cuda_state_dict_with_torch_cuda_fused():
     _run(tr, ref, grads)
     for x, y in zip(a, ref):
         torch.testing.assert_close(x.detach(), y.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_step_bumps_param_versions():
+    """step() calls the op's body directly (no dispatcher) outside
+    torch.compile; autograd's in-place check must still see the update."""
+    p = torch.randn(10, requires_grad=True)
+    q = torch.randn(10).bfloat16().requires_grad_(True)
+    o = moepeak.StreamAdamW([p, q])
+    p.grad, q.grad = torch.randn(10), torch.randn(10).bfloat16()
+    y = (p * p).sum()  # saves p for backward
+    v0, w0 = p._version, q._version
+    o.step()
+    assert p._version > v0 and q._version > w0
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
