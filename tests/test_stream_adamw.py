@@ -532,3 +532,26 @@ def test_step_bumps_param_versions():
     assert p._version > v0 and q._version > w0
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.backward()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_host_pipeline_streaming_stores_per_isa(dtype, isa):
+    """The pipeline writes the new params into its slots with streaming
+    stores where aligned (per ISA; odd sizes give unaligned starts): same
+    bits as torch's fused AdamW rounded to the param dtype."""
+    torch.manual_seed(15)
+    sizes = [(40001,), (3,), (77777,), (16,)]
+    init = [torch.randn(s) for s in sizes]
+    ours_p = [t.to(dtype).requires_grad_(True) for t in init]
+    ref_p = [t.to(dtype).float().requires_grad_(True) for t in init]
+    ours = moepeak.StreamAdamW(ours_p, lr=1e-2, bucket_mb=0.1, isa=isa, threads=2, _host_pipeline=True)
+    ref = torch.optim.AdamW(ref_p, lr=1e-2, fused=True)
+    for _ in range(3):
+        for a, b in zip(ours_p, ref_p):
+            g = torch.randn(a.shape).to(dtype)
+            a.grad, b.grad = g, g.float()
+        ours.step()
+        ref.step()
+    for a, b in zip(ours_p, ref_p):
+        assert torch.equal(a.detach(), b.detach().to(dtype))
