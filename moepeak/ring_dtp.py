@@ -69,6 +69,11 @@ _FUSED_MAX_CHUNKS = 4  # bf16 dW accumulation over <= 4 chunks: <= 1.55x naive's
 # ---------------------------------------------------------------------------
 # Out-of-range labels on CUDA: a lazily read flag (no host sync).
 # ---------------------------------------------------------------------------
+def _is_compiling() -> bool:
+    f = getattr(torch.compiler, "is_compiling", None)
+    return bool(f()) if f is not None else False
+
+
 class _LabelGuard:
     pending = []  # [(event, pinned int32 [1], V)]
 
@@ -82,6 +87,12 @@ class _LabelGuard:
 
     @classmethod
     def check(cls, wait: bool = False) -> None:
+        # Never while tracing: reading the flag is a data-dependent branch
+        # (GuardOnDataDependentSymNode under torch.compile). The op bodies run
+        # eagerly (custom ops are opaque to the compiler) and call this there, so
+        # an error recorded by a compiled call still surfaces at the next call.
+        if _is_compiling():
+            return
         keep = []
         err = None
         for ev, flag, V in cls.pending:

@@ -313,6 +313,28 @@ def test_cuda_compile_and_opcheck():
 
 
 @pytest.mark.cuda
+def test_cuda_bad_labels_raise_after_compiled_call():
+    """The label guard puts no data-dependent branch in traced code, yet a compiled
+    call with out-of-range labels still raises: at check_labels() and at the next call."""
+    from moepeak.ring_dtp import check_labels
+    x, w, y, _ = make(12, 8, 30, torch.float32)
+    x, w = x.cuda().requires_grad_(), w.cuda().requires_grad_()
+    cf = torch.compile(lambda x, w, y: moepeak.linear_cross_entropy(x, w, y), fullgraph=True)
+    cf(x, w, y.cuda()).backward()  # good labels: compiles and runs
+    bad = y.clone()
+    bad[5] = 30
+    loss = cf(x, w, bad.cuda())
+    assert torch.isnan(loss).item()
+    with pytest.raises(ValueError, match="labels must be in"):
+        check_labels()
+    cf(x, w, bad.cuda())
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="labels must be in"):
+        cf(x, w, y.cuda())  # the op body (eager) reads the earlier call's flag
+    check_labels()  # nothing pending any more
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("mode", MODES)
 def test_cuda_peak_memory_bounded(mode):
     """The logits never exist: peak above the inputs stays within gradients +
