@@ -152,22 +152,37 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct):
     f32acc = x.dtype == torch.float32
     dw = torch.zeros_like(w)
     db = None if bias is None else torch.zeros(V, dtype=torch.float32, device=x.device)
+    # Workspace, allocated once (no allocation inside the loop):
+    #   zbuf [ct, V] x fp32 (the logits rows), dzbuf [ct, V] x dtype (dZ; CUDA low precision only,
+    #   elsewhere dZ is made in place in zbuf and cast per chunk).
+    ct = min(ct, T)
+    zbuf = torch.empty((ct, V), dtype=torch.float32, device=x.device)
+    lowp_cuda = x.device.type == "cuda" and x.dtype != torch.float32
+    dzbuf = torch.empty((ct, V), dtype=x.dtype, device=x.device) if lowp_cuda else None
     for t0 in range(0, T, ct):
         t1 = min(T, t0 + ct)
+        n = t1 - t0
         m, s, zy, zs, sx = (a[t0:t1] for a in st)
         xc = x[t0:t1]
-        z = B.logits_block(xc, w, bias)                      # [ct, V] x fp32: the whole vocab row
+        z = B.mm_f32_into(xc, w.t(), zbuf[:n])                # [n, V] x fp32: the whole vocab row
+        if bias is not None:
+            z.add_(bias.float())
         B.fold(z, 0, V, y[t0:t1], ignore_index, softcap, m, s, zy, zs, sx)
         mm_, ls, q = B.fin((m, s, zy, zs, sx))
-        dz = B.grad_block(z, 0, V, y[t0:t1], ignore_index, softcap, mm_, ls, q, g, eps, V, zloss, x.dtype)
+        dz = B.grad_block(z, 0, V, y[t0:t1], ignore_index, softcap, mm_, ls, q, g, eps, V, zloss, x.dtype,
+                          out=None if dzbuf is None else dzbuf[:n])
         del z
-        dx[t0:t1] = B.mm(dz, w, False)                       # exact: one GEMM over the whole row
+        if x.device.type == "cuda" or f32acc:
+            torch.mm(dz, w, out=dx[t0:t1])                    # exact: one GEMM over the whole row
+        else:
+            dx[t0:t1] = B.mm(dz, w, False)
         if f32acc or x.device.type == "cuda":
             dw.addmm_(dz.t(), xc)                             # one rounding per chunk
         else:
             dw.add_(B.mm(dz.t(), xc, True))
         if db is not None:
             db.add_(dz.float().sum(0))
+        del dz  # the previous chunk's dZ must not live while the next one is made
     return st, dx, dw, db
 
 

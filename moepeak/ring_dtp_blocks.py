@@ -62,6 +62,25 @@ def mm(a: torch.Tensor, b: torch.Tensor, f32: bool) -> torch.Tensor:
     return r if f32 else r.to(a.dtype)
 
 
+def mm_f32_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out <- a @ b as fp32 (out: [m, n] x fp32, contiguous), no new [m, n] buffer where
+    torch can write the fp32 GEMM result in place (fp32 operands; CUDA out_dtype with out=)."""
+    if a.dtype == torch.float32:
+        return torch.mm(a, b, out=out)
+    if a.device.type == "cuda" and _OUT_DTYPE_OK.get("cuda_out") is not False:
+        try:
+            r = torch.mm(a, b, out_dtype=torch.float32, out=out)
+            if r.dtype == torch.float32 and r.data_ptr() == out.data_ptr():
+                _OUT_DTYPE_OK["cuda_out"] = True
+                return out
+            _OUT_DTYPE_OK["cuda_out"] = False
+        except (TypeError, RuntimeError, NotImplementedError):
+            _OUT_DTYPE_OK["cuda_out"] = False
+    for r0 in range(0, a.shape[0], 256):  # fallback: temporaries of <= 256 rows
+        out[r0:r0 + 256].copy_(mm(a[r0:r0 + 256], b, True))
+    return out
+
+
 def logits_block(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """Z = x @ w.T (+ bias): [t, v] x fp32, contiguous (x: [t, H], w: [v, H], bias: [v])."""
     z = mm(x, w.t(), True)
@@ -87,15 +106,17 @@ def fold(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ignore_in
 
 def grad_block(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ignore_index: int, softcap: float,
                m: torch.Tensor, ls: torch.Tensor, q: torch.Tensor, g: torch.Tensor, eps: float, n_classes: int, zloss: float,
-               dtype: torch.dtype) -> torch.Tensor:
+               dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Turn the logits block z: [t, v] x fp32 into dZ, returned in `dtype` (the GEMM
-    operand dtype). m, ls = log(s), q = 1 - p_y: [t] x fp32 (lse = m + ls); g: [t] (per row) or [1] (broadcast) x fp32."""
+    operand dtype). m, ls = log(s), q = 1 - p_y: [t] x fp32 (lse = m + ls); g: [t] (per row) or [1] (broadcast) x fp32.
+    out: optional preallocated [t, v] x dtype workspace (CUDA, dtype bf16/fp16) for dZ."""
     t, v = z.shape
     g_stride = 0 if g.numel() == 1 else 1
     cuda = z.device.type == "cuda"
     stream = current_stream_handle(z.device)
     if cuda and dtype != torch.float32:
-        out = torch.empty((t, v), dtype=dtype, device=z.device)
+        if out is None:
+            out = torch.empty((t, v), dtype=dtype, device=z.device)
         code = 1 if dtype == torch.bfloat16 else 2
         _C.ce_grad(z.data_ptr(), z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
                    m.data_ptr(), ls.data_ptr(), q.data_ptr(), g.data_ptr(), g_stride, eps, n_classes, zloss, out.data_ptr(), v, code, True,
