@@ -36,21 +36,27 @@ __device__ float block_reduce(float x, int op, float *sh) {
   return x;
 }
 
+// Logits element -> fp32 (the block is fp32, or bf16/fp16 straight from a low-precision GEMM).
+__device__ __forceinline__ float ld(const float *p, int64_t j) { return p[j]; }
+__device__ __forceinline__ float ld(const __nv_bfloat16 *p, int64_t j) { return __bfloat162float(p[j]); }
+__device__ __forceinline__ float ld(const __half *p, int64_t j) { return __half2float(p[j]); }
+
 __device__ __forceinline__ int64_t valid_cols(int64_t v, int64_t v0, int64_t v_valid) {
   int64_t n = v_valid - v0;
   return n < 0 ? 0 : (n > v ? v : n);
 }
 
-__global__ void ce_fold_kernel(const float *__restrict__ z, int64_t ldz, int64_t t, int64_t v, int64_t v0,
+template <typename In>
+__global__ void ce_fold_kernel(const In *__restrict__ z, int64_t ldz, int64_t t, int64_t v, int64_t v0,
                                int64_t v_valid, const int64_t *__restrict__ labels, int64_t ignore_index,
                                float c, float *m, float *s, float *zy, float *zsum, float *sx) {
   __shared__ float sh[kThreads / 32];
   const int64_t nv = valid_cols(v, v0, v_valid);
   for (int64_t i = blockIdx.x; i < t; i += gridDim.x) {
-    const float *row = z + i * ldz;
+    const In *row = z + i * ldz;
     float bm = -INFINITY, zs = 0.f;
     for (int64_t j = threadIdx.x; j < nv; j += kThreads) {
-      const float x = cap(row[j], c);
+      const float x = cap(ld(row, j), c);
       bm = fmaxf(bm, x);
       zs += x;
     }
@@ -63,13 +69,13 @@ __global__ void ce_fold_kernel(const float *__restrict__ z, int64_t ldz, int64_t
     float se = 0.f, sy = 0.f;
     if (bm != -INFINITY)
       for (int64_t j = threadIdx.x; j < nv; j += kThreads) {
-        const float e = expf(cap(row[j], c) - mn);
+        const float e = expf(cap(ld(row, j), c) - mn);
         if (j == jy) sy = e; else se += e;  // sum without the target kept apart (no cancellation)
       }
     se = block_reduce(se, 1, sh);
     sy = block_reduce(sy, 1, sh);  // only the thread that saw the target contributes
     if (threadIdx.x == 0) {
-      if (y != ignore_index && y >= v0 && y < v0 + nv) zy[i] = cap(row[y - v0], c);
+      if (y != ignore_index && y >= v0 && y < v0 + nv) zy[i] = cap(ld(row, y - v0), c);
       zsum[i] += zs;
       if (nv > 0 && bm != -INFINITY) {
         const float scale = (mo == -INFINITY) ? 0.f : expf(mo - mn);
@@ -91,10 +97,11 @@ template <>
 __device__ __forceinline__ __half to_out<__half>(float x) { return __float2half_rn(x); }
 
 // dZ = g * (softmax - target distribution) (+ z-loss term) * softcap', row by
-// row, with 1 - p_y = q[i] (from the fold's sx / s, see csrc/ce.c); out may alias z when Out is float (each element is read before written
-// by the same thread).
-template <typename Out>
-__global__ void ce_grad_kernel(const float *z, int64_t ldz, int64_t t, int64_t v, int64_t v0, int64_t v_valid,
+// row, with 1 - p_y = q[i] (from the fold's sx / s, see csrc/ce.c). out may alias z
+// when Out == In (same element size and ld): each element is read, then written, by
+// the same thread, so dZ is made in place in the logits block.
+template <typename In, typename Out>
+__global__ void ce_grad_kernel(const In *z, int64_t ldz, int64_t t, int64_t v, int64_t v0, int64_t v_valid,
                                const int64_t *__restrict__ labels, int64_t ignore_index, float c,
                                const float *__restrict__ mrow, const float *__restrict__ ls,
                                const float *__restrict__ q,
@@ -102,7 +109,7 @@ __global__ void ce_grad_kernel(const float *z, int64_t ldz, int64_t t, int64_t v
                                float eps, float uni, float zloss, Out *out, int64_t ldo) {
   const int64_t nv = valid_cols(v, v0, v_valid);
   for (int64_t i = blockIdx.x; i < t; i += gridDim.x) {
-    const float *row = z + i * ldz;
+    const In *row = z + i * ldz;
     Out *orow = out + i * ldo;
     const int64_t y = labels[i];
     const float gi = g[i * g_stride];
@@ -116,7 +123,7 @@ __global__ void ce_grad_kernel(const float *z, int64_t ldz, int64_t t, int64_t v
     for (int64_t j = threadIdx.x; j < v; j += kThreads) {
       float r = 0.f;  // padding columns: -inf logit, zero gradient
       if (j < nv) {
-        float x = row[j], dcap = 1.f;
+        float x = ld(row, j), dcap = 1.f;
         if (c > 0.f) {
           const float th = tanhf(x / c);
           x = c * th;
@@ -134,49 +141,82 @@ __global__ void ce_grad_kernel(const float *z, int64_t ldz, int64_t t, int64_t v
 
 inline unsigned grid_for(int64_t t) { return (unsigned)(t < kMaxGrid ? t : kMaxGrid); }
 
+template <typename In>
+void launch_fold(const void *z, int64_t ldz, int64_t t, int64_t v, int64_t v0, int64_t v_valid, const int64_t *labels,
+                 int64_t ignore_index, float softcap, float *m, float *s, float *zy, float *zsum, float *sx,
+                 cudaStream_t stream) {
+  ce_fold_kernel<In><<<grid_for(t), kThreads, 0, stream>>>((const In *)z, ldz, t, v, v0, v_valid, labels,
+                                                           ignore_index, softcap, m, s, zy, zsum, sx);
+}
+
+template <typename In, typename Out>
+void launch_grad(const void *z, int64_t ldz, int64_t t, int64_t v, int64_t v0, int64_t v_valid,
+                 const int64_t *labels, int64_t ignore_index, float softcap, const float *mrow, const float *ls,
+                 const float *q, const float *g, int64_t g_stride, float eps, float uni, float zloss, void *out,
+                 int64_t ldo, cudaStream_t stream) {
+  ce_grad_kernel<In, Out><<<grid_for(t), kThreads, 0, stream>>>((const In *)z, ldz, t, v, v0, v_valid, labels,
+                                                                ignore_index, softcap, mrow, ls, q, g, g_stride,
+                                                                eps, uni, zloss, (Out *)out, ldo);
+}
+
 }  // namespace
 
 extern "C" {
 
-mp_status mp_ce_fold_cuda(float *z, int64_t ldz, int64_t t, int64_t v, int64_t v0, int64_t v_valid,
-                          const int64_t *labels, int64_t ignore_index, float softcap, float *m, float *s,
-                          float *zy, float *zsum, float *sx, uintptr_t stream) {
+// z_dtype / out_dtype: 0 fp32, 1 bf16, 2 fp16. Low-precision logits (z_dtype 1, 2)
+// need out_dtype == z_dtype (dZ in place: out == z, ldo == ldz, checked by the binding).
+mp_status mp_ce_fold_cuda(const void *z, int z_dtype, int64_t ldz, int64_t t, int64_t v, int64_t v0,
+                          int64_t v_valid, const int64_t *labels, int64_t ignore_index, float softcap, float *m,
+                          float *s, float *zy, float *zsum, float *sx, uintptr_t stream) {
   mp_status st = MP_OK;
   if (t <= 0) return MP_OK;
-  ce_fold_kernel<<<grid_for(t), kThreads, 0, MP_STREAM(stream)>>>(z, ldz, t, v, v0, v_valid, labels,
-                                                                  ignore_index, softcap, m, s, zy, zsum, sx);
+  switch (z_dtype) {
+    case 0: launch_fold<float>(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, s, zy, zsum, sx,
+                               MP_STREAM(stream)); break;
+    case 1: launch_fold<__nv_bfloat16>(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, s, zy, zsum,
+                                       sx, MP_STREAM(stream)); break;
+    case 2: launch_fold<__half>(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, s, zy, zsum, sx,
+                                MP_STREAM(stream)); break;
+    default: MP_FAIL(st, MP_ERR_INVALID, "ce_fold: z_dtype must be 0, 1 or 2, got %d", z_dtype);
+  }
   MP_CUDA_CHECK_LAUNCH(st);
 fail:
   return st;
 }
 
-mp_status mp_ce_grad_cuda(float *z, int64_t ldz, int64_t t, int64_t v, int64_t v0, int64_t v_valid,
-                          const int64_t *labels, int64_t ignore_index, float softcap, const float *mrow,
-                          const float *ls,
-                          const float *q, const float *g, int64_t g_stride, float eps, int64_t n_classes,
-                          float zloss, void *out,
-                          int64_t ldo, int out_dtype, uintptr_t stream) {
+mp_status mp_ce_grad_cuda(const void *z, int z_dtype, int64_t ldz, int64_t t, int64_t v, int64_t v0,
+                          int64_t v_valid, const int64_t *labels, int64_t ignore_index, float softcap,
+                          const float *mrow, const float *ls, const float *q, const float *g, int64_t g_stride,
+                          float eps, int64_t n_classes, float zloss, void *out, int64_t ldo, int out_dtype,
+                          uintptr_t stream) {
   mp_status st = MP_OK;
   const float uni = eps / (float)n_classes;
+  cudaStream_t sm = MP_STREAM(stream);
   if (t <= 0) return MP_OK;
-  switch (out_dtype) {
-    case 0:
-      ce_grad_kernel<float><<<grid_for(t), kThreads, 0, MP_STREAM(stream)>>>(
-          z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, mrow, ls, q, g, g_stride, eps, uni, zloss,
-          z, ldz);  // fp32 output is always in place
+  switch (z_dtype * 3 + out_dtype) {
+    case 0:  // fp32 logits, fp32 dZ in place
+      launch_grad<float, float>(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, mrow, ls, q, g, g_stride,
+                                eps, uni, zloss, (void *)z, ldz, sm);
       break;
     case 1:
-      ce_grad_kernel<__nv_bfloat16><<<grid_for(t), kThreads, 0, MP_STREAM(stream)>>>(
-          z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, mrow, ls, q, g, g_stride, eps, uni, zloss,
-          (__nv_bfloat16 *)out, ldo);
+      launch_grad<float, __nv_bfloat16>(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, mrow, ls, q, g,
+                                        g_stride, eps, uni, zloss, out, ldo, sm);
       break;
     case 2:
-      ce_grad_kernel<__half><<<grid_for(t), kThreads, 0, MP_STREAM(stream)>>>(
-          z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, mrow, ls, q, g, g_stride, eps, uni, zloss,
-          (__half *)out, ldo);
+      launch_grad<float, __half>(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, mrow, ls, q, g, g_stride,
+                                 eps, uni, zloss, out, ldo, sm);
+      break;
+    case 4:  // bf16 logits, bf16 dZ in place
+      launch_grad<__nv_bfloat16, __nv_bfloat16>(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, mrow, ls,
+                                                q, g, g_stride, eps, uni, zloss, out, ldo, sm);
+      break;
+    case 8:  // fp16 logits, fp16 dZ in place
+      launch_grad<__half, __half>(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, mrow, ls, q, g,
+                                  g_stride, eps, uni, zloss, out, ldo, sm);
       break;
     default:
-      MP_FAIL(st, MP_ERR_INVALID, "ce_grad: out_dtype must be 0 (fp32), 1 (bf16) or 2 (fp16), got %d", out_dtype);
+      MP_FAIL(st, MP_ERR_INVALID, "ce_grad: (z_dtype, out_dtype) must be (0, 0..2), (1, 1) or (2, 2), got (%d, %d)",
+              z_dtype, out_dtype);
   }
   MP_CUDA_CHECK_LAUNCH(st);
 fail:

@@ -62,7 +62,8 @@ from ._ext import check_tensor, require_cuda_build
 from . import ring_dtp_blocks as B
 
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
-MODES = {"auto": 0, "fused": 1, "vocab_outer": 2, "token_outer": 3}
+MODES = {"auto": 0, "fused": 1, "vocab_outer": 2, "token_outer": 3, "fused_lowp": 4}
+_FUSED = (MODES["fused"], MODES["fused_lowp"])
 _FUSED_MAX_CHUNKS = 4  # bf16 dW accumulation over <= 4 chunks: <= 1.55x naive's dW error (see above)
 
 
@@ -144,8 +145,11 @@ def _fold_all(x, w, bias, y, ignore_index, softcap, ct, cv):
     return st
 
 
-def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct):
-    """Forward with gradients (3 GEMMs). g: [1] x fp32 (the per-token weight)."""
+def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=False):
+    """Forward with gradients (3 GEMMs). g: [1] x fp32 (the per-token weight).
+    lowp_logits: the GEMM writes the logits in x.dtype (bf16/fp16, fp32-accumulated, as naive
+    F.linear does) and dZ is made in place in that block (CUDA); on CPU the same rounding is
+    applied to an fp32 block (z <- fp32(bf16(z))), so CPU tests check these numerics."""
     T, V = x.shape[0], w.shape[0]
     st = B.new_state(T, x.device)
     dx = torch.empty_like(x)
@@ -153,20 +157,30 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct):
     dw = torch.zeros_like(w)
     db = None if bias is None else torch.zeros(V, dtype=torch.float32, device=x.device)
     # Workspace, allocated once (no allocation inside the loop):
-    #   zbuf [ct, V] x fp32 (the logits rows), dzbuf [ct, V] x dtype (dZ; CUDA low precision only,
-    #   elsewhere dZ is made in place in zbuf and cast per chunk).
+    #   fp32 logits:   zbuf [ct, V] x fp32 and dzbuf [ct, V] x dtype (CUDA low precision;
+    #                  elsewhere dZ is made in place in zbuf and cast per chunk);
+    #   lowp logits:   zbuf [ct, V] x dtype on CUDA (dZ in place: one buffer), fp32 on CPU.
     ct = min(ct, T)
-    zbuf = torch.empty((ct, V), dtype=torch.float32, device=x.device)
-    lowp_cuda = x.device.type == "cuda" and x.dtype != torch.float32
-    dzbuf = torch.empty((ct, V), dtype=x.dtype, device=x.device) if lowp_cuda else None
+    lowp = x.dtype != torch.float32
+    cuda = x.device.type == "cuda"
+    direct = lowp_logits and lowp and cuda
+    zbuf = torch.empty((ct, V), dtype=x.dtype if direct else torch.float32, device=x.device)
+    dzbuf = torch.empty((ct, V), dtype=x.dtype, device=x.device) if (cuda and lowp and not direct) else None
     for t0 in range(0, T, ct):
         t1 = min(T, t0 + ct)
         n = t1 - t0
         m, s, zy, zs, sx = (a[t0:t1] for a in st)
         xc = x[t0:t1]
-        z = B.mm_f32_into(xc, w.t(), zbuf[:n])                # [n, V] x fp32: the whole vocab row
-        if bias is not None:
-            z.add_(bias.float())
+        if direct:
+            z = torch.mm(xc, w.t(), out=zbuf[:n])                # [n, V] x dtype, fp32-accumulated
+            if bias is not None:
+                z.add_(bias)
+        else:
+            z = B.mm_f32_into(xc, w.t(), zbuf[:n])           # [n, V] x fp32: the whole vocab row
+            if bias is not None:
+                z.add_(bias.float())
+            if lowp_logits and lowp:                          # CPU: the rounding of a low-precision GEMM output
+                z.copy_(z.to(x.dtype))
         B.fold(z, 0, V, y[t0:t1], ignore_index, softcap, m, s, zy, zs, sx)
         mm_, ls, q = B.fin((m, s, zy, zs, sx))
         dz = B.grad_block(z, 0, V, y[t0:t1], ignore_index, softcap, mm_, ls, q, g, eps, V, zloss, x.dtype,
@@ -240,19 +254,26 @@ def _reduce(rows: Tensor, valid: Tensor, reduction: int) -> Tensor:
     return total / valid.sum().clamp_min(1).to(torch.float32)
 
 
-def _pick_mode(mode: int, grads: bool, reduction: int, T: int, V: int, dtype, ct_fused: int) -> int:
-    if mode == MODES["fused"] and reduction == 0:
+def _pick_mode(mode: int, grads: bool, reduction: int, T: int, V: int, dtype, chunk_tokens: int = 0) -> int:
+    if mode in _FUSED and reduction == 0:
         return MODES["vocab_outer"]  # per-token upstream grads are unknown in forward
+    if mode == MODES["fused_lowp"] and dtype == torch.float32:
+        return MODES["fused"]  # fp32 inputs: the logits are fp32 anyway
     if mode != 0:
         return mode
-    if grads and reduction != 0 and (dtype == torch.float32 or math.ceil(T / ct_fused) <= _FUSED_MAX_CHUNKS):
-        return MODES["fused"]
+    if not grads or reduction == 0:
+        return MODES["vocab_outer"]
+    if dtype == torch.float32:
+        return MODES["fused"]  # fp32 dW accumulation: exact at any chunk count
+    ct = chunk_tokens or B.fused_chunk_tokens(V, dtype, lowp_logits=True)
+    if math.ceil(T / ct) <= _FUSED_MAX_CHUNKS:
+        return MODES["fused_lowp"]
     return MODES["vocab_outer"]
 
 
 def _sizes(T, H, V, dtype, mode, chunk_tokens, chunk_vocab):
-    if mode == MODES["fused"]:
-        return chunk_tokens or B.fused_chunk_tokens(V, dtype), V
+    if mode in _FUSED:
+        return chunk_tokens or B.fused_chunk_tokens(V, dtype, lowp_logits=mode == MODES["fused_lowp"]), V
     ct, cv = B.blocked_chunks(T, H, dtype, chunk_tokens=chunk_tokens)
     return ct, (chunk_vocab or cv)
 
@@ -276,16 +297,16 @@ def ring_dtp_ce(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[T
     if _LabelGuard.pending:  # inside the op: opaque to torch.compile, so no graph break
         _LabelGuard.check()
     y, valid, bad = _sanitize_labels(labels, V, ignore_index)
-    ct_f = chunk_tokens or B.fused_chunk_tokens(V, hidden.dtype)
-    m = _pick_mode(mode, grads, reduction, T, V, hidden.dtype, ct_f)
+    m = _pick_mode(mode, grads, reduction, T, V, hidden.dtype, chunk_tokens)
     ct, cv = _sizes(T, H, V, hidden.dtype, m, chunk_tokens or None, chunk_vocab or None)
     dx, dw, db = hidden.new_empty(0), hidden.new_empty(0), torch.empty(0, dtype=torch.float32, device=dev)
-    if m == MODES["fused"] and grads:
+    if m in _FUSED and grads:
         if reduction == 1:
             g = (1.0 / valid.sum().clamp_min(1).to(torch.float32)).reshape(1)
         else:
             g = torch.ones(1, dtype=torch.float32, device=dev)
-        st, dx, dw, dbb = _fused(hidden, weight, bias, y, ignore_index, softcap, label_smoothing, z_loss, g, ct)
+        st, dx, dw, dbb = _fused(hidden, weight, bias, y, ignore_index, softcap, label_smoothing, z_loss, g, ct,
+                                 lowp_logits=m == MODES["fused_lowp"])
         if dbb is not None:
             db = dbb
     else:
@@ -306,9 +327,8 @@ def _(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_
     ls = hidden.new_empty((T,), dtype=torch.float32)
     # dX/dW are either full gradients (fused) or empty: data-dependent in size only via
     # the mode choice, which depends on static arguments, so resolve it here the same way.
-    ct_f = chunk_tokens or B.fused_chunk_tokens(weight.shape[0], hidden.dtype)
-    m = _pick_mode(mode, grads, reduction, T, weight.shape[0], hidden.dtype, ct_f)
-    if m == MODES["fused"] and grads:
+    m = _pick_mode(mode, grads, reduction, T, weight.shape[0], hidden.dtype, chunk_tokens)
+    if m in _FUSED and grads:
         dx, dw = torch.empty_like(hidden), torch.empty_like(weight)
         db = hidden.new_empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32)
     else:

@@ -95,12 +95,15 @@ def new_state(t: int, device) -> Tuple[torch.Tensor, ...]:
     return m, z[0], z[1], z[2], z[3]  # m, s, zy, zsum, sx
 
 
+_ZCODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
 def fold(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ignore_index: int, softcap: float,
          m, s, zy, zsum, sx) -> None:
     """Fold the logits block z: [t, v] (global columns [v0, v0+v)) into the state rows."""
     t, v = z.shape
     cuda = z.device.type == "cuda"
-    _C.ce_fold(z.data_ptr(), z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
+    _C.ce_fold(z.data_ptr(), _ZCODE[z.dtype], z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
                m.data_ptr(), s.data_ptr(), zy.data_ptr(), zsum.data_ptr(), sx.data_ptr(), cuda, current_stream_handle(z.device))
 
 
@@ -114,15 +117,21 @@ def grad_block(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ign
     g_stride = 0 if g.numel() == 1 else 1
     cuda = z.device.type == "cuda"
     stream = current_stream_handle(z.device)
+    if z.dtype != torch.float32:  # low-precision logits (CUDA): dZ in place, in z's dtype
+        code = _ZCODE[z.dtype]
+        _C.ce_grad(z.data_ptr(), code, z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
+                   m.data_ptr(), ls.data_ptr(), q.data_ptr(), g.data_ptr(), g_stride, eps, n_classes, zloss, z.data_ptr(),
+                   z.stride(0), code, cuda, stream)
+        return z
     if cuda and dtype != torch.float32:
         if out is None:
             out = torch.empty((t, v), dtype=dtype, device=z.device)
         code = 1 if dtype == torch.bfloat16 else 2
-        _C.ce_grad(z.data_ptr(), z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
+        _C.ce_grad(z.data_ptr(), 0, z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
                    m.data_ptr(), ls.data_ptr(), q.data_ptr(), g.data_ptr(), g_stride, eps, n_classes, zloss, out.data_ptr(), v, code, True,
                    stream)
         return out
-    _C.ce_grad(z.data_ptr(), z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
+    _C.ce_grad(z.data_ptr(), 0, z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
                m.data_ptr(), ls.data_ptr(), q.data_ptr(), g.data_ptr(), g_stride, eps, n_classes, zloss, z.data_ptr(), z.stride(0), 0, cuda,
                stream)
     return z if dtype == torch.float32 else z.to(dtype)
@@ -177,15 +186,19 @@ def round_down(x: int, q: int) -> int:
     return max(q, (x // q) * q)
 
 
-def fused_chunk_tokens(V: int, dtype: torch.dtype, budget: int = DEFAULT_WORKSPACE_BYTES) -> int:
-    """Token rows per chunk when a chunk holds whole vocab rows (mode 'fused').
+def fused_chunk_tokens(V: int, dtype: torch.dtype, budget: int = DEFAULT_WORKSPACE_BYTES,
+                       lowp_logits: bool = False) -> int:
+    """Token rows per chunk when a chunk holds whole vocab rows (modes 'fused*').
 
-    A chunk holds Z: [ct, V] x fp32 and dZ: [ct, V] x dtype:
-      ct = budget / (V * (4 + b)), rounded down to a multiple of 64.
-    Worked once: V = 151936, bf16 (b = 2), budget 512 MiB:
-      536870912 / (151936 * 6) = 588.9 -> ct = 576 (Z 334 MiB + dZ 167 MiB).
+    fp32 logits: Z [ct, V] x fp32 and dZ [ct, V] x dtype: ct = budget / (V * (4 + b));
+    lowp logits: Z [ct, V] x dtype with dZ in place:     ct = budget / (V * b);
+    rounded down to a multiple of 64. Worked once: V = 151936, bf16 (b = 2), 512 MiB:
+      fp32 logits 536870912 / (151936 * 6) = 588.9 -> ct = 576 (Z 334 MiB + dZ 167 MiB);
+      lowp logits 536870912 / (151936 * 2) = 1766.8 -> ct = 1728 (Z/dZ 501 MiB).
     """
-    ct = budget // (V * (4 + lowp_bytes(dtype)))
+    b = lowp_bytes(dtype)
+    per = b if (lowp_logits and b) else 4 + b
+    ct = budget // (V * per)
     return round_down(int(ct), 64) if ct >= 64 else max(1, int(ct))
 
 

@@ -63,7 +63,7 @@ def check(x, w, y, b=None, mode="auto", gout=None, chunk_tokens=None, chunk_voca
     return ours, ref
 
 
-MODES = ["fused", "vocab_outer", "token_outer"]
+MODES = ["fused", "fused_lowp", "vocab_outer", "token_outer"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -165,10 +165,15 @@ def test_mode_errors():
 
 def test_auto_mode_choice():
     from moepeak.ring_dtp import MODES as M, _pick_mode
-    assert _pick_mode(0, True, 1, 2000, 151936, torch.bfloat16, 576) == M["fused"]
-    assert _pick_mode(0, True, 1, 32768, 151936, torch.bfloat16, 576) == M["vocab_outer"]
-    assert _pick_mode(0, True, 0, 100, 1000, torch.bfloat16, 576) == M["vocab_outer"]
-    assert _pick_mode(0, True, 2, 32768, 151936, torch.float32, 576) == M["fused"]
+    # bf16 logits, 1728 rows per chunk at V = 151936 (fused_chunk_tokens): 2 chunks at T = 2000
+    assert _pick_mode(0, True, 1, 2000, 151936, torch.bfloat16) == M["fused_lowp"]
+    assert _pick_mode(0, True, 1, 32768, 151936, torch.bfloat16) == M["vocab_outer"]
+    assert _pick_mode(0, True, 1, 32768, 151936, torch.bfloat16, 8192) == M["fused_lowp"]
+    assert _pick_mode(0, True, 0, 100, 1000, torch.bfloat16) == M["vocab_outer"]
+    assert _pick_mode(0, False, 1, 100, 1000, torch.bfloat16) == M["vocab_outer"]
+    assert _pick_mode(0, True, 2, 32768, 151936, torch.float32) == M["fused"]
+    assert _pick_mode(M["fused_lowp"], True, 1, 64, 100, torch.float32) == M["fused"]
+    assert _pick_mode(M["fused_lowp"], True, 0, 64, 100, torch.bfloat16) == M["vocab_outer"]
 
 
 def test_return_lse_and_shapes():
@@ -274,7 +279,7 @@ def test_cuda_all_options(dtype, mode):
     x, w, y, b = x.cuda(), w.cuda(), y.cuda(), b.cuda()
     check(x, w, y, b, mode=mode, chunk_tokens=128, chunk_vocab=384, label_smoothing=0.05, z_loss=1e-4,
           softcap=20.0)
-    check(x, w, y, b, mode=mode if mode != "fused" else "vocab_outer", gout=torch.randn(300, device="cuda"),
+    check(x, w, y, b, mode=mode if not mode.startswith("fused") else "vocab_outer", gout=torch.randn(300, device="cuda"),
           reduction="none", chunk_tokens=128, chunk_vocab=384)
 
 
@@ -307,6 +312,7 @@ def test_cuda_compile_and_opcheck():
     x, w, y, b = make(10, 8, 30, torch.bfloat16, bias=True)
     x, w, y, b = x.cuda().requires_grad_(), w.cuda().requires_grad_(), y.cuda(), b.cuda().requires_grad_()
     torch.library.opcheck(torch.ops.moepeak.ring_dtp_ce.default, (x, w, y, b, -100, 1, 0.1, 1e-3, 3.0, 2, 4, 8, True))
+    torch.library.opcheck(torch.ops.moepeak.ring_dtp_ce.default, (x, w, y, b, -100, 1, 0.1, 1e-3, 3.0, 4, 4, 0, True))
     cf = torch.compile(lambda x, w, y: moepeak.linear_cross_entropy(x, w, y), fullgraph=True)
     cf(x, w, y).backward()
     assert torch.isfinite(x.grad).all()
