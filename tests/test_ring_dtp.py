@@ -155,18 +155,24 @@ def test_mode_errors():
     naive = grads(naive_linear_cross_entropy, x, w, y, None)
     base = relerr(naive[2], ref[2])
     ratios = {}
-    for mode, ct in [("fused", 512), ("fused", 128), ("fused", 16), ("vocab_outer", 64)]:
+    for mode, ct in [("fused", 512), ("fused", 128), ("fused", 16), ("vocab_outer", 64),
+                     ("fused_lowp", 512), ("fused_lowp", 64), ("fused_lowp", 16)]:
         r = grads(moepeak.linear_cross_entropy, x, w, y, None, mode=mode, chunk_tokens=ct, chunk_vocab=256)
         ratios[(mode, 512 // ct)] = relerr(r[2], ref[2]) / base
     print("dW error / naive dW error:", ratios)
     assert ratios[("fused", 1)] <= 1.2 and ratios[("vocab_outer", 8)] <= 1.2
     assert ratios[("fused", 32)] > ratios[("fused", 1)]
+    # bf16 logits: naive's own rounding, so naive-level error in one chunk; within 2x at auto's 8 chunks
+    assert ratios[("fused_lowp", 1)] <= 1.2 and ratios[("fused_lowp", 8)] <= 2.0
+    assert ratios[("fused_lowp", 32)] > ratios[("fused_lowp", 1)]
 
 
 def test_auto_mode_choice():
     from moepeak.ring_dtp import MODES as M, _pick_mode
     # bf16 logits, 1728 rows per chunk at V = 151936 (fused_chunk_tokens): 2 chunks at T = 2000
     assert _pick_mode(0, True, 1, 2000, 151936, torch.bfloat16) == M["fused_lowp"]
+    assert _pick_mode(0, True, 1, 8 * 1728, 151936, torch.bfloat16) == M["fused_lowp"]
+    assert _pick_mode(0, True, 1, 8 * 1728 + 1, 151936, torch.bfloat16) == M["vocab_outer"]
     assert _pick_mode(0, True, 1, 32768, 151936, torch.bfloat16) == M["vocab_outer"]
     assert _pick_mode(0, True, 1, 32768, 151936, torch.bfloat16, 8192) == M["fused_lowp"]
     assert _pick_mode(0, True, 0, 100, 1000, torch.bfloat16) == M["vocab_outer"]
