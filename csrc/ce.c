@@ -136,15 +136,15 @@ static void ce_grad_rows(void *ctx, int64_t begin, int64_t end, int worker) {
 /* CUDA launchers (cuda/ce.cu).                                              */
 /* ------------------------------------------------------------------------- */
 #if MP_WITH_CUDA
-mp_status mp_ce_fold_cuda(float *z, int64_t ldz, int64_t t, int64_t v, int64_t v0, int64_t v_valid,
-                          const int64_t *labels, int64_t ignore_index, float softcap, float *m, float *s,
-                          float *zy, float *zsum, float *sx, uintptr_t stream);
-mp_status mp_ce_grad_cuda(float *z, int64_t ldz, int64_t t, int64_t v, int64_t v0, int64_t v_valid,
-                          const int64_t *labels, int64_t ignore_index, float softcap, const float *mrow,
-                          const float *ls,
-                          const float *q, const float *g, int64_t g_stride, float eps, int64_t n_classes,
-                          float zloss, void *out,
-                          int64_t ldo, int out_dtype, uintptr_t stream);
+/* z_dtype, out_dtype: 0 fp32, 1 bf16, 2 fp16 (low-precision logits: dZ in place, out == z). */
+mp_status mp_ce_fold_cuda(const void *z, int z_dtype, int64_t ldz, int64_t t, int64_t v, int64_t v0,
+                          int64_t v_valid, const int64_t *labels, int64_t ignore_index, float softcap, float *m,
+                          float *s, float *zy, float *zsum, float *sx, uintptr_t stream);
+mp_status mp_ce_grad_cuda(const void *z, int z_dtype, int64_t ldz, int64_t t, int64_t v, int64_t v0,
+                          int64_t v_valid, const int64_t *labels, int64_t ignore_index, float softcap,
+                          const float *mrow, const float *ls, const float *q, const float *g, int64_t g_stride,
+                          float eps, int64_t n_classes, float zloss, void *out, int64_t ldo, int out_dtype,
+                          uintptr_t stream);
 #endif
 
 /* ------------------------------------------------------------------------- */
@@ -161,14 +161,15 @@ static int ce_check_sizes(const ce_args *a) {
   return 0;
 }
 
-/* ce_fold(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, s, zy, zsum, sx, cuda, stream) */
+/* ce_fold(z, z_dtype, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, s, zy, zsum, sx, cuda, stream)
+ * z_dtype: 0 fp32 (the only CPU choice), 1 bf16, 2 fp16 (CUDA). */
 static PyObject *py_ce_fold(PyObject *self, PyObject *args) {
   (void)self;
   unsigned long long z, labels, m, s, zy, zsum, sx, stream;
   long long ldz, t, v, v0, v_valid, ignore;
   double softcap;
-  int cuda;
-  if (!PyArg_ParseTuple(args, "KLLLLLKLdKKKKKpK:ce_fold", &z, &ldz, &t, &v, &v0, &v_valid, &labels, &ignore,
+  int cuda, z_dtype;
+  if (!PyArg_ParseTuple(args, "KiLLLLLKLdKKKKKpK:ce_fold", &z, &z_dtype, &ldz, &t, &v, &v0, &v_valid, &labels, &ignore,
                         &softcap, &m, &s, &zy, &zsum, &sx, &cuda, &stream))
     return NULL;
   ce_args a;
@@ -182,11 +183,16 @@ static PyObject *py_ce_fold(PyObject *self, PyObject *args) {
   a.zy = (float *)(uintptr_t)zy; a.zsum = (float *)(uintptr_t)zsum; a.sx = (float *)(uintptr_t)sx;
   a.n_classes = 1;
   if (ce_check_sizes(&a)) return NULL;
+  if (z_dtype < 0 || z_dtype > 2 || (!cuda && z_dtype != 0)) {
+    PyErr_Format(PyExc_ValueError, "moepeak._C.ce_fold: z_dtype must be 0 (fp32) on CPU, 0..2 on CUDA, got %d",
+                 z_dtype);
+    return NULL;
+  }
   if (t == 0) Py_RETURN_NONE;
   mp_status st = MP_OK;
   if (cuda) {
 #if MP_WITH_CUDA
-    st = mp_ce_fold_cuda(a.z, ldz, t, v, v0, v_valid, a.labels, ignore, a.softcap, a.m, a.s, a.zy, a.zsum,
+    st = mp_ce_fold_cuda(a.z, z_dtype, ldz, t, v, v0, v_valid, a.labels, ignore, a.softcap, a.m, a.s, a.zy, a.zsum,
                          a.sx, (uintptr_t)stream);
 #else
     return mp_raise_no_cuda("ce_fold");
@@ -200,16 +206,17 @@ static PyObject *py_ce_fold(PyObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
-/* ce_grad(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, ls, q, g, g_stride, eps, n_classes,
+/* ce_grad(z, z_dtype, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, ls, q, g, g_stride, eps, n_classes,
  *         zloss, out, ldo, out_dtype, cuda, stream)
- * out_dtype: 0 fp32 in place (out must equal z; the only CPU choice), 1 bf16, 2 fp16 (CUDA). */
+ * out_dtype: 0 fp32 in place (out must equal z; the only CPU choice), 1 bf16, 2 fp16 (CUDA).
+ * z_dtype: 0 fp32; 1 bf16 / 2 fp16 logits (CUDA) need out_dtype == z_dtype, out == z, ldo == ldz. */
 static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
   (void)self;
   unsigned long long z, labels, mrow, ls, q, g, out, stream;
   long long ldz, t, v, v0, v_valid, ignore, g_stride, n_classes, ldo;
   double softcap, eps, zloss;
-  int out_dtype, cuda;
-  if (!PyArg_ParseTuple(args, "KLLLLLKLdKKKKLdLdKLipK:ce_grad", &z, &ldz, &t, &v, &v0, &v_valid, &labels,
+  int out_dtype, cuda, z_dtype;
+  if (!PyArg_ParseTuple(args, "KiLLLLLKLdKKKKLdLdKLipK:ce_grad", &z, &z_dtype, &ldz, &t, &v, &v0, &v_valid, &labels,
                         &ignore, &softcap, &mrow, &ls, &q, &g, &g_stride, &eps, &n_classes, &zloss, &out, &ldo,
                         &out_dtype, &cuda, &stream))
     return NULL;
@@ -232,6 +239,12 @@ static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
                  "(got %lld), out_dtype 0..2 (got %d)", n_classes, g_stride, out_dtype);
     return NULL;
   }
+  if (z_dtype < 0 || z_dtype > 2 || (!cuda && z_dtype != 0) ||
+      (z_dtype != 0 && (out_dtype != z_dtype || out != z || ldo != ldz))) {
+    PyErr_Format(PyExc_ValueError, "moepeak._C.ce_grad: z_dtype %d: low-precision logits (1, 2; CUDA only) "
+                 "need out_dtype == z_dtype and dZ in place (out == z, ldo == ldz)", z_dtype);
+    return NULL;
+  }
   if (t == 0) Py_RETURN_NONE;
   mp_status st = MP_OK;
   if (cuda) {
@@ -240,7 +253,7 @@ static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
       PyErr_Format(PyExc_ValueError, "moepeak._C.ce_grad: ldo=%lld < v=%lld", ldo, v);
       return NULL;
     }
-    st = mp_ce_grad_cuda(a.z, ldz, t, v, v0, v_valid, a.labels, ignore, a.softcap, a.mrow, a.ls, a.q, a.g, g_stride,
+    st = mp_ce_grad_cuda(a.z, z_dtype, ldz, t, v, v0, v_valid, a.labels, ignore, a.softcap, a.mrow, a.ls, a.q, a.g, g_stride,
                          a.eps, n_classes, a.zloss, (void *)(uintptr_t)out, ldo, out_dtype, (uintptr_t)stream);
 #else
     return mp_raise_no_cuda("ce_grad");
@@ -260,10 +273,10 @@ static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
 
 PyMethodDef mp_ce_methods[] = {
     {"ce_fold", py_ce_fold, METH_VARARGS,
-     "ce_fold(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, s, zy, zsum, sx, cuda, stream): "
+     "ce_fold(z, z_dtype, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, s, zy, zsum, sx, cuda, stream): "
      "fold a fp32 logits block into per-row (m, s, zy, zsum, sx)."},
     {"ce_grad", py_ce_grad, METH_VARARGS,
-     "ce_grad(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, ls, q, g, g_stride, eps, n_classes, "
+     "ce_grad(z, z_dtype, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, ls, q, g, g_stride, eps, n_classes, "
      "zloss, out, ldo, out_dtype, cuda, stream): turn a fp32 logits block into dZ."},
     {NULL, NULL, 0, NULL},
 };

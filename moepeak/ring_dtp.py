@@ -17,28 +17,39 @@ every GEMM is torch's. Schedules ("mode"):
                dX += dZ W_b into an fp32 [T, H] accumulator (exact).
   token_outer  4 GEMMs. Backward per token chunk: dX of the chunk exact in fp32,
                dW accumulated in the weight's dtype (one rounding per chunk).
-  auto         fused when backward is certain (grad enabled, reduction mean/sum)
-               and the dW accumulation has at most 4 chunks or is fp32;
-               vocab_outer otherwise.
+  fused_lowp   like fused, but the GEMM writes the logits in the input dtype
+               (bf16/fp16, fp32-accumulated: the rounding naive F.linear has)
+               into one [ct, V] workspace, the fold reads it, and the gradient
+               kernel overwrites it in place with dZ, which feeds the dX and dW
+               GEMMs directly: per element 2 B written by the GEMM, 2 B read by
+               the fold, 2 B read + 2 B written by the gradient (fused with fp32
+               logits: 4 + 4 + 4 + 2), and 3x the rows per chunk in the same
+               workspace (1728 vs 576 at V = 151936, 512 MiB).
+  auto         fp32 inputs: fused. Low precision: fused_lowp when backward is
+               certain (grad enabled, reduction mean/sum) and it needs at most
+               8 token chunks; vocab_outer otherwise.
 
-Accuracy and memory evidence (the tension the design names). Error of dW
-against fp64, relative to naive bf16 (F.cross_entropy(F.linear(x, w).float(), y)),
-bf16 inputs, fp32 logits:
-  plain-torch study, T=2048, H=256, V=4096, bf16 dW accumulation over n token
-  chunks: n=1 1.0x, 2 1.2x, 4 1.55x, 8 2.06x, 16 2.8x, 32 3.8x, 64 5.0x; fp32
-  accumulation 1.0x at every n; dX 1.0x in every order (one GEMM per chunk);
-  this op, T=512, H=64, V=1024 (tests/test_ring_dtp.py::test_mode_errors):
-  fused 1 chunk 0.77x, 4 chunks 1.15x, 32 chunks 2.7x; vocab_outer 0.77x.
-So "fused" meets the 2x-naive rule only up to ~8 chunks ("auto" allows 4),
-i.e. T <= 4 * 576 tokens at V = 151936 in its 512 MiB workspace. Memory above
-the inputs at T = 32k, H = 4096, V = 151936 (dX 0.25 + dW 1.16 GiB included):
-fused ~1.9 GiB (Z [576, V] fp32 334 MiB + dZ bf16 167 MiB); vocab_outer
-~2.15 GiB (fp32 dX accumulator 512 MiB + 256 MiB block workspace), 4 GEMMs so
->= 1.33x the 3-GEMM time. No order meets all three targets (<= 2 GiB,
-<= 1.2x 3-GEMM time, <= 2x naive error) at T = 32k: "fused" is the fast and
-small one, "vocab_outer" the exact one, and "auto" keeps the error rule.
-GEMMs: fp32 logits straight from cuBLAS via torch.mm(out_dtype=fp32) where
-torch has it (>= 2.8), else bf16 logits upcast (naive's rounding).
+Accuracy and memory evidence. Error of dW against fp64, relative to naive bf16
+(F.cross_entropy(F.linear(x, w).float(), y)), bf16 inputs, n token chunks,
+this op on CPU (T=1024, H=64, V=1024, two seeds; CPU fused_lowp applies the
+bf16 rounding of the GEMM output to an fp32 block, so the numerics match CUDA):
+  n             1      2      4      8      16     32
+  fused       0.75x  0.89x  1.13x  1.48x  2.02x  2.79x   (dX 0.75x at every n)
+  fused_lowp  1.00x  1.11x  1.31x  1.63x  2.13x  2.87x   (dX 1.00x at every n)
+  vocab_outer 0.75x (dW summed in fp32 per vocab block: no growth with T).
+The growth is the bf16 rounding of the dW accumulator once per chunk; hence
+auto's limit of 8 chunks. On the H200 (T=32k, H=4096, V=151936, errors at
+T=8192, fused with 576 rows = 15 chunks) the measured dW error was only 1.16x
+naive's: with uniformly random labels over 152k classes the largest dW rows
+get their label term from one chunk. Real (Zipf) labels hit frequent rows from
+every chunk, as in the CPU study, so auto keeps the CPU rule; the benchmark's
+sweep (fused_lowp with 864/1728/3456 rows, fused with 576/1152) measures it at
+the same chunk counts as the timed T=32k.
+Memory above the inputs at T = 32k, H = 4096, V = 151936 (dX 0.25 + dW
+1.16 GiB included): fused / fused_lowp ~1.9 GiB (a 512 MiB workspace);
+vocab_outer ~2.15 GiB (fp32 dX accumulator 512 MiB + 256 MiB blocks), 4 GEMMs.
+GEMMs: fp32 logits straight from cuBLAS via torch.mm(out_dtype=fp32, out=)
+where torch has it (>= 2.8), else bf16 logits upcast in 256-row pieces.
 
 Definitions: all labels ignored with reduction="mean" gives loss 0 and zero
 gradients (mean over zero tokens := 0, never NaN). Labels outside [0, V) that
@@ -62,13 +73,19 @@ from ._ext import check_tensor, require_cuda_build
 from . import ring_dtp_blocks as B
 
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
-MODES = {"auto": 0, "fused": 1, "vocab_outer": 2, "token_outer": 3}
-_FUSED_MAX_CHUNKS = 4  # bf16 dW accumulation over <= 4 chunks: <= 1.55x naive's dW error (see above)
+MODES = {"auto": 0, "fused": 1, "vocab_outer": 2, "token_outer": 3, "fused_lowp": 4}
+_FUSED = (MODES["fused"], MODES["fused_lowp"])
+_FUSED_MAX_CHUNKS = 8  # fused_lowp, bf16 dW accumulation over <= 8 chunks: <= 1.64x naive's dW error (see above)
 
 
 # ---------------------------------------------------------------------------
 # Out-of-range labels on CUDA: a lazily read flag (no host sync).
 # ---------------------------------------------------------------------------
+def _is_compiling() -> bool:
+    f = getattr(torch.compiler, "is_compiling", None)
+    return bool(f()) if f is not None else False
+
+
 class _LabelGuard:
     pending = []  # [(event, pinned int32 [1], V)]
 
@@ -82,6 +99,12 @@ class _LabelGuard:
 
     @classmethod
     def check(cls, wait: bool = False) -> None:
+        # Never while tracing: reading the flag is a data-dependent branch
+        # (GuardOnDataDependentSymNode under torch.compile). The op bodies run
+        # eagerly (custom ops are opaque to the compiler) and call this there, so
+        # an error recorded by a compiled call still surfaces at the next call.
+        if _is_compiling():
+            return
         keep = []
         err = None
         for ev, flag, V in cls.pending:
@@ -133,30 +156,58 @@ def _fold_all(x, w, bias, y, ignore_index, softcap, ct, cv):
     return st
 
 
-def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct):
-    """Forward with gradients (3 GEMMs). g: [1] x fp32 (the per-token weight)."""
+def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=False):
+    """Forward with gradients (3 GEMMs). g: [1] x fp32 (the per-token weight).
+    lowp_logits: the GEMM writes the logits in x.dtype (bf16/fp16, fp32-accumulated, as naive
+    F.linear does) and dZ is made in place in that block (CUDA); on CPU the same rounding is
+    applied to an fp32 block (z <- fp32(bf16(z))), so CPU tests check these numerics."""
     T, V = x.shape[0], w.shape[0]
     st = B.new_state(T, x.device)
     dx = torch.empty_like(x)
     f32acc = x.dtype == torch.float32
     dw = torch.zeros_like(w)
     db = None if bias is None else torch.zeros(V, dtype=torch.float32, device=x.device)
+    # Workspace, allocated once (no allocation inside the loop):
+    #   fp32 logits:   zbuf [ct, V] x fp32 and dzbuf [ct, V] x dtype (CUDA low precision;
+    #                  elsewhere dZ is made in place in zbuf and cast per chunk);
+    #   lowp logits:   zbuf [ct, V] x dtype on CUDA (dZ in place: one buffer), fp32 on CPU.
+    ct = min(ct, T)
+    lowp = x.dtype != torch.float32
+    cuda = x.device.type == "cuda"
+    direct = lowp_logits and lowp and cuda
+    zbuf = torch.empty((ct, V), dtype=x.dtype if direct else torch.float32, device=x.device)
+    dzbuf = torch.empty((ct, V), dtype=x.dtype, device=x.device) if (cuda and lowp and not direct) else None
     for t0 in range(0, T, ct):
         t1 = min(T, t0 + ct)
+        n = t1 - t0
         m, s, zy, zs, sx = (a[t0:t1] for a in st)
         xc = x[t0:t1]
-        z = B.logits_block(xc, w, bias)                      # [ct, V] x fp32: the whole vocab row
+        if direct:
+            z = torch.mm(xc, w.t(), out=zbuf[:n])                # [n, V] x dtype, fp32-accumulated
+            if bias is not None:
+                z.add_(bias)
+        else:
+            z = B.mm_f32_into(xc, w.t(), zbuf[:n])           # [n, V] x fp32: the whole vocab row
+            if bias is not None:
+                z.add_(bias.float())
+            if lowp_logits and lowp:                          # CPU: the rounding of a low-precision GEMM output
+                z.copy_(z.to(x.dtype))
         B.fold(z, 0, V, y[t0:t1], ignore_index, softcap, m, s, zy, zs, sx)
         mm_, ls, q = B.fin((m, s, zy, zs, sx))
-        dz = B.grad_block(z, 0, V, y[t0:t1], ignore_index, softcap, mm_, ls, q, g, eps, V, zloss, x.dtype)
+        dz = B.grad_block(z, 0, V, y[t0:t1], ignore_index, softcap, mm_, ls, q, g, eps, V, zloss, x.dtype,
+                          out=None if dzbuf is None else dzbuf[:n])
         del z
-        dx[t0:t1] = B.mm(dz, w, False)                       # exact: one GEMM over the whole row
+        if x.device.type == "cuda" or f32acc:
+            torch.mm(dz, w, out=dx[t0:t1])                    # exact: one GEMM over the whole row
+        else:
+            dx[t0:t1] = B.mm(dz, w, False)
         if f32acc or x.device.type == "cuda":
             dw.addmm_(dz.t(), xc)                             # one rounding per chunk
         else:
             dw.add_(B.mm(dz.t(), xc, True))
         if db is not None:
             db.add_(dz.float().sum(0))
+        del dz  # the previous chunk's dZ must not live while the next one is made
     return st, dx, dw, db
 
 
@@ -214,19 +265,26 @@ def _reduce(rows: Tensor, valid: Tensor, reduction: int) -> Tensor:
     return total / valid.sum().clamp_min(1).to(torch.float32)
 
 
-def _pick_mode(mode: int, grads: bool, reduction: int, T: int, V: int, dtype, ct_fused: int) -> int:
-    if mode == MODES["fused"] and reduction == 0:
+def _pick_mode(mode: int, grads: bool, reduction: int, T: int, V: int, dtype, chunk_tokens: int = 0) -> int:
+    if mode in _FUSED and reduction == 0:
         return MODES["vocab_outer"]  # per-token upstream grads are unknown in forward
+    if mode == MODES["fused_lowp"] and dtype == torch.float32:
+        return MODES["fused"]  # fp32 inputs: the logits are fp32 anyway
     if mode != 0:
         return mode
-    if grads and reduction != 0 and (dtype == torch.float32 or math.ceil(T / ct_fused) <= _FUSED_MAX_CHUNKS):
-        return MODES["fused"]
+    if not grads or reduction == 0:
+        return MODES["vocab_outer"]
+    if dtype == torch.float32:
+        return MODES["fused"]  # fp32 dW accumulation: exact at any chunk count
+    ct = chunk_tokens or B.fused_chunk_tokens(V, dtype, lowp_logits=True)
+    if math.ceil(T / ct) <= _FUSED_MAX_CHUNKS:
+        return MODES["fused_lowp"]
     return MODES["vocab_outer"]
 
 
 def _sizes(T, H, V, dtype, mode, chunk_tokens, chunk_vocab):
-    if mode == MODES["fused"]:
-        return chunk_tokens or B.fused_chunk_tokens(V, dtype), V
+    if mode in _FUSED:
+        return chunk_tokens or B.fused_chunk_tokens(V, dtype, lowp_logits=mode == MODES["fused_lowp"]), V
     ct, cv = B.blocked_chunks(T, H, dtype, chunk_tokens=chunk_tokens)
     return ct, (chunk_vocab or cv)
 
@@ -250,16 +308,16 @@ def ring_dtp_ce(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[T
     if _LabelGuard.pending:  # inside the op: opaque to torch.compile, so no graph break
         _LabelGuard.check()
     y, valid, bad = _sanitize_labels(labels, V, ignore_index)
-    ct_f = chunk_tokens or B.fused_chunk_tokens(V, hidden.dtype)
-    m = _pick_mode(mode, grads, reduction, T, V, hidden.dtype, ct_f)
+    m = _pick_mode(mode, grads, reduction, T, V, hidden.dtype, chunk_tokens)
     ct, cv = _sizes(T, H, V, hidden.dtype, m, chunk_tokens or None, chunk_vocab or None)
     dx, dw, db = hidden.new_empty(0), hidden.new_empty(0), torch.empty(0, dtype=torch.float32, device=dev)
-    if m == MODES["fused"] and grads:
+    if m in _FUSED and grads:
         if reduction == 1:
             g = (1.0 / valid.sum().clamp_min(1).to(torch.float32)).reshape(1)
         else:
             g = torch.ones(1, dtype=torch.float32, device=dev)
-        st, dx, dw, dbb = _fused(hidden, weight, bias, y, ignore_index, softcap, label_smoothing, z_loss, g, ct)
+        st, dx, dw, dbb = _fused(hidden, weight, bias, y, ignore_index, softcap, label_smoothing, z_loss, g, ct,
+                                 lowp_logits=m == MODES["fused_lowp"])
         if dbb is not None:
             db = dbb
     else:
@@ -280,9 +338,8 @@ def _(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_
     ls = hidden.new_empty((T,), dtype=torch.float32)
     # dX/dW are either full gradients (fused) or empty: data-dependent in size only via
     # the mode choice, which depends on static arguments, so resolve it here the same way.
-    ct_f = chunk_tokens or B.fused_chunk_tokens(weight.shape[0], hidden.dtype)
-    m = _pick_mode(mode, grads, reduction, T, weight.shape[0], hidden.dtype, ct_f)
-    if m == MODES["fused"] and grads:
+    m = _pick_mode(mode, grads, reduction, T, weight.shape[0], hidden.dtype, chunk_tokens)
+    if m in _FUSED and grads:
         dx, dw = torch.empty_like(hidden), torch.empty_like(weight)
         db = hidden.new_empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32)
     else:

@@ -62,6 +62,25 @@ def mm(a: torch.Tensor, b: torch.Tensor, f32: bool) -> torch.Tensor:
     return r if f32 else r.to(a.dtype)
 
 
+def mm_f32_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out <- a @ b as fp32 (out: [m, n] x fp32, contiguous), no new [m, n] buffer where
+    torch can write the fp32 GEMM result in place (fp32 operands; CUDA out_dtype with out=)."""
+    if a.dtype == torch.float32:
+        return torch.mm(a, b, out=out)
+    if a.device.type == "cuda" and _OUT_DTYPE_OK.get("cuda_out") is not False:
+        try:
+            r = torch.mm(a, b, out_dtype=torch.float32, out=out)
+            if r.dtype == torch.float32 and r.data_ptr() == out.data_ptr():
+                _OUT_DTYPE_OK["cuda_out"] = True
+                return out
+            _OUT_DTYPE_OK["cuda_out"] = False
+        except (TypeError, RuntimeError, NotImplementedError):
+            _OUT_DTYPE_OK["cuda_out"] = False
+    for r0 in range(0, a.shape[0], 256):  # fallback: temporaries of <= 256 rows
+        out[r0:r0 + 256].copy_(mm(a[r0:r0 + 256], b, True))
+    return out
+
+
 def logits_block(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """Z = x @ w.T (+ bias): [t, v] x fp32, contiguous (x: [t, H], w: [v, H], bias: [v])."""
     z = mm(x, w.t(), True)
@@ -76,32 +95,43 @@ def new_state(t: int, device) -> Tuple[torch.Tensor, ...]:
     return m, z[0], z[1], z[2], z[3]  # m, s, zy, zsum, sx
 
 
+_ZCODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
 def fold(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ignore_index: int, softcap: float,
          m, s, zy, zsum, sx) -> None:
     """Fold the logits block z: [t, v] (global columns [v0, v0+v)) into the state rows."""
     t, v = z.shape
     cuda = z.device.type == "cuda"
-    _C.ce_fold(z.data_ptr(), z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
+    _C.ce_fold(z.data_ptr(), _ZCODE[z.dtype], z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
                m.data_ptr(), s.data_ptr(), zy.data_ptr(), zsum.data_ptr(), sx.data_ptr(), cuda, current_stream_handle(z.device))
 
 
 def grad_block(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ignore_index: int, softcap: float,
                m: torch.Tensor, ls: torch.Tensor, q: torch.Tensor, g: torch.Tensor, eps: float, n_classes: int, zloss: float,
-               dtype: torch.dtype) -> torch.Tensor:
+               dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Turn the logits block z: [t, v] x fp32 into dZ, returned in `dtype` (the GEMM
-    operand dtype). m, ls = log(s), q = 1 - p_y: [t] x fp32 (lse = m + ls); g: [t] (per row) or [1] (broadcast) x fp32."""
+    operand dtype). m, ls = log(s), q = 1 - p_y: [t] x fp32 (lse = m + ls); g: [t] (per row) or [1] (broadcast) x fp32.
+    out: optional preallocated [t, v] x dtype workspace (CUDA, dtype bf16/fp16) for dZ."""
     t, v = z.shape
     g_stride = 0 if g.numel() == 1 else 1
     cuda = z.device.type == "cuda"
     stream = current_stream_handle(z.device)
+    if z.dtype != torch.float32:  # low-precision logits (CUDA): dZ in place, in z's dtype
+        code = _ZCODE[z.dtype]
+        _C.ce_grad(z.data_ptr(), code, z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
+                   m.data_ptr(), ls.data_ptr(), q.data_ptr(), g.data_ptr(), g_stride, eps, n_classes, zloss, z.data_ptr(),
+                   z.stride(0), code, cuda, stream)
+        return z
     if cuda and dtype != torch.float32:
-        out = torch.empty((t, v), dtype=dtype, device=z.device)
+        if out is None:
+            out = torch.empty((t, v), dtype=dtype, device=z.device)
         code = 1 if dtype == torch.bfloat16 else 2
-        _C.ce_grad(z.data_ptr(), z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
+        _C.ce_grad(z.data_ptr(), 0, z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
                    m.data_ptr(), ls.data_ptr(), q.data_ptr(), g.data_ptr(), g_stride, eps, n_classes, zloss, out.data_ptr(), v, code, True,
                    stream)
         return out
-    _C.ce_grad(z.data_ptr(), z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
+    _C.ce_grad(z.data_ptr(), 0, z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
                m.data_ptr(), ls.data_ptr(), q.data_ptr(), g.data_ptr(), g_stride, eps, n_classes, zloss, z.data_ptr(), z.stride(0), 0, cuda,
                stream)
     return z if dtype == torch.float32 else z.to(dtype)
@@ -156,15 +186,19 @@ def round_down(x: int, q: int) -> int:
     return max(q, (x // q) * q)
 
 
-def fused_chunk_tokens(V: int, dtype: torch.dtype, budget: int = DEFAULT_WORKSPACE_BYTES) -> int:
-    """Token rows per chunk when a chunk holds whole vocab rows (mode 'fused').
+def fused_chunk_tokens(V: int, dtype: torch.dtype, budget: int = DEFAULT_WORKSPACE_BYTES,
+                       lowp_logits: bool = False) -> int:
+    """Token rows per chunk when a chunk holds whole vocab rows (modes 'fused*').
 
-    A chunk holds Z: [ct, V] x fp32 and dZ: [ct, V] x dtype:
-      ct = budget / (V * (4 + b)), rounded down to a multiple of 64.
-    Worked once: V = 151936, bf16 (b = 2), budget 512 MiB:
-      536870912 / (151936 * 6) = 588.9 -> ct = 576 (Z 334 MiB + dZ 167 MiB).
+    fp32 logits: Z [ct, V] x fp32 and dZ [ct, V] x dtype: ct = budget / (V * (4 + b));
+    lowp logits: Z [ct, V] x dtype with dZ in place:     ct = budget / (V * b);
+    rounded down to a multiple of 64. Worked once: V = 151936, bf16 (b = 2), 512 MiB:
+      fp32 logits 536870912 / (151936 * 6) = 588.9 -> ct = 576 (Z 334 MiB + dZ 167 MiB);
+      lowp logits 536870912 / (151936 * 2) = 1766.8 -> ct = 1728 (Z/dZ 501 MiB).
     """
-    ct = budget // (V * (4 + lowp_bytes(dtype)))
+    b = lowp_bytes(dtype)
+    per = b if (lowp_logits and b) else 4 + b
+    ct = budget // (V * per)
     return round_down(int(ct), 64) if ct >= 64 else max(1, int(ct))
 
 
