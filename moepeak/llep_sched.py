@@ -24,6 +24,14 @@ routing; names as in the code; b = bytes per element of x):
                    [C, H]; h, dh [C, 2I]; s, a, da [C, I]; sw, rw, dwb, dwback
                    2 x [C] fp32; wr, dwr [C] fp32
   plus int64 index rings (3 x [C] send indices, [C] perm and inverse perm).
+  With torch._grouped_mm (CUDA bf16) the GEMM outputs h, o, da are not
+  allocated in the workspace (counted all the same): each GEMM's own output,
+  at most [C, N], is used in place, no copy; the grouped weight gradient's
+  result [G, H, 2I] (or [G, I, H]) has G = C // H (C // I) experts at most,
+  no larger than the [C, 2I] ([C, H]) buffer it replaces. Worked once: C =
+  32768, H = I = 2880, bf16: G = 11, [11, 2880, 5760] x 2 B = 348 MiB, vs
+  [32768, 5760] x 2 B = 360 MiB. Per chunk the host does no device read:
+  offsets come from the chunk layout (host) in one copy per GEMM grouping.
   Outside the working set: fp32 accumulators [T, H] (forward y, backward dx),
   the send list [T*K] int64, and borrowed experts' weights (and their grads).
 """
