@@ -75,6 +75,23 @@ def test_combine_cuda(dtype, weighted):
     torch.testing.assert_close(acc_d.cpu().double(), want, rtol=1e-5, atol=1e-5)
 
 
+def test_gather_combine_cuda_many_rows():
+    """Row-per-block kernels: more rows than the 65535-block grid (grid-stride
+    over rows) and a row longer than the block (threads stride over h)."""
+    g = torch.Generator().manual_seed(3)
+    T, K, H, R = 40000, 2, 300, 70001
+    src = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, T * K, (R,), generator=g)
+    out = torch.empty(R, H, dtype=torch.bfloat16, device=dev)
+    got = lp.gather_rows(src.to(dev), idx.to(dev), K, out)
+    assert torch.equal(got.cpu(), src[idx // K])
+    w = torch.rand(T * K, generator=g)
+    acc = torch.zeros(T, H, device=dev)
+    llep_combine_(acc, got, idx.to(dev), w.to(dev), K)
+    want = torch.zeros(T, H, dtype=torch.float64).index_add(0, idx // K, src[idx // K].double() * w[idx, None].double())
+    torch.testing.assert_close(acc.cpu().double(), want, rtol=1e-5, atol=1e-5)
+
+
 def _to(prob, device):
     return tuple(t.to(device) for t in prob)
 
