@@ -51,17 +51,20 @@ __global__ void route_kernel(const int64_t *__restrict__ sorted_pos, const int64
 
 // out[i, :] = src[idx[i] / div, :], rows of row_bytes bytes. VecT is the widest
 // type that divides the row and both base addresses (16, 8, 4, 2 or 1 bytes).
+// One block per row (grid-stride over rows), threads over the row's vectors:
+// one 64-bit division per row, none per element.
 template <typename VecT>
 __global__ void gather_kernel(const char *__restrict__ src, const int64_t *__restrict__ idx, int64_t rows,
                               int64_t div, int64_t row_bytes, char *__restrict__ out) {
   const int64_t vpr = row_bytes / (int64_t)sizeof(VecT);
-  const int64_t total = rows * vpr;
-  for (int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; t < total; t += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t i = t / vpr, v = t - i * vpr;
+  for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
     const VecT *s = reinterpret_cast<const VecT *>(src + (idx[i] / div) * row_bytes);
-    reinterpret_cast<VecT *>(out + i * row_bytes)[v] = s[v];
+    VecT *o = reinterpret_cast<VecT *>(out + i * row_bytes);
+    for (int64_t v = threadIdx.x; v < vpr; v += blockDim.x) o[v] = s[v];
   }
 }
+
+inline int row_blocks(int64_t rows) { return (int)(rows < kMaxBlocks ? (rows < 1 ? 1 : rows) : kMaxBlocks); }
 
 __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -70,15 +73,17 @@ __device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
 // acc[idx[i] / div, h] += w[idx[i]] * y[i, h] (w == nullptr: weight 1), fp32.
 // Rows of one chunk may hit the same token (its K picks), hence atomicAdd;
 // the add order of those <= K terms is not fixed (fp32 rounding level).
+// One block per row (grid-stride over rows), threads over h: the row's index,
+// weight and token offset are computed once per row, not per element.
 template <typename T>
 __global__ void combine_kernel(float *__restrict__ acc, const T *__restrict__ y, const int64_t *__restrict__ idx,
                                const float *__restrict__ w, int64_t rows, int64_t div, int64_t H) {
-  const int64_t total = rows * H;
-  for (int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; t < total; t += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t i = t / H, h = t - i * H;
+  for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
     const int64_t id = idx[i];
     const float wt = w ? w[id] : 1.0f;
-    atomicAdd(&acc[(id / div) * H + h], wt * to_f32(y[t]));
+    float *a = acc + (id / div) * H;
+    const T *yr = y + i * H;
+    for (int64_t h = threadIdx.x; h < H; h += blockDim.x) atomicAdd(&a[h], wt * to_f32(yr[h]));
   }
 }
 
@@ -117,11 +122,11 @@ mp_status mp_llep_gather_cuda(const void *src, const int64_t *idx, int64_t rows,
   char *o = static_cast<char *>(out);
   cudaStream_t cs = MP_STREAM(stream);
   if (rows <= 0 || row_bytes <= 0) return MP_OK;
-  if (a % 16 == 0) gather_kernel<uint4><<<blocks_for(rows * row_bytes / 16), kThreads, 0, cs>>>(s, idx, rows, div, row_bytes, o);
-  else if (a % 8 == 0) gather_kernel<uint2><<<blocks_for(rows * row_bytes / 8), kThreads, 0, cs>>>(s, idx, rows, div, row_bytes, o);
-  else if (a % 4 == 0) gather_kernel<uint32_t><<<blocks_for(rows * row_bytes / 4), kThreads, 0, cs>>>(s, idx, rows, div, row_bytes, o);
-  else if (a % 2 == 0) gather_kernel<uint16_t><<<blocks_for(rows * row_bytes / 2), kThreads, 0, cs>>>(s, idx, rows, div, row_bytes, o);
-  else gather_kernel<uint8_t><<<blocks_for(rows * row_bytes), kThreads, 0, cs>>>(s, idx, rows, div, row_bytes, o);
+  if (a % 16 == 0) gather_kernel<uint4><<<row_blocks(rows), kThreads, 0, cs>>>(s, idx, rows, div, row_bytes, o);
+  else if (a % 8 == 0) gather_kernel<uint2><<<row_blocks(rows), kThreads, 0, cs>>>(s, idx, rows, div, row_bytes, o);
+  else if (a % 4 == 0) gather_kernel<uint32_t><<<row_blocks(rows), kThreads, 0, cs>>>(s, idx, rows, div, row_bytes, o);
+  else if (a % 2 == 0) gather_kernel<uint16_t><<<row_blocks(rows), kThreads, 0, cs>>>(s, idx, rows, div, row_bytes, o);
+  else gather_kernel<uint8_t><<<row_blocks(rows), kThreads, 0, cs>>>(s, idx, rows, div, row_bytes, o);
   MP_CUDA_CHECK_LAUNCH(st);
 fail:
   return st;
@@ -131,7 +136,7 @@ mp_status mp_llep_combine_cuda(float *acc, const void *y, int dtype, const int64
                                int64_t rows, int64_t div, int64_t H, uintptr_t stream) {
   mp_status st = MP_OK;
   cudaStream_t cs = MP_STREAM(stream);
-  const int nb = blocks_for(rows * H);
+  const int nb = row_blocks(rows);
   if (rows <= 0 || H <= 0) return MP_OK;
   switch (dtype) {
     case MP_LLEP_F32:

@@ -24,6 +24,14 @@ routing; names as in the code; b = bytes per element of x):
                    [C, H]; h, dh [C, 2I]; s, a, da [C, I]; sw, rw, dwb, dwback
                    2 x [C] fp32; wr, dwr [C] fp32
   plus int64 index rings (3 x [C] send indices, [C] perm and inverse perm).
+  With torch._grouped_mm (CUDA bf16) the GEMM outputs h, o, da are not
+  allocated in the workspace (counted all the same): each GEMM's own output,
+  at most [C, N], is used in place, no copy; the grouped weight gradient's
+  result [G, H, 2I] (or [G, I, H]) has G = C // H (C // I) experts at most,
+  no larger than the [C, 2I] ([C, H]) buffer it replaces. Worked once: C =
+  32768, H = I = 2880, bf16: G = 11, [11, 2880, 5760] x 2 B = 348 MiB, vs
+  [32768, 5760] x 2 B = 360 MiB. Per chunk the host does no device read:
+  offsets come from the chunk layout (host) in one copy per GEMM grouping.
   Outside the working set: fp32 accumulators [T, H] (forward y, backward dx),
   the send list [T*K] int64, and borrowed experts' weights (and their grads).
 """
@@ -58,6 +66,15 @@ class Workspace:
         t = torch.empty(shape, dtype=dtype, device=self.device)
         self.nbytes += t.numel() * t.element_size()
         return t
+
+    def gemm_out(self, shape, dtype, grouped: bool) -> Optional[torch.Tensor]:
+        """A GEMM output buffer. With torch._grouped_mm the GEMM allocates its
+        own [rows <= C, N] output (no copy into the workspace), so the buffer is
+        only counted (the bound is the same), not allocated: None."""
+        if not grouped:
+            return self.alloc(shape, dtype)
+        self.nbytes += torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        return None
 
     def ring(self, k: int, shape, dtype) -> List[torch.Tensor]:
         return [self.alloc(shape, dtype) for _ in range(k)]
@@ -129,8 +146,10 @@ class Ctx:
         if self.plan.spilled:
             self._lend_weights()
         self.layouts: Dict[int, lp.ChunkLayout] = {}
+        # experts whose weight gradient (0: gate_up, 1: down) holds a partial sum
+        self.touched = (set(), set())
         LAST_STATS.update(n_chunks=self.n, chunk_rows=C, spilled=self.plan.spilled, borrowed=list(self.borrowed),
-                          max_rows=0, grouped_mm=0)
+                          max_rows=0, grouped_mm=0, grouped_dw=0)
 
     # ---- weights ---------------------------------------------------------
     def _lend_weights(self):
@@ -177,65 +196,164 @@ class Ctx:
         return (_GROUPED_MM_OK[0] and (self.x.is_cuda or GROUPED_ON_CPU[0]) and self.x.dtype == torch.bfloat16
                 and self.H % 8 == 0 and self.I % 8 == 0)
 
-    def _segments(self, ecount, which: int):
-        """Grouped rows split into runs of experts whose weights form one
-        [G, ., .] stack: borrowed experts below this rank's block, the local
-        block, borrowed experts above it. Yields (row_lo, row_hi, stack, counts)."""
-        lo, hi = self.r * self.El, (self.r + 1) * self.El
-        below = [e for e in self.borrowed if e < lo]
-        above = [e for e in self.borrowed if e >= hi]
+    def _stack(self, experts, kind, which: int):
+        """[G, ., .] weight stack (which 0: w_gate_up, 1: w_down) of a run of
+        experts that are consecutive in their storage (local block or slots)."""
+        if kind == "l":
+            e0 = experts[0] - self.r * self.El
+            W = self.wgu if which == 0 else self.wd
+            return W[e0:e0 + len(experts)]
         n1 = self.H * 2 * self.I
-        row = 0
-        for experts, kind in ((below, "b"), (list(range(lo, hi)), "l"), (above, "b")):
-            counts = [ecount[e] for e in experts]
-            nrows = sum(counts)
-            if nrows:
-                if kind == "l":
-                    W = self.wgu if which == 0 else self.wd
-                else:
-                    i0 = self.slot[experts[0]]
-                    blk = self.bflat[i0:i0 + len(experts)]
-                    W = (blk[:, :n1].unflatten(1, (self.H, 2 * self.I)) if which == 0
-                         else blk[:, n1:].unflatten(1, (self.I, self.H)))
-                yield row, row + nrows, W, counts
-            row += nrows
+        i0 = self.slot[experts[0]]
+        blk = self.bflat[i0:i0 + len(experts)]
+        return blk[:, :n1].unflatten(1, (self.H, 2 * self.I)) if which == 0 else blk[:, n1:].unflatten(1, (self.I, self.H))
 
-    def mm(self, inp, ecount, which: int, transpose: bool, out):
-        """out[rows of e] = inp[rows of e] @ W_e (or W_e^T) for each expert e,
-        rows grouped expert-ascending; which 0: w_gate_up, 1: w_down.
-        torch._grouped_mm where it works (CUDA bf16), else one torch.mm per expert."""
+    def groups(self, ecount) -> "Groups":
+        return Groups(self, ecount)
+
+    def mm(self, inp, grp: "Groups", which: int, transpose: bool, out):
+        """Rows of e times W_e (or W_e^T) for each expert e, rows grouped
+        expert-ascending; which 0: w_gate_up, 1: w_down. Returns the [rows, N]
+        result: torch._grouped_mm's own output where it works (CUDA bf16; out
+        may then be None: no copy into the workspace), else `out` filled by one
+        torch.mm per expert."""
         rows = inp.shape[0]
+        N = (self.H if transpose else 2 * self.I) if which == 0 else (self.I if transpose else self.H)
         if rows == 0:
-            return
-        if self._grouped_ok():
+            return inp.new_empty(0, N) if out is None else out[:0]
+        if grp.grouped:
             try:
-                for a, b, W, counts in self._segments(ecount, which):
-                    offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
-                    offs = offs.to(self.x.device, non_blocking=True)
-                    Wt = W.transpose(1, 2) if transpose else W
-                    out[a:b].copy_(torch._grouped_mm(inp[a:b], Wt, offs=offs))
+                res = None
+                for a, b, experts, kind, offs in grp.segments:
+                    W = self._stack(experts, kind, which)
+                    r = torch._grouped_mm(inp[a:b], W.transpose(1, 2) if transpose else W, offs=offs)
+                    if a == 0 and b == rows:
+                        res = r  # one segment (always at P = 1): no copy
+                    else:
+                        if res is None:
+                            res = inp.new_empty(rows, N) if out is None else out[:rows]
+                        res[a:b].copy_(r)
                 LAST_STATS["grouped_mm"] = int(LAST_STATS.get("grouped_mm", 0)) + 1
-                return
+                return res
             except (RuntimeError, TypeError, NotImplementedError):
                 _GROUPED_MM_OK[0] = False  # unsupported here: per-expert GEMMs from now on
+                grp.grouped = False
+        if out is None:  # only after a grouped failure: this call's buffer
+            out = inp.new_empty(rows, N)
         off = 0
-        for e, c in enumerate(ecount):
+        for e, c in enumerate(grp.ecount):
             if c:
                 W = self.weights(e)[which]
                 torch.mm(inp[off:off + c], W.t() if transpose else W, out=out[off:off + c])
                 off += c
+        return out[:rows]
 
-    def dw_accumulate(self, left, right, ecount, which: int, dW_local, dW_borrowed):
-        """dW_e += left[rows of e]^T @ right[rows of e] (param dtype)."""
+    def dw_accumulate(self, left, right, grp: "Groups", which: int, dW_local, dW_borrowed):
+        """dW_e += left[rows of e]^T @ right[rows of e] (param dtype).
+        Grouped path: experts whose gradient is still untouched (zero) get it
+        from one torch._grouped_mm (2D x 2D, offsets along the rows) per run of
+        at most G experts and a copy into dW; G is chosen so that the
+        [G, ., .] result is no larger than one [C, 2I] (or [C, H]) buffer.
+        Experts already touched by an earlier chunk use addmm_ (one rounding
+        into the running sum: the same rounding as the per-expert path)."""
+        touched = self.touched[which]
+        done = set()  # experts of this call already written by a grouped run
+        if grp.grouped:
+            try:
+                for a0, experts, kind, offs in grp.dw_runs(which, touched):
+                    b0 = a0 + int(sum(grp.ecount[e] for e in experts))
+                    r = torch._grouped_mm(left[a0:b0].t(), right[a0:b0], offs=offs)
+                    if kind == "l":
+                        e0 = experts[0] - self.r * self.El
+                        dW_local[which][e0:e0 + len(experts)].copy_(r)
+                    else:
+                        for i, e in enumerate(experts):
+                            dW_borrowed[which][self.slot[e]].copy_(r[i])
+                    touched.update(experts)
+                    done.update(experts)
+                LAST_STATS["grouped_dw"] = int(LAST_STATS.get("grouped_dw", 0)) + 1
+            except (RuntimeError, TypeError, NotImplementedError):
+                _GROUPED_MM_OK[0] = False
+                grp.grouped = False
         off = 0
-        for e, c in enumerate(ecount):
-            if c:
+        for e, c in enumerate(grp.ecount):
+            if c and e not in done:
                 if e // self.El == self.r:
                     g = dW_local[which][e - self.r * self.El]
                 else:
                     g = dW_borrowed[which][self.slot[e]]
                 g.addmm_(left[off:off + c].t(), right[off:off + c])
-                off += c
+                touched.add(e)
+            off += c
+
+
+class Groups:
+    """One chunk's expert grouping, computed on the host from ecount (no device
+    read): segments of grouped rows whose experts form one weight stack, with
+    their grouped_mm offsets (int32, cumulative rows within the segment) moved
+    to the device in ONE host-to-device copy per chunk, shared by every GEMM
+    of the chunk."""
+
+    def __init__(self, ctx: Ctx, ecount):
+        self.ctx, self.ecount = ctx, ecount
+        self.grouped = ctx._grouped_ok()
+        self.segments = []
+        if not self.grouped:
+            return
+        lo, hi = ctx.r * ctx.El, (ctx.r + 1) * ctx.El
+        below = [e for e in ctx.borrowed if e < lo]
+        above = [e for e in ctx.borrowed if e >= hi]
+        host, spans, row = [], [], 0
+        for experts, kind in ((below, "b"), (list(range(lo, hi)), "l"), (above, "b")):
+            counts = [ecount[e] for e in experts]
+            nrows = sum(counts)
+            if nrows:
+                c, acc = len(host), 0
+                for k in counts:
+                    acc += k
+                    host.append(acc)
+                spans.append((row, row + nrows, experts, kind, c, len(host)))
+            row += nrows
+        self.host = host
+        self.dev = torch.tensor(host, dtype=torch.int32).to(ctx.x.device, non_blocking=True) if host else None
+        self.segments = [(a, b, ex, kind, self.dev[c0:c1]) for a, b, ex, kind, c0, c1 in spans]
+
+    def dw_runs(self, which: int, touched):
+        """Runs for the grouped weight gradient: consecutive experts of one
+        segment with rows in this chunk and an untouched gradient, at most G
+        per run. Returns [(first row, experts, kind, offs on the device)]. The
+        few experts left out (touched ones) go to addmm_."""
+        ctx = self.ctx
+        G = max(1, ctx.C // (ctx.H if which == 0 else ctx.I))
+        runs, host = [], []
+        for a, b, experts, kind, _ in self.segments:
+            row, cur, start = a, [], a
+            for e in experts:
+                c = self.ecount[e]
+                if c == 0:
+                    continue
+                if e in touched or len(cur) == G or (cur and cur[-1] + 1 != e):
+                    if cur:
+                        runs.append((start, cur))
+                    cur = []
+                if e not in touched:
+                    if not cur:
+                        start = row
+                    cur.append(e)
+                row += c
+            if cur:
+                runs.append((start, cur))
+        out = []
+        for start, ex in runs:
+            acc, c0 = 0, len(host)
+            for e in ex:
+                acc += self.ecount[e]
+                host.append(acc)
+            out.append((start, ex, "l" if ex[0] // ctx.El == ctx.r else "b", c0, len(host)))
+        if not host:
+            return []
+        dev = torch.tensor(host, dtype=torch.int32).to(ctx.x.device, non_blocking=True)
+        return [(s, ex, kind, dev[c0:c1]) for s, ex, kind, c0, c1 in out]
 
 
 def _act(h, I, s, a, rows):
@@ -248,9 +366,10 @@ def forward(ctx: Ctx) -> torch.Tensor:
     x, H, I, C, K, P = ctx.x, ctx.H, ctx.I, ctx.C, ctx.K, ctx.P
     acc = torch.zeros(ctx.T, H, dtype=torch.float32, device=x.device)
     ws = Workspace(x.device)
-    h = ws.alloc((C, 2 * I), x.dtype)
+    gmm = ctx._grouped_ok()
+    h = ws.gemm_out((C, 2 * I), x.dtype, gmm)
     a = ws.alloc((C, I), x.dtype)
-    o = ws.alloc((C, H), x.dtype)
+    o = ws.gemm_out((C, H), x.dtype, gmm)
     if P == 1:
         xr = ws.alloc((C, H), x.dtype)
         ws.frozen = True
@@ -258,8 +377,9 @@ def forward(ctx: Ctx) -> torch.Tensor:
             lay = ctx.layout(j)
             idx = ctx.send_idx(lay, None)
             xg = lp.gather_rows(x, idx, K, xr)
-            _experts_fwd(ctx, xg, lay.ecount, h, a, o)
-            lp.combine_rows(acc, o[:lay.rows], idx, ctx.wflat, K)
+            y = _experts_fwd(ctx, xg, lay.ecount, h, a, o)
+            lp.combine_rows(acc, y, idx, ctx.wflat, K)
+            y = None
         LAST_STATS.update(workspace_bytes=ws.nbytes)
         xr = h = a = o = None  # release the working set before the output copy
         return acc.to(x.dtype)
@@ -292,8 +412,9 @@ def forward(ctx: Ctx) -> torch.Tensor:
         if rows:
             perm, inv = _perms(lay, permb, invb)
             xg = lp.gather_rows(rx[j % 2], perm, 1, gx)
-            _experts_fwd(ctx, xg, lay.ecount, h, a, o)
-            lp.gather_rows(o, inv, 1, yb[j % 2])
+            y = _experts_fwd(ctx, xg, lay.ecount, h, a, o)
+            lp.gather_rows(y, inv, 1, yb[j % 2])
+            y = None
         hc = tr.all_to_all_v(yb[j % 2][:rows], lay.recv_len, back[j % 2][:idx.numel()], lay.send_len)
         if pend is not None:
             finish(pend)
@@ -316,11 +437,15 @@ def _perms(lay, permb, invb):
 
 
 def _experts_fwd(ctx, xg, ecount, h, a, o):
+    """Expert outputs [rows, H] of the grouped rows xg (h, o: workspace
+    buffers or None on the grouped path)."""
     rows, I = xg.shape[0], ctx.I
-    ctx.mm(xg, ecount, 0, False, h)
-    torch.ops.aten.silu.out(h[:rows, :I], out=a[:rows])
-    a[:rows].mul_(h[:rows, I:])                                      # a = silu(gate) * up
-    ctx.mm(a[:rows], ecount, 1, False, o)
+    grp = ctx.groups(ecount)
+    hh = ctx.mm(xg, grp, 0, False, h)
+    torch.ops.aten.silu.out(hh[:, :I], out=a[:rows])
+    a[:rows].mul_(hh[:, I:])                                         # a = silu(gate) * up
+    hh = None
+    return ctx.mm(a[:rows], grp, 1, False, o)
 
 
 def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True):
@@ -340,34 +465,41 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True):
         dWb = ([bgrad[i, :n1].view(H, 2 * I) for i in range(nb)], [bgrad[i, n1:].view(I, H) for i in range(nb)])
 
     ws = Workspace(dev)
-    h, dh = ws.alloc((C, 2 * I), dt), ws.alloc((C, 2 * I), dt)
-    s, a, da = ws.alloc((C, I), dt), ws.alloc((C, I), dt), ws.alloc((C, I), dt)
-    o, do = ws.alloc((C, H), dt), ws.alloc((C, H), dt)
+    gmm = ctx._grouped_ok()
+    h, dh = ws.gemm_out((C, 2 * I), dt, gmm), ws.alloc((C, 2 * I), dt)
+    s, a, da = ws.alloc((C, I), dt), ws.alloc((C, I), dt), ws.gemm_out((C, I), dt, gmm)
+    o, do = ws.gemm_out((C, H), dt, gmm), ws.alloc((C, H), dt)
     wr, dwr = ws.alloc((C,), torch.float32), ws.alloc((C,), torch.float32)
 
     def compute(xg, gg, wg, ecount):
         """Recompute the expert forward for these grouped rows, then their
-        backward. Leaves dx rows in o[:rows] and d(weight) rows in dwr.
+        backward. Returns the dx rows [rows, H]; leaves d(weight) rows in dwr.
+        One grouping (offsets copied to the device once) serves all six
+        GEMMs of the chunk; h stays alive from the recompute to the last use.
         (Recomputing o = a W2 for d(weight) = <dy, o> costs one GEMM more than
         d(weight) = <a, dy W2^T>, but the latter rounds d a twice in bf16 and
         doubled the dW_gate_up error against fp64; the former matches
         PyTorch's own bf16 error.)"""
         rows = xg.shape[0]
-        ctx.mm(xg, ecount, 0, False, h)
-        _act(h, I, s, a, rows)
-        ctx.mm(a[:rows], ecount, 1, False, o)
-        torch.mul(gg, o[:rows], out=o[:rows])                        # dy . expert output, per row
-        torch.sum(o[:rows], 1, dtype=torch.float32, out=dwr[:rows])
+        grp = ctx.groups(ecount)
+        hh = ctx.mm(xg, grp, 0, False, h)                            # [rows, 2I]
+        _act(hh, I, s, a, rows)
+        oo = ctx.mm(a[:rows], grp, 1, False, o)                      # [rows, H]
+        oo.mul_(gg)                                                  # dy . expert output, per row
+        torch.sum(oo, 1, dtype=torch.float32, out=dwr[:rows])
+        oo = None
         torch.mul(gg, wg.unsqueeze(1), out=do[:rows])                # d(expert output) = w * dy
         if need_dw:
-            ctx.dw_accumulate(a[:rows], do[:rows], ecount, 1, dW, dWb)
-        ctx.mm(do[:rows], ecount, 1, True, da)
-        torch.mul(da[:rows], s[:rows], out=dh[:rows, I:])            # d up = da * silu(gate)
-        torch.mul(da[:rows], h[:rows, I:], out=s[:rows])             # d silu(gate) = da * up
-        torch.ops.aten.silu_backward.grad_input(s[:rows], h[:rows, :I], grad_input=dh[:rows, :I])
+            ctx.dw_accumulate(a[:rows], do[:rows], grp, 1, dW, dWb)
+        dda = ctx.mm(do[:rows], grp, 1, True, da)                    # [rows, I]
+        torch.mul(dda, s[:rows], out=dh[:rows, I:])                  # d up = da * silu(gate)
+        torch.mul(dda, hh[:, I:], out=s[:rows])                      # d silu(gate) = da * up
+        dda = None
+        torch.ops.aten.silu_backward.grad_input(s[:rows], hh[:, :I], grad_input=dh[:rows, :I])
+        hh = None
         if need_dw:
-            ctx.dw_accumulate(xg, dh[:rows], ecount, 0, dW, dWb)
-        ctx.mm(dh[:rows], ecount, 0, True, o)                        # dx rows
+            ctx.dw_accumulate(xg, dh[:rows], grp, 0, dW, dWb)
+        return ctx.mm(dh[:rows], grp, 0, True, o)                    # dx rows [rows, H]
 
     if P == 1:
         xr, gr = ws.alloc((C, H), dt), ws.alloc((C, H), dt)
@@ -379,8 +511,9 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True):
             xg = lp.gather_rows(x, idx, K, xr)
             gg = lp.gather_rows(gy, idx, K, gr)
             torch.index_select(ctx.wflat, 0, idx, out=wr[:rows])
-            compute(xg, gg, wr[:rows], lay.ecount)
-            lp.combine_rows(dx, o[:rows], idx, None, K)
+            dxr = compute(xg, gg, wr[:rows], lay.ecount)
+            lp.combine_rows(dx, dxr, idx, None, K)
+            dxr = None
             dtw.index_copy_(0, idx, dwr[:rows])
         LAST_STATS.update(workspace_bytes_bwd=ws.nbytes)
         # release the working set (closure cells included) before the dx copy
@@ -429,8 +562,9 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True):
             xg = lp.gather_rows(rx[b], perm, 1, gx)
             gg = lp.gather_rows(rg[b], perm, 1, gg_)
             torch.index_select(rw[b][:rows], 0, perm, out=wr[:rows])
-            compute(xg, gg, wr[:rows], lay.ecount)
-            lp.gather_rows(o, inv, 1, dxb[b])
+            dxr = compute(xg, gg, wr[:rows], lay.ecount)
+            lp.gather_rows(dxr, inv, 1, dxb[b])
+            dxr = None
             torch.index_select(dwr[:rows], 0, inv, out=dwb[b][:rows])
         ns = idx.numel()
         hc = [tr.all_to_all_v(dxb[b][:rows], lay.recv_len, back[b][:ns], lay.send_len),

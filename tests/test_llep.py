@@ -207,6 +207,44 @@ def test_single_rank_bf16_tolerance_rule(frac):
         assert ea <= 2 * eb + 1e-4 * t.abs().max().item(), f"{name}: op err {ea:.3g} vs torch bf16 err {eb:.3g}"
 
 
+def _cpu_grouped_mm() -> bool:
+    try:
+        a = torch.ones(16, 8, dtype=torch.bfloat16)
+        torch._grouped_mm(a, torch.ones(2, 8, 8, dtype=torch.bfloat16), offs=torch.tensor([8, 16], dtype=torch.int32))
+        torch._grouped_mm(a.t(), a, offs=torch.tensor([8, 16], dtype=torch.int32))
+        return True
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(not _cpu_grouped_mm(), reason="torch has no CPU _grouped_mm here")
+@pytest.mark.parametrize("C,frac", [(24, 0.0), (24, 0.95), (7, 0.5), (4096, 0.3)])
+def test_grouped_path_vs_per_expert_cpu(C, frac):
+    """The torch._grouped_mm path (forward, dX and the 2D x 2D weight
+    gradients, with experts split across chunks going to addmm_) equals the
+    per-expert-GEMM path and keeps the bf16 tolerance rule vs fp64; E = 16 and
+    a small C so the grouped dW runs are capped at G = C // H experts."""
+    prob = _problem(70, 16, 8, 16, 3, torch.bfloat16, seed=11, frac=frac)
+    truth = _dense_grads(*prob)
+    torch_bf16 = _dense_grads(*[t.to(torch.bfloat16) if t.is_floating_point() else t for t in prob])
+    outs = []
+    for grouped in (False, True):
+        llep_sched.GROUPED_ON_CPU[0] = grouped
+        try:
+            outs.append(_op_grads(*prob, torch.bfloat16, chunk_rows=C))
+            st = dict(llep_sched.LAST_STATS)
+        finally:
+            llep_sched.GROUPED_ON_CPU[0] = False
+        assert (st["grouped_mm"] > 0) == grouped and (st["grouped_dw"] > 0) == grouped, st
+        assert llep_sched._GROUPED_MM_OK[0]
+    for name, a, b, ref, t in zip(NAMES, outs[1], outs[0], torch_bf16, truth):
+        # the same roundings on both paths: equal up to GEMM summation order
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2, msg=name)
+        ea = (a.double() - t).abs().max().item()
+        eb = (ref.double() - t).abs().max().item()
+        assert ea <= 2 * eb + 1e-4 * t.abs().max().item(), f"{name}: op err {ea:.3g} vs torch bf16 err {eb:.3g}"
+
+
 def test_zero_tokens():
     prob = _problem(0, 8, 8, 4, 2, torch.float32)
     got = _op_grads(*prob, torch.float32, chunk_rows=8)
