@@ -1,0 +1,91 @@
+"""Helpers shared by the benchmarks: machine description rows, CSV append,
+CUDA-event timing, peak-memory measurement and OOM capture.
+
+Peak memory convention (DESIGN.md section 4): max_memory_allocated during the
+call minus memory_allocated just before it, i.e. what the call adds above its
+inputs.
+"""
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import statistics
+from typing import Callable, Dict
+
+import torch
+
+
+def machine_row() -> Dict[str, str]:
+    try:
+        import moepeak
+
+        ver = moepeak.__version__
+    except Exception:  # benchmark baselines must run even if moepeak is broken
+        ver = "unavailable"
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {
+        "date": datetime.date.today().isoformat(),
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "moepeak": ver,
+    }
+
+
+def append_csv(path: str, row: Dict[str, object]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    new = not os.path.exists(path)
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(row.keys()))
+        if new:
+            w.writeheader()
+        w.writerow(row)
+
+
+def cuda_time_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 3, stat: str = "median") -> float:
+    """Median (or min) milliseconds of fn() over `reps`, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s = torch.cuda.Event(enable_timing=True)
+        e = torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times) if stat == "median" else min(times)
+
+
+def cuda_times_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 3):
+    """All per-rep times (for median and spread)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s = torch.cuda.Event(enable_timing=True)
+        e = torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return times
+
+
+def peak_above(fn: Callable[[], object]):
+    """(result, bytes the call added at its peak above the allocation before it).
+    Raises torch.cuda.OutOfMemoryError through; callers record OOM as a result."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() - before
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
