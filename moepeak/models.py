@@ -251,7 +251,8 @@ class DenseMoE(nn.Module):
         self.w_down = nn.Parameter(torch.empty(E, I, H, device=device, dtype=dtype))
 
     def route(self, x2):
-        logits = F.linear(x2.float(), self.router.weight.float())          # [N, E] fp32
+        acc = torch.promote_types(x2.dtype, torch.float32)
+        logits = F.linear(x2.to(acc), self.router.weight.to(acc))          # [N, E] fp32 (fp64 in)
         probs = logits.softmax(-1)
         w, ids = probs.topk(self.K, dim=-1)                                 # [N, K]
         if self.norm_topk_prob:
@@ -262,14 +263,15 @@ class DenseMoE(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.H)
         logits, w, ids = self.route(x2)
-        y = torch.zeros(x2.shape, device=x.device, dtype=torch.float32)
+        acc = logits.dtype
+        y = torch.zeros(x2.shape, device=x.device, dtype=acc)               # [N, H] accumulator
         for e in range(self.E):
             tok, slot = (ids == e).nonzero(as_tuple=True)
             if tok.numel() == 0:
                 continue
             h = x2[tok] @ self.w_gate_up[e]                                  # [n, 2I]
             a = F.silu(h[:, :self.I]) * h[:, self.I:]
-            out = (a @ self.w_down[e]).float() * w[tok, slot, None]
+            out = (a @ self.w_down[e]).to(acc) * w[tok, slot, None]
             y = y.index_add(0, tok, out)
         return y.to(x.dtype).view(shape), logits
 
