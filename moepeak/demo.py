@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=None)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--data", choices=("auto", "stdlib", "synthetic"), default="auto")
+    t.add_argument("--data-mb", type=float, default=8.0, help="corpus size cap (MiB)")
     s = ap.add_argument_group("schedules (each on by default; --plain turns all four off)")
     for flag, _, what in SCHEDULES:
         s.add_argument(f"--{flag.replace('_', '-')}", action=argparse.BooleanOptionalAction,
@@ -261,7 +262,7 @@ def _run(a, res: Run) -> Dict:
         device = torch.device("cpu")
     say = (lambda *x: print(*x, flush=True)) if (rank == 0 and not a.quiet) else (lambda *x: None)
     T, B, steps = train["seq_len"], train["batch"], train["steps"]
-    data = TokenStream(a.data, seed=a.seed)
+    data = TokenStream(a.data, seed=a.seed, max_bytes=max(1 << 16, int(a.data_mb * 2 ** 20)))
 
     say(f"moepeak {__version__} demo on {device} x{world}, torch {torch.__version__}")
     say(f"model: {param_count(cfg) / 1e6:.1f} M params; L={cfg.layers} H={cfg.hidden} heads={cfg.heads}/"

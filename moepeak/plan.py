@@ -8,9 +8,10 @@ N parameters.
 
 Peaks (bytes per GPU)                      plain FSDP2 + AC            moepeak
   dispatch   b*[c0*T*K*H + rho*T*K*(c1*H + c2*I)] + 4*T*H      b*C*(4H + 3I) + 4*T*H
-             (c0=1 the expanded copy, c1=1 received rows,       (2 recv + 1 send buffers of
-              c2=3 gate_up [2I] + act [I]; rho = max rows a      C rows, GEMM C*(3I+H), fp32
-              rank receives / (T*K), 1 balanced .. P)            [T, H] accumulator)
+             (c0=1 the expanded copy, c1=1 expert output rows,  (2 recv + 1 send buffers of
+              c2=4 gate_up [2I] + silu(gate) [I] + act [I];      C rows, GEMM C*(3I+H), fp32
+              rho = max rows a rank receives / (T*K),            [T, H] accumulator)
+              1 balanced .. P; fp32 [T, H] combine buffer)
   vocab      T*V*(b + 8) (bf16 logits, fp32 copy, fp32          4*Ct*Cv*2 + 8*T (+ 2 shard
              log-softmax; b=4: T*V*8)                             buffers + fp32 dW shard, P>1)
   boundaries L*T*H*b (one checkpoint input per block)            min(L, 5)*T*H*b (kept, recomputing,
@@ -146,7 +147,7 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
     out = {}
     if plan == "plain":
         rho = min(max(s.imbalance, 1.0), float(P))
-        out["dispatch"] = b * (T * K * H + rho * T * K * (H + 3 * I)) + 4 * T * H
+        out["dispatch"] = b * (T * K * H + rho * T * K * (H + 4 * I)) + 4 * T * H
         out["vocab"] = T * V * (8 + (b if b < 4 else 0))
         out["boundaries"] = L * T * H * b
         out["optimizer"] = 12 * N / P
