@@ -289,7 +289,7 @@ def _run(a, res: Run) -> Dict:
     # ---- train
     cuda = device.type == "cuda"
     prog = Progress(steps, rank == 0 and not a.quiet, a.log_every or max(1, steps // 10))
-    opt_meas = {}
+    opt_meas, step_times, peak_seen = {}, [], 0
     for step in range(start, start + steps):
         x, y = data.batch(step, B, T, rank=rank, device=device)
         t0 = time.perf_counter()
@@ -301,7 +301,8 @@ def _run(a, res: Run) -> Dict:
             for p in local_params:
                 if p.grad is not None:
                     p.grad.div_(world)
-        if cuda and step == start:
+        if cuda and step == start:  # isolate the first optimizer step (state is created there)
+            peak_seen = max(peak_seen, torch.cuda.max_memory_allocated(device))
             before = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
         opt.step()
@@ -316,15 +317,17 @@ def _run(a, res: Run) -> Dict:
             lv /= world
         lv = lv.item()
         dt = time.perf_counter() - t0
+        step_times.append(dt)
         losses.append(lv)
+        if cuda:
+            peak_seen = max(peak_seen, torch.cuda.max_memory_allocated(device))
         if not math.isfinite(lv):
             raise FloatingPointError(f"moepeak demo: loss is {lv} at step {step}")
-        prog.update(step - start, lv, B * T * world / dt,
-                    torch.cuda.max_memory_allocated(device) if cuda else None)
+        prog.update(step - start, lv, B * T * world / dt, peak_seen if cuda else None)
     if steps:
         k = max(1, min(10, len(losses) // 5))
         say(f"loss: first {sum(losses[:k]) / k:.4f} -> last {sum(losses[-k:]) / k:.4f} "
-            f"(mean of {k} steps)")
+            f"(mean of {k} steps)" + (f"; peak GPU memory {peak_seen / GiB:.2f} GiB" if cuda else ""))
     if a.save:
         save(a.save, model, opt, start + steps, losses)
         say(f"saved step {start + steps} to {a.save}")
@@ -335,7 +338,7 @@ def _run(a, res: Run) -> Dict:
         say(peakmod.format_table(table, cfg, B * T, device))
     if a.plot and rank == 0:
         _plot(a.plot, losses, table, say)
-    return {"losses": losses, "start": start, "cfg": cfg, "optimizer": opt_kind, "peaks": table,
+    return {"losses": losses, "start": start, "step_times": step_times, "peak": peak_seen, "cfg": cfg, "optimizer": opt_kind, "peaks": table,
             "notes": notes, "data": data.source}
 
 

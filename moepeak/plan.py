@@ -18,7 +18,7 @@ Peaks (bytes per GPU)                      plain FSDP2 + AC            moepeak
                                                                   prefetch, 2 in flight)
   optimizer  12*N/P (fp32 master, m, v)                          5*bucket (3 grad + 2 param slots)
 Fixed parts: plain: fp32 sharded grads 4*N/P, two all-gathered bf16 blocks
-2*2*N_block; moepeak: bf16 sharded params + grads 4*N/P (its master copy is in
+2*2*N_block (P > 1 only); moepeak: bf16 sharded params + grads 4*N/P (its master copy is in
 host RAM), the same two blocks. Both: attention's O(T) tensors of the block
 being recomputed, T*b*(4H + nh*d + 2*nkv*d) + 4*T*nh (lse).
 
@@ -130,6 +130,11 @@ class Setup:
     bucket_mb: float = 64.0     # StreamAdamW bucket
     sco_window: int = 5         # boundaries resident under SCO
     batch: int = 1
+    # plain plan's bytes per parameter: FSDP2 mixed precision keeps fp32 master,
+    # m, v (12, "optimizer") and fp32 grads (4, fixed). The demo's plain run on
+    # bf16 params with torch AdamW: m, v bf16 (4) and bf16 params + grads (4).
+    plain_opt_bytes: float = 12.0
+    plain_fixed_bytes: float = 4.0
 
 
 def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
@@ -143,15 +148,15 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
     nblock = m.block_params(True)
     d = m.d()
     attn = T * b * (4 * H + m.heads * d + 2 * m.kv_heads * d) + 4 * T * m.heads
-    gathered = 2 * b * nblock
+    gathered = 2 * b * nblock if P > 1 else 0   # FSDP2: current + prefetched block
     out = {}
     if plan == "plain":
         rho = min(max(s.imbalance, 1.0), float(P))
         out["dispatch"] = b * (T * K * H + rho * T * K * (H + 4 * I)) + 4 * T * H
         out["vocab"] = T * V * (8 + (b if b < 4 else 0))
         out["boundaries"] = L * T * H * b
-        out["optimizer"] = 12 * N / P
-        out["fixed"] = 4 * N / P + gathered + attn
+        out["optimizer"] = s.plain_opt_bytes * N / P
+        out["fixed"] = s.plain_fixed_bytes * N / P + gathered + attn
     else:
         C = min(s.chunk_rows, max(1, T * K))
         out["dispatch"] = b * C * (4 * H + 3 * I) + 4 * T * H
