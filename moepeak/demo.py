@@ -333,6 +333,8 @@ def _run(a, res: Run) -> Dict:
         say(f"saved step {start + steps} to {a.save}")
 
     table = None
+    if not a.no_peaks and world > 1:
+        say("(the per-component peak table is measured in single-process runs only)")
     if not a.no_peaks and world == 1:
         table = peakmod.measure(model, cfg, opt_kind, opt, data, B, T, device, opt_meas)
         say(peakmod.format_table(table, cfg, B * T, device))
@@ -356,8 +358,9 @@ def _plot(path, losses, table, say):
     axes[0].set_ylabel("loss")
     if table:
         names = [r["peak"] for r in table]
-        mp = [(r["moepeak"] or 0) / 2 ** 20 for r in table]
-        pl = [(r["plain"] or 0) / 2 ** 20 if isinstance(r["plain"], (int, float)) else 0 for r in table]
+        num = lambda v: v / 2 ** 20 if isinstance(v, (int, float)) else 0.0  # "OOM" plots as 0
+        mp = [num(r["moepeak"]) for r in table]
+        pl = [num(r["plain"]) for r in table]
         xs = range(len(names))
         axes[1].bar([i - 0.2 for i in xs], pl, 0.4, label="plain PyTorch")
         axes[1].bar([i + 0.2 for i in xs], mp, 0.4, label="moepeak")

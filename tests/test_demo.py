@@ -87,3 +87,29 @@ def test_demo_cuda_small():
     # at 8192 x 32768 the plain head holds >= 1 GiB of fp32 logits; Ring-DTP must stay far below
     if r["cfg"].head == "ring_dtp":
         assert rows["vocab"]["moepeak"] < rows["vocab"]["plain"] / 4
+
+
+def test_ctrl_c_exits_cleanly():
+    """SIGINT mid-training: exit status 130, a message, no traceback, no child left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, "-m", "moepeak", "demo"] + TINY[:-3] +
+                         ["--steps", "100000", "--log-every", "1", "--data-mb", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        line = ""
+        while "step" not in line or "loss" not in line:
+            line = p.stdout.readline()
+            assert line and time.monotonic() < deadline, "demo produced no progress line"
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, (p.returncode, err)
+    assert "interrupted" in err and "Traceback" not in err, err
