@@ -60,8 +60,12 @@ def _compare(switches, device="cpu", dtype=torch.float32, tol=1e-5):
         _close(got[0][s], ref[0][s], tol, f"loss at step {s}")
         for n, g in ref[1][s].items():
             _close(got[1][s][n], g, tol, f"grad {n} at step {s}")
+    # Params after 3 AdamW steps: Adam divides by sqrt(v) + eps, so an element whose
+    # gradient is near eps turns a tiny absolute gradient difference into a visible
+    # step difference; bound it against the step size (lr x steps = 3e-2): 1e-3 of it.
     for n, p in ref[2].items():
-        _close(got[2][n], p, tol, f"param {n} after 3 steps")
+        d = float((got[2][n] - p).abs().max())
+        assert d <= 3e-5 * (tol / 1e-5) ** 0.5, f"param {n} after 3 steps: max diff {d:.3e}"
     assert ref[0][2] < ref[0][0] + 1.0  # sanity: training ran
 
 
@@ -121,7 +125,8 @@ def _rank_fn(rank, world, switches, batches, out_path):
         torch.save(losses, out_path)
 
 
-@pytest.mark.parametrize("switches", [[], list(SWITCH)], ids=["plain-fsdp2", "moepeak-fsdp2"])
+@pytest.mark.parametrize("switches", [[], ["moe", "checkpoint", "optimizer"], list(SWITCH)],
+                         ids=["plain-fsdp2", "llep-sco-stream-fsdp2", "moepeak-fsdp2"])
 def test_fsdp2_gloo_two_ranks_match_single_process(switches, tmp_path):
     _need(switches)
     world = 2
