@@ -191,29 +191,44 @@ class Progress:
             print(line, flush=True)
 
 
-def _ckpt_state(model, opt):
+def _ckpt_state(model, opt, local_names, rank):
+    """(replicated/DTensor part, rank-local part). Rank-local params (experts of
+    this EP rank, the Ring-DTP vocab shard) differ between ranks under the same
+    name, so DCP would treat them as replicated and keep one copy: they are
+    stored under a per-rank key instead, with their optimizer state."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
     msd, osd = get_state_dict(model, opt)
-    return msd, osd
+    local = {"model": {}, "optim": {}}
+    for n in local_names:
+        local["model"][n] = msd.pop(n)
+        if n in osd.get("state", {}):
+            local["optim"][n] = osd["state"].pop(n)
+    return msd, osd, local
 
 
-def save(path: str, model, opt, step: int, losses: List[float]):
+def save(path: str, model, opt, step: int, losses: List[float], local_names=(), rank=0):
     import torch.distributed.checkpoint as dcp
-    msd, osd = _ckpt_state(model, opt)
+    msd, osd, local = _ckpt_state(model, opt, local_names, rank)
+    sd = {"model": msd, "optim": osd, "meta": {"step": step, "losses": list(losses)}}
+    if local_names:
+        sd[f"local_rank{rank}"] = local
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save({"model": msd, "optim": osd, "meta": {"step": step, "losses": list(losses)}},
-                 checkpoint_id=path)
+        dcp.save(sd, checkpoint_id=path)
 
 
-def load(path: str, model, opt):
+def load(path: str, model, opt, local_names=(), rank=0):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
-    msd, osd = _ckpt_state(model, opt)
+    msd, osd, local = _ckpt_state(model, opt, local_names, rank)
     sd = {"model": msd, "optim": osd, "meta": {"step": 0, "losses": []}}
+    if local_names:
+        sd[f"local_rank{rank}"] = local
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(sd, checkpoint_id=path)
+    sd["model"].update(local["model"])
+    sd["optim"].setdefault("state", {}).update(local["optim"])
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     return int(sd["meta"]["step"]), list(sd["meta"]["losses"])
 
@@ -233,7 +248,7 @@ def run(argv=None) -> Dict:
 
 def _run(a, res: Run) -> Dict:
     # ---- where, and how many ranks
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     dev_name = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dev_name not in ("cuda", "cpu"):
         raise ValueError(f"moepeak demo: --device must be cuda or cpu, got {a.device!r}")
@@ -278,12 +293,13 @@ def _run(a, res: Run) -> Dict:
     model = MoELM(cfg, group=group, world_size=world, device=device, dtype=train["dtype"], seed=a.seed)
     res.model = model
     local_params = _shard(model, world) if world > 1 else set()
+    local_names = sorted(n for n, p in model.named_parameters() if p in local_params)
     opt = build_optimizer(model.parameters(), opt_kind, lr=train["lr"], weight_decay=0.0,
                           bucket_mb=a.bucket_mb)
     res.opt = opt
     start, losses = 0, []
     if a.resume:
-        start, losses = load(a.resume, model, opt)
+        start, losses = load(a.resume, model, opt, local_names, rank)
         say(f"resumed from {a.resume} at step {start}")
 
     # ---- train
@@ -329,7 +345,7 @@ def _run(a, res: Run) -> Dict:
         say(f"loss: first {sum(losses[:k]) / k:.4f} -> last {sum(losses[-k:]) / k:.4f} "
             f"(mean of {k} steps)" + (f"; peak GPU memory {peak_seen / GiB:.2f} GiB" if cuda else ""))
     if a.save:
-        save(a.save, model, opt, start + steps, losses)
+        save(a.save, model, opt, start + steps, losses, local_names, rank)
         say(f"saved step {start + steps} to {a.save}")
 
     table = None
