@@ -398,6 +398,12 @@ def build_optimizer(params, kind: str = "stream", *, lr=1e-3, betas=(0.9, 0.999)
                                       weight_decay=weight_decay, **kw)
     if kind != "torch":
         raise ValueError(f"moepeak: optimizer must be one of {OPTIM_CHOICES}, got {kind!r}")
+    # FSDP2 DTensor params beside rank-local plain params (experts, vocab shard):
+    # torch's fused/foreach kernels refuse a mix within one group, so split them.
+    dt = [p for p in params if type(p.data).__name__ == "DTensor"]
+    if dt and len(dt) != len(params):
+        ids = {id(p) for p in dt}
+        params = [{"params": dt}, {"params": [p for p in params if id(p) not in ids]}]
     try:
         return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                  fused=True)
