@@ -96,7 +96,9 @@ def test_ctrl_c_exits_cleanly():
     import subprocess
     import sys
     import time
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONUNBUFFERED="1",  # this checkout's moepeak, not an installed one
+               PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     p = subprocess.Popen([sys.executable, "-m", "moepeak", "demo"] + TINY[:-3] +
                          ["--steps", "100000", "--log-every", "1", "--data-mb", "1"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -126,10 +128,13 @@ def _demo_ranks(rank, world, ck, out):
                     "start": second["start"]}, out)
 
 
-def test_demo_fsdp2_gloo_save_resume(tmp_path):
+def test_demo_fsdp2_gloo_save_resume(tmp_path, monkeypatch):
     """Two gloo ranks (FSDP2, and expert parallelism + Ring-DTP when present):
     save after 2 steps, resume, and the 4-step curve is the uninterrupted one."""
+    import os
     from dist_utils import run_ranks
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     out = str(tmp_path / "r.pt")
     run_ranks(2, _demo_ranks, str(tmp_path / "ck"), out, timeout=170)
     r = torch.load(out)

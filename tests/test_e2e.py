@@ -127,8 +127,11 @@ def _rank_fn(rank, world, switches, batches, out_path):
 
 @pytest.mark.parametrize("switches", [[], ["moe", "checkpoint", "optimizer"], list(SWITCH)],
                          ids=["plain-fsdp2", "llep-sco-stream-fsdp2", "moepeak-fsdp2"])
-def test_fsdp2_gloo_two_ranks_match_single_process(switches, tmp_path):
+def test_fsdp2_gloo_two_ranks_match_single_process(switches, tmp_path, monkeypatch):
     _need(switches)
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ranks import this checkout
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     world = 2
     ds = TokenStream("auto", max_bytes=1 << 20)
     batches = [[ds.batch(s, 1, 24, rank=r) for r in range(world)] for s in range(3)]
