@@ -11,11 +11,11 @@ QUICK=--quick; [ "${FULL:-0}" = 1 ] && QUICK=
 for what in "$@"; do
   case "$what" in
     tests)
-      python3 -m pytest -q -rs tests ${PYTEST_ARGS:-} 2>&1 | tee "$R/tests.log" | tail -40 ;;
+      python3 -m pytest -q -rs ${PYTEST_ARGS:-tests} 2>&1 | tee "$R/tests.log" | tail -40 ;;
     ceilings)
       python3 benchmarks/bench_ceilings.py --out "$R" 2>&1 | tee "$R/bench_ceilings.log" ;;
     *)
       timeout "${BENCH_TIMEOUT:-480}" python3 benchmarks/bench_$what.py $QUICK --out "$R" 2>&1 | tee "$R/bench_$what.log" | tail -60 ;;
   esac
 done
-tar czf "$OUT/results.tgz" -C "$OUT" r
+tar czf "$OUT/results.tgz" -C "$OUT" r && rm -rf "$R"  # the tool returns at most 8 files

@@ -1,7 +1,269 @@
-/* ce.c: Ring-DTP: online log-sum-exp fold and softmax-gradient epilogue (CPU kernels + CUDA launchers).
- * (Placeholder table: filled in by the component's implementation.) */
+/* ce.c: Ring-DTP arithmetic: the online log-sum-exp fold and the
+ * softmax-gradient epilogue over one logits block (CPU kernels), and the
+ * Python bindings that dispatch to them or to the CUDA launchers (cuda/ce.cu).
+ *
+ * What a block is: Z: [t, ldz] x fp32, row i = token i of the chunk, columns
+ * [0, v) = global vocab ids [v0, v0 + v). The GEMM that made Z comes from torch
+ * (moepeak/ring_dtp.py); these kernels never see the weight or the hidden.
+ * Global columns >= v_valid are padding (vocab padded to a multiple, or the
+ * zero rows of an uneven ring shard): they count as -inf logits (probability
+ * 0, gradient 0), never as 0.
+ *
+ * Fold (forward), per row i, with c = softcap (c = 0: none), zc = c*tanh(z/c):
+ *   bm = max_j zc_ij;  m' = max(m_i, bm);
+ *   s_i = s_i * exp(m_i - m') + sum_j exp(zc_ij - m');  m_i = m'
+ *   zsum_i += sum_j zc_ij          (label smoothing needs sum over classes)
+ *   zy_i = zc_{i, y_i - v0}        (when the label falls in this block)
+ *   sx_i: like s_i but without the target's term, so that 1 - p_y = sx/s
+ *   keeps full relative precision when p_y -> 1 (1 - exp(zy - lse) would
+ *   cancel: lse - zy is below fp32's resolution of lse there).
+ * Partial (m, s, zy, zsum) of different blocks merge the same way, in any
+ * order, on any rank. lse = m + log(s).
+ *
+ * Gradient (backward), in place (or into a low-precision copy on CUDA):
+ *   p = exp((zc - m) - log s); coef = 1 + 2*zl*lse  (z-loss zl * lse^2)
+ *   d_j = coef*p_j - (1-eps)*[j == y] - eps/n_classes
+ *   at j == y: d = -(1-eps)*q + (eps + 2*zl*lse)*p_y - eps/n_classes, q = 1 - p_y = sx/s
+ *     given per row (from the fold), never formed as p_y - 1
+ *   dz_j = g_i * d_j * (1 - (zc_j/c)^2)   (softcap chain rule; 1 without softcap)
+ * Rows whose label is ignore_index get dz = 0. The binding layer has already
+ * replaced out-of-range labels by ignore_index (ring_dtp.py), and a label is
+ * only ever compared with column ranges, never used as an address outside
+ * the block, so no label value can make these kernels read out of bounds.
+ */
+#include <math.h>
+#include <string.h>
+
 #include "mp_python.h"
 
+/* Rows per thread-pool grain: a row is v (up to ~2.5e5) floats, so a few rows
+ * already amortise the dispatch. */
+#define CE_ROW_GRAIN 4
+
+typedef struct {
+  float *z;
+  int64_t ldz, t, v, v0, v_valid;
+  const int64_t *labels;
+  int64_t ignore_index;
+  float softcap;
+  float *m, *s, *zy, *zsum, *sx;
+  /* gradient only */
+  const float *mrow, *ls, *g, *q; /* m and log(s) of the full row: lse = m + ls */
+  int64_t g_stride;
+  float eps, zloss;
+  int64_t n_classes;
+} ce_args;
+
+static inline float ce_cap(float x, float c) { return c > 0.f ? c * tanhf(x / c) : x; }
+
+/* Columns of this block that are real vocab (the rest are padding). */
+static inline int64_t ce_valid_cols(const ce_args *a) {
+  int64_t n = a->v_valid - a->v0;
+  if (n < 0) n = 0;
+  if (n > a->v) n = a->v;
+  return n;
+}
+
+static void ce_fold_rows(void *ctx, int64_t begin, int64_t end, int worker) {
+  (void)worker;
+  const ce_args *a = (const ce_args *)ctx;
+  const int64_t nv = ce_valid_cols(a);
+  const float c = a->softcap;
+  for (int64_t i = begin; i < end; ++i) {
+    const float *row = a->z + i * a->ldz;
+    float bm = -INFINITY, zs = 0.f;
+    for (int64_t j = 0; j < nv; ++j) {
+      float x = ce_cap(row[j], c);
+      bm = x > bm ? x : bm;
+      zs += x;
+    }
+    const int64_t y = a->labels[i];
+    if (y != a->ignore_index && y >= a->v0 && y < a->v0 + nv) a->zy[i] = ce_cap(row[y - a->v0], c);
+    a->zsum[i] += zs;
+    if (nv == 0 || bm == -INFINITY) continue; /* nothing to fold (all padding / -inf) */
+    const float mo = a->m[i];
+    const float mn = mo > bm ? mo : bm;
+    const int64_t jy = (y != a->ignore_index) ? y - a->v0 : -1;
+    float se = 0.f, sy = 0.f; /* sum without the target, summed on its own: (se + e_y) - e_y would cancel */
+    for (int64_t j = 0; j < nv; ++j) {
+      const float e = expf(ce_cap(row[j], c) - mn);
+      if (j == jy) sy = e; else se += e;
+    }
+    const float scale = (mo == -INFINITY) ? 0.f : expf(mo - mn);
+    a->m[i] = mn;
+    a->s[i] = a->s[i] * scale + (se + sy);
+    a->sx[i] = a->sx[i] * scale + se;
+  }
+}
+
+static void ce_grad_rows(void *ctx, int64_t begin, int64_t end, int worker) {
+  (void)worker;
+  const ce_args *a = (const ce_args *)ctx;
+  const int64_t nv = ce_valid_cols(a);
+  const float c = a->softcap, eps = a->eps;
+  const float uni = eps / (float)a->n_classes;
+  for (int64_t i = begin; i < end; ++i) {
+    float *row = a->z + i * a->ldz;
+    const int64_t y = a->labels[i];
+    const float gi = a->g[i * a->g_stride];
+    if (y == a->ignore_index || gi == 0.f) {
+      memset(row, 0, (size_t)a->v * sizeof(float));
+      continue;
+    }
+    const float mi = a->mrow[i], lsi = a->ls[i], L = mi + lsi;
+    const float coef = 1.f + 2.f * a->zloss * L;
+    const int64_t jy = y - a->v0; /* outside [0, nv) when the target is elsewhere */
+    for (int64_t j = 0; j < nv; ++j) {
+      float x = row[j], dcap = 1.f;
+      if (c > 0.f) {
+        const float th = tanhf(x / c);
+        x = c * th;
+        dcap = 1.f - th * th;
+      }
+      const float p = expf((x - mi) - lsi); /* x - m is exact-ish; x - lse would lose ulp(lse) */
+      float d;
+      if (j == jy)
+        d = -(1.f - eps) * a->q[i] + (eps + 2.f * a->zloss * L) * p - uni;
+      else
+        d = coef * p - uni;
+      row[j] = gi * d * dcap;
+    }
+    for (int64_t j = nv; j < a->v; ++j) row[j] = 0.f; /* padding: -inf logit, zero gradient */
+  }
+}
+
+/* ------------------------------------------------------------------------- */
+/* CUDA launchers (cuda/ce.cu).                                              */
+/* ------------------------------------------------------------------------- */
+#if MP_WITH_CUDA
+mp_status mp_ce_fold_cuda(float *z, int64_t ldz, int64_t t, int64_t v, int64_t v0, int64_t v_valid,
+                          const int64_t *labels, int64_t ignore_index, float softcap, float *m, float *s,
+                          float *zy, float *zsum, float *sx, uintptr_t stream);
+mp_status mp_ce_grad_cuda(float *z, int64_t ldz, int64_t t, int64_t v, int64_t v0, int64_t v_valid,
+                          const int64_t *labels, int64_t ignore_index, float softcap, const float *mrow,
+                          const float *ls,
+                          const float *q, const float *g, int64_t g_stride, float eps, int64_t n_classes,
+                          float zloss, void *out,
+                          int64_t ldo, int out_dtype, uintptr_t stream);
+#endif
+
+/* ------------------------------------------------------------------------- */
+/* Bindings. Pointers arrive as ints from ring_dtp.py, which has checked the   */
+/* tensors' shapes, dtypes, devices and contiguity (never call these directly). */
+/* ------------------------------------------------------------------------- */
+static int ce_check_sizes(const ce_args *a) {
+  if (a->t < 0 || a->v < 0 || a->ldz < a->v || a->n_classes < 0) {
+    PyErr_Format(PyExc_ValueError,
+                 "moepeak._C.ce: bad block sizes t=%lld v=%lld ldz=%lld (need t, v >= 0 and ldz >= v)",
+                 (long long)a->t, (long long)a->v, (long long)a->ldz);
+    return -1;
+  }
+  return 0;
+}
+
+/* ce_fold(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, s, zy, zsum, sx, cuda, stream) */
+static PyObject *py_ce_fold(PyObject *self, PyObject *args) {
+  (void)self;
+  unsigned long long z, labels, m, s, zy, zsum, sx, stream;
+  long long ldz, t, v, v0, v_valid, ignore;
+  double softcap;
+  int cuda;
+  if (!PyArg_ParseTuple(args, "KLLLLLKLdKKKKKpK:ce_fold", &z, &ldz, &t, &v, &v0, &v_valid, &labels, &ignore,
+                        &softcap, &m, &s, &zy, &zsum, &sx, &cuda, &stream))
+    return NULL;
+  ce_args a;
+  memset(&a, 0, sizeof a);
+  a.z = (float *)(uintptr_t)z;
+  a.ldz = ldz; a.t = t; a.v = v; a.v0 = v0; a.v_valid = v_valid;
+  a.labels = (const int64_t *)(uintptr_t)labels;
+  a.ignore_index = ignore;
+  a.softcap = (float)softcap;
+  a.m = (float *)(uintptr_t)m; a.s = (float *)(uintptr_t)s;
+  a.zy = (float *)(uintptr_t)zy; a.zsum = (float *)(uintptr_t)zsum; a.sx = (float *)(uintptr_t)sx;
+  a.n_classes = 1;
+  if (ce_check_sizes(&a)) return NULL;
+  if (t == 0) Py_RETURN_NONE;
+  mp_status st = MP_OK;
+  if (cuda) {
+#if MP_WITH_CUDA
+    st = mp_ce_fold_cuda(a.z, ldz, t, v, v0, v_valid, a.labels, ignore, a.softcap, a.m, a.s, a.zy, a.zsum,
+                         a.sx, (uintptr_t)stream);
+#else
+    return mp_raise_no_cuda("ce_fold");
+#endif
+  } else {
+    Py_BEGIN_ALLOW_THREADS
+    st = mp_parallel_for(t, CE_ROW_GRAIN, 0, ce_fold_rows, &a);
+    Py_END_ALLOW_THREADS
+  }
+  if (st != MP_OK) return mp_raise_status(st);
+  Py_RETURN_NONE;
+}
+
+/* ce_grad(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, ls, q, g, g_stride, eps, n_classes,
+ *         zloss, out, ldo, out_dtype, cuda, stream)
+ * out_dtype: 0 fp32 in place (out must equal z; the only CPU choice), 1 bf16, 2 fp16 (CUDA). */
+static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
+  (void)self;
+  unsigned long long z, labels, mrow, ls, q, g, out, stream;
+  long long ldz, t, v, v0, v_valid, ignore, g_stride, n_classes, ldo;
+  double softcap, eps, zloss;
+  int out_dtype, cuda;
+  if (!PyArg_ParseTuple(args, "KLLLLLKLdKKKKLdLdKLipK:ce_grad", &z, &ldz, &t, &v, &v0, &v_valid, &labels,
+                        &ignore, &softcap, &mrow, &ls, &q, &g, &g_stride, &eps, &n_classes, &zloss, &out, &ldo,
+                        &out_dtype, &cuda, &stream))
+    return NULL;
+  ce_args a;
+  memset(&a, 0, sizeof a);
+  a.z = (float *)(uintptr_t)z;
+  a.ldz = ldz; a.t = t; a.v = v; a.v0 = v0; a.v_valid = v_valid;
+  a.labels = (const int64_t *)(uintptr_t)labels;
+  a.ignore_index = ignore;
+  a.softcap = (float)softcap;
+  a.mrow = (const float *)(uintptr_t)mrow;
+  a.ls = (const float *)(uintptr_t)ls;
+  a.g = (const float *)(uintptr_t)g;
+  a.q = (const float *)(uintptr_t)q;
+  a.g_stride = g_stride;
+  a.eps = (float)eps; a.zloss = (float)zloss; a.n_classes = n_classes;
+  if (ce_check_sizes(&a)) return NULL;
+  if (n_classes < 1 || (g_stride != 0 && g_stride != 1) || out_dtype < 0 || out_dtype > 2) {
+    PyErr_Format(PyExc_ValueError, "moepeak._C.ce_grad: need n_classes >= 1 (got %lld), g_stride 0 or 1 "
+                 "(got %lld), out_dtype 0..2 (got %d)", n_classes, g_stride, out_dtype);
+    return NULL;
+  }
+  if (t == 0) Py_RETURN_NONE;
+  mp_status st = MP_OK;
+  if (cuda) {
+#if MP_WITH_CUDA
+    if (out_dtype != 0 && ldo < v) {
+      PyErr_Format(PyExc_ValueError, "moepeak._C.ce_grad: ldo=%lld < v=%lld", ldo, v);
+      return NULL;
+    }
+    st = mp_ce_grad_cuda(a.z, ldz, t, v, v0, v_valid, a.labels, ignore, a.softcap, a.mrow, a.ls, a.q, a.g, g_stride,
+                         a.eps, n_classes, a.zloss, (void *)(uintptr_t)out, ldo, out_dtype, (uintptr_t)stream);
+#else
+    return mp_raise_no_cuda("ce_grad");
+#endif
+  } else {
+    if (out_dtype != 0 || out != z) {
+      PyErr_SetString(PyExc_ValueError, "moepeak._C.ce_grad: on CPU the gradient is written in place (fp32)");
+      return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    st = mp_parallel_for(t, CE_ROW_GRAIN, 0, ce_grad_rows, &a);
+    Py_END_ALLOW_THREADS
+  }
+  if (st != MP_OK) return mp_raise_status(st);
+  Py_RETURN_NONE;
+}
+
 PyMethodDef mp_ce_methods[] = {
+    {"ce_fold", py_ce_fold, METH_VARARGS,
+     "ce_fold(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, s, zy, zsum, sx, cuda, stream): "
+     "fold a fp32 logits block into per-row (m, s, zy, zsum, sx)."},
+    {"ce_grad", py_ce_grad, METH_VARARGS,
+     "ce_grad(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, ls, q, g, g_stride, eps, n_classes, "
+     "zloss, out, ldo, out_dtype, cuda, stream): turn a fp32 logits block into dZ."},
     {NULL, NULL, 0, NULL},
 };

@@ -164,6 +164,7 @@ static PyObject *py_stream_destroy(PyObject *self, PyObject *arg) {
   MP_CALL(mp_cu_stream_destroy((uintptr_t)s));
   Py_RETURN_NONE;
 #else
+  (void)s;
   MP_NEED_CUDA("stream_destroy");
 #endif
 }
@@ -176,6 +177,7 @@ static PyObject *py_stream_synchronize(PyObject *self, PyObject *arg) {
   MP_CALL_NOGIL(mp_cu_stream_synchronize((uintptr_t)s));
   Py_RETURN_NONE;
 #else
+  (void)s;
   MP_NEED_CUDA("stream_synchronize");
 #endif
 }
@@ -216,6 +218,7 @@ static PyObject *py_event_destroy(PyObject *self, PyObject *arg) {
   if (e) MP_CALL(mp_cu_event_destroy((uintptr_t)e));
   Py_RETURN_NONE;
 #else
+  (void)e;
   MP_NEED_CUDA("event_destroy");
 #endif
 }
@@ -244,6 +247,7 @@ static PyObject *py_event_synchronize(PyObject *self, PyObject *arg) {
   MP_CALL_NOGIL(mp_cu_event_synchronize((uintptr_t)e));
   Py_RETURN_NONE;
 #else
+  (void)e;
   MP_NEED_CUDA("event_synchronize");
 #endif
 }
@@ -257,6 +261,7 @@ static PyObject *py_event_query(PyObject *self, PyObject *arg) {
   MP_CALL(mp_cu_event_query((uintptr_t)e, &done));
   return PyBool_FromLong(done);
 #else
+  (void)e;
   MP_NEED_CUDA("event_query");
 #endif
 }

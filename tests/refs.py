@@ -11,25 +11,281 @@ import torch
 # ---------------------------------------------------------------------------
 # OffloadStreamAdamW
 # ---------------------------------------------------------------------------
-# (references for stream_adamw go here)
+def adamw_step_ref(p, g, m, v, step, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
+    """One decoupled-weight-decay AdamW step in fp64, in place.
+
+    p, m, v: [n] float64 (param, exp_avg, exp_avg_sq), updated in place;
+    g: [n] any float dtype (widened to fp64); step: the step number after
+    incrementing (1 on the first step). Same math as torch.optim.AdamW."""
+    b1, b2 = betas
+    g = g.to(torch.float64)
+    p.mul_(1 - lr * weight_decay)
+    m.mul_(b1).add_(g, alpha=1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    denom = (v.sqrt() / (1 - b2 ** step) ** 0.5).add_(eps)
+    p.addcdiv_(m, denom, value=-lr / (1 - b1 ** step))
 
 
 # ---------------------------------------------------------------------------
 # Ring-DTP (linear + cross-entropy)
 # ---------------------------------------------------------------------------
-# (references for ring_dtp_ce go here)
+def ref_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, reduction="mean",
+                             label_smoothing=0.0, z_loss=0.0, softcap=None, dtype=torch.float64):
+    """The unscheduled computation in `dtype` (default fp64).
+    hidden [T, H], weight [V, H], labels [T] int64, bias [V] or None.
+    logits = hidden @ weight.T + bias: [T, V]; optional softcap c*tanh(z/c);
+    loss_i = CE with label smoothing + z_loss * lse_i^2 (0 for ignored tokens).
+    reduction "mean" divides by the number of non-ignored tokens, and is 0 (not
+    NaN) when every label is ignored (moepeak's documented convention).
+    Returns the loss ([] or [T])."""
+    z = hidden.to(dtype) @ weight.to(dtype).T
+    if bias is not None:
+        z = z + bias.to(dtype)
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    rows = torch.nn.functional.cross_entropy(z, labels, ignore_index=ignore_index, reduction="none",
+                                             label_smoothing=label_smoothing)
+    valid = labels != ignore_index
+    if z_loss:
+        lse = torch.logsumexp(z, dim=-1)
+        rows = rows + torch.where(valid, z_loss * lse * lse, torch.zeros_like(lse))
+    if reduction == "none":
+        return rows
+    if reduction == "sum":
+        return rows.sum()
+    return rows.sum() / valid.sum().clamp_min(1)
+
+
+def naive_linear_cross_entropy(hidden, weight, labels, bias=None, **kw):
+    """What users write today (logits in the input dtype, then .float()): the
+    error yardstick for low precision (DESIGN.md: at most 2x its error)."""
+    z = torch.nn.functional.linear(hidden, weight, bias).float()
+    kw = dict(kw)
+    softcap, z_loss, red = kw.pop("softcap", None), kw.pop("z_loss", 0.0), kw.pop("reduction", "mean")
+    ign = kw.get("ignore_index", -100)
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    rows = torch.nn.functional.cross_entropy(z, labels, reduction="none", **kw)
+    valid = labels != ign
+    if z_loss:
+        lse = torch.logsumexp(z, dim=-1)
+        rows = rows + torch.where(valid, z_loss * lse * lse, torch.zeros_like(lse))
+    if red == "none":
+        return rows
+    if red == "sum":
+        return rows.sum()
+    return rows.sum() / valid.sum().clamp_min(1)
 
 
 # ---------------------------------------------------------------------------
 # SCO (checkpoint offload)
 # ---------------------------------------------------------------------------
-# (references for sco_offload go here)
+# SCO references: a small decoder stack, and the same stack checkpointed with
+# torch.utils.checkpoint(use_reentrant=False), the bitwise target of SCO.
+#   x: [B, T, H] (any float dtype); heads nh, head dim H/nh; MLP hidden 4H.
+class SCORMSNorm(torch.nn.Module):
+    def __init__(self, h, eps=1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(h))
+        self.eps = eps
+
+    def forward(self, x):  # x: [.., H]
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+class SCOBlock(torch.nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)); x + mlp(norm(x)).
+    attention=False gives the benchmark block (RMSNorm + 4H MLP only)."""
+
+    def __init__(self, h, nh=2, dropout=0.0, attention=True):
+        super().__init__()
+        self.nh, self.p, self.attention = nh, dropout, attention
+        if attention:
+            self.n1 = SCORMSNorm(h)
+            self.qkv = torch.nn.Linear(h, 3 * h, bias=False)
+            self.o = torch.nn.Linear(h, h, bias=False)
+        self.n2 = SCORMSNorm(h)
+        self.up = torch.nn.Linear(h, 4 * h, bias=False)
+        self.down = torch.nn.Linear(4 * h, h, bias=False)
+
+    def forward(self, x, scale=1.0):  # x: [B, T, H]; scale: a non-tensor argument
+        if self.attention:
+            b, t, h = x.shape
+            q, k, v = self.qkv(self.n1(x)).view(b, t, 3, self.nh, h // self.nh).permute(2, 0, 3, 1, 4)
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self._drop(self.o(a.transpose(1, 2).reshape(b, t, h)))
+        y = self._drop(self.down(torch.nn.functional.gelu(self.up(self.n2(x)))))
+        return x + (y if scale == 1.0 else scale * y)
+
+    def _drop(self, y):  # no kernel at all when p == 0 (the benchmark block)
+        return torch.nn.functional.dropout(y, self.p, self.training) if self.p > 0 else y
+
+
+def sco_stack_forward(blocks, x, mode="plain", **kw):
+    """Run blocks in order. mode: plain | torch (torch checkpoint, non-reentrant)."""
+    import torch.utils.checkpoint as tuc
+
+    for blk in blocks:
+        if mode == "plain":
+            x = blk(x, **kw)
+        elif mode == "torch":
+            x = tuc.checkpoint(blk, x, use_reentrant=False, **kw)
+        else:
+            raise ValueError(mode)
+    return x
 
 
 # ---------------------------------------------------------------------------
 # PipelinedLLEP (MoE dispatch)
 # ---------------------------------------------------------------------------
-# (references for llep_dispatch go here)
+def llep_plan_ref(load, alpha, min_tokens, lam):
+    """The LLEP plan in plain Python (must equal csrc/llep_plan.c exactly).
+
+    load: P x E nested lists of ints (rows rank s routes to expert e).
+    Returns (Q [E][P], A [E][P][P], S [P][P], spilled): rows of expert e run
+    on rank d; rows of e sent s -> d; rows sent s -> d.
+    """
+    import math
+
+    P, E = len(load), len(load[0])
+    if E % P:
+        raise ValueError("num_experts must be a multiple of the number of ranks")
+    El = E // P
+    L = [sum(load[s][e] for s in range(P)) for e in range(E)]
+    total = sum(L)
+    nat = [sum(L[e] for e in range(r * El, (r + 1) * El)) for r in range(P)]
+    Q = [[0] * P for _ in range(E)]
+    spilled = False
+    if P == 1 or total == 0 or float(max(nat)) * P < lam * float(total):
+        for e in range(E):
+            Q[e][e // El] = L[e]
+    else:
+        cap = max(1, math.ceil(alpha * float(total) / float(P)))
+        assigned = [0] * P
+
+        def least(exclude):
+            cands = [d for d in range(P) if d != exclude]
+            return min(cands, key=lambda d: (assigned[d], d))
+
+        for e in sorted(range(E), key=lambda e: (-L[e], e)):
+            o = e // El
+            keep = min(L[e], max(0, cap - assigned[o]))
+            Q[e][o] += keep
+            assigned[o] += keep
+            R = L[e] - keep
+            while R > 0:
+                d = least(o)
+                room = cap - assigned[d]
+                if room >= R:
+                    take = R
+                elif room >= min_tokens and room > 0:
+                    take = room
+                else:
+                    d, take = least(None), R
+                Q[e][d] += take
+                assigned[d] += take
+                R -= take
+                spilled = spilled or d != o
+    A = [[[0] * P for _ in range(P)] for _ in range(E)]
+    S = [[0] * P for _ in range(P)]
+    for e in range(E):
+        src_lo = 0
+        for s in range(P):
+            src_hi = src_lo + load[s][e]
+            seg_lo = 0
+            for d in range(P):
+                seg_hi = seg_lo + Q[e][d]
+                ov = min(src_hi, seg_hi) - max(src_lo, seg_lo)
+                if ov > 0:
+                    A[e][s][d] = ov
+                    S[s][d] += ov
+                seg_lo = seg_hi
+            src_lo = src_hi
+    return Q, A, S, spilled
+
+
+def llep_num_chunks_ref(S, C):
+    """n = max over pairs of ceil(S[s][d] / floor(C / P))."""
+    q = C // len(S)
+    return max([-(-v // q) for row in S for v in row] + [0])
+
+
+def llep_chunk_layout_ref(A, S, r, n, j):
+    """Chunk j of n on rank r: (send_start, send_len, recv_len, perm, ecount).
+    Pair (s, d)'s slice j is [j*S//n, (j+1)*S//n); the send list is dst-major,
+    the receive buffer src-major, grouped rows expert-major then src-major."""
+    P, E = len(S), len(A)
+    sl_ = lambda v: (v * j // n, v * (j + 1) // n)  # noqa: E731
+    send_start, send_len, base = [], [], 0
+    for d in range(P):
+        lo, hi = sl_(S[r][d])
+        send_start.append(base + lo)
+        send_len.append(hi - lo)
+        base += S[r][d]
+    recv_len, pieces, roff = [], {}, 0
+    for s in range(P):
+        lo, hi = sl_(S[s][r])
+        recv_len.append(hi - lo)
+        eoff = 0
+        for e in range(E):
+            a = A[e][s][r]
+            x0, x1 = max(lo, eoff), min(hi, eoff + a)
+            if x1 > x0:
+                pieces[(e, s)] = list(range(roff + x0 - lo, roff + x1 - lo))
+            eoff += a
+        roff += hi - lo
+    perm, ecount = [], [0] * E
+    for e in range(E):
+        for s in range(P):
+            p = pieces.get((e, s), [])
+            perm += p
+            ecount[e] += len(p)
+    return send_start, send_len, recv_len, perm, ecount
+
+
+def moe_dense_ref(x, topk_ids, topk_weights, w_gate_up, w_down):
+    """y [T, H] = sum_k w[t, k] * expert_{ids[t, k]}(x[t]); all E experts'
+    weights w_gate_up [E, H, 2I] (gate | up), w_down [E, I, H]; a plain loop
+    over tokens' picks grouped by expert, in the dtype of x (use fp64 for a
+    ground truth). Differentiable in x, topk_weights and the weights."""
+    T, H = x.shape
+    I = w_down.shape[1]
+    y = torch.zeros(T, H, dtype=x.dtype, device=x.device)
+    for e in range(w_gate_up.shape[0]):
+        t, k = (topk_ids == e).nonzero(as_tuple=True)
+        if t.numel() == 0:
+            continue
+        h = x[t] @ w_gate_up[e]
+        o = (torch.nn.functional.silu(h[:, :I]) * h[:, I:]) @ w_down[e]
+        y = y.index_add(0, t, topk_weights[t, k].to(o.dtype).unsqueeze(1) * o)
+    return y
+
+
+def moe_block_ref(x, router_weight, w_gate_up, w_down, top_k, norm_topk_prob=True):
+    """Router (fp32 logits) + top-k + dense experts; returns (y, logits)."""
+    logits = torch.nn.functional.linear(x.float(), router_weight.float())
+    tw, ti = logits.softmax(-1).topk(top_k, dim=-1)
+    if norm_topk_prob:
+        tw = tw / tw.sum(-1, keepdim=True)
+    return moe_dense_ref(x, ti, tw, w_gate_up, w_down), logits
+
+
+def skewed_topk_ids(T, E, K, frac, generator=None, hot=4):
+    """Routing where a fraction `frac` of tokens send all K picks to experts
+    0..hot-1 (K distinct picks among them when K <= hot, else hot + random
+    others), the rest K distinct uniform picks. [T, K] int64."""
+    g = generator
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else \
+        torch.empty(0, K, dtype=torch.int64)
+    nh = int(round(frac * T))
+    for t in range(nh):
+        if K <= hot:
+            ids[t] = torch.randperm(hot, generator=g)[:K]
+        else:
+            rest = torch.randperm(E - hot, generator=g)[:K - hot] + hot
+            ids[t] = torch.cat([torch.arange(hot), rest])
+    return ids
 
 
 # ---------------------------------------------------------------------------

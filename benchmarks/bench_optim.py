@@ -1,0 +1,263 @@
+"""Benchmark: optimizer step with fp32 AdamW state offloaded to the CPU.
+
+bf16 params and grads on the GPU; fp32 master/exp_avg/exp_avg_sq in host RAM.
+Same process, same params, one arm at a time (host memory is freed between):
+  serial_foreach  D2H all grads -> CPU AdamW(foreach) on fp32 -> H2D params
+                  (what FSDP2's CPUOffloadPolicy does)
+  serial_fused    the same with AdamW(fused=True)
+  torchao         torchao.optim.CPUOffloadOptimizer(AdamW fused) if installed
+                  (note: its CPU state has the params' dtype, bf16 here)
+  stream_adamw    moepeak.StreamAdamW (bucket pipeline)
+plus: pinned D2H/H2D bandwidth, torch's fused CPU AdamW alone on fp32 (the
+DRAM floor, 28 B/param), moepeak's C kernel alone (same threads), and the
+floor max(PCIe time, DRAM time). Layouts: "large" (tensors of 64 Mi
+elements) and "experts" (2048 x 1408 expert matrices).
+
+Columns: step_s = median wall time of step() with the GPU synchronized before;
+exposed_s = median from step start (end of backward) to params ready on the
+GPU (synchronize after); gpu_added = peak max_memory_allocated during the step
+minus before; host_rss, pinned bytes. An OOM is recorded, not raised.
+
+  python benchmarks/bench_optim.py --out benchmarks/results [--quick]
+"""
+import argparse
+import csv
+import datetime
+import gc
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import moepeak  # noqa: E402
+
+COLS = ["gpu", "date", "torch", "moepeak", "threads", "params", "layout", "arm", "step_s", "step_min_s", "step_max_s",
+        "exposed_s", "vs_floor", "gpu_added", "host_rss", "pinned", "pcie_s", "dram_GBs", "d2h_GBs", "h2d_GBs", "note"]
+EXPERT = (2048, 1408)
+LARGE = 1 << 26
+
+
+def rss():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+# Host bytes per parameter each arm needs (fp32 master/grad/m/v, pinned
+# staging, foreach temporaries); an arm that would not fit in 90% of
+# MemAvailable is recorded as skipped instead of letting the OOM killer in.
+HOST_BYTES = {"serial_foreach": 28, "serial_fused": 20, "torchao": 10, "stream_adamw": 12, "cpu_kernels": 16}
+
+
+def mem_available():
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 62
+
+
+def fits(arm, total):
+    return HOST_BYTES[arm] * total <= 0.9 * mem_available()
+
+
+def make_params(total, layout):
+    if layout == "large":
+        shapes = [(LARGE,)] * (total // LARGE)
+    else:
+        k = EXPERT[0] * EXPERT[1]
+        shapes = [EXPERT] * (total // k)
+        if total % k:
+            shapes.append((total % k,))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ps = [torch.randn(s, device="cuda", generator=gen, dtype=torch.bfloat16).mul_(0.02).requires_grad_(True)
+          for s in shapes]
+    for p in ps:
+        p.grad = torch.randn(p.shape, device="cuda", generator=gen, dtype=torch.bfloat16).mul_(1e-3)
+    return ps
+
+
+class SerialOffload:
+    """D2H every grad, CPU AdamW on fp32 masters, H2D every param; serial."""
+
+    def __init__(self, params, foreach):
+        self.params = params
+        self.masters = [p.detach().float().cpu() for p in params]
+        for m in self.masters:
+            m.grad = torch.empty_like(m)
+        self.gbuf = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in params]
+        self.pbuf = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in params]
+        self.opt = torch.optim.AdamW(self.masters, lr=1e-4, foreach=foreach, fused=not foreach)
+        self.pinned = sum(b.numel() * b.element_size() for b in self.gbuf + self.pbuf)
+
+    def step(self):
+        for b, p in zip(self.gbuf, self.params):
+            b.copy_(p.grad, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        for m, b in zip(self.masters, self.gbuf):
+            m.grad.copy_(b)
+        self.opt.step()
+        for b, m, p in zip(self.pbuf, self.masters, self.params):
+            b.copy_(m)
+            p.data.copy_(b, non_blocking=True)
+
+
+def time_arm(step, warmup, reps):
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    steps, exposed = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        steps.append(t1 - t0)
+        exposed.append(t2 - t0)
+    return steps, exposed, torch.cuda.max_memory_allocated() - base
+
+
+def bandwidth(nbytes=1 << 30):
+    h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    d = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    res = {}
+    for name, (dst, src) in {"d2h": (h, d), "h2d": (d, h)}.items():
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        t = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            t.append(time.perf_counter() - t0)
+        res[name] = nbytes / min(t)
+    del h, d
+    return res
+
+
+def cpu_kernels(total, threads, reps):
+    """torch fused CPU AdamW alone vs moepeak's C kernel alone, fp32, same tensors."""
+    # constant values: the step's cost does not depend on them, and CPU randn of
+    # 2^30 elements would take longer than the measurement
+    p = torch.full((total,), 0.02).requires_grad_(True)
+    p.grad = torch.full((total,), 1e-3)
+    out = {}
+    makers = (("torch_fused_cpu_alone", lambda: torch.optim.AdamW([p], lr=1e-4, fused=True)),
+              ("moepeak_kernel_alone", lambda: moepeak.StreamAdamW([p], lr=1e-4, threads=threads)))
+    for name, make in makers:  # one optimizer (8 B/param of state) alive at a time
+        opt = make()
+        opt.step()
+        t = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            opt.step()
+            t.append(time.perf_counter() - t0)
+        out[name] = statistics.median(t)
+        del opt
+        gc.collect()
+    del p
+    gc.collect()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--bucket-mb", type=float, default=64)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    sizes = [1 << 30] if args.quick else [1 << 30, 1 << 32]
+    warmup, reps = (1, 2) if args.quick else (2, 5)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "optim.csv")
+    meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.utcnow().isoformat(timespec="seconds"),
+                torch=torch.__version__, moepeak=moepeak.__version__, threads=args.threads)
+    rows = []
+
+    def record(**kw):
+        row = dict(meta, **kw)
+        rows.append(row)
+        print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in kw.items()), flush=True)
+
+    bw = bandwidth()
+    record(params=0, layout="-", arm="pinned_bw", d2h_GBs=bw["d2h"] / 1e9, h2d_GBs=bw["h2d"] / 1e9)
+    for total in sizes:
+        try:
+            if not fits("cpu_kernels", total):
+                raise MemoryError(f"needs ~{HOST_BYTES['cpu_kernels'] * total / 2**30:.0f} GiB of host RAM")
+            k = cpu_kernels(total, args.threads, reps)
+            for name, t in k.items():
+                record(params=total, layout="fp32-cpu", arm=name, step_s=t, dram_GBs=28 * total / t / 1e9)
+        except (MemoryError, RuntimeError) as e:
+            record(params=total, layout="fp32-cpu", arm="cpu_kernels", note=f"failed: {type(e).__name__}: {e}"[:200])
+            k = {}
+        pcie = max(2 * total / bw["d2h"], 2 * total / bw["h2d"])
+        floor = max(pcie, k.get("torch_fused_cpu_alone", 0.0))
+        record(params=total, layout="-", arm="floor", step_s=floor, pcie_s=pcie)
+        for layout in ("large", "experts"):
+            arms = [("serial_foreach", lambda ps: SerialOffload(ps, True)),
+                    ("serial_fused", lambda ps: SerialOffload(ps, False)),
+                    ("torchao", None),
+                    ("stream_adamw", lambda ps: moepeak.StreamAdamW(ps, lr=1e-4, threads=args.threads,
+                                                                     bucket_mb=args.bucket_mb))]
+            for arm, make in arms:
+                params = opt = None
+                if not fits(arm, total):
+                    record(params=total, layout=layout, arm=arm,
+                           note=f"skipped: needs ~{HOST_BYTES[arm] * total / 2**30:.0f} GiB host RAM")
+                    continue
+                try:
+                    params = make_params(total, layout)
+                    if arm == "torchao":
+                        try:
+                            from torchao.optim import CPUOffloadOptimizer
+                        except ImportError:
+                            record(params=total, layout=layout, arm=arm, note="skipped: torchao not installed")
+                            continue
+                        opt = CPUOffloadOptimizer(params, torch.optim.AdamW, lr=1e-4, fused=True)
+                        pinned = 2 * sum(p.numel() * p.element_size() for p in params)  # its grad + param buffers
+                    else:
+                        opt = make(params)
+                        pinned = opt.pinned if hasattr(opt, "pinned") else None
+                    steps, exposed, gpu_added = time_arm(opt.step, warmup, reps)
+                    if pinned is None:
+                        pinned = opt.pinned_bytes()
+                    med = statistics.median(steps)
+                    record(params=total, layout=layout, arm=arm, step_s=med, step_min_s=min(steps),
+                           step_max_s=max(steps), exposed_s=statistics.median(exposed), gpu_added=gpu_added,
+                           host_rss=rss(), pinned=pinned, vs_floor=statistics.median(exposed) / floor)
+                except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError) as e:
+                    record(params=total, layout=layout, arm=arm, note=f"failed: {type(e).__name__}: {e}"[:200])
+                finally:
+                    del params, opt
+                    gc.collect()
+                    torch.cuda.empty_cache()
+    new = not os.path.exists(path)
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLS, restval="", extrasaction="ignore")
+        if new:
+            w.writeheader()
+        w.writerows(rows)
+    print(f"\nwrote {len(rows)} rows to {path}")
+    print(f"\n{'params':>12} {'layout':>8} {'arm':>22} {'step_s':>8} {'exposed_s':>9} {'gpu_added':>10} "
+          f"{'pinned':>12} {'rss':>14}")
+    for r in rows:
+        if "step_s" in r:
+            print(f"{r['params']:>12} {r['layout']:>8} {r['arm']:>22} {r['step_s']:>8.3f} "
+                  f"{r.get('exposed_s', float('nan')):>9.3f} {r.get('gpu_added', ''):>10} "
+                  f"{r.get('pinned', ''):>12} {r.get('host_rss', ''):>14}")
+
+
+if __name__ == "__main__":
+    main()

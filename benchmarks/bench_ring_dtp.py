@@ -1,0 +1,241 @@
+"""Benchmark: lm_head + cross-entropy, forward + backward, bf16, one GPU.
+
+Arms (same process, same inputs): naive F.linear + F.cross_entropy(.float()),
+the same under torch.compile, chunked plain PyTorch (checkpointed token
+chunks), Cut Cross-Entropy ("cce", "cce_exact"; optional import), Liger FLCE
+(fp32 accumulation when the installed version has accum_dtype; optional),
+moepeak.linear_cross_entropy in each mode.
+
+Per arm and shape: peak = max_memory_allocated - allocated before the call
+(inputs excluded; dX and dW included), median / p10 / p90 of >= 10 fwd+bwd
+timed with CUDA events, TFLOP/s of the 3 GEMMs (6*T*V*H FLOP) and that time
+relative to the 3-GEMM time at the bf16 GEMM rate measured in this run. Errors
+of loss, dX, dW against an fp64 reference at T = --err-T tokens (same H, V).
+An OOM is a result (status "oom"), never a crash.
+
+  python benchmarks/bench_ring_dtp.py --quick --out benchmarks/results
+  python benchmarks/bench_ring_dtp.py --out benchmarks/results          # full grid
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import moepeak  # noqa: E402
+
+GiB = 1 << 30
+
+
+# ---------------------------------------------------------------------------
+# arms: fn(x, w, y) -> scalar loss (mean over tokens)
+# ---------------------------------------------------------------------------
+def naive(x, w, y):
+    return F.cross_entropy(F.linear(x, w).float(), y)
+
+
+def chunked(x, w, y, chunk=4096):
+    from torch.utils.checkpoint import checkpoint
+
+    def part(xc, yc):
+        return F.cross_entropy(F.linear(xc, w).float(), yc, reduction="sum")
+
+    total = 0.0
+    for t0 in range(0, x.shape[0], chunk):
+        total = total + checkpoint(part, x[t0:t0 + chunk], y[t0:t0 + chunk], use_reentrant=False)
+    return total / x.shape[0]
+
+
+def make_arms(quick_big=False):
+    arms = {"naive": naive}  # at T = 128k its logits alone need > 100 GiB: the OOM is the result
+    if not quick_big:
+        arms["naive_compile"] = torch.compile(naive)
+        arms["chunked_torch"] = chunked
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce_lce
+        arms["cce"] = lambda x, w, y: cce_lce(x, w, y, impl="cce")
+        if not quick_big:
+            arms["cce_exact"] = lambda x, w, y: cce_lce(x, w, y, impl="cce_exact")
+    except Exception as e:  # optional baseline
+        arms["cce"] = f"unavailable: {type(e).__name__}"
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+        try:
+            lg = LigerFusedLinearCrossEntropyLoss(accum_dtype=torch.float32)
+            name = "liger_flce_fp32acc"
+        except TypeError:
+            lg = LigerFusedLinearCrossEntropyLoss()
+            name = "liger_flce"
+        arms[name] = lambda x, w, y: lg(w, x, y)
+    except Exception as e:
+        arms["liger_flce"] = f"unavailable: {type(e).__name__}"
+    modes = ["auto", "fused"] if quick_big else ["auto", "fused", "vocab_outer", "token_outer"]
+    for m in modes:
+        arms[f"moepeak_{m}"] = (lambda mode: lambda x, w, y: moepeak.linear_cross_entropy(x, w, y, mode=mode))(m)
+    return arms
+
+
+# ---------------------------------------------------------------------------
+def gemm_rate(n=8192, iters=10):
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    ts = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        a @ b
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) / 1e3)
+    return 2 * n ** 3 / statistics.median(ts) / 1e12
+
+
+def inputs(T, H, V, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = (torch.randn(V, H, device="cuda", dtype=torch.bfloat16, generator=g) * (1.0 / H ** 0.5))
+    y = torch.randint(0, V, (T,), device="cuda", generator=g)
+    return x.requires_grad_(), w.requires_grad_(), y
+
+
+def step(fn, x, w, y):
+    x.grad = w.grad = None
+    loss = fn(x, w, y)
+    loss.backward()
+    return loss
+
+
+def measure(fn, T, H, V, iters):
+    """(status, peak_gib, [seconds])."""
+    torch.cuda.empty_cache()
+    try:
+        x, w, y = inputs(T, H, V)
+    except torch.cuda.OutOfMemoryError:
+        return "oom_inputs", float("nan"), []
+    try:
+        step(fn, x, w, y)  # warm-up (compiles, autotunes)
+        x.grad = w.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step(fn, x, w, y)
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / GiB
+        ts = []
+        for _ in range(iters):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            x.grad = w.grad = None
+            s.record()
+            step(fn, x, w, y)
+            e.record()
+            e.synchronize()
+            ts.append(s.elapsed_time(e) / 1e3)
+        return "ok", peak, ts
+    except torch.cuda.OutOfMemoryError:
+        return "oom", float("nan"), []
+    except Exception as e:  # a baseline failing is recorded, not fatal
+        return f"error: {type(e).__name__}: {str(e)[:120]}", float("nan"), []
+    finally:
+        del x, w, y
+        torch.cuda.empty_cache()
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def errors(arms, T, H, V):
+    """{arm: (err_loss, err_dx, err_dw)} against fp64 at T tokens."""
+    x, w, y = inputs(T, H, V, seed=1)
+    xd = x.detach().double().requires_grad_()
+    wd = w.detach().double().requires_grad_()
+    F.cross_entropy(xd @ wd.T, y).backward()
+    ref = (F.cross_entropy((xd @ wd.T).detach(), y), xd.grad, wd.grad)
+    del xd, wd
+    torch.cuda.empty_cache()
+    out = {}
+    for name, fn in arms.items():
+        if isinstance(fn, str):
+            continue
+        try:
+            loss = step(fn, x, w, y)
+            out[name] = (rel(loss.detach(), ref[0]), rel(x.grad, ref[1]), rel(w.grad, ref[2]))
+        except Exception as e:
+            out[name] = (float("nan"),) * 3
+            print(f"  error measurement failed for {name}: {type(e).__name__}: {str(e)[:100]}")
+        x.grad = w.grad = None
+        torch.cuda.empty_cache()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None, help="directory for ring_dtp.csv (rows appended)")
+    ap.add_argument("--quick", action="store_true", help="T=32k,H=4096,V=151936 all arms + T=128k peaks")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--err-T", type=int, default=8192, help="tokens for the fp64 error measurement")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_ring_dtp: needs a CUDA GPU")
+    if args.quick:
+        shapes = [(32768, 4096, 151936, False), (131072, 4096, 151936, True)]
+    else:
+        shapes = [(T, H, V, False) for T in (8192, 32768, 131072) for H in (4096, 7168)
+                  for V in (128256, 151936, 256000)]
+    rate = gemm_rate()
+    gpu = torch.cuda.get_device_name()
+    print(f"{gpu}  torch {torch.__version__}  moepeak {moepeak.__version__}  bf16 GEMM {rate:.0f} TFLOP/s")
+    rows = []
+    err_cache = {}
+    for T, H, V, big in shapes:
+        arms = make_arms(quick_big=big)
+        flop = 6.0 * T * V * H
+        t3 = flop / (rate * 1e12)
+        if (H, V) not in err_cache and not big:
+            err_cache[(H, V)] = errors(arms, args.err_T, H, V)
+        errs = err_cache.get((H, V), {})
+        print(f"\nT={T} H={H} V={V}: 3-GEMM time at the measured rate {t3 * 1e3:.1f} ms")
+        print(f"{'arm':24s} {'status':10s} {'peak GiB':>9s} {'ms':>8s} {'xGEMM3':>7s} {'TFLOP/s':>8s} "
+              f"{'err loss':>9s} {'err dX':>9s} {'err dW':>9s}")
+        for name, fn in arms.items():
+            if isinstance(fn, str):
+                st, peak, ts = fn, float("nan"), []
+            else:
+                st, peak, ts = measure(fn, T, H, V, 3 if big else args.iters)
+            med = statistics.median(ts) if ts else float("nan")
+            p10 = sorted(ts)[len(ts) // 10] if ts else float("nan")
+            p90 = sorted(ts)[min(len(ts) - 1, (9 * len(ts)) // 10)] if ts else float("nan")
+            e = errs.get(name, (float("nan"),) * 3)
+            print(f"{name:24s} {st[:10]:10s} {peak:9.2f} {med * 1e3:8.1f} {med / t3:7.2f} {flop / med / 1e12:8.0f} "
+                  f"{e[0]:9.2e} {e[1]:9.2e} {e[2]:9.2e}")
+            rows.append(dict(gpu=gpu, date=datetime.datetime.utcnow().isoformat(timespec="seconds"),
+                             torch=torch.__version__, moepeak=moepeak.__version__, T=T, H=H, V=V, arm=name,
+                             status=st, peak_gib=f"{peak:.3f}", median_ms=f"{med * 1e3:.2f}",
+                             p10_ms=f"{p10 * 1e3:.2f}", p90_ms=f"{p90 * 1e3:.2f}", iters=len(ts),
+                             gemm_tflops=f"{rate:.0f}", x_3gemm=f"{med / t3:.3f}",
+                             tflops=f"{flop / med / 1e12:.1f}", err_T=args.err_T, err_loss=f"{e[0]:.3e}",
+                             err_dx=f"{e[1]:.3e}", err_dw=f"{e[2]:.3e}"))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "ring_dtp.csv")
+        new = not os.path.exists(path)
+        with open(path, "a", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+            if new:
+                wr.writeheader()
+            wr.writerows(rows)
+        print(f"\nappended {len(rows)} rows to {path}")
+
+
+if __name__ == "__main__":
+    main()

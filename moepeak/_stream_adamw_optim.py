@@ -1,0 +1,251 @@
+"""StreamAdamW, the torch.optim.Optimizer around the moepeak::stream_adamw op
+(the API is documented in moepeak/stream_adamw.py)."""
+from __future__ import annotations
+
+import torch
+
+from . import _C
+from ._ext import HAS_CUDA_BUILD
+from .stream_adamw import _DT, _ISAS, _PLANS, _plan_ids, _Plan, stream_adamw
+
+_STATE_TENSORS = ("exp_avg", "exp_avg_sq", "master_param")
+
+
+def _local(t):
+    """The local shard of a DTensor (FSDP2), else t itself."""
+    if t is not None and hasattr(t, "_local_tensor") and type(t).__name__ == "DTensor":
+        return t._local_tensor
+    return t
+
+
+class StreamAdamW(torch.optim.Optimizer):
+    """AdamW with fp32 state in host RAM and a bucket-pipelined step; see
+    moepeak/stream_adamw.py for the full contract."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, amsgrad=False,
+                 maximize=False, bucket_mb=64, threads=None, isa=None, grad_slots=3, param_slots=2,
+                 _host_pipeline=False):
+        _check_hyper("lr", lr, betas, eps, weight_decay, amsgrad, maximize)
+        if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
+            raise ValueError(f"moepeak.StreamAdamW: bucket_mb must be > 0, got {bucket_mb!r}")
+        if grad_slots < 2 or param_slots < 1:
+            raise ValueError(f"moepeak.StreamAdamW: need grad_slots >= 2 and param_slots >= 1, got "
+                             f"{grad_slots}, {param_slots}")
+        if threads is not None and not (isinstance(threads, int) and 1 <= threads <= 256):
+            raise ValueError(f"moepeak.StreamAdamW: threads must be None or an int in [1, 256], got {threads!r}")
+        best = _C.cpu_best_isa()
+        if isa is None:
+            self._isa = best
+        else:
+            code = _ISAS.get(isa, isa)
+            if not isinstance(code, int) or code not in (0, 1, 2):
+                raise ValueError(f"moepeak.StreamAdamW: isa must be one of {sorted(_ISAS)} or None, got {isa!r}")
+            if code > best:
+                raise ValueError(f"moepeak.StreamAdamW: isa={isa!r} is not supported by this CPU "
+                                 f"(best: {[k for k, v in _ISAS.items() if v == best][0]})")
+            self._isa = code
+        self._threads = threads or 0
+        # testing hook: CPU params go through the bucket pipeline (memcpy copies)
+        self._host_pipeline = bool(_host_pipeline)
+        self._bucket_mb = float(bucket_mb)
+        self._slots = (int(grad_slots), int(param_slots))
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize)
+        super().__init__(params, defaults)
+        self._devices = {}  # param -> device it had at its first step
+        self._gpu_master = {}  # fp32 CUDA param -> its fp32 CPU master (always equal to the param)
+        self._plan = None
+        self._plan_id = next(_plan_ids)
+        self._grad_dt = {}  # param -> dtype code of its last grad (for the plan's slot sizes)
+
+    # ------------------------------------------------------------------ checks
+    def _collect(self):
+        """Validate every param with a grad (nothing is touched on failure);
+        return [(group, param, local param, local grad)]."""
+        out = []
+        for gi, group in enumerate(self.param_groups):
+            _check_hyper(f"param_groups[{gi}]['lr']", group["lr"], group["betas"], group["eps"],
+                         group["weight_decay"], group.get("amsgrad", False), group.get("maximize", False))
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                name = f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}, dtype {p.dtype})"
+                lp, lg = _local(p), _local(p.grad)
+                if p.grad.is_sparse or lg.layout != torch.strided:
+                    raise TypeError(f"moepeak.StreamAdamW: {name} has a sparse grad; StreamAdamW needs dense grads")
+                if lp.is_complex() or lg.is_complex():
+                    raise TypeError(f"moepeak.StreamAdamW: {name}: complex params/grads are not supported")
+                if lp.dtype not in _DT or lg.dtype not in _DT:
+                    raise TypeError(f"moepeak.StreamAdamW: {name}: param and grad must be float32, bfloat16 or "
+                                    f"float16, got {lp.dtype} and {lg.dtype}")
+                if lg.shape != lp.shape:
+                    raise ValueError(f"moepeak.StreamAdamW: {name}: grad shape {tuple(lg.shape)} != param shape")
+                if not lp.is_contiguous() or not lg.is_contiguous():
+                    raise ValueError(f"moepeak.StreamAdamW: {name}: param and grad must be contiguous")
+                if lg.device != lp.device:
+                    raise ValueError(f"moepeak.StreamAdamW: {name}: grad on {lg.device} but param on {lp.device}")
+                if lp.device.type not in ("cpu", "cuda"):
+                    raise ValueError(f"moepeak.StreamAdamW: {name}: params must be on cpu or cuda, got {lp.device}")
+                if lp.is_cuda and not HAS_CUDA_BUILD:
+                    raise RuntimeError(f"moepeak.StreamAdamW: {name} is on CUDA but moepeak._C was built without "
+                                       "CUDA; rebuild with nvcc on PATH")
+                seen = self._devices.get(p)
+                if seen is not None and seen != lp.device:
+                    raise ValueError(f"moepeak.StreamAdamW: {name} moved from {seen} to {lp.device} between steps; "
+                                     "create the optimizer after moving the model")
+                out.append((group, p, lp, lg, name))
+        cuda_devs = {lp.device for _, _, lp, _, _ in out if lp.is_cuda}
+        if len(cuda_devs) > 1:
+            raise ValueError(f"moepeak.StreamAdamW: CUDA params must all be on one device, got {sorted(map(str, cuda_devs))}")
+        return out
+
+    # ------------------------------------------------------------------ state
+    def _init_state(self, p, lp):
+        st = self.state[p]
+        if "step" not in st:
+            st["step"] = torch.tensor(0.0, dtype=torch.float32)
+        for k in ("exp_avg", "exp_avg_sq"):
+            if k not in st:
+                st[k] = torch.zeros(lp.shape, dtype=torch.float32)
+        if lp.dtype != torch.float32 and "master_param" not in st:
+            st["master_param"] = lp.detach().to("cpu", torch.float32).contiguous()
+        if lp.dtype == torch.float32 and self._piped(lp) and p not in self._gpu_master:
+            self._gpu_master[p] = lp.detach().to("cpu", copy=True).contiguous()
+        self._devices.setdefault(p, lp.device)
+
+    def _master(self, p, lp):
+        if lp.dtype != torch.float32:
+            return self.state[p]["master_param"]
+        if self._piped(lp):
+            return self._gpu_master[p]
+        return lp
+
+    def _piped(self, lp):
+        return lp.is_cuda or self._host_pipeline
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        entries = self._collect()  # raises before anything is modified
+        if not entries:
+            return loss
+        for _, p, lp, _, _ in entries:
+            self._init_state(p, lp)
+        steps = [self.state[p]["step"] for _, p, _, _, _ in entries]
+        torch._foreach_add_(steps, 1.0)
+        step_vals = torch.stack(steps).tolist()
+        params, grads, masters, ms, vs = [], [], [], [], []
+        lrs, b1s, b2s, epss, wds = [], [], [], [], []
+        plan_index = self._cuda_plan(entries)
+        for group, p, lp, lg, _ in entries:
+            st = self.state[p]
+            mst = self._master(p, lp)
+            params.append(lp if (self._piped(lp) or lp.dtype != torch.float32) else _EMPTY)
+            grads.append(lg)
+            masters.append(mst)
+            ms.append(st["exp_avg"])
+            vs.append(st["exp_avg_sq"])
+            lrs.append(float(group["lr"]))
+            b1s.append(float(group["betas"][0]))
+            b2s.append(float(group["betas"][1]))
+            epss.append(float(group["eps"]))
+            wds.append(float(group["weight_decay"]))
+        stream_adamw(params, grads, masters, ms, vs, step_vals, lrs, b1s, b2s, epss, wds, isa=self._isa,
+                     threads=self._threads, bucket_mb=self._bucket_mb, grad_slots=self._slots[0],
+                     param_slots=self._slots[1], plan_id=self._plan_id, plan_index=plan_index,
+                     host_pipeline=self._host_pipeline)
+        return loss
+
+    def _cuda_plan(self, entries):
+        """Keep one bucket plan over EVERY non-empty CUDA param of the
+        optimizer (so a param whose grad is None this step, e.g. an expert
+        that got no tokens, does not force new pinned slots); return, for the
+        CUDA entries of this step in order, their rows in the plan."""
+        for _, p, _, lg, _ in entries:
+            self._grad_dt[p] = _DT[lg.dtype]
+        layout = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                lp = _local(p)
+                if self._piped(lp) and lp.numel() > 0:
+                    layout.append((p, lp.numel(), self._grad_dt.get(p, _DT.get(lp.dtype, 0)), _DT.get(lp.dtype, 0)))
+        if not layout:
+            return None
+        key = (tuple(x[1] for x in layout), tuple(x[2] for x in layout), tuple(x[3] for x in layout))
+        if self._plan is None or self._plan.key != key:
+            self._plan = None  # free the old pinned slots first
+            self._plan = _Plan(key, _local(layout[0][0]).device, self._bucket_mb, *self._slots,
+                               host=self._host_pipeline)
+            _PLANS[self._plan_id] = self._plan
+        row = {p: i for i, (p, _, _, _) in enumerate(layout)}
+        idx = [row[p] for _, p, lp, _, _ in entries if self._piped(lp) and lp.numel() > 0]
+        return idx or None
+
+    def pinned_bytes(self):
+        """Pinned host bytes held by the bucket pipeline (0 before the first CUDA step)."""
+        return 0 if self._plan is None else self._plan.pinned_bytes
+
+    # ------------------------------------------------------------------ state_dict
+    def load_state_dict(self, state_dict):
+        """Accepts our own state dicts and torch.optim.AdamW's. The fp32
+        tensors are kept on the CPU in fp32 (torch's loader would cast them to
+        the param's dtype and device)."""
+        saved_groups = state_dict["param_groups"]
+        id_map = {}
+        for g, ng in zip(saved_groups, self.param_groups):
+            for pid, p in zip(g["params"], ng["params"]):
+                id_map[pid] = p
+        kept, light = {}, {}
+        for pid, st in state_dict["state"].items():
+            kept[pid] = {k: st[k] for k in _STATE_TENSORS if k in st}
+            light[pid] = {k: v for k, v in st.items() if k not in _STATE_TENSORS}
+        super().load_state_dict({"state": light, "param_groups": saved_groups})
+        self._gpu_master.clear()
+        self._plan = None
+        for pid, tensors in kept.items():
+            p = id_map.get(pid)
+            if p is None:
+                continue
+            st = self.state[p]
+            lp = _local(p)
+            if "step" in st:
+                st["step"] = torch.as_tensor(st["step"]).detach().to("cpu", torch.float32).reshape(())
+            for k, t in tensors.items():
+                t = _local(t)
+                if k == "master_param" and lp.dtype == torch.float32:
+                    continue  # an fp32 param is its own master
+                st[k] = t.detach().to("cpu", torch.float32, copy=True).reshape(lp.shape).contiguous()
+        for group in self.param_groups:  # groups saved by torch carry their own keys; ours need these
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+
+
+_EMPTY = torch.empty(0)
+
+
+def _check_hyper(lr_name, lr, betas, eps, weight_decay, amsgrad, maximize):
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"moepeak.StreamAdamW: {lr_name} tensor must have one element")
+        lr = float(lr)
+    if not isinstance(lr, (int, float)) or not lr >= 0.0:
+        raise ValueError(f"moepeak.StreamAdamW: {lr_name} must be a float >= 0, got {lr!r}")
+    if not isinstance(eps, (int, float)) or not eps >= 0.0:
+        raise ValueError(f"moepeak.StreamAdamW: eps must be >= 0, got {eps!r}")
+    try:
+        b1, b2 = betas
+    except (TypeError, ValueError):
+        raise ValueError(f"moepeak.StreamAdamW: betas must be a pair of floats, got {betas!r}") from None
+    for i, b in enumerate((b1, b2)):
+        if not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
+            raise ValueError(f"moepeak.StreamAdamW: betas[{i}] must be in [0, 1), got {b!r}")
+    if not isinstance(weight_decay, (int, float)) or not weight_decay >= 0.0:
+        raise ValueError(f"moepeak.StreamAdamW: weight_decay must be >= 0, got {weight_decay!r}")
+    if amsgrad:
+        raise ValueError("moepeak.StreamAdamW: amsgrad=True is not supported (use torch.optim.AdamW)")
+    if maximize:
+        raise ValueError("moepeak.StreamAdamW: maximize=True is not supported")

@@ -1,0 +1,266 @@
+"""PipelinedLLEP: an MoE layer whose dispatch peak grows with neither routing
+imbalance nor tokens (DESIGN.md "PipelinedLLEP").
+
+Ops (in order: custom_op, register_fake, register_autograd, then the public API):
+  moepeak::llep_dispatch(x [T, H], topk_ids [T, K], topk_weights [T, K],
+                         w_gate_up [E_local, H, 2I], w_down [E_local, I, H], ...) -> y [T, H]
+      y[t] = sum_k topk_weights[t, k] * expert_{ids[t, k]}(x[t]),
+      expert_e(v) = (silu(v @ Wg_e) * (v @ Wu_e)) @ Wd_e, Wg = w_gate_up[:, :, :I],
+      Wu = w_gate_up[:, :, I:]. Rank r owns experts [r*E_local, (r+1)*E_local).
+  moepeak::llep_dispatch_backward(dy, x, ...) -> (dx, d topk_weights, dW_gate_up, dW_down)
+  moepeak::llep_combine_(acc, y, idx, w, div): acc[idx // div] += w[idx] * y (fp32 acc)
+
+Process groups cannot be op arguments, so the group travels as a registry key
+(a string) resolved in this process.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import llep_plan as lp
+from . import llep_sched as sched
+from ._ext import check_tensor
+from .transport import get_transport
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_GROUPS = {}
+
+
+def _group_key(group) -> str:
+    if group is None:
+        return ""
+    key = f"pg{id(group)}"
+    _GROUPS[key] = group
+    return key
+
+
+def _transport(key: str):
+    if not key:
+        return None
+    if key not in _GROUPS:
+        raise ValueError(f"moepeak: unknown process group key {key!r} (groups are registered by llep_moe)")
+    return get_transport(_GROUPS[key])
+
+
+# ---------------------------------------------------------------------------
+# Ops
+# ---------------------------------------------------------------------------
+@torch.library.custom_op("moepeak::llep_dispatch", mutates_args=())
+def llep_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
+                  w_down: torch.Tensor, group: str, chunk_rows: int, alpha: float, min_tokens_per_gemm: int,
+                  imbalance_threshold: float) -> torch.Tensor:
+    ctx = sched.Ctx(x, topk_ids, topk_weights, w_gate_up, w_down, _transport(group), chunk_rows, alpha,
+                    min_tokens_per_gemm, imbalance_threshold)
+    return sched.forward(ctx)
+
+
+@llep_dispatch.register_fake
+def _(x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha, min_tokens_per_gemm,
+      imbalance_threshold):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("moepeak::llep_dispatch_backward", mutates_args=())
+def llep_dispatch_backward(grad_y: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
+                           topk_weights: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, group: str,
+                           chunk_rows: int, alpha: float, min_tokens_per_gemm: int,
+                           imbalance_threshold: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                torch.Tensor]:
+    ctx = sched.Ctx(x, topk_ids, topk_weights, w_gate_up, w_down, _transport(group), chunk_rows, alpha,
+                    min_tokens_per_gemm, imbalance_threshold)
+    dx, dtw, dwgu, dwd = sched.backward(ctx, grad_y.contiguous())
+    return dx, dtw.view(topk_weights.shape).to(topk_weights.dtype), dwgu, dwd
+
+
+@llep_dispatch_backward.register_fake
+def _(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha, min_tokens_per_gemm,
+      imbalance_threshold):
+    return (torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w_gate_up),
+            torch.empty_like(w_down))
+
+
+def _setup_context(ctx, inputs, output):
+    x, topk_ids, topk_weights, w_gate_up, w_down = inputs[:5]
+    ctx.save_for_backward(x, topk_ids, topk_weights, w_gate_up, w_down)
+    ctx.args = inputs[5:]
+
+
+def _backward(ctx, grad_y):
+    x, topk_ids, topk_weights, w_gate_up, w_down = ctx.saved_tensors
+    dx, dtw, dwgu, dwd = llep_dispatch_backward(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, *ctx.args)
+    return dx, None, dtw, dwgu, dwd, None, None, None, None, None
+
+
+llep_dispatch.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("moepeak::llep_combine_", mutates_args=("acc",))
+def llep_combine_(acc: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, w: Optional[torch.Tensor],
+                  div: int) -> None:
+    """acc [T, H] fp32 += w[idx[i]] * y[i] at row idx[i] // div (w None: 1)."""
+    check_tensor("acc", acc, dtypes=(torch.float32,), ndim=2, contiguous=True)
+    check_tensor("y", y, dtypes=_FLOATS, ndim=2, device=acc.device, contiguous=True)
+    check_tensor("idx", idx, dtypes=(torch.int64,), ndim=1, device=acc.device, contiguous=True)
+    if y.shape != (idx.numel(), acc.shape[1]):
+        raise ValueError(f"moepeak: y must be [{idx.numel()}, {acc.shape[1]}], got {tuple(y.shape)}")
+    if div < 1:
+        raise ValueError(f"moepeak: div must be >= 1, got {div}")
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) // div >= acc.shape[0]):
+        raise ValueError(f"moepeak: idx // div must lie in [0, {acc.shape[0]})")
+    if w is not None:
+        check_tensor("w", w, dtypes=(torch.float32,), ndim=1, device=acc.device, contiguous=True)
+        if idx.numel() and int(idx.max()) >= w.numel():
+            raise ValueError(f"moepeak: idx must index w (length {w.numel()})")
+    lp.combine_rows(acc, y, idx, w, div)
+
+
+@llep_combine_.register_fake
+def _(acc, y, idx, w, div):
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------
+def _validate(x, topk_ids, topk_weights, w_gate_up, w_down, P, chunk_rows, alpha, m, lam):
+    check_tensor("x", x, dtypes=_FLOATS)
+    if x.dim() < 1:
+        raise ValueError("moepeak: x must be [..., hidden_size]")
+    H = x.shape[-1]
+    T = x.numel() // H if H else 0
+    check_tensor("w_gate_up", w_gate_up, dtypes=(x.dtype,), ndim=3, device=x.device)
+    check_tensor("w_down", w_down, dtypes=(x.dtype,), ndim=3, device=x.device)
+    El, Hw, twoI = w_gate_up.shape
+    if Hw != H or twoI % 2 or twoI == 0:
+        raise ValueError(f"moepeak: w_gate_up must be [E_local, H={H}, 2*I] (I >= 1), got {tuple(w_gate_up.shape)}")
+    I = twoI // 2
+    if tuple(w_down.shape) != (El, I, H):
+        raise ValueError(f"moepeak: w_down must be [E_local={El}, I={I}, H={H}] to match w_gate_up "
+                         f"{tuple(w_gate_up.shape)}, got {tuple(w_down.shape)}")
+    if El < 1:
+        raise ValueError("moepeak: w_gate_up must hold at least one expert")
+    check_tensor("topk_ids", topk_ids, dtypes=(torch.int64, torch.int32), ndim=2, device=x.device)
+    check_tensor("topk_weights", topk_weights, dtypes=_FLOATS, ndim=2, device=x.device)
+    E = El * P
+    if topk_ids.shape[0] != T or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"moepeak: topk_ids and topk_weights must both be [T={T}, K], got "
+                         f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+    K = topk_ids.shape[1]
+    if K < 1 or K > E:
+        raise ValueError(f"moepeak: top_k ({K}) must be in [1, num_experts={E}]")
+    if not isinstance(chunk_rows, int) or chunk_rows < P:
+        raise ValueError(f"moepeak: chunk_rows must be an int >= the number of ranks ({P}), got {chunk_rows!r}")
+    if not alpha >= 1.0:
+        raise ValueError(f"moepeak: alpha (capacity factor) must be >= 1.0, got {alpha}")
+    if not (isinstance(m, int) and m >= 0):
+        raise ValueError(f"moepeak: min_tokens_per_gemm must be an int >= 0, got {m!r}")
+    if not lam >= 1.0:
+        raise ValueError(f"moepeak: imbalance_threshold must be >= 1.0, got {lam}")
+    return T, H
+
+
+def llep_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
+             w_down: torch.Tensor, *, group=None, chunk_rows: Optional[int] = None, alpha: float = 1.0,
+             min_tokens_per_gemm: int = 1024, imbalance_threshold: float = 1.3) -> torch.Tensor:
+    """The MoE experts on this rank's local weights, PipelinedLLEP-scheduled.
+
+    x [..., H]; topk_ids, topk_weights [T, K] (T = x.numel() // H; ids are
+    global expert ids in [0, E_local * P)); w_gate_up [E_local, H, 2I] (gate
+    columns [:I], up [I:]); w_down [E_local, I, H]. Returns y shaped like x.
+    Every rank of `group` must call it (with its own tokens; T may differ).
+    Differentiable in x, topk_weights, w_gate_up and w_down."""
+    tr = get_transport(group)
+    P = tr.world_size if tr is not None else 1
+    C = lp.default_chunk_rows(P) if chunk_rows is None else chunk_rows
+    T, H = _validate(x, topk_ids, topk_weights, w_gate_up, w_down, P, C, alpha, min_tokens_per_gemm,
+                     imbalance_threshold)
+    shape = x.shape
+    y = llep_dispatch(x.reshape(T, H).contiguous(), topk_ids.contiguous(), topk_weights.contiguous(),
+                      w_gate_up.contiguous(), w_down.contiguous(), _group_key(group), int(C), float(alpha),
+                      int(min_tokens_per_gemm), float(imbalance_threshold))
+    return y.view(shape)
+
+
+def dense_moe_reference(x, topk_ids, topk_weights, w_gate_up, w_down):
+    """Plain PyTorch: a loop over all experts (full weights [E, H, 2I], [E, I, H])."""
+    T, H = x.reshape(-1, x.shape[-1]).shape
+    xf = x.reshape(T, H)
+    I = w_down.shape[1]
+    y = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    for e in range(w_gate_up.shape[0]):
+        t, k = (topk_ids == e).nonzero(as_tuple=True)
+        if t.numel() == 0:
+            continue
+        hh = xf[t] @ w_gate_up[e]
+        o = (F.silu(hh[:, :I]) * hh[:, I:]) @ w_down[e]
+        y = y.index_add(0, t, topk_weights[t, k].float().unsqueeze(1) * o.float())
+    return y.to(x.dtype).view(x.shape)
+
+
+class PipelinedLLEPMoE(nn.Module):
+    """Router + SwiGLU experts, experts split over the ranks of `group`.
+
+    Parameters: router = nn.Linear(H, E, bias=False) (replicated; its logits
+    are computed in fp32: F.linear(x.float(), router.weight.float())),
+    w_gate_up [E_local, H, 2I] (columns [:I] gate, [I:] up; act =
+    silu(gate) * up), w_down [E_local, I, H]; E_local = E / P and rank r owns
+    experts [r*E_local, (r+1)*E_local). forward(x [..., H]) returns
+    (y [..., H], router_logits [N, E] fp32). top-k is taken on softmax
+    probabilities, renormalised to sum 1 when norm_topk_prob."""
+
+    def __init__(self, hidden_size, intermediate_size, num_experts, top_k, *, group=None, chunk_rows=None,
+                 alpha=1.0, min_tokens_per_gemm=1024, imbalance_threshold=1.3, norm_topk_prob=True, device=None,
+                 dtype=None):
+        super().__init__()
+        P = get_transport(group).world_size if group is not None else 1
+        if num_experts % P:
+            raise ValueError(f"moepeak: num_experts ({num_experts}) must be a multiple of the group size ({P})")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"moepeak: top_k ({top_k}) must be in [1, num_experts={num_experts}]")
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.num_experts, self.top_k, self.group, self.world = num_experts, top_k, group, P
+        self.num_local_experts = num_experts // P
+        self.chunk_rows, self.alpha, self.min_tokens_per_gemm = chunk_rows, alpha, min_tokens_per_gemm
+        self.imbalance_threshold, self.norm_topk_prob = imbalance_threshold, norm_topk_prob
+        kw = dict(device=device, dtype=dtype)
+        self.router = nn.Linear(hidden_size, num_experts, bias=False, **kw)
+        self.w_gate_up = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, 2 * intermediate_size, **kw))
+        self.w_down = nn.Parameter(torch.empty(self.num_local_experts, intermediate_size, hidden_size, **kw))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.normal_(self.w_gate_up, std=self.hidden_size ** -0.5)
+        nn.init.normal_(self.w_down, std=self.intermediate_size ** -0.5)
+        self.router.reset_parameters()
+
+    def route(self, x2):
+        logits = F.linear(x2.float(), self.router.weight.float())
+        probs = logits.softmax(-1)
+        tw, ti = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            tw = tw / tw.sum(-1, keepdim=True)
+        return logits, ti, tw
+
+    def forward(self, x):
+        x2 = x.reshape(-1, self.hidden_size)
+        logits, ti, tw = self.route(x2)
+        y = llep_moe(x2, ti, tw, self.w_gate_up, self.w_down, group=self.group, chunk_rows=self.chunk_rows,
+                     alpha=self.alpha, min_tokens_per_gemm=self.min_tokens_per_gemm,
+                     imbalance_threshold=self.imbalance_threshold)
+        return y.view(x.shape), logits
+
+    def reference_forward(self, x):
+        """The same block in plain PyTorch (a loop over experts); one rank only."""
+        if self.world != 1:
+            raise RuntimeError("moepeak: reference_forward needs all experts on one rank (group of size 1)")
+        x2 = x.reshape(-1, self.hidden_size)
+        logits, ti, tw = self.route(x2)
+        return dense_moe_reference(x2, ti, tw, self.w_gate_up, self.w_down).view(x.shape), logits
+
+
+__all__ = ["PipelinedLLEPMoE", "llep_moe", "llep_dispatch", "llep_dispatch_backward", "llep_combine_",
+           "dense_moe_reference"]

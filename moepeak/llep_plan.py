@@ -1,0 +1,165 @@
+"""PipelinedLLEP host side: the LLEP plan, the chunk layout, and thin
+wrappers over the native kernels (csrc/llep.c on CPU, cuda/llep.cu on GPU).
+
+All integer tables live on the host as int64 CPU tensors and are identical on
+every rank (they derive only from the all-gathered P x E load matrix), so the
+chunk count and every collective's sizes agree everywhere.
+
+Chunk-size formula, worked once (DESIGN.md "PipelinedLLEP"):
+  C = 32768 rows per destination per chunk, P = 4 ranks -> q = C // P = 8192
+  rows per (src, dst) pair per chunk. If the busiest pair moves S = 100000
+  rows, n = ceil(100000 / 8192) = 13 chunks on every rank; chunk j of a pair
+  with S rows takes rows [floor(j*S/n), floor((j+1)*S/n)), at most
+  ceil(S/n) <= q rows, so any rank receives at most P*q <= C rows per chunk,
+  whatever the routing.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import List
+
+import torch
+
+from . import _C
+from ._ext import current_stream_handle, require_cuda_build
+
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+# ---------------------------------------------------------------------------
+# Plan
+# ---------------------------------------------------------------------------
+@dataclass
+class Plan:
+    """Q [E, P]: rows of expert e run on rank d; A [E, P, P]: rows of e sent
+    src -> dst; S [P, P]: rows sent src -> dst (all int64, CPU)."""
+    Q: torch.Tensor
+    A: torch.Tensor
+    S: torch.Tensor
+    spilled: bool
+
+
+def llep_plan(load: torch.Tensor, alpha: float, min_tokens: int, lam: float) -> Plan:
+    """The LLEP plan for load [P, E] (int64 CPU): see csrc/llep_plan.c."""
+    if load.dim() != 2 or load.dtype != torch.int64 or load.device.type != "cpu":
+        raise ValueError(f"moepeak: load must be a [P, E] int64 CPU tensor, got {tuple(load.shape)} {load.dtype}")
+    P, E = load.shape
+    if P < 1 or E < 1 or E % P != 0:
+        raise ValueError(f"moepeak: num_experts ({E}) must be a positive multiple of the number of ranks ({P}); "
+                         "every rank owns E / P experts")
+    load = load.contiguous()
+    Q = torch.empty(E, P, dtype=torch.int64)
+    A = torch.empty(E, P, P, dtype=torch.int64)
+    S = torch.empty(P, P, dtype=torch.int64)
+    spilled = _C.llep_plan(load.data_ptr(), P, E, float(alpha), int(min_tokens), float(lam),
+                           Q.data_ptr(), A.data_ptr(), S.data_ptr())
+    return Plan(Q, A, S, bool(spilled))
+
+
+def num_chunks(S: torch.Tensor, chunk_rows: int) -> int:
+    return int(_C.llep_num_chunks(S.contiguous().data_ptr(), S.shape[0], int(chunk_rows)))
+
+
+@dataclass
+class ChunkLayout:
+    send_start: List[int]  # [P] start of this chunk's rows for dst d in the send list
+    send_len: List[int]    # [P]
+    recv_len: List[int]    # [P] rows arriving from src s (receive buffer is src-major)
+    perm: torch.Tensor     # [rows] int64 CPU: grouped position -> receive row
+    ecount: List[int]      # [E] grouped rows per expert (expert-ascending)
+    rows: int
+
+
+def chunk_layout(plan: Plan, rank: int, n: int, j: int, chunk_rows: int) -> ChunkLayout:
+    E, P = plan.Q.shape
+    ss = torch.empty(P, dtype=torch.int64)
+    sl = torch.empty(P, dtype=torch.int64)
+    rl = torch.empty(P, dtype=torch.int64)
+    perm = torch.empty(chunk_rows, dtype=torch.int64)
+    ec = torch.empty(E, dtype=torch.int64)
+    rows = _C.llep_chunk_layout(plan.A.data_ptr(), plan.S.data_ptr(), P, E, int(rank), int(n), int(j),
+                                ss.data_ptr(), sl.data_ptr(), rl.data_ptr(), perm.data_ptr(), int(chunk_rows),
+                                ec.data_ptr())
+    return ChunkLayout(ss.tolist(), sl.tolist(), rl.tolist(), perm[:rows], ec.tolist(), int(rows))
+
+
+def config_fingerprint(**fields) -> List[int]:
+    """Integers that must agree on every rank; floats by their IEEE bits."""
+    out = []
+    for k in sorted(fields):
+        v = fields[k]
+        out.append(struct.unpack("<q", struct.pack("<d", v))[0] if isinstance(v, float) else int(v))
+    return out
+
+
+def default_chunk_rows(P: int) -> int:
+    """32768 rows per destination: at H = I = 2880 in bf16, one [C, H] buffer
+    is 180 MiB and the P = 1 forward working set (C * (2H + 3I) * 2 bytes) is
+    0.9 GiB -- small against an 80-141 GiB GPU, large enough for full GEMMs."""
+    return max(32768, P)
+
+
+# ---------------------------------------------------------------------------
+# Kernels (validated callers only: llep.py checks dtypes/devices/shapes)
+# ---------------------------------------------------------------------------
+def _is_cuda(t: torch.Tensor) -> bool:
+    if t.device.type == "cuda":
+        require_cuda_build("llep")
+        return True
+    return False
+
+
+def count(ids_flat: torch.Tensor, E: int) -> torch.Tensor:
+    """cnt [E + 1] int64 on ids' device; cnt[E] counts ids outside [0, E)."""
+    cnt = torch.empty(E + 1, dtype=torch.int64, device=ids_flat.device)
+    _C.llep_count(ids_flat.data_ptr(), ids_flat.numel(), E, cnt.data_ptr(), _is_cuda(ids_flat),
+                  current_stream_handle(ids_flat.device))
+    return cnt
+
+
+def route(ids_flat: torch.Tensor, E: int, plan: Plan, rank: int, local_cnt: torch.Tensor) -> torch.Tensor:
+    """send_index [N] int64: rank's flat (t, k) picks in dst-major send order
+    (within a dst expert-ascending, within an expert token order)."""
+    P = plan.S.shape[0]
+    Ar = plan.A[:, rank, :].contiguous()                        # [E, P]
+    cum = (Ar.cumsum(1) - Ar).contiguous()                      # start of dst d within expert e
+    Sr = plan.S[rank]
+    blk = ((Sr.cumsum(0) - Sr)[None, :] + Ar.cumsum(0) - Ar).contiguous()  # where (d, e) starts
+    N = ids_flat.numel()
+    out = torch.empty(N, dtype=torch.int64, device=ids_flat.device)
+    if N == 0:
+        return out
+    if _is_cuda(ids_flat):
+        estart = torch.zeros(E * P, dtype=torch.int64)
+        estart[:E] = local_cnt.cumsum(0) - local_cnt
+        tables = torch.stack([Ar.flatten(), cum.flatten(), blk.flatten(), estart]).to(ids_flat.device)
+        sorted_ids, pos = torch.sort(ids_flat, stable=True)
+        _C.llep_route_cuda(pos.data_ptr(), sorted_ids.data_ptr(), N, E, P, tables.data_ptr(), out.data_ptr(),
+                           current_stream_handle(ids_flat.device))
+    else:
+        _C.llep_route_cpu(ids_flat.data_ptr(), N, E, P, Ar.data_ptr(), cum.data_ptr(), blk.data_ptr(),
+                          out.data_ptr())
+    return out
+
+
+def gather_rows(src: torch.Tensor, idx: torch.Tensor, div: int, out: torch.Tensor) -> torch.Tensor:
+    """out[i] = src[idx[i] // div] for i < len(idx); src [R, W], out [>= len, W]."""
+    rows = idx.numel()
+    if rows:
+        _C.llep_gather(src.data_ptr(), idx.data_ptr(), rows, int(div), src.shape[1] * src.element_size(),
+                       out.data_ptr(), _is_cuda(src), current_stream_handle(src.device))
+    return out[:rows]
+
+
+def combine_rows(acc: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, w, div: int) -> None:
+    """acc[idx[i] // div] += w[idx[i]] * y[i] in fp32 (w None: weight 1)."""
+    rows = idx.numel()
+    if rows:
+        _C.llep_combine(acc.data_ptr(), y.data_ptr(), _DTYPE_CODE[y.dtype], idx.data_ptr(),
+                        0 if w is None else w.data_ptr(), rows, int(div), acc.shape[1], _is_cuda(acc),
+                        current_stream_handle(acc.device))
+
+
+__all__ = ["Plan", "llep_plan", "num_chunks", "ChunkLayout", "chunk_layout", "config_fingerprint",
+           "default_chunk_rows", "count", "route", "gather_rows", "combine_rows"]

@@ -1,0 +1,463 @@
+"""PipelinedLLEP schedules: forward and backward, readable top to bottom.
+
+Per call (forward, and again in backward: nothing routing-sized is saved):
+  1. count picks per expert (kernel), all-gather a config fingerprint, then the
+     P x E load matrix (one small all-gather each; bad ids and differing
+     configs are reported on every rank, so no rank is left hanging);
+  2. plan (C, identical everywhere), n chunks, this rank's send list (route);
+  3. lend spilled experts' weights to their helpers (one all-to-all-v);
+  4. chunk loop. Forward: dispatch(j+1) is issued before GEMM(j), combine(j)
+     is issued after GEMM(j) and finished after GEMM(j+1). Backward: the same
+     with chunks in reverse order and x, dy and the pick weights travelling;
+     dx rows and d(topk_weights) come back; borrowed experts' weight gradients
+     return to their owner at the end and are summed there.
+
+Buffers (the working set, allocated once per call from C, never from the
+routing; names as in the code; b = bytes per element of x):
+  forward, P = 1:  xr [C, H], h [C, 2I], a [C, I], o [C, H]          (b each)
+  forward, P > 1:  sx, rx, yb, back: 2 x [C, H] each (double-buffered send,
+                   receive, combine-send, combine-receive); gx [C, H] grouped
+                   rows; h [C, 2I]; a [C, I]; o [C, H]
+  backward, P = 1: xr, gr, o, do [C, H]; h, dh [C, 2I]; s, a, da [C, I];
+                   wr, dwr [C] fp32
+  backward, P > 1: sx, sg, rx, rg, dxb, back: 2 x [C, H]; gx, gg, o, do
+                   [C, H]; h, dh [C, 2I]; s, a, da [C, I]; sw, rw, dwb, dwback
+                   2 x [C] fp32; wr, dwr [C] fp32
+  plus int64 index rings (3 x [C] send indices, [C] perm and inverse perm).
+  Outside the working set: fp32 accumulators [T, H] (forward y, backward dx),
+  the send list [T*K] int64, and borrowed experts' weights (and their grads).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+from . import llep_plan as lp
+
+# Statistics of the last call (tests and benchmarks read them).
+LAST_STATS: Dict[str, object] = {}
+
+_GROUPED_MM_OK = [hasattr(torch, "_grouped_mm")]
+# Tests only: exercise the grouped path on CPU where torch supports it.
+GROUPED_ON_CPU = [False]
+
+
+class Workspace:
+    """Every working-set buffer of one call; frozen before the chunk loop so
+    that nothing routing-dependent can be allocated inside it."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.nbytes = 0
+        self.frozen = False
+
+    def alloc(self, shape, dtype) -> torch.Tensor:
+        if self.frozen:
+            raise RuntimeError("moepeak: internal error: workspace allocation inside the chunk loop")
+        t = torch.empty(shape, dtype=dtype, device=self.device)
+        self.nbytes += t.numel() * t.element_size()
+        return t
+
+    def ring(self, k: int, shape, dtype) -> List[torch.Tensor]:
+        return [self.alloc(shape, dtype) for _ in range(k)]
+
+
+def workspace_bytes(C: int, H: int, I: int, P: int, b: int, backward: bool) -> int:
+    """The working set in bytes, from C alone (see the module docstring)."""
+    idx = 8 * C * (3 + 2) if P > 1 else 0
+    if not backward:
+        if P == 1:
+            return b * C * (2 * H + 3 * I)
+        return b * C * (10 * H + 3 * I) + idx
+    if P == 1:
+        return b * C * (4 * H + 7 * I) + 8 * C
+    return b * C * (16 * H + 7 * I) + 4 * C * 10 + idx
+
+
+class Ctx:
+    """Everything one call derives from its inputs; identical control flow on
+    every rank."""
+
+    def __init__(self, x, topk_ids, topk_weights, w_gate_up, w_down, tr, C, alpha, m, lam):
+        self.x, self.wgu, self.wd, self.tr, self.C = x, w_gate_up, w_down, tr, C
+        self.T, self.H = x.shape
+        self.K = topk_ids.shape[1]
+        self.El, _, twoI = w_gate_up.shape
+        self.I = twoI // 2
+        self.P = tr.world_size if tr is not None else 1
+        self.r = tr.rank if tr is not None else 0
+        self.E = self.El * self.P
+        dev = x.device
+        self.ids = topk_ids.reshape(-1).to(torch.int64).contiguous()
+        self.wflat = topk_weights.reshape(-1).to(torch.float32).contiguous()
+        cnt = lp.count(self.ids, self.E)
+        fp = lp.config_fingerprint(E=self.E, K=self.K, H=self.H, I=self.I, C=C, m=m, alpha=float(alpha),
+                                   lam=float(lam), dtype=lp._DTYPE_CODE[x.dtype], cuda=int(x.is_cuda))
+        fpt = torch.tensor(fp, dtype=torch.int64)
+        if tr is not None:
+            fps = torch.empty(self.P, len(fp), dtype=torch.int64, device=dev)
+            tr.all_gather(fps, fpt.to(dev))
+            fps = fps.cpu()
+            bad = [s for s in range(self.P) if not torch.equal(fps[s], fps[0])]
+            if bad:
+                raise ValueError(f"moepeak: llep_moe configuration differs across ranks {bad} vs rank 0 "
+                                 "(num_experts, top_k, hidden/intermediate size, chunk_rows, alpha, "
+                                 "min_tokens_per_gemm, imbalance_threshold, dtype and device type must agree)")
+            loads = torch.empty(self.P, self.E + 1, dtype=torch.int64, device=dev)
+            tr.all_gather(loads, cnt)
+            loads = loads.cpu()
+        else:
+            loads = cnt.cpu()[None]
+        badr = [s for s in range(self.P) if int(loads[s, self.E]) != 0]
+        if badr:
+            raise ValueError(f"moepeak: topk_ids has {int(loads[badr[0], self.E])} id(s) outside "
+                             f"[0, num_experts={self.E}) on rank(s) {badr}")
+        self.load = loads[:, :self.E].contiguous()
+        self.plan = lp.llep_plan(self.load, alpha, m, lam)
+        self.n = lp.num_chunks(self.plan.S, C)
+        self.send_index = lp.route(self.ids, self.E, self.plan, self.r, self.load[self.r])
+        # Borrowed experts (run here, owned elsewhere) and lent ones (ours, run
+        # on d). Both ascending by expert id, so grouped by owner.
+        Q = self.plan.Q
+        own = range(self.r * self.El, (self.r + 1) * self.El)
+        self.borrowed = [e for e in range(self.E) if e // self.El != self.r and int(Q[e, self.r]) > 0]
+        self.lend = [[e for e in own if d != self.r and int(Q[e, d]) > 0] for d in range(self.P)]
+        self.slot = {e: i for i, e in enumerate(self.borrowed)}
+        self.per = self.H * 2 * self.I + self.I * self.H  # elements of one expert's weights
+        self.bgu = self.bd = None
+        if self.plan.spilled:
+            self._lend_weights()
+        self.layouts: Dict[int, lp.ChunkLayout] = {}
+        LAST_STATS.update(n_chunks=self.n, chunk_rows=C, spilled=self.plan.spilled, borrowed=list(self.borrowed),
+                          max_rows=0, grouped_mm=0)
+
+    # ---- weights ---------------------------------------------------------
+    def _lend_weights(self):
+        parts = [torch.cat([self.wgu[e - self.r * self.El].reshape(-1), self.wd[e - self.r * self.El].reshape(-1)])
+                 for d in range(self.P) for e in self.lend[d]]
+        send = torch.cat(parts) if parts else self.wgu.new_empty(0)
+        recv_counts = [sum(1 for e in self.borrowed if e // self.El == o) * self.per for o in range(self.P)]
+        recv = self.wgu.new_empty(len(self.borrowed) * self.per)
+        self.tr.all_to_all_v(send, [len(l) * self.per for l in self.lend], recv, recv_counts).wait()
+        self.bflat = recv.view(len(self.borrowed), self.per)
+        n1 = self.H * 2 * self.I
+        self.bgu = [self.bflat[i, :n1].view(self.H, 2 * self.I) for i in range(len(self.borrowed))]
+        self.bd = [self.bflat[i, n1:].view(self.I, self.H) for i in range(len(self.borrowed))]
+
+    def weights(self, e: int):
+        if e // self.El == self.r:
+            return self.wgu[e - self.r * self.El], self.wd[e - self.r * self.El]
+        i = self.slot[e]
+        return self.bgu[i], self.bd[i]
+
+    def layout(self, j: int) -> lp.ChunkLayout:
+        lay = self.layouts.get(j)
+        if lay is None:
+            lay = lp.chunk_layout(self.plan, self.r, self.n, j, self.C)
+            LAST_STATS["max_rows"] = max(int(LAST_STATS["max_rows"]), lay.rows, sum(lay.send_len))
+            self.layouts = {j: lay}  # keep one: layouts are cheap to recompute
+        return lay
+
+    def send_idx(self, lay: lp.ChunkLayout, buf: torch.Tensor) -> torch.Tensor:
+        """Chunk's send indices (dst-major) as one contiguous int64 tensor."""
+        if self.P == 1:
+            a = lay.send_start[0]
+            return self.send_index[a:a + lay.send_len[0]]
+        pos = 0
+        for d in range(self.P):
+            a, k = lay.send_start[d], lay.send_len[d]
+            if k:
+                buf[pos:pos + k].copy_(self.send_index[a:a + k])
+            pos += k
+        return buf[:pos]
+
+    # ---- expert GEMMs (torch) ---------------------------------------------
+    def _grouped_ok(self) -> bool:
+        return (_GROUPED_MM_OK[0] and (self.x.is_cuda or GROUPED_ON_CPU[0]) and self.x.dtype == torch.bfloat16
+                and self.H % 8 == 0 and self.I % 8 == 0)
+
+    def _segments(self, ecount, which: int):
+        """Grouped rows split into runs of experts whose weights form one
+        [G, ., .] stack: borrowed experts below this rank's block, the local
+        block, borrowed experts above it. Yields (row_lo, row_hi, stack, counts)."""
+        lo, hi = self.r * self.El, (self.r + 1) * self.El
+        below = [e for e in self.borrowed if e < lo]
+        above = [e for e in self.borrowed if e >= hi]
+        n1 = self.H * 2 * self.I
+        row = 0
+        for experts, kind in ((below, "b"), (list(range(lo, hi)), "l"), (above, "b")):
+            counts = [ecount[e] for e in experts]
+            nrows = sum(counts)
+            if nrows:
+                if kind == "l":
+                    W = self.wgu if which == 0 else self.wd
+                else:
+                    i0 = self.slot[experts[0]]
+                    blk = self.bflat[i0:i0 + len(experts)]
+                    W = (blk[:, :n1].unflatten(1, (self.H, 2 * self.I)) if which == 0
+                         else blk[:, n1:].unflatten(1, (self.I, self.H)))
+                yield row, row + nrows, W, counts
+            row += nrows
+
+    def mm(self, inp, ecount, which: int, transpose: bool, out):
+        """out[rows of e] = inp[rows of e] @ W_e (or W_e^T) for each expert e,
+        rows grouped expert-ascending; which 0: w_gate_up, 1: w_down.
+        torch._grouped_mm where it works (CUDA bf16), else one torch.mm per expert."""
+        rows = inp.shape[0]
+        if rows == 0:
+            return
+        if self._grouped_ok():
+            try:
+                for a, b, W, counts in self._segments(ecount, which):
+                    offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+                    offs = offs.to(self.x.device, non_blocking=True)
+                    Wt = W.transpose(1, 2) if transpose else W
+                    out[a:b].copy_(torch._grouped_mm(inp[a:b], Wt, offs=offs))
+                LAST_STATS["grouped_mm"] = int(LAST_STATS.get("grouped_mm", 0)) + 1
+                return
+            except (RuntimeError, TypeError, NotImplementedError):
+                _GROUPED_MM_OK[0] = False  # unsupported here: per-expert GEMMs from now on
+        off = 0
+        for e, c in enumerate(ecount):
+            if c:
+                W = self.weights(e)[which]
+                torch.mm(inp[off:off + c], W.t() if transpose else W, out=out[off:off + c])
+                off += c
+
+    def dw_accumulate(self, left, right, ecount, which: int, dW_local, dW_borrowed):
+        """dW_e += left[rows of e]^T @ right[rows of e] (param dtype)."""
+        off = 0
+        for e, c in enumerate(ecount):
+            if c:
+                if e // self.El == self.r:
+                    g = dW_local[which][e - self.r * self.El]
+                else:
+                    g = dW_borrowed[which][self.slot[e]]
+                g.addmm_(left[off:off + c].t(), right[off:off + c])
+                off += c
+
+
+def _act(h, I, s, a, rows):
+    """s = silu(gate), a = s * up  (h = [gate | up], [rows, 2I])."""
+    torch.ops.aten.silu.out(h[:rows, :I], out=s[:rows])
+    torch.mul(s[:rows], h[:rows, I:], out=a[:rows])
+
+
+def forward(ctx: Ctx) -> torch.Tensor:
+    x, H, I, C, K, P = ctx.x, ctx.H, ctx.I, ctx.C, ctx.K, ctx.P
+    acc = torch.zeros(ctx.T, H, dtype=torch.float32, device=x.device)
+    ws = Workspace(x.device)
+    h = ws.alloc((C, 2 * I), x.dtype)
+    a = ws.alloc((C, I), x.dtype)
+    o = ws.alloc((C, H), x.dtype)
+    if P == 1:
+        xr = ws.alloc((C, H), x.dtype)
+        ws.frozen = True
+        for j in range(ctx.n):
+            lay = ctx.layout(j)
+            idx = ctx.send_idx(lay, None)
+            xg = lp.gather_rows(x, idx, K, xr)
+            _experts_fwd(ctx, xg, lay.ecount, h, a, o)
+            lp.combine_rows(acc, o[:lay.rows], idx, ctx.wflat, K)
+        LAST_STATS.update(workspace_bytes=ws.nbytes)
+        xr = h = a = o = None  # release the working set before the output copy
+        return acc.to(x.dtype)
+
+    tr = ctx.tr
+    sx, rx, yb, back = (ws.ring(2, (C, H), x.dtype) for _ in range(4))
+    gx = ws.alloc((C, H), x.dtype)
+    idxr = ws.ring(3, (C,), torch.int64)
+    permb, invb = ws.alloc((C,), torch.int64), ws.alloc((C,), torch.int64)
+    ws.frozen = True
+
+    def dispatch(j):
+        lay = ctx.layout(j)
+        idx = ctx.send_idx(lay, idxr[j % 3])
+        lp.gather_rows(x, idx, K, sx[j % 2])
+        hd = tr.all_to_all_v(sx[j % 2][:idx.numel()], lay.send_len, rx[j % 2][:lay.rows], lay.recv_len)
+        return lay, idx, hd
+
+    def finish(p):
+        hc, idx, buf = p
+        hc.wait()
+        lp.combine_rows(acc, buf[:idx.numel()], idx, ctx.wflat, K)
+
+    cur, pend = (dispatch(0) if ctx.n else None), None
+    for j in range(ctx.n):
+        nxt = dispatch(j + 1) if j + 1 < ctx.n else None
+        lay, idx, hd = cur
+        hd.wait()
+        rows = lay.rows
+        if rows:
+            perm, inv = _perms(lay, permb, invb)
+            xg = lp.gather_rows(rx[j % 2], perm, 1, gx)
+            _experts_fwd(ctx, xg, lay.ecount, h, a, o)
+            lp.gather_rows(o, inv, 1, yb[j % 2])
+        hc = tr.all_to_all_v(yb[j % 2][:rows], lay.recv_len, back[j % 2][:idx.numel()], lay.send_len)
+        if pend is not None:
+            finish(pend)
+        pend, cur = (hc, idx, back[j % 2]), nxt
+    if pend is not None:
+        finish(pend)
+    LAST_STATS.update(workspace_bytes=ws.nbytes)
+    sx = rx = yb = back = gx = h = a = o = cur = pend = None  # release the working set
+    return acc.to(x.dtype)
+
+
+def _perms(lay, permb, invb):
+    """Grouped->receive permutation and its inverse, copied to the device."""
+    rows = lay.rows
+    inv = torch.empty(rows, dtype=torch.int64)
+    inv[lay.perm] = torch.arange(rows, dtype=torch.int64)
+    permb[:rows].copy_(lay.perm, non_blocking=True)
+    invb[:rows].copy_(inv, non_blocking=True)
+    return permb[:rows], invb[:rows]
+
+
+def _experts_fwd(ctx, xg, ecount, h, a, o):
+    rows, I = xg.shape[0], ctx.I
+    ctx.mm(xg, ecount, 0, False, h)
+    torch.ops.aten.silu.out(h[:rows, :I], out=a[:rows])
+    a[:rows].mul_(h[:rows, I:])                                      # a = silu(gate) * up
+    ctx.mm(a[:rows], ecount, 1, False, o)
+
+
+def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True):
+    """Returns dx [T, H] (x dtype), d(topk_weights) [T*K] fp32, dW_gate_up and
+    dW_down (param dtype; weight gradients of lent experts summed in)."""
+    x, H, I, C, K, P = ctx.x, ctx.H, ctx.I, ctx.C, ctx.K, ctx.P
+    dev, dt = x.device, x.dtype
+    dx = torch.zeros(ctx.T, H, dtype=torch.float32, device=dev)
+    dtw = torch.zeros(ctx.T * K, dtype=torch.float32, device=dev)
+    dW = (torch.zeros_like(ctx.wgu), torch.zeros_like(ctx.wd))
+    nb = len(ctx.borrowed)
+    bgrad = None
+    dWb = ([], [])
+    if nb:
+        bgrad = torch.zeros(nb, ctx.per, dtype=ctx.wgu.dtype, device=dev)
+        n1 = H * 2 * I
+        dWb = ([bgrad[i, :n1].view(H, 2 * I) for i in range(nb)], [bgrad[i, n1:].view(I, H) for i in range(nb)])
+
+    ws = Workspace(dev)
+    h, dh = ws.alloc((C, 2 * I), dt), ws.alloc((C, 2 * I), dt)
+    s, a, da = ws.alloc((C, I), dt), ws.alloc((C, I), dt), ws.alloc((C, I), dt)
+    o, do = ws.alloc((C, H), dt), ws.alloc((C, H), dt)
+    wr, dwr = ws.alloc((C,), torch.float32), ws.alloc((C,), torch.float32)
+
+    def compute(xg, gg, wg, ecount):
+        """Recompute the expert forward for these grouped rows, then their
+        backward. Leaves dx rows in o[:rows] and d(weight) rows in dwr.
+        (Recomputing o = a W2 for d(weight) = <dy, o> costs one GEMM more than
+        d(weight) = <a, dy W2^T>, but the latter rounds d a twice in bf16 and
+        doubled the dW_gate_up error against fp64; the former matches
+        PyTorch's own bf16 error.)"""
+        rows = xg.shape[0]
+        ctx.mm(xg, ecount, 0, False, h)
+        _act(h, I, s, a, rows)
+        ctx.mm(a[:rows], ecount, 1, False, o)
+        torch.mul(gg, o[:rows], out=o[:rows])                        # dy . expert output, per row
+        torch.sum(o[:rows], 1, dtype=torch.float32, out=dwr[:rows])
+        torch.mul(gg, wg.unsqueeze(1), out=do[:rows])                # d(expert output) = w * dy
+        if need_dw:
+            ctx.dw_accumulate(a[:rows], do[:rows], ecount, 1, dW, dWb)
+        ctx.mm(do[:rows], ecount, 1, True, da)
+        torch.mul(da[:rows], s[:rows], out=dh[:rows, I:])            # d up = da * silu(gate)
+        torch.mul(da[:rows], h[:rows, I:], out=s[:rows])             # d silu(gate) = da * up
+        torch.ops.aten.silu_backward.grad_input(s[:rows], h[:rows, :I], grad_input=dh[:rows, :I])
+        if need_dw:
+            ctx.dw_accumulate(xg, dh[:rows], ecount, 0, dW, dWb)
+        ctx.mm(dh[:rows], ecount, 0, True, o)                        # dx rows
+
+    if P == 1:
+        xr, gr = ws.alloc((C, H), dt), ws.alloc((C, H), dt)
+        ws.frozen = True
+        for j in reversed(range(ctx.n)):
+            lay = ctx.layout(j)
+            idx = ctx.send_idx(lay, None)
+            rows = idx.numel()
+            xg = lp.gather_rows(x, idx, K, xr)
+            gg = lp.gather_rows(gy, idx, K, gr)
+            torch.index_select(ctx.wflat, 0, idx, out=wr[:rows])
+            compute(xg, gg, wr[:rows], lay.ecount)
+            lp.combine_rows(dx, o[:rows], idx, None, K)
+            dtw.index_copy_(0, idx, dwr[:rows])
+        LAST_STATS.update(workspace_bytes_bwd=ws.nbytes)
+        # release the working set (closure cells included) before the dx copy
+        h = dh = s = a = da = o = do = wr = dwr = xr = gr = None
+        return dx.to(dt), dtw, dW[0], dW[1]
+
+    tr = ctx.tr
+    sx, sg, rx, rg, dxb, back = (ws.ring(2, (C, H), dt) for _ in range(6))
+    gx, gg_ = ws.alloc((C, H), dt), ws.alloc((C, H), dt)
+    sw, rw, dwb, dwback = (ws.ring(2, (C,), torch.float32) for _ in range(4))
+    idxr = ws.ring(3, (C,), torch.int64)
+    permb, invb = ws.alloc((C,), torch.int64), ws.alloc((C,), torch.int64)
+    ws.frozen = True
+
+    def dispatch(j):
+        lay = ctx.layout(j)
+        b = j % 2
+        idx = ctx.send_idx(lay, idxr[j % 3])
+        ns = idx.numel()
+        lp.gather_rows(x, idx, K, sx[b])
+        lp.gather_rows(gy, idx, K, sg[b])
+        torch.index_select(ctx.wflat, 0, idx, out=sw[b][:ns])
+        hs = [tr.all_to_all_v(sx[b][:ns], lay.send_len, rx[b][:lay.rows], lay.recv_len),
+              tr.all_to_all_v(sg[b][:ns], lay.send_len, rg[b][:lay.rows], lay.recv_len),
+              tr.all_to_all_v(sw[b][:ns], lay.send_len, rw[b][:lay.rows], lay.recv_len)]
+        return lay, idx, hs
+
+    def finish(p):
+        hs, idx, b = p
+        for hnd in hs:
+            hnd.wait()
+        ns = idx.numel()
+        lp.combine_rows(dx, back[b][:ns], idx, None, K)
+        dtw.index_copy_(0, idx, dwback[b][:ns])
+
+    order = list(reversed(range(ctx.n)))
+    cur, pend = (dispatch(order[0]) if order else None), None
+    for i, j in enumerate(order):
+        nxt = dispatch(order[i + 1]) if i + 1 < len(order) else None
+        lay, idx, hs = cur
+        for hnd in hs:
+            hnd.wait()
+        b, rows = j % 2, lay.rows
+        if rows:
+            perm, inv = _perms(lay, permb, invb)
+            xg = lp.gather_rows(rx[b], perm, 1, gx)
+            gg = lp.gather_rows(rg[b], perm, 1, gg_)
+            torch.index_select(rw[b][:rows], 0, perm, out=wr[:rows])
+            compute(xg, gg, wr[:rows], lay.ecount)
+            lp.gather_rows(o, inv, 1, dxb[b])
+            torch.index_select(dwr[:rows], 0, inv, out=dwb[b][:rows])
+        ns = idx.numel()
+        hc = [tr.all_to_all_v(dxb[b][:rows], lay.recv_len, back[b][:ns], lay.send_len),
+              tr.all_to_all_v(dwb[b][:rows], lay.recv_len, dwback[b][:ns], lay.send_len)]
+        if pend is not None:
+            finish(pend)
+        pend, cur = (hc, idx, b), nxt
+    if pend is not None:
+        finish(pend)
+    LAST_STATS.update(workspace_bytes_bwd=ws.nbytes)
+    h = dh = s = a = da = o = do = wr = dwr = None
+    sx = sg = rx = rg = dxb = back = gx = gg_ = sw = rw = dwb = dwback = cur = pend = None
+
+    if ctx.plan.spilled and need_dw:
+        # Weight gradients of lent experts come home and are summed there.
+        send = bgrad.reshape(-1) if nb else ctx.wgu.new_empty(0)
+        send_counts = [sum(1 for e in ctx.borrowed if e // ctx.El == o) * ctx.per for o in range(P)]
+        recv_counts = [len(l) * ctx.per for l in ctx.lend]
+        recv = ctx.wgu.new_empty(sum(recv_counts))
+        tr.all_to_all_v(send, send_counts, recv, recv_counts).wait()
+        recv = recv.view(-1, ctx.per)
+        n1 = H * 2 * I
+        i = 0
+        for d in range(P):
+            for e in ctx.lend[d]:
+                le = e - ctx.r * ctx.El
+                dW[0][le].add_(recv[i, :n1].view(H, 2 * I))
+                dW[1][le].add_(recv[i, n1:].view(I, H))
+                i += 1
+    return dx.to(dt), dtw, dW[0], dW[1]

@@ -1,0 +1,533 @@
+"""Ring-DTP: the vocabulary projection + cross-entropy that never holds the logits.
+
+    loss = linear_cross_entropy(hidden, weight, labels)   # == F.cross_entropy(F.linear(h, w).float(), y)
+
+Only a logits *block* exists at a time; forward keeps lse: [T] x fp32; the
+arithmetic torch lacks (online log-sum-exp fold with target pick, padded-vocab
+masking, softcap; the softmax-gradient epilogue with label smoothing, z-loss,
+ignore_index, and 1 - p_y from a sum that never cancels) is C (csrc/ce.c) and CUDA C (cuda/ce.cu);
+every GEMM is torch's. Schedules ("mode"):
+
+  fused        token-outer, gradients computed in forward (3 GEMMs: Z, dX, dW).
+               A chunk holds whole vocab rows Z: [ct, V] x fp32, so dZ exists
+               after one pass; dX of the chunk is one exact GEMM; dW (in the
+               weight's dtype) is accumulated with one rounding per chunk.
+  vocab_outer  4 GEMMs. Forward folds lse; backward, per vocab block, recomputes
+               Z, makes dZ, and sums dW_b in fp32 over token chunks (exact),
+               dX += dZ W_b into an fp32 [T, H] accumulator (exact).
+  token_outer  4 GEMMs. Backward per token chunk: dX of the chunk exact in fp32,
+               dW accumulated in the weight's dtype (one rounding per chunk).
+  auto         fused when backward is certain (grad enabled, reduction mean/sum)
+               and the dW accumulation has at most 4 chunks or is fp32;
+               vocab_outer otherwise.
+
+Accuracy and memory evidence (the tension the design names). Error of dW
+against fp64, relative to naive bf16 (F.cross_entropy(F.linear(x, w).float(), y)),
+bf16 inputs, fp32 logits:
+  plain-torch study, T=2048, H=256, V=4096, bf16 dW accumulation over n token
+  chunks: n=1 1.0x, 2 1.2x, 4 1.55x, 8 2.06x, 16 2.8x, 32 3.8x, 64 5.0x; fp32
+  accumulation 1.0x at every n; dX 1.0x in every order (one GEMM per chunk);
+  this op, T=512, H=64, V=1024 (tests/test_ring_dtp.py::test_mode_errors):
+  fused 1 chunk 0.77x, 4 chunks 1.15x, 32 chunks 2.7x; vocab_outer 0.77x.
+So "fused" meets the 2x-naive rule only up to ~8 chunks ("auto" allows 4),
+i.e. T <= 4 * 576 tokens at V = 151936 in its 512 MiB workspace. Memory above
+the inputs at T = 32k, H = 4096, V = 151936 (dX 0.25 + dW 1.16 GiB included):
+fused ~1.9 GiB (Z [576, V] fp32 334 MiB + dZ bf16 167 MiB); vocab_outer
+~2.15 GiB (fp32 dX accumulator 512 MiB + 256 MiB block workspace), 4 GEMMs so
+>= 1.33x the 3-GEMM time. No order meets all three targets (<= 2 GiB,
+<= 1.2x 3-GEMM time, <= 2x naive error) at T = 32k: "fused" is the fast and
+small one, "vocab_outer" the exact one, and "auto" keeps the error rule.
+GEMMs: fp32 logits straight from cuBLAS via torch.mm(out_dtype=fp32) where
+torch has it (>= 2.8), else bf16 logits upcast (naive's rounding).
+
+Definitions: all labels ignored with reduction="mean" gives loss 0 and zero
+gradients (mean over zero tokens := 0, never NaN). Labels outside [0, V) that
+are not ignore_index: on CPU a ValueError before any work; on CUDA (checking
+would need a host sync) those tokens' losses are NaN (so a mean loss is NaN),
+their gradients 0, and a ValueError is raised at the next call or by
+check_labels() (a pinned flag copied asynchronously and read once its event
+has completed: no sync, no device-side assert).
+z-loss adds z_loss * lse^2 per token; return_lse returns lse: [...] x fp32
+(not differentiable: use z_loss to put a gradient on it).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ._ext import check_tensor, require_cuda_build
+from . import ring_dtp_blocks as B
+
+REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
+MODES = {"auto": 0, "fused": 1, "vocab_outer": 2, "token_outer": 3}
+_FUSED_MAX_CHUNKS = 4  # bf16 dW accumulation over <= 4 chunks: <= 1.55x naive's dW error (see above)
+
+
+# ---------------------------------------------------------------------------
+# Out-of-range labels on CUDA: a lazily read flag (no host sync).
+# ---------------------------------------------------------------------------
+class _LabelGuard:
+    pending = []  # [(event, pinned int32 [1], V)]
+
+    @classmethod
+    def record(cls, bad: Tensor, V: int) -> None:
+        flag = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        flag.copy_(bad.any().to(torch.int32).reshape(1), non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        cls.pending.append((ev, flag, V))
+
+    @classmethod
+    def check(cls, wait: bool = False) -> None:
+        keep = []
+        err = None
+        for ev, flag, V in cls.pending:
+            if wait:
+                ev.synchronize()
+            if ev.query():
+                if int(flag[0]) and err is None:
+                    err = V
+            else:
+                keep.append((ev, flag, V))
+        cls.pending = keep
+        if err is not None:
+            raise ValueError(f"moepeak: labels must be in [0, {err}) or ignore_index; an earlier "
+                             "linear_cross_entropy call on CUDA got out-of-range labels (its loss was NaN)")
+
+
+def check_labels() -> None:
+    """Wait for pending CUDA label checks and raise if any call had out-of-range labels."""
+    _LabelGuard.check(wait=True)
+
+
+def _sanitize_labels(labels: Tensor, V: int, ignore_index: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """(labels with bad ones replaced by ignore_index, valid mask, bad mask)."""
+    ign = labels == ignore_index
+    bad = ~ign & ((labels < 0) | (labels >= V))
+    if labels.device.type != "cuda":
+        if bool(bad.any()):
+            vals = labels[bad][:5].tolist()
+            raise ValueError(f"moepeak: labels must be in [0, {V}) or ignore_index={ignore_index}; got {vals}")
+    else:
+        _LabelGuard.record(bad, V)
+    clean = torch.where(bad, torch.full_like(labels, ignore_index), labels).contiguous()
+    return clean, ~ign, bad
+
+
+# ---------------------------------------------------------------------------
+# Schedules (single device). x: [T, H], w: [V, H], y: [T] int64 (clean).
+# ---------------------------------------------------------------------------
+def _fold_all(x, w, bias, y, ignore_index, softcap, ct, cv):
+    T, V = x.shape[0], w.shape[0]
+    st = B.new_state(T, x.device)
+    for t0 in range(0, T, ct):
+        t1 = min(T, t0 + ct)
+        part = tuple(a[t0:t1] for a in st)
+        for v0 in range(0, V, cv):
+            v1 = min(V, v0 + cv)
+            z = B.logits_block(x[t0:t1], w[v0:v1], None if bias is None else bias[v0:v1])
+            B.fold(z, v0, V, y[t0:t1], ignore_index, softcap, *part)
+    return st
+
+
+def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct):
+    """Forward with gradients (3 GEMMs). g: [1] x fp32 (the per-token weight)."""
+    T, V = x.shape[0], w.shape[0]
+    st = B.new_state(T, x.device)
+    dx = torch.empty_like(x)
+    f32acc = x.dtype == torch.float32
+    dw = torch.zeros_like(w)
+    db = None if bias is None else torch.zeros(V, dtype=torch.float32, device=x.device)
+    for t0 in range(0, T, ct):
+        t1 = min(T, t0 + ct)
+        m, s, zy, zs, sx = (a[t0:t1] for a in st)
+        xc = x[t0:t1]
+        z = B.logits_block(xc, w, bias)                      # [ct, V] x fp32: the whole vocab row
+        B.fold(z, 0, V, y[t0:t1], ignore_index, softcap, m, s, zy, zs, sx)
+        mm_, ls, q = B.fin((m, s, zy, zs, sx))
+        dz = B.grad_block(z, 0, V, y[t0:t1], ignore_index, softcap, mm_, ls, q, g, eps, V, zloss, x.dtype)
+        del z
+        dx[t0:t1] = B.mm(dz, w, False)                       # exact: one GEMM over the whole row
+        if f32acc or x.device.type == "cuda":
+            dw.addmm_(dz.t(), xc)                             # one rounding per chunk
+        else:
+            dw.add_(B.mm(dz.t(), xc, True))
+        if db is not None:
+            db.add_(dz.float().sum(0))
+    return st, dx, dw, db
+
+
+def _backward_blocked(x, w, bias, y, m, ls, q, g, ignore_index, softcap, eps, zloss, ct, cv, order):
+    """4th and later GEMMs: recompute blocks and accumulate dX, dW (see module doc)."""
+    T, H = x.shape
+    V = w.shape[0]
+    db = None if bias is None else torch.zeros(V, dtype=torch.float32, device=x.device)
+    g1 = g.numel() == 1
+
+    def grad(t0, t1, v0, v1):
+        z = B.logits_block(x[t0:t1], w[v0:v1], None if bias is None else bias[v0:v1])
+        gg = g if g1 else g[t0:t1]
+        dz = B.grad_block(z, v0, V, y[t0:t1], ignore_index, softcap, m[t0:t1], ls[t0:t1], q[t0:t1], gg, eps, V,
+                           zloss, x.dtype)
+        if db is not None:
+            db[v0:v1].add_(dz.float().sum(0))
+        return dz
+
+    if order == "vocab_outer":
+        dx_acc = torch.zeros((T, H), dtype=torch.float32, device=x.device)   # [T, H] x fp32
+        dw = torch.empty_like(w)
+        for v0 in range(0, V, cv):
+            v1 = min(V, v0 + cv)
+            dw_b = None                                                      # [cv, H] x fp32
+            for t0 in range(0, T, ct):
+                t1 = min(T, t0 + ct)
+                dz = grad(t0, t1, v0, v1)
+                dx_acc[t0:t1].add_(B.mm(dz, w[v0:v1], True))
+                part = B.mm(dz.t(), x[t0:t1], True)
+                dw_b = part if dw_b is None else dw_b.add_(part)
+            dw[v0:v1] = dw_b
+        return dx_acc.to(x.dtype), dw, db
+    # token_outer: dX exact per chunk, dW accumulates in the weight's dtype
+    dx = torch.empty_like(x)
+    dw = torch.zeros_like(w)
+    for t0 in range(0, T, ct):
+        t1 = min(T, t0 + ct)
+        dx_c = torch.zeros((t1 - t0, H), dtype=torch.float32, device=x.device)
+        for v0 in range(0, V, cv):
+            v1 = min(V, v0 + cv)
+            dz = grad(t0, t1, v0, v1)
+            dx_c.add_(B.mm(dz, w[v0:v1], True))
+            dw[v0:v1].add_(B.mm(dz.t(), x[t0:t1], True))
+        dx[t0:t1] = dx_c
+    return dx, dw, db
+
+
+def _reduce(rows: Tensor, valid: Tensor, reduction: int) -> Tensor:
+    if reduction == 0:
+        return rows
+    total = rows.sum()
+    if reduction == 2:
+        return total
+    return total / valid.sum().clamp_min(1).to(torch.float32)
+
+
+def _pick_mode(mode: int, grads: bool, reduction: int, T: int, V: int, dtype, ct_fused: int) -> int:
+    if mode == MODES["fused"] and reduction == 0:
+        return MODES["vocab_outer"]  # per-token upstream grads are unknown in forward
+    if mode != 0:
+        return mode
+    if grads and reduction != 0 and (dtype == torch.float32 or math.ceil(T / ct_fused) <= _FUSED_MAX_CHUNKS):
+        return MODES["fused"]
+    return MODES["vocab_outer"]
+
+
+def _sizes(T, H, V, dtype, mode, chunk_tokens, chunk_vocab):
+    if mode == MODES["fused"]:
+        return chunk_tokens or B.fused_chunk_tokens(V, dtype), V
+    ct, cv = B.blocked_chunks(T, H, dtype, chunk_tokens=chunk_tokens)
+    return ct, (chunk_vocab or cv)
+
+
+# ---------------------------------------------------------------------------
+# The ops: custom_op, register_fake, register_autograd, in that order.
+# ---------------------------------------------------------------------------
+@torch.library.custom_op("moepeak::ring_dtp_ce", mutates_args=())
+def ring_dtp_ce(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor], ignore_index: int,
+                reduction: int, label_smoothing: float, z_loss: float, softcap: float, mode: int,
+                chunk_tokens: int, chunk_vocab: int, grads: bool
+                ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """hidden [T, H], weight [V, H], labels [T] int64, bias [V] or None.
+    Returns (loss: [] or [T] x fp32, m: [T] x fp32, ls = log s: [T] x fp32 (lse = m + ls),
+    q = 1 - p_y: [T] x fp32, dX [T, H], dW [V, H], dbias [V] x fp32);
+    dX/dW/dbias are gradients for a unit upstream grad when
+    the resolved mode is 'fused', else empty."""
+    T, H = hidden.shape
+    V = weight.shape[0]
+    dev = hidden.device
+    if _LabelGuard.pending:  # inside the op: opaque to torch.compile, so no graph break
+        _LabelGuard.check()
+    y, valid, bad = _sanitize_labels(labels, V, ignore_index)
+    ct_f = chunk_tokens or B.fused_chunk_tokens(V, hidden.dtype)
+    m = _pick_mode(mode, grads, reduction, T, V, hidden.dtype, ct_f)
+    ct, cv = _sizes(T, H, V, hidden.dtype, m, chunk_tokens or None, chunk_vocab or None)
+    dx, dw, db = hidden.new_empty(0), hidden.new_empty(0), torch.empty(0, dtype=torch.float32, device=dev)
+    if m == MODES["fused"] and grads:
+        if reduction == 1:
+            g = (1.0 / valid.sum().clamp_min(1).to(torch.float32)).reshape(1)
+        else:
+            g = torch.ones(1, dtype=torch.float32, device=dev)
+        st, dx, dw, dbb = _fused(hidden, weight, bias, y, ignore_index, softcap, label_smoothing, z_loss, g, ct)
+        if dbb is not None:
+            db = dbb
+    else:
+        st = _fold_all(hidden, weight, bias, y, ignore_index, softcap, ct, cv)
+    m_, ls, q = B.fin(st)
+    rows = B.row_losses(m_, ls, st[2], st[3], st[4], valid, bad, label_smoothing, V, z_loss)
+    loss = _reduce(rows, valid, reduction)
+    return loss, m_, ls, q, dx, dw, db
+
+
+@ring_dtp_ce.register_fake
+def _(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, mode,
+      chunk_tokens, chunk_vocab, grads):
+    T = hidden.shape[0]
+    loss = hidden.new_empty((T,) if reduction == 0 else (), dtype=torch.float32)
+    lse = hidden.new_empty((T,), dtype=torch.float32)
+    q = hidden.new_empty((T,), dtype=torch.float32)
+    ls = hidden.new_empty((T,), dtype=torch.float32)
+    # dX/dW are either full gradients (fused) or empty: data-dependent in size only via
+    # the mode choice, which depends on static arguments, so resolve it here the same way.
+    ct_f = chunk_tokens or B.fused_chunk_tokens(weight.shape[0], hidden.dtype)
+    m = _pick_mode(mode, grads, reduction, T, weight.shape[0], hidden.dtype, ct_f)
+    if m == MODES["fused"] and grads:
+        dx, dw = torch.empty_like(hidden), torch.empty_like(weight)
+        db = hidden.new_empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32)
+    else:
+        dx, dw = hidden.new_empty(0), hidden.new_empty(0)
+        db = hidden.new_empty((0,), dtype=torch.float32)
+    return loss, lse, ls, q, dx, dw, db
+
+
+@torch.library.custom_op("moepeak::ring_dtp_ce_backward", mutates_args=())
+def ring_dtp_ce_backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor],
+                         m: Tensor, ls: Tensor, q: Tensor, ignore_index: int, reduction: int, label_smoothing: float, z_loss: float,
+                         softcap: float, mode: int, chunk_tokens: int, chunk_vocab: int
+                         ) -> Tuple[Tensor, Tensor, Tensor]:
+    """Recompute-and-accumulate backward (modes vocab_outer / token_outer).
+    grad_loss: [] or [T]. Returns dX [T, H], dW [V, H], dbias [V] x fp32 (or [0])."""
+    T, H = hidden.shape
+    V = weight.shape[0]
+    ign = labels == ignore_index
+    y = torch.where(ign | (labels < 0) | (labels >= V), torch.full_like(labels, ignore_index), labels).contiguous()
+    gl = grad_loss.to(torch.float32)
+    if reduction == 0:
+        g = gl.reshape(T).contiguous()
+    elif reduction == 2:
+        g = gl.reshape(1).contiguous()
+    else:
+        g = (gl / (~ign).sum().clamp_min(1).to(torch.float32)).reshape(1).contiguous()
+    order = "token_outer" if mode == MODES["token_outer"] else "vocab_outer"
+    ct, cv = _sizes(T, H, V, hidden.dtype, MODES[order], chunk_tokens or None, chunk_vocab or None)
+    dx, dw, db = _backward_blocked(hidden, weight, bias, y, m.contiguous(), ls.contiguous(), q.contiguous(), g,
+                                   ignore_index, softcap,
+                                   label_smoothing, z_loss, ct, cv, order)
+    if db is None:
+        db = torch.empty(0, dtype=torch.float32, device=hidden.device)
+    return dx, dw, db
+
+
+@ring_dtp_ce_backward.register_fake
+def _(grad_loss, hidden, weight, labels, bias, m, ls, q, ignore_index, reduction, label_smoothing, z_loss, softcap,
+      mode, chunk_tokens, chunk_vocab):
+    db = hidden.new_empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32)
+    return torch.empty_like(hidden), torch.empty_like(weight), db
+
+
+def _setup_context(ctx, inputs, output):
+    (hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, mode,
+     chunk_tokens, chunk_vocab, grads) = inputs
+    loss, m, ls, q, dx, dw, db = output
+    ctx.fused = dw.numel() > 0
+    ctx.args = (ignore_index, reduction, label_smoothing, z_loss, softcap, mode, chunk_tokens, chunk_vocab)
+    ctx.has_bias = bias is not None
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+    if ctx.fused:
+        ctx.save_for_backward(dx, dw, db)
+    else:
+        ctx.save_for_backward(hidden, weight, labels, bias, m, ls, q)
+
+
+def _backward(ctx, grad_loss, gm, gls, gq, gdx, gdw, gdb):
+    if ctx.fused:
+        dx, dw, db = ctx.saved_tensors
+        g = grad_loss.to(torch.float32)
+        if torch.compiler.is_compiling() or type(dx) is not torch.Tensor:  # traced (functional/fake tensors)
+            dx, dw = (dx.float() * g).to(dx.dtype), (dw.float() * g).to(dw.dtype)
+            db = db * g
+        else:
+            # In place: the saved gradients are used once (a second backward through
+            # this graph trips autograd's version check instead of scaling twice).
+            for t in (dx, dw):
+                t.mul_(g) if t.dtype == torch.float32 else _scale_lowp_(t, g)
+            db = db * g
+    else:
+        hidden, weight, labels, bias, m, ls, q = ctx.saved_tensors
+        dx, dw, db = ring_dtp_ce_backward(grad_loss, hidden, weight, labels, bias, m, ls, q, *ctx.args)
+    dbias = db.to(ctx.bias_dtype) if ctx.has_bias else None
+    return dx, dw, None, dbias, None, None, None, None, None, None, None, None, None
+
+
+def _scale_lowp_(t: Tensor, g: Tensor, rows: int = 4096) -> None:
+    """t *= g for a bf16/fp16 t, in fp32, a row block at a time (no full fp32 copy)."""
+    flat = t.view(t.shape[0], -1) if t.dim() > 1 else t.view(-1, 1)
+    for r0 in range(0, flat.shape[0], rows):
+        blk = flat[r0:r0 + rows]
+        blk.copy_(blk.float().mul_(g))
+
+
+ring_dtp_ce.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------
+def _check(hidden, weight, labels, bias, reduction, mode, label_smoothing, z_loss, softcap, chunk_tokens,
+           chunk_vocab):
+    check_tensor("hidden", hidden, dtypes=(torch.float32, torch.bfloat16, torch.float16))
+    check_tensor("weight", weight, dtypes=(hidden.dtype,), ndim=2, device=hidden.device)
+    check_tensor("labels", labels, dtypes=(torch.int64, torch.int32), device=hidden.device)
+    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"moepeak: hidden must be [..., H] with H = weight.shape[1] = {weight.shape[1]}, "
+                         f"got {tuple(hidden.shape)}")
+    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"moepeak: labels must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, "
+                         f"got {tuple(labels.shape)}")
+    if weight.shape[0] < 1:
+        raise ValueError("moepeak: weight must have at least one vocab row")
+    if bias is not None:
+        check_tensor("bias", bias, dtypes=(hidden.dtype,), ndim=1, device=hidden.device)
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"moepeak: bias must be [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"moepeak: reduction must be one of {sorted(REDUCTIONS)}, got {reduction!r}")
+    if mode not in MODES:
+        raise ValueError(f"moepeak: mode must be one of {sorted(MODES)}, got {mode!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"moepeak: label_smoothing must be in [0, 1], got {label_smoothing}")
+    if z_loss < 0:
+        raise ValueError(f"moepeak: z_loss must be >= 0, got {z_loss}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"moepeak: softcap must be None or > 0, got {softcap}")
+    for n, v in (("chunk_tokens", chunk_tokens), ("chunk_vocab", chunk_vocab)):
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise ValueError(f"moepeak: {n} must be None or a positive int, got {v!r}")
+    if hidden.device.type == "cuda":
+        require_cuda_build("linear_cross_entropy")
+    elif hidden.device.type != "cpu":
+        raise ValueError(f"moepeak: linear_cross_entropy supports cpu and cuda tensors, got {hidden.device}")
+
+
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Optional[Tensor] = None,
+                         ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                         z_loss: float = 0.0, softcap: Optional[float] = None, return_lse: bool = False,
+                         group=None, ring: str = "auto", chunk_tokens: Optional[int] = None,
+                         chunk_vocab: Optional[int] = None, mode: str = "auto"):
+    """F.cross_entropy(F.linear(hidden, weight, bias).float(), labels, ...) without the logits.
+
+    hidden [..., H], weight [V, H] (with `group`: this rank's dim-0 vocab shard),
+    labels [...] int64. Returns loss ([] or labels.shape for reduction="none", fp32),
+    and lse (labels.shape, fp32) when return_lse.
+    """
+    _check(hidden, weight, labels, bias, reduction, mode, label_smoothing, z_loss, softcap, chunk_tokens,
+           chunk_vocab)
+    lead = tuple(labels.shape)
+    x = hidden.reshape(-1, hidden.shape[-1])
+    x = x if x.is_contiguous() else x.contiguous()
+    y = labels.reshape(-1).to(torch.int64).contiguous()
+    if group is not None:
+        from .ring_dtp_ring import ring_linear_cross_entropy
+        loss, lse = ring_linear_cross_entropy(x, weight, y, bias, group, ring, ignore_index, reduction,
+                                              label_smoothing, z_loss, softcap or 0.0, chunk_tokens, chunk_vocab)
+    else:
+        w = weight if weight.is_contiguous() else weight.contiguous()
+        grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
+                                             or (bias is not None and bias.requires_grad))
+        out = torch.ops.moepeak.ring_dtp_ce(x, w, y, bias, ignore_index, REDUCTIONS[reduction],
+                                            float(label_smoothing), float(z_loss), float(softcap or 0.0),
+                                            MODES[mode], chunk_tokens or 0, chunk_vocab or 0, grads)
+        loss, lse = out[0], out[1] + out[2]
+    if reduction == "none":
+        loss = loss.reshape(lead)
+    if return_lse:
+        return loss, lse.detach().reshape(lead)
+    return loss
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; gradient times `scale` (averaging the ring's summed dW)."""
+
+    @staticmethod
+    def forward(ctx, t, scale):
+        ctx.scale = scale
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
+
+
+class RingDTPLinearCrossEntropy(torch.nn.Module):
+    """lm_head + cross-entropy in one module: holds `.weight` [V, H] (the name an
+    lm_head uses, so checkpoints load) and `.bias` when bias=True.
+    forward(hidden, labels) -> loss (and lse with return_lse=True).
+
+    Sharded weight (FSDP2 layout): `shard_(mesh)` makes `.weight` a Shard(0)
+    DTensor; forward then uses weight.to_local() as this rank's ring shard and
+    the mesh's group (no all-gather of the full weight ever happens). Under
+    `fully_shard(model, mesh=mesh, ignored_params={head.weight})` FSDP2 leaves
+    that weight to the ring (without ignored_params FSDP2 would all-gather it
+    before forward; the result is still right, through the single-device op).
+    With grad_average=True (default) the shard's gradient is the mean over the
+    group's ranks, as FSDP2/DDP reduce gradients; False gives the sum.
+    Tied embeddings: assign `module.weight = emb.weight` (unsharded)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, *, bias: bool = False, ignore_index: int = -100,
+                 reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0,
+                 softcap: Optional[float] = None, group=None, ring: str = "auto",
+                 chunk_tokens: Optional[int] = None, chunk_vocab: Optional[int] = None, mode: str = "auto",
+                 grad_average: bool = True, device=None, dtype=None):
+        super().__init__()
+        fk = {"device": device, "dtype": dtype}
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+        self.weight = torch.nn.Parameter(torch.empty(vocab_size, hidden_size, **fk))
+        self.bias = torch.nn.Parameter(torch.empty(vocab_size, **fk)) if bias else None
+        self.opts = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+                         z_loss=z_loss, softcap=softcap, ring=ring, chunk_tokens=chunk_tokens,
+                         chunk_vocab=chunk_vocab, mode=mode)
+        self.group = group
+        self.grad_average = grad_average
+        self.reset_parameters()
+
+    def shard_(self, mesh) -> "RingDTPLinearCrossEntropy":
+        """Make .weight a dim-0 sharded DTensor on the 1-D `mesh` (FSDP2's layout)."""
+        from torch.distributed.tensor import Shard, distribute_tensor  # noqa: WPS433
+        if self.bias is not None:
+            raise ValueError("moepeak: shard_() supports bias=False only (the ring has no bias)")
+        self.weight = torch.nn.Parameter(distribute_tensor(self.weight.detach(), mesh, [Shard(0)]))
+        return self
+
+    def reset_parameters(self) -> None:
+        torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's init
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.hidden_size)
+            torch.nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, hidden: Tensor, labels: Tensor, return_lse: bool = False):
+        w, b = self.weight, self.bias
+        group = self.group
+        if hasattr(w, "to_local"):  # FSDP2 / DTensor: this rank's dim-0 shard is the ring shard
+            w, group = self._local_shard(w, group)
+            b = b.to_local() if b is not None and hasattr(b, "to_local") else b
+        if group is not None and self.grad_average:
+            w = _ScaleGrad.apply(w, 1.0 / torch.distributed.get_world_size(group))
+        opts = dict(self.opts)
+        mode = opts.pop("mode")
+        return linear_cross_entropy(hidden, w, labels, bias=b, group=group, return_lse=return_lse,
+                                    mode=mode, **opts)
+
+    @staticmethod
+    def _local_shard(w, group):
+        """(local dim-0 shard, its group) of a DTensor weight; no all-gather. The gradient
+        flows back through to_local() into the DTensor's own Shard(0) gradient."""
+        from torch.distributed.tensor import Shard  # noqa: WPS433 (torch >= 2.4)
+        pl = tuple(w.placements)
+        if w.device_mesh.ndim != 1 or len(pl) != 1 or not (isinstance(pl[0], Shard) and pl[0].dim == 0):
+            raise ValueError(f"moepeak: a DTensor weight must be Shard(0) on a 1-D mesh (FSDP2's layout), "
+                             f"got placements {pl} on a {w.device_mesh.ndim}-D mesh")
+        return w.to_local(), (group if group is not None else w.device_mesh.get_group())
+
+    def extra_repr(self) -> str:
+        return f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}, bias={self.bias is not None}"

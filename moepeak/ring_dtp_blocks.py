@@ -1,0 +1,187 @@
+"""Ring-DTP building blocks shared by the single-device op (ring_dtp.py) and
+the ring schedules (ring_dtp_ring.py): the logits-block GEMM (torch), the fold
+and gradient kernels (moepeak._C), chunk sizing, and the per-row loss.
+
+Per-token state of the online log-sum-exp, all [T] x fp32:
+  m     running max of the (softcapped) logits folded so far (-inf at start)
+  s     sum of exp(z - m) over them (0 at start)
+  zy    the target's logit (0 until the block holding it is folded)
+  zsum  sum of the logits over real vocab (label smoothing's uniform term)
+  sx    like s without the target's term: 1 - p_y = sx / s, precise as p_y -> 1
+lse = m + log(s). Partial states of disjoint vocab ranges merge with merge_state().
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from . import _C
+from ._ext import current_stream_handle
+
+# Workspace the block loops may hold at once (bytes), unless chunk sizes are
+# given. 512 MiB keeps Ring-DTP's working set a small fraction of the 2 GiB
+# target at T = 32k, H = 4096, V = 151936 (DESIGN.md section 2).
+DEFAULT_WORKSPACE_BYTES = 512 << 20
+# The 4-GEMM orders also hold an fp32 [T, H] dX accumulator (vocab_outer:
+# 512 MiB at T = 32k, H = 4096), so their block workspace gets half as much.
+BLOCKED_WORKSPACE_BYTES = 256 << 20
+
+_OUT_DTYPE_OK = {"cuda": None}  # torch.mm(..., out_dtype=fp32) usable on CUDA? (probed once)
+
+
+def lowp_bytes(dtype: torch.dtype) -> int:
+    return 0 if dtype == torch.float32 else 2
+
+
+def mm(a: torch.Tensor, b: torch.Tensor, f32: bool) -> torch.Tensor:
+    """a @ b for same-dtype a, b, accumulated in fp32; fp32 result if f32 else a.dtype.
+
+    CUDA bf16/fp16: cuBLAS accumulates in fp32; with torch >= 2.8 the fp32
+    output comes straight from the GEMM (out_dtype), otherwise the result is
+    rounded to a.dtype first (the same rounding the naive path has).
+    CPU bf16/fp16: the products of two bf16/fp16 numbers are exact in fp32, so
+    an fp32 GEMM of the upcast operands is the fp32-accumulating GEMM.
+    """
+    if a.dtype == torch.float32:
+        return torch.mm(a, b)
+    if a.device.type == "cuda":
+        if f32 and _OUT_DTYPE_OK["cuda"] is not False:
+            try:
+                r = torch.mm(a, b, out_dtype=torch.float32)
+                if r.dtype == torch.float32:
+                    _OUT_DTYPE_OK["cuda"] = True
+                    return r
+                _OUT_DTYPE_OK["cuda"] = False
+            except (TypeError, RuntimeError, NotImplementedError):
+                _OUT_DTYPE_OK["cuda"] = False
+        r = torch.mm(a, b)
+        return r.float() if f32 else r
+    r = torch.mm(a.float(), b.float())
+    return r if f32 else r.to(a.dtype)
+
+
+def logits_block(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """Z = x @ w.T (+ bias): [t, v] x fp32, contiguous (x: [t, H], w: [v, H], bias: [v])."""
+    z = mm(x, w.t(), True)
+    if bias is not None:
+        z.add_(bias.float())
+    return z.contiguous()
+
+
+def new_state(t: int, device) -> Tuple[torch.Tensor, ...]:
+    m = torch.full((t,), -math.inf, dtype=torch.float32, device=device)
+    z = torch.zeros((4, t), dtype=torch.float32, device=device)
+    return m, z[0], z[1], z[2], z[3]  # m, s, zy, zsum, sx
+
+
+def fold(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ignore_index: int, softcap: float,
+         m, s, zy, zsum, sx) -> None:
+    """Fold the logits block z: [t, v] (global columns [v0, v0+v)) into the state rows."""
+    t, v = z.shape
+    cuda = z.device.type == "cuda"
+    _C.ce_fold(z.data_ptr(), z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
+               m.data_ptr(), s.data_ptr(), zy.data_ptr(), zsum.data_ptr(), sx.data_ptr(), cuda, current_stream_handle(z.device))
+
+
+def grad_block(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ignore_index: int, softcap: float,
+               m: torch.Tensor, ls: torch.Tensor, q: torch.Tensor, g: torch.Tensor, eps: float, n_classes: int, zloss: float,
+               dtype: torch.dtype) -> torch.Tensor:
+    """Turn the logits block z: [t, v] x fp32 into dZ, returned in `dtype` (the GEMM
+    operand dtype). m, ls = log(s), q = 1 - p_y: [t] x fp32 (lse = m + ls); g: [t] (per row) or [1] (broadcast) x fp32."""
+    t, v = z.shape
+    g_stride = 0 if g.numel() == 1 else 1
+    cuda = z.device.type == "cuda"
+    stream = current_stream_handle(z.device)
+    if cuda and dtype != torch.float32:
+        out = torch.empty((t, v), dtype=dtype, device=z.device)
+        code = 1 if dtype == torch.bfloat16 else 2
+        _C.ce_grad(z.data_ptr(), z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
+                   m.data_ptr(), ls.data_ptr(), q.data_ptr(), g.data_ptr(), g_stride, eps, n_classes, zloss, out.data_ptr(), v, code, True,
+                   stream)
+        return out
+    _C.ce_grad(z.data_ptr(), z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
+               m.data_ptr(), ls.data_ptr(), q.data_ptr(), g.data_ptr(), g_stride, eps, n_classes, zloss, z.data_ptr(), z.stride(0), 0, cuda,
+               stream)
+    return z if dtype == torch.float32 else z.to(dtype)
+
+
+def merge_state(a, b) -> None:
+    """a <- a (+) b for states of disjoint vocab ranges (in place on a)."""
+    ma, sa, zya, zsa, sxa = a
+    mb, sb, zyb, zsb, sxb = b
+    mn = torch.maximum(ma, mb)
+    safe = torch.where(torch.isinf(mn), torch.zeros_like(mn), mn)
+    ea, eb = torch.exp(ma - safe), torch.exp(mb - safe)
+    sa.mul_(ea).add_(sb * eb)
+    sxa.mul_(ea).add_(sxb * eb)
+    ma.copy_(mn)
+    zya.add_(zyb)
+    zsa.add_(zsb)
+
+
+def lse_of(m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return m + torch.log(s)
+
+
+def fin(st):
+    """(m, ls = log s, q = 1 - p_y) of a complete state: what backward needs."""
+    return st[0], torch.log(st[1]), st[4] / st[1]
+
+
+def q_of(s: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
+    """1 - p_y per row, from sums that never cancel."""
+    return sx / s
+
+
+def row_losses(m, ls, zy, zsum, sx, valid, bad, eps: float, n_classes: int, zloss: float) -> torch.Tensor:
+    """Per-token loss [T] x fp32: (1-eps)(lse - z_y) + eps(lse - mean_j z_j) + zl*lse^2,
+    0 for ignored tokens, NaN for tokens whose label was out of range. Formed as
+    (m - zy) + log s: lse - zy would lose ulp(lse) under a large common offset."""
+    # lse - zy = log1p(sum_{j != y} exp(z_j - zy)) = log1p(sx * exp(m - zy)): exact as p_y -> 1,
+    # where log(s) ~ log(1 + tiny) would cancel; (m - zy) + log s when the target is far below m.
+    d = m - zy
+    near = d < 20.0
+    ce = torch.where(near, torch.log1p(sx * torch.exp(torch.where(near, d, torch.zeros_like(d)))), d + ls)
+    loss = ((1.0 - eps) * ce + eps * (m - zsum / n_classes)) + eps * ls
+    lse = m + ls
+    if zloss:
+        loss = loss + zloss * lse * lse
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    return torch.where(bad, torch.full_like(loss, math.nan), loss)
+
+
+def round_down(x: int, q: int) -> int:
+    return max(q, (x // q) * q)
+
+
+def fused_chunk_tokens(V: int, dtype: torch.dtype, budget: int = DEFAULT_WORKSPACE_BYTES) -> int:
+    """Token rows per chunk when a chunk holds whole vocab rows (mode 'fused').
+
+    A chunk holds Z: [ct, V] x fp32 and dZ: [ct, V] x dtype:
+      ct = budget / (V * (4 + b)), rounded down to a multiple of 64.
+    Worked once: V = 151936, bf16 (b = 2), budget 512 MiB:
+      536870912 / (151936 * 6) = 588.9 -> ct = 576 (Z 334 MiB + dZ 167 MiB).
+    """
+    ct = budget // (V * (4 + lowp_bytes(dtype)))
+    return round_down(int(ct), 64) if ct >= 64 else max(1, int(ct))
+
+
+def blocked_chunks(T: int, H: int, dtype: torch.dtype, budget: int = BLOCKED_WORKSPACE_BYTES,
+                   chunk_tokens: Optional[int] = None) -> Tuple[int, int]:
+    """(ct, cv) for the 4-GEMM orders (a [ct, cv] block at a time).
+
+    Per block: Z [ct, cv] x fp32, dZ [ct, cv] x dtype, the dX partial
+    [ct, H] x fp32, and the dW partial and its accumulator [cv, H] x fp32:
+      ct*cv*(4+b) + 8*cv*H + 4*ct*H <= budget
+      cv = (budget - 4*ct*H) / (ct*(4+b) + 8*H), rounded down to 128.
+    Worked once: ct = 4096, H = 4096, bf16, budget 256 MiB:
+      (268435456 - 67108864) / (4096*6 + 8*4096) = 3510.9 -> cv = 3456
+      (Z 54 MiB + dZ 27 MiB + dX partial 64 MiB + dW partial/accumulator 108 MiB).
+    ct is fixed (default 4096), never T-dependent, so the working set is too.
+    """
+    ct = chunk_tokens or 4096
+    per_col = ct * (4 + lowp_bytes(dtype)) + 8 * H
+    cv = (budget - 4 * ct * H) // per_col
+    return ct, round_down(int(max(cv, 128)), 128)

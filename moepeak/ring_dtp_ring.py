@@ -1,0 +1,246 @@
+"""Ring-DTP over P ranks (DESIGN.md section 2): the vocabulary is sharded on
+dim 0 (rank r holds W_r: [V_r, H], global vocab ids [off_r, off_r + V_r)), the
+tokens are per rank (X_r: [T_r, H]). Each rank's loss is the loss of its own
+tokens against the full vocabulary (the same as the single-device op on
+(X_r, W)); each rank's weight gradient is that of the *sum* of all ranks'
+losses with respect to its shard (what a data-parallel all-reduce would give).
+
+Two variants, chosen by `ring` ("weights", "activations", "auto"):
+ (a) weights circulate: step k, rank r holds the shard of owner o = (r-k) % P,
+     received from r-1 while step k-1 computed, and folds it into its own
+     tokens' state. Backward circulates W again; a dW accumulator
+     [V_max, H] x fp32 travels with each shard, each rank adds its tokens'
+     contribution, and the last hop lands it at the owner.
+ (b) activations circulate: X_j with its labels and per-token state
+     (m, s, zy, zsum, sx): [5, T_max] x fp32 travels; each rank folds its own
+     shard into it; the state returns home on the P-th hop. Backward: X_j,
+     labels, (m, log s, 1 - p_y, g): [4, T_max] x fp32 and a dX accumulator
+     [T_max, H] x fp32 travel; dW_r accumulates locally in fp32.
+ "auto" moves the smaller of V_max*H and T_max*H per hop (both variants carry
+ fp32 accumulators of the same shapes in backward, so the ratio holds there).
+
+Double buffering: the payload for step k+1 (the shard, or X and labels) is
+posted with send_recv before step k's compute and waited for after it; the
+accumulator or state that step k changes is sent after it, and waited for
+just before step k+1 first touches it. Buffers: two payload buffers, two
+accumulator buffers, the block workspace. Shards of unequal size (V % P != 0,
+e.g. FSDP2's ceil-split) are padded to V_max rows of zeros in the travelling
+buffers, and the columns past a shard's real rows are masked (-inf logits,
+zero gradient) by the kernels' v_valid bound; tokens are padded likewise with
+ignore_index labels. Shapes are exchanged once per call with an all_gather of
+two ints (a host sync on GPU, once per call; the schedule itself has none).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from . import ring_dtp_blocks as B
+from .transport import get_transport
+
+RINGS = ("auto", "weights", "activations")
+
+
+def _fold_into(x, w, y, v_off, v_valid, st, ignore_index, softcap, ct, cv):
+    """Fold w: [Vw, H] (global ids [v_off, v_off + Vw)) into the state rows of x: [T, H]."""
+    T, Vw = x.shape[0], w.shape[0]
+    for t0 in range(0, T, ct):
+        t1 = min(T, t0 + ct)
+        part = tuple(a[t0:t1] for a in st)
+        for b0 in range(0, Vw, cv):
+            b1 = min(Vw, b0 + cv)
+            z = B.logits_block(x[t0:t1], w[b0:b1], None)
+            B.fold(z, v_off + b0, v_valid, y[t0:t1], ignore_index, softcap, *part)
+
+
+def _grad_into(x, w, y, v_off, v_valid, V, m, ls, q, g, dx_acc, dw_acc, ignore_index, softcap, eps, zloss, ct, cv):
+    """dx_acc [T, H] x fp32 += dZ W; dw_acc [Vw, H] x fp32 += dZ^T X over the blocks of (x, w)."""
+    T, Vw = x.shape[0], w.shape[0]
+    g1 = g.numel() == 1
+    for t0 in range(0, T, ct):
+        t1 = min(T, t0 + ct)
+        for b0 in range(0, Vw, cv):
+            b1 = min(Vw, b0 + cv)
+            z = B.logits_block(x[t0:t1], w[b0:b1], None)
+            dz = B.grad_block(z, v_off + b0, v_valid, y[t0:t1], ignore_index, softcap, m[t0:t1], ls[t0:t1],
+                              q[t0:t1], g if g1 else g[t0:t1], eps, V, zloss, x.dtype)
+            dx_acc[t0:t1].add_(B.mm(dz, w[b0:b1], True))
+            dw_acc[b0:b1].add_(B.mm(dz.t(), x[t0:t1], True))
+
+
+class _Geometry:
+    """Sizes of every rank, exchanged once: shard rows, offsets, token counts."""
+
+    def __init__(self, tr, T: int, Vr: int, device):
+        sizes = torch.empty((tr.world_size, 2), dtype=torch.int64, device=device)
+        tr.all_gather(sizes, torch.tensor([Vr, T], dtype=torch.int64, device=device))
+        rows = sizes.tolist()
+        self.P, self.r = tr.world_size, tr.rank
+        self.Vs = [a for a, _ in rows]
+        self.Ts = [b for _, b in rows]
+        self.off = [0]
+        for v in self.Vs[:-1]:
+            self.off.append(self.off[-1] + v)
+        self.V = sum(self.Vs)
+        self.Vmax, self.Tmax = max(self.Vs), max(self.Ts)
+
+
+def _g_rows(grad_loss, valid, reduction, T):
+    gl = grad_loss.to(torch.float32)
+    if reduction == 0:
+        return gl.reshape(T).contiguous()
+    if reduction == 2:
+        return gl.reshape(1).expand(T).contiguous()
+    return (gl / valid.sum().clamp_min(1).to(torch.float32)).reshape(1).expand(T).contiguous()
+
+
+class _RingCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, y, bad, tr, geo, variant, ignore_index, reduction, eps, zloss, softcap, ct, cv):
+        P, r = geo.P, geo.r
+        nxt, prv = (r + 1) % P, (r - 1) % P
+        T, H = x.shape
+        valid = y != ignore_index
+        if variant == "weights":
+            st = B.new_state(T, x.device)
+            cur = torch.zeros((geo.Vmax, H), dtype=w.dtype, device=w.device)
+            cur[:w.shape[0]] = w
+            other = torch.empty_like(cur)
+            for k in range(P):
+                o = (r - k) % P
+                h = tr.send_recv(cur, nxt, other, prv) if k < P - 1 else None
+                _fold_into(x, cur[:geo.Vs[o]], y, geo.off[o], geo.off[o] + geo.Vs[o], st, ignore_index, softcap,
+                           ct, cv)
+                if h is not None:
+                    h.wait()
+                    cur, other = other, cur
+        else:
+            xb = torch.zeros((geo.Tmax, H), dtype=x.dtype, device=x.device)
+            xb[:T] = x
+            yb = torch.full((geo.Tmax,), ignore_index, dtype=torch.int64, device=x.device)
+            yb[:T] = y
+            stb = torch.zeros((5, geo.Tmax), dtype=torch.float32, device=x.device)
+            stb[0].fill_(-math.inf)
+            xo, yo, sto = torch.empty_like(xb), torch.empty_like(yb), torch.empty_like(stb)
+            hs = None
+            for k in range(P):
+                j = (r - k) % P
+                hx = [tr.send_recv(xb, nxt, xo, prv), tr.send_recv(yb, nxt, yo, prv)] if k < P - 1 else []
+                if hs is not None:
+                    hs.wait()
+                    stb, sto = sto, stb
+                tj = geo.Ts[j]
+                _fold_into(xb[:tj], w, yb[:tj], geo.off[r], geo.off[r] + geo.Vs[r], tuple(stb[i, :tj] for i in range(5)),
+                           ignore_index, softcap, ct, cv)
+                hs = tr.send_recv(stb, nxt, sto, prv)  # the P-th hop brings each state home
+                for h in hx:
+                    h.wait()
+                if hx:
+                    xb, xo, yb, yo = xo, xb, yo, yb
+            hs.wait()
+            st = tuple(sto[i, :T].clone() for i in range(5))
+        m, ls, q = B.fin(st)
+        rows = B.row_losses(m, ls, st[2], st[3], st[4], valid, bad, eps, geo.V, zloss)
+        if reduction == 0:
+            loss = rows
+        elif reduction == 2:
+            loss = rows.sum()
+        else:
+            loss = rows.sum() / valid.sum().clamp_min(1).to(torch.float32)
+        ctx.save_for_backward(x, w, y, m, ls, q)
+        ctx.cfg = (tr, geo, variant, ignore_index, reduction, eps, zloss, softcap, ct, cv)
+        lse = m + ls
+        ctx.mark_non_differentiable(lse)
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_lse):
+        x, w, y, m, ls, q = ctx.saved_tensors
+        tr, geo, variant, ignore_index, reduction, eps, zloss, softcap, ct, cv = ctx.cfg
+        P, r = geo.P, geo.r
+        nxt, prv = (r + 1) % P, (r - 1) % P
+        T, H = x.shape
+        g = _g_rows(grad_loss, y != ignore_index, reduction, T)
+        if variant == "weights":
+            dx_acc = torch.zeros((T, H), dtype=torch.float32, device=x.device)
+            cur = torch.zeros((geo.Vmax, H), dtype=w.dtype, device=w.device)
+            cur[:w.shape[0]] = w
+            other = torch.empty_like(cur)
+            acc = torch.zeros((geo.Vmax, H), dtype=torch.float32, device=x.device)  # travels with the shard
+            acc_in = torch.empty_like(acc)
+            ha = None
+            for k in range(P):
+                o = (r - k) % P
+                hw = tr.send_recv(cur, nxt, other, prv) if k < P - 1 else None
+                if ha is not None:
+                    ha.wait()
+                    acc, acc_in = acc_in, acc
+                _grad_into(x, cur[:geo.Vs[o]], y, geo.off[o], geo.off[o] + geo.Vs[o], geo.V, m, ls, q, g, dx_acc,
+                           acc[:geo.Vs[o]], ignore_index, softcap, eps, zloss, ct, cv)
+                ha = tr.send_recv(acc, nxt, acc_in, prv)  # the P-th hop lands each dW at its owner
+                if hw is not None:
+                    hw.wait()
+                    cur, other = other, cur
+            ha.wait()
+            dx = dx_acc.to(x.dtype)
+            dw = acc_in[:w.shape[0]].to(w.dtype)
+        else:
+            xb = torch.zeros((geo.Tmax, H), dtype=x.dtype, device=x.device)
+            xb[:T] = x
+            yb = torch.full((geo.Tmax,), ignore_index, dtype=torch.int64, device=x.device)
+            yb[:T] = y
+            aux = torch.zeros((4, geo.Tmax), dtype=torch.float32, device=x.device)  # m, log s, 1 - p_y, g
+            aux[0, :T], aux[1, :T], aux[2, :T], aux[3, :T] = m, ls, q, g
+            xo, yo, auxo = torch.empty_like(xb), torch.empty_like(yb), torch.empty_like(aux)
+            dxa = torch.zeros((geo.Tmax, H), dtype=torch.float32, device=x.device)  # travels home
+            dxa_in = torch.empty_like(dxa)
+            dw_acc = torch.zeros((w.shape[0], H), dtype=torch.float32, device=x.device)
+            ha = None
+            for k in range(P):
+                j = (r - k) % P
+                hx = ([tr.send_recv(xb, nxt, xo, prv), tr.send_recv(yb, nxt, yo, prv),
+                       tr.send_recv(aux, nxt, auxo, prv)] if k < P - 1 else [])
+                if ha is not None:
+                    ha.wait()
+                    dxa, dxa_in = dxa_in, dxa
+                tj = geo.Ts[j]
+                _grad_into(xb[:tj], w, yb[:tj], geo.off[r], geo.off[r] + geo.Vs[r], geo.V, aux[0, :tj],
+                           aux[1, :tj], aux[2, :tj], aux[3, :tj].contiguous(), dxa[:tj], dw_acc, ignore_index,
+                           softcap, eps, zloss, ct, cv)
+                ha = tr.send_recv(dxa, nxt, dxa_in, prv)
+                for h in hx:
+                    h.wait()
+                if hx:
+                    xb, xo, yb, yo, aux, auxo = xo, xb, yo, yb, auxo, aux
+            ha.wait()
+            dx = dxa_in[:T].to(x.dtype)
+            dw = dw_acc.to(w.dtype)
+        return dx, dw, None, None, None, None, None, None, None, None, None, None, None, None
+
+
+def ring_linear_cross_entropy(x, w, y, bias, group, ring, ignore_index, reduction, eps, zloss, softcap,
+                              chunk_tokens: Optional[int], chunk_vocab: Optional[int]):
+    """x: [T, H] (contiguous), w: [V_r, H] this rank's vocab shard, y: [T] int64."""
+    from .ring_dtp import REDUCTIONS, _LabelGuard, _sanitize_labels  # noqa: WPS433 (circular at import time)
+    if ring not in RINGS:
+        raise ValueError(f"moepeak: ring must be one of {RINGS}, got {ring!r}")
+    if bias is not None:
+        raise ValueError("moepeak: bias is not supported with group (vocab-sharded ring); fold it into "
+                         "the weight (an extra hidden column of ones) or use group=None")
+    tr = get_transport(group)
+    w = w if w.is_contiguous() else w.contiguous()
+    geo = _Geometry(tr, x.shape[0], w.shape[0], x.device)
+    if geo.V < 1:
+        raise ValueError("moepeak: the vocab shards of the group are all empty")
+    variant = ring
+    if ring == "auto":
+        variant = "weights" if geo.Vmax <= geo.Tmax else "activations"
+    if _LabelGuard.pending:
+        _LabelGuard.check()
+    y, _valid, bad = _sanitize_labels(y, geo.V, ignore_index)
+    ct, cv = B.blocked_chunks(max(geo.Tmax, 1), x.shape[1], x.dtype, chunk_tokens=chunk_tokens)
+    cv = chunk_vocab or cv
+    return _RingCE.apply(x, w, y, bad, tr, geo, variant, ignore_index, REDUCTIONS[reduction], float(eps),
+                         float(zloss), float(softcap), ct, cv)

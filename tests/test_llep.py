@@ -1,0 +1,283 @@
+"""PipelinedLLEP on one process (CPU): the C planner and chunk layout against
+the plain-Python references, the kernels, the single-rank chunked layer
+against the dense reference (fp64 ground truth), the working-set accounting,
+bad input and opcheck. Multi-rank tests are in test_llep_dist.py."""
+import random
+
+import pytest
+import torch
+
+import moepeak
+from moepeak import llep_plan as lp
+from moepeak import llep_sched
+from moepeak.llep import llep_combine_, llep_dispatch, llep_moe
+from tests import refs
+
+
+# ---------------------------------------------------------------------------
+# planner and layout
+# ---------------------------------------------------------------------------
+def _check_plan(load, alpha, m, lam):
+    t = torch.tensor(load, dtype=torch.int64)
+    plan = lp.llep_plan(t, alpha, m, lam)
+    Q, A, S, spilled = refs.llep_plan_ref(load, alpha, m, lam)
+    assert plan.Q.tolist() == Q and plan.A.tolist() == A and plan.S.tolist() == S, (load, alpha, m, lam)
+    assert plan.spilled == spilled
+    P, E = t.shape
+    assert plan.Q.sum(1).tolist() == t.sum(0).tolist()              # every row planned once
+    assert plan.A.sum(2).T.tolist() == t.tolist()                    # every src row sent once
+    assert plan.A.sum(1).tolist() == plan.Q.tolist()
+    return plan
+
+
+def _random_loads(rng, P, E, T):
+    load = []
+    for _ in range(P):
+        w = [rng.random() ** 4 for _ in range(E)]
+        tot = sum(w)
+        load.append([int(T * x / tot) for x in w])
+    return load
+
+
+def test_plan_random_matches_reference():
+    rng = random.Random(0)
+    for _ in range(300):
+        P = rng.choice([1, 2, 3, 4, 8])
+        E = P * rng.choice([1, 2, 3, 8])
+        load = _random_loads(rng, P, E, rng.choice([0, 5, 100, 5000]))
+        _check_plan(load, rng.choice([1.0, 1.1, 1.5]), rng.choice([0, 1, 16, 1024]), rng.choice([1.0, 1.3, 2.0]))
+
+
+def test_plan_adversarial():
+    # all tokens of every rank to one expert
+    for P in (2, 3, 4):
+        E = 4 * P
+        load = [[0] * E for _ in range(P)]
+        for s in range(P):
+            load[s][1] = 1000
+        plan = _check_plan(load, 1.0, 16, 1.3)
+        assert plan.spilled
+        assert max(plan.Q.sum(0).tolist()) <= -(-P * 1000 // P)     # capacity respected here
+    # empty experts, T = 0 on some ranks, everything zero
+    _check_plan([[0, 0, 50, 0], [0, 0, 0, 0]], 1.0, 4, 1.3)
+    _check_plan([[0] * 6 for _ in range(3)], 1.0, 4, 1.3)
+    # every spill share below m: remainder goes whole to the least-loaded rank
+    plan = _check_plan([[900, 50, 30, 20], [0, 0, 0, 0]], 1.0, 100, 1.3)
+    assert plan.Q.tolist() == [[500, 400], [0, 50], [0, 30], [0, 20]]  # the C file's worked example
+    plan = _check_plan([[10, 0, 0, 0], [0, 0, 0, 0]], 1.0, 1024, 1.3)
+    # below the imbalance threshold nothing moves
+    plan = _check_plan([[100, 100], [100, 120]], 1.0, 1, 1.3)
+    assert not plan.spilled
+
+
+def test_plan_refuses_indivisible_experts():
+    with pytest.raises(ValueError, match="multiple of the number of ranks"):
+        lp.llep_plan(torch.zeros(3, 8, dtype=torch.int64), 1.0, 1, 1.3)
+
+
+def test_chunk_layout_matches_reference():
+    rng = random.Random(1)
+    for _ in range(60):
+        P = rng.choice([1, 2, 3, 4])
+        E = P * rng.choice([1, 2, 4])
+        load = _random_loads(rng, P, E, rng.choice([0, 7, 300]))
+        plan = lp.llep_plan(torch.tensor(load, dtype=torch.int64), 1.0, rng.choice([1, 8]), 1.3)
+        C = rng.choice([P, P + 1, 16, 1000])
+        n = lp.num_chunks(plan.S, C)
+        assert n == refs.llep_num_chunks_ref(plan.S.tolist(), C)
+        for r in range(P):
+            total_recv = 0
+            for j in range(n):
+                lay = lp.chunk_layout(plan, r, n, j, C)
+                ss, sl, rl, perm, ec = refs.llep_chunk_layout_ref(plan.A.tolist(), plan.S.tolist(), r, n, j)
+                assert (lay.send_start, lay.send_len, lay.recv_len, lay.perm.tolist(), lay.ecount) == \
+                    (ss, sl, rl, perm, ec)
+                assert lay.rows <= C and sum(lay.send_len) <= C
+                total_recv += lay.rows
+            assert total_recv == int(plan.S[:, r].sum())
+
+
+# ---------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------
+def test_count_route_gather_combine_cpu():
+    g = torch.Generator().manual_seed(2)
+    T, K, E, H = 29, 3, 6, 5
+    ids = torch.randint(0, E, (T, K), generator=g)
+    cnt = lp.count(ids.flatten(), E)
+    assert cnt[:E].tolist() == torch.bincount(ids.flatten(), minlength=E).tolist() and cnt[E] == 0
+    bad = ids.clone().flatten()
+    bad[3], bad[7] = -1, E
+    assert int(lp.count(bad, E)[E]) == 2
+    # route on a 2-rank plan, rank 0's view
+    load = torch.stack([cnt[:E], torch.randint(0, 40, (E,), generator=g)])
+    plan = lp.llep_plan(load, 1.0, 1, 1.0)
+    out = lp.route(ids.flatten(), E, plan, 0, cnt[:E])
+    expect = []
+    for d in range(2):
+        for e in range(E):
+            rows = (ids.flatten() == e).nonzero().flatten().tolist()
+            lo = int(plan.A[e, 0, :d].sum())
+            expect += rows[lo:lo + int(plan.A[e, 0, d])]
+    assert out.tolist() == expect
+    x = torch.randn(T, H, generator=g)
+    buf = torch.empty(T * K, H)
+    assert torch.equal(lp.gather_rows(x, out, K, buf), x[out // K])
+    w = torch.rand(T * K, generator=g)
+    y = torch.randn(T * K, H, generator=g)
+    acc = torch.zeros(T, H)
+    llep_combine_(acc, y, out, w, K)
+    ref = torch.zeros(T, H, dtype=torch.float64).index_add(0, out // K, (w[out, None] * y).double())
+    torch.testing.assert_close(acc.double(), ref, rtol=1e-6, atol=1e-6)
+    for dt in (torch.bfloat16, torch.float16):
+        acc = torch.zeros(T, H)
+        llep_combine_(acc, y.to(dt), out, None, K)
+        ref = torch.zeros(T, H).index_add(0, out // K, y.to(dt).float())
+        torch.testing.assert_close(acc, ref, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# single-rank layer vs dense
+# ---------------------------------------------------------------------------
+def _problem(T, H, I, E, K, dtype, seed=0, frac=0.0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g, dtype=torch.float64)
+    wgu = torch.randn(E, H, 2 * I, generator=g, dtype=torch.float64) / H ** 0.5
+    wd = torch.randn(E, I, H, generator=g, dtype=torch.float64) / I ** 0.5
+    ids = refs.skewed_topk_ids(T, E, K, frac, generator=g)
+    tw = torch.rand(T, K, generator=g, dtype=torch.float64)
+    gy = torch.randn(T, H, generator=g, dtype=torch.float64)
+    return x, ids, tw, wgu, wd, gy
+
+
+def _dense_grads(x, ids, tw, wgu, wd, gy):
+    leaves = [t.clone().requires_grad_() for t in (x, tw, wgu, wd)]
+    y = refs.moe_dense_ref(leaves[0], ids, leaves[1], leaves[2], leaves[3])
+    return (y.detach(),) + torch.autograd.grad(y, leaves, gy)
+
+
+def _op_grads(x, ids, tw, wgu, wd, gy, dtype, **kw):
+    leaves = [x.to(dtype).requires_grad_(), tw.float().requires_grad_(), wgu.to(dtype).requires_grad_(),
+              wd.to(dtype).requires_grad_()]
+    y = llep_moe(leaves[0], ids, leaves[1], leaves[2], leaves[3], **kw)
+    return (y.detach(),) + torch.autograd.grad(y, leaves, gy.to(dtype))
+
+
+NAMES = ("y", "dx", "dtopk_weights", "dw_gate_up", "dw_down")
+
+
+def _assert_close_all(got, ref, rtol, atol):
+    for name, a, b in zip(NAMES, got, ref):
+        err = (a.double() - b.double()).abs()
+        assert torch.allclose(a.double(), b.double(), rtol=rtol, atol=atol), \
+            f"{name}: max diff {err.max().item():.3g}, mean {err.mean().item():.3g}"
+
+
+@pytest.mark.parametrize("T,C", [(1, 4), (37, 5), (64, 64), (50, 10000)])
+@pytest.mark.parametrize("frac", [0.0, 0.95])
+def test_single_rank_fp32_vs_dense(T, C, frac):
+    prob = _problem(T, 16, 24, 8, 3, torch.float32, seed=T, frac=frac)
+    ref = _dense_grads(*prob)
+    got = _op_grads(*prob, torch.float32, chunk_rows=C)
+    _assert_close_all(got, ref, 1e-5, 1e-5)
+    assert llep_sched.LAST_STATS["max_rows"] <= C
+
+
+def test_one_chunk_equals_many_chunks():
+    prob = _problem(61, 8, 12, 4, 2, torch.float32, seed=5, frac=0.5)
+    one = _op_grads(*prob, torch.float32, chunk_rows=1 << 20)
+    assert llep_sched.LAST_STATS["n_chunks"] == 1
+    many = _op_grads(*prob, torch.float32, chunk_rows=3)
+    assert llep_sched.LAST_STATS["n_chunks"] == 41
+    _assert_close_all(many, one, 1e-6, 1e-6)
+
+
+@pytest.mark.parametrize("frac", [0.0, 0.3, 0.95])
+def test_single_rank_bf16_tolerance_rule(frac):
+    """bf16 error vs fp64 at most 2x PyTorch's own bf16 dense error (+ a tiny
+    slack for an all-zero reference error); many chunks, so dW is rounded
+    into its bf16 accumulator several times."""
+    prob = _problem(45, 32, 32, 4, 2, torch.bfloat16, seed=3, frac=frac)
+    truth = _dense_grads(*prob)
+    torch_bf16 = _dense_grads(*[t.to(torch.bfloat16) if t.is_floating_point() else t for t in prob])
+    got = _op_grads(*prob, torch.bfloat16, chunk_rows=16)
+    for name, a, b, t in zip(NAMES, got, torch_bf16, truth):
+        ea = (a.double() - t).abs().max().item()
+        eb = (b.double() - t).abs().max().item()
+        assert ea <= 2 * eb + 1e-4 * t.abs().max().item(), f"{name}: op err {ea:.3g} vs torch bf16 err {eb:.3g}"
+
+
+def test_zero_tokens():
+    prob = _problem(0, 8, 8, 4, 2, torch.float32)
+    got = _op_grads(*prob, torch.float32, chunk_rows=8)
+    assert got[0].shape == (0, 8) and got[3].abs().sum() == 0
+
+
+def test_module_matches_reference_block():
+    torch.manual_seed(0)
+    m = moepeak.PipelinedLLEPMoE(16, 8, 8, 2, chunk_rows=7)
+    x = torch.randn(2, 5, 16)
+    y, logits = m(x)
+    yr, lr = refs.moe_block_ref(x.reshape(-1, 16), m.router.weight, m.w_gate_up, m.w_down, 2)
+    torch.testing.assert_close(y.reshape(-1, 16), yr, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits, lr)
+    y2, _ = m.reference_forward(x)
+    torch.testing.assert_close(y, y2, rtol=1e-5, atol=1e-6)
+    y.square().sum().backward()
+    assert m.router.weight.grad is not None and m.w_gate_up.grad is not None
+
+
+# ---------------------------------------------------------------------------
+# working set
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("frac", [0.0, 0.95])
+def test_working_set_fixed_by_chunk_rows(frac):
+    T, H, I, E, K, C = 90, 8, 12, 8, 4, 32
+    prob = _problem(T, H, I, E, K, torch.float32, frac=frac)
+    _op_grads(*prob, torch.float32, chunk_rows=C)
+    st = llep_sched.LAST_STATS
+    assert st["workspace_bytes"] == llep_sched.workspace_bytes(C, H, I, 1, 4, backward=False) == 4 * C * (2 * H + 3 * I)
+    assert st["workspace_bytes_bwd"] == llep_sched.workspace_bytes(C, H, I, 1, 4, backward=True)
+    assert st["max_rows"] <= C and st["n_chunks"] == -(-T * K // C)
+
+
+# ---------------------------------------------------------------------------
+# bad input
+# ---------------------------------------------------------------------------
+def test_bad_input():
+    x, ids, tw, wgu, wd, _ = [t.float() if t.is_floating_point() else t for t in _problem(6, 8, 4, 4, 2, torch.float32)]
+    with pytest.raises(ValueError, match="top_k"):
+        llep_moe(x, torch.zeros(6, 5, dtype=torch.int64), torch.ones(6, 5), wgu, wd)
+    with pytest.raises(ValueError, match="outside"):
+        llep_moe(x, ids.masked_fill(ids == ids[0, 0], 4), tw, wgu, wd)
+    with pytest.raises(ValueError, match="outside"):
+        llep_moe(x, ids.masked_fill(ids == ids[0, 0], -1), tw, wgu, wd)
+    with pytest.raises(ValueError, match="w_down"):
+        llep_moe(x, ids, tw, wgu, wd[:, :3])
+    with pytest.raises(ValueError, match="w_gate_up"):
+        llep_moe(x, ids, tw, wgu[:, :7], wd)
+    with pytest.raises(TypeError, match="w_gate_up"):
+        llep_moe(x, ids, tw, wgu.double(), wd)
+    with pytest.raises(ValueError, match="topk_ids"):
+        llep_moe(x, ids[:5], tw[:5], wgu, wd)
+    with pytest.raises(ValueError, match="chunk_rows"):
+        llep_moe(x, ids, tw, wgu, wd, chunk_rows=0)
+    with pytest.raises(ValueError, match="alpha"):
+        llep_moe(x, ids, tw, wgu, wd, alpha=0.5)
+    with pytest.raises(ValueError, match="multiple"):
+        lp.llep_plan(torch.zeros(4, 6, dtype=torch.int64), 1.0, 1, 1.3)
+    with pytest.raises(ValueError, match="top_k"):
+        moepeak.PipelinedLLEPMoE(8, 4, 4, 5)
+
+
+# ---------------------------------------------------------------------------
+# opcheck
+# ---------------------------------------------------------------------------
+def test_opcheck():
+    x, ids, tw, wgu, wd, _ = [t.float() if t.is_floating_point() else t for t in _problem(11, 8, 4, 4, 2, torch.float32)]
+    args = (x.requires_grad_(), ids, tw.requires_grad_(), wgu.requires_grad_(), wd.requires_grad_(), "", 6, 1.0,
+            1024, 1.3)
+    torch.library.opcheck(llep_dispatch, args)
+    acc = torch.zeros(11, 8)
+    idx = torch.randperm(22)[:15]
+    torch.library.opcheck(llep_combine_, (acc, torch.randn(15, 8), idx, torch.rand(22), 2))

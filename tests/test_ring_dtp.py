@@ -1,0 +1,335 @@
+"""Ring-DTP single-device op vs the fp64 reference (tests/refs.py).
+
+Tolerance rule (DESIGN.md section 4): relative error (norm of the difference /
+norm of the fp64 result) of loss, dX, dW, dbias at most 2x that of the naive
+computation in the same dtype (F.linear in the input dtype, then .float()),
+plus a small floor for fp32 (where both are at rounding level).
+"""
+import math
+
+import pytest
+import torch
+
+import moepeak
+from moepeak.ring_dtp import ring_dtp_ce  # noqa: F401  (registers the ops)
+from tests.refs import naive_linear_cross_entropy, ref_linear_cross_entropy
+
+FLOOR = {torch.float32: 2e-6, torch.bfloat16: 1e-3, torch.float16: 2e-4}
+
+
+def relerr(a, b):
+    a, b = a.double(), b.double()
+    n = b.norm()
+    return ((a - b).norm() / (n if n > 0 else 1.0)).item()
+
+
+def make(T, H, V, dtype, seed=0, scale=0.5, bias=False, ignore_frac=0.0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    w = (torch.randn(V, H, generator=g) * scale / math.sqrt(H) * 4).to(dtype)
+    y = torch.randint(0, V, (T,), generator=g)
+    if ignore_frac:
+        y[torch.rand(T, generator=g) < ignore_frac] = -100
+    b = (torch.randn(V, generator=g) * 0.1).to(dtype) if bias else None
+    return x, w, y, b
+
+
+def grads(fn, x, w, y, b, gout=None, **kw):
+    xs = x.detach().clone().requires_grad_()
+    ws = w.detach().clone().requires_grad_()
+    bs = b.detach().clone().requires_grad_() if b is not None else None
+    loss = fn(xs, ws, y, bias=bs, **kw)
+    loss.backward(gout if gout is not None else None)
+    return loss.detach(), xs.grad, ws.grad, (bs.grad if bs is not None else None)
+
+
+def check(x, w, y, b=None, mode="auto", gout=None, chunk_tokens=None, chunk_vocab=None, **kw):
+    dtype = x.dtype
+    ours = grads(moepeak.linear_cross_entropy, x, w, y, b, gout, mode=mode, chunk_tokens=chunk_tokens,
+                 chunk_vocab=chunk_vocab, **kw)
+    ref = grads(ref_linear_cross_entropy, x.double(), w.double(), y, None if b is None else b.double(),
+                None if gout is None else gout.double(), **kw)
+    naive = grads(naive_linear_cross_entropy, x, w, y, b, gout, **kw)
+    names = ("loss", "dX", "dW", "dbias")
+    for name, o, r, n in zip(names, ours, ref, naive):
+        if r is None:
+            continue
+        assert o.shape == r.shape, (name, o.shape, r.shape)
+        assert torch.isfinite(o).all(), f"{name}: non-finite values"
+        eo, en = relerr(o, r), relerr(n, r)
+        assert eo <= 2 * en + FLOOR[dtype], (
+            f"{name} ({dtype}, mode={mode}): ours {eo:.3e} vs naive {en:.3e}; "
+            f"max abs diff {(o.double() - r).abs().max().item():.3e}")
+    return ours, ref
+
+
+MODES = ["fused", "vocab_outer", "token_outer"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", MODES)
+def test_odd_shapes_all_dtypes(dtype, mode):
+    # prime V, T not a multiple of the token chunk, vocab block not dividing V
+    x, w, y, b = make(37, 24, 1009, dtype, ignore_frac=0.1)
+    check(x, w, y, b, mode=mode, chunk_tokens=16, chunk_vocab=256)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_v151936_small_T(mode):
+    x, w, y, b = make(3, 8, 151936, torch.bfloat16, seed=1)
+    check(x, w, y, b, mode=mode, chunk_tokens=2, chunk_vocab=40000)
+
+
+@pytest.mark.parametrize("mode", ["auto"] + MODES)
+def test_T1(mode):
+    x, w, y, b = make(1, 16, 300, torch.float32, seed=2)
+    check(x, w, y, b, mode=mode)
+
+
+OPTIONS = [dict(label_smoothing=0.1), dict(z_loss=1e-3), dict(softcap=3.0), dict(reduction="sum"),
+           dict(reduction="none"), dict(bias=True), dict(ignore_index=7)]
+
+
+@pytest.mark.parametrize("opt", OPTIONS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+@pytest.mark.parametrize("mode", MODES)
+def test_each_option(opt, mode):
+    opt = dict(opt)
+    bias = opt.pop("bias", False)
+    x, w, y, b = make(29, 16, 211, torch.bfloat16, seed=3, bias=bias, ignore_frac=0.15)
+    if "ignore_index" in opt:
+        y[y == -100] = opt["ignore_index"]
+    gout = None
+    if opt.get("reduction") == "none":
+        gout = torch.randn(29, generator=torch.Generator().manual_seed(9))
+        gout[::5] = 0.0
+    check(x, w, y, b, mode=mode, gout=gout, chunk_tokens=8, chunk_vocab=64, **opt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", MODES)
+def test_all_options_at_once(dtype, mode):
+    x, w, y, b = make(33, 16, 157, dtype, seed=4, bias=True, ignore_frac=0.2)
+    check(x, w, y, b, mode=mode, chunk_tokens=8, chunk_vocab=48, label_smoothing=0.05, z_loss=1e-4,
+          softcap=4.0, reduction="sum")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("mode", MODES)
+def test_all_ignored(reduction, mode):
+    x, w, y, b = make(9, 8, 50, torch.float32, seed=5)
+    y[:] = -100
+    loss, dx, dw, _ = grads(moepeak.linear_cross_entropy, x, w, y, None,
+                            torch.ones(9) if reduction == "none" else None, reduction=reduction, mode=mode,
+                            chunk_tokens=4, chunk_vocab=16)
+    assert torch.all(loss == 0) and torch.all(dx == 0) and torch.all(dw == 0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_confident_rows(mode):
+    # p_y >= 0.999 on every row: softmax - 1 must keep its relative precision
+    x, w, y, _ = make(16, 32, 64, torch.float32, seed=6, scale=0.05)
+    x = torch.linalg.qr(x.T.double())[0].T.float().contiguous() * 4  # orthogonal rows: the boost below
+    y = torch.randperm(64, generator=torch.Generator().manual_seed(6))[:16]  # distinct labels
+    w = w.clone()
+    w[y] += 16.0 * x / (x * x).sum(1, keepdim=True)  # z_y += 16: 1 - p_y ~ 1e-5 .. 1e-4
+    with torch.no_grad():
+        p = torch.softmax(x.double() @ w.double().T, 1)[torch.arange(16), y]
+    assert p.min() >= 0.999, p.min()
+    (loss, dx, dw, _), (rl, rdx, rdw, _) = check(x, w, y, mode=mode, chunk_tokens=8, chunk_vocab=16)
+    assert relerr(dx, rdx) < 1e-4 and relerr(dw, rdw) < 1e-4, (relerr(dx, rdx), relerr(dw, rdw))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_large_common_offset(mode):
+    x, w, y, b = make(20, 16, 100, torch.float32, seed=7, bias=True)
+    b = b + 3000.0  # every logit shifted by 3000: lse must not overflow
+    check(x, w, y, b, mode=mode, chunk_tokens=8, chunk_vocab=32)
+
+
+def test_mode_errors():
+    """The evidence behind mode='auto' (module docstring): the fused order's dW
+    error grows with the number of token chunks (bf16 accumulation), vocab_outer
+    stays at naive level. Prints the ratios; asserts the ordering."""
+    x, w, y, _ = make(512, 64, 1024, torch.bfloat16, seed=8)
+    ref = grads(ref_linear_cross_entropy, x.double(), w.double(), y, None)
+    naive = grads(naive_linear_cross_entropy, x, w, y, None)
+    base = relerr(naive[2], ref[2])
+    ratios = {}
+    for mode, ct in [("fused", 512), ("fused", 128), ("fused", 16), ("vocab_outer", 64)]:
+        r = grads(moepeak.linear_cross_entropy, x, w, y, None, mode=mode, chunk_tokens=ct, chunk_vocab=256)
+        ratios[(mode, 512 // ct)] = relerr(r[2], ref[2]) / base
+    print("dW error / naive dW error:", ratios)
+    assert ratios[("fused", 1)] <= 1.2 and ratios[("vocab_outer", 8)] <= 1.2
+    assert ratios[("fused", 32)] > ratios[("fused", 1)]
+
+
+def test_auto_mode_choice():
+    from moepeak.ring_dtp import MODES as M, _pick_mode
+    assert _pick_mode(0, True, 1, 2000, 151936, torch.bfloat16, 576) == M["fused"]
+    assert _pick_mode(0, True, 1, 32768, 151936, torch.bfloat16, 576) == M["vocab_outer"]
+    assert _pick_mode(0, True, 0, 100, 1000, torch.bfloat16, 576) == M["vocab_outer"]
+    assert _pick_mode(0, True, 2, 32768, 151936, torch.float32, 576) == M["fused"]
+
+
+def test_return_lse_and_shapes():
+    x, w, y, _ = make(12, 8, 40, torch.float32, seed=9)
+    loss, lse = moepeak.linear_cross_entropy(x.view(3, 4, 8), w, y.view(3, 4), reduction="none", return_lse=True)
+    assert loss.shape == (3, 4) and lse.shape == (3, 4) and lse.dtype == torch.float32
+    torch.testing.assert_close(lse.reshape(-1), torch.logsumexp(x @ w.T, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_module_matches_function_and_loads_lm_head():
+    torch.manual_seed(0)
+    lm_head = torch.nn.Linear(16, 50, bias=False)
+    mod = moepeak.RingDTPLinearCrossEntropy(16, 50)
+    mod.load_state_dict(lm_head.state_dict())
+    x = torch.randn(10, 16)
+    y = torch.randint(0, 50, (10,))
+    torch.testing.assert_close(mod(x, y), torch.nn.functional.cross_entropy(lm_head(x), y), rtol=1e-5, atol=1e-6)
+
+
+def test_tied_embeddings():
+    torch.manual_seed(1)
+    emb = torch.nn.Embedding(40, 8)
+    mod = moepeak.RingDTPLinearCrossEntropy(8, 40)
+    mod.weight = emb.weight  # tied
+    tok = torch.randint(0, 40, (11,))
+    y = torch.randint(0, 40, (11,))
+    mod(torch.tanh(emb(tok)), y).backward()
+    e2 = torch.nn.Embedding(40, 8)
+    e2.load_state_dict(emb.state_dict())
+    torch.nn.functional.cross_entropy(torch.tanh(e2(tok)) @ e2.weight.T, y).backward()
+    torch.testing.assert_close(emb.weight.grad, e2.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_no_grad_forward_only():
+    x, w, y, _ = make(10, 8, 30, torch.float32)
+    with torch.no_grad():
+        loss = moepeak.linear_cross_entropy(x, w, y)
+    torch.testing.assert_close(loss.double(), ref_linear_cross_entropy(x.double(), w.double(), y), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_opcheck():
+    x, w, y, b = make(6, 8, 20, torch.float32, bias=True)
+    xs, ws, bs = x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
+    # (mode, reduction, grads): the recompute backward op, the fused path, forward only
+    for mode, red, grads_flag in [(2, 0, True), (1, 1, True), (3, 2, False)]:
+        torch.library.opcheck(torch.ops.moepeak.ring_dtp_ce.default,
+                              (xs, ws, y, bs, -100, red, 0.1, 1e-3, 3.0, mode, 4, 8, grads_flag))
+
+
+def test_torch_compile_fullgraph():
+    x, w, y, _ = make(10, 8, 30, torch.float32, seed=11)
+
+    def f(x, w, y):
+        return moepeak.linear_cross_entropy(x, w, y, label_smoothing=0.1, mode="vocab_outer")
+
+    cf = torch.compile(f, fullgraph=True, backend="aot_eager")
+    a = grads(lambda x, w, y, bias=None: cf(x, w, y), x, w, y, None)
+    e = grads(lambda x, w, y, bias=None: f(x, w, y), x, w, y, None)
+    for u, v in zip(a[:3], e[:3]):
+        torch.testing.assert_close(u, v)
+
+
+# ---------------------------------------------------------------------------
+# bad input
+# ---------------------------------------------------------------------------
+def test_bad_input():
+    x, w, y, _ = make(4, 8, 10, torch.float32)
+    f = moepeak.linear_cross_entropy
+    with pytest.raises(ValueError, match="hidden must be"):
+        f(x[:, :5], w, y)
+    with pytest.raises(ValueError, match="labels must have shape"):
+        f(x, w, y[:3])
+    with pytest.raises(TypeError, match="weight must have dtype"):
+        f(x, w.double(), y)
+    with pytest.raises(TypeError, match="labels must have dtype"):
+        f(x, w, y.float())
+    with pytest.raises(ValueError, match="labels must be in"):
+        f(x, w, torch.tensor([0, 1, 10, 2]))
+    with pytest.raises(ValueError, match="labels must be in"):
+        f(x, w, torch.tensor([0, -5, 1, 2]))
+    with pytest.raises(ValueError, match="reduction"):
+        f(x, w, y, reduction="avg")
+    with pytest.raises(ValueError, match="softcap"):
+        f(x, w, y, softcap=-1.0)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        f(x, w, y, chunk_tokens=0)
+    with pytest.raises(ValueError, match="bias must be"):
+        f(x, w, y, bias=torch.zeros(3))
+    if torch.device("meta") is not None:
+        with pytest.raises(ValueError, match="weight must be on"):
+            f(x, w.to("meta"), y)
+
+
+# ---------------------------------------------------------------------------
+# CUDA (every GPU path against the same references)
+# ---------------------------------------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_all_options(dtype, mode):
+    x, w, y, b = make(300, 64, 1009, dtype, seed=12, bias=True, ignore_frac=0.1)
+    x, w, y, b = x.cuda(), w.cuda(), y.cuda(), b.cuda()
+    check(x, w, y, b, mode=mode, chunk_tokens=128, chunk_vocab=384, label_smoothing=0.05, z_loss=1e-4,
+          softcap=20.0)
+    check(x, w, y, b, mode=mode if mode != "fused" else "vocab_outer", gout=torch.randn(300, device="cuda"),
+          reduction="none", chunk_tokens=128, chunk_vocab=384)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_v151936_confident_offset(mode):
+    x, w, y, b = make(64, 32, 151936, torch.bfloat16, seed=13, bias=True)
+    check(x.cuda(), w.cuda(), y.cuda(), b.cuda() + 100, mode=mode)
+    y[:] = -100
+    loss, dx, dw, _ = grads(moepeak.linear_cross_entropy, x.cuda(), w.cuda(), y.cuda(), None, mode=mode)
+    assert loss.item() == 0 and dx.abs().max().item() == 0 and dw.abs().max().item() == 0
+
+
+@pytest.mark.cuda
+def test_cuda_bad_labels_no_device_assert():
+    from moepeak.ring_dtp import check_labels
+    x, w, y, _ = make(8, 16, 40, torch.float32)
+    y[3] = 40
+    loss = moepeak.linear_cross_entropy(x.cuda(), w.cuda(), y.cuda())
+    assert torch.isnan(loss).item()
+    with pytest.raises(ValueError, match="labels must be in"):
+        check_labels()
+    # the process and the device are still usable
+    ok = moepeak.linear_cross_entropy(x.cuda(), w.cuda(), y.clamp_max(39).cuda())
+    assert torch.isfinite(ok).item()
+
+
+@pytest.mark.cuda
+def test_cuda_compile_and_opcheck():
+    x, w, y, b = make(10, 8, 30, torch.bfloat16, bias=True)
+    x, w, y, b = x.cuda().requires_grad_(), w.cuda().requires_grad_(), y.cuda(), b.cuda().requires_grad_()
+    torch.library.opcheck(torch.ops.moepeak.ring_dtp_ce.default, (x, w, y, b, -100, 1, 0.1, 1e-3, 3.0, 2, 4, 8, True))
+    cf = torch.compile(lambda x, w, y: moepeak.linear_cross_entropy(x, w, y), fullgraph=True)
+    cf(x, w, y).backward()
+    assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_peak_memory_bounded(mode):
+    """The logits never exist: peak above the inputs stays within gradients +
+    fp32 dX accumulator (4-GEMM orders) + the block workspace, far below T*V*4."""
+    T, H, V = 16384, 1024, 65536
+    x, w, y, _ = make(T, H, V, torch.bfloat16, seed=14)
+    x, w, y = x.cuda().requires_grad_(), w.cuda().requires_grad_(), y.cuda()
+    moepeak.linear_cross_entropy(x, w, y, mode=mode).backward()  # warm-up
+    x.grad = w.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    moepeak.linear_cross_entropy(x, w, y, mode=mode).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    grads_bytes = (T + V) * H * 2
+    acc = T * H * 4 if mode != "fused" else 0
+    bound = grads_bytes + acc + (512 << 20) + (96 << 20)
+    assert peak <= bound, f"{mode}: peak {peak / 2**20:.0f} MiB > bound {bound / 2**20:.0f} MiB"
+    assert peak < T * V * 4 / 2  # well below one fp32 copy of the logits

@@ -1,0 +1,148 @@
+"""Ring-DTP on gloo ranks: both ring variants equal the single-device op.
+
+Each rank r has its own tokens X_r (T_r differs per rank, one rank may have
+ignored-only labels) and the dim-0 vocab shard W_r as FSDP2 cuts it
+(ceil(V/P) rows, the last rank fewer: V % P != 0). Expected, per rank:
+  loss_r, dX_r  == single-device linear_cross_entropy(X_r, W_full, y_r)
+  dW_r          == rows of sum_j d loss_j / d W_full for this rank's shard
+One spawn of 4 gloo ranks covers P = 2, 3 (subgroups) and 4, bad input, and
+FSDP2 (fully_shard) with the module as lm_head.
+"""
+import pytest
+import torch
+
+from tests.dist_utils import run_ranks
+
+V, H = 53, 12  # prime V: never divisible by P
+
+
+def _data(P, dtype):
+    g = torch.Generator().manual_seed(1234)
+    w = (torch.randn(V, H, generator=g) * 0.4).to(dtype)
+    xs, ys = [], []
+    for r in range(P):
+        T = 5 + 3 * r
+        xs.append(torch.randn(T, H, generator=g).to(dtype))
+        y = torch.randint(0, V, (T,), generator=g)
+        y[1] = -100
+        ys.append(y)
+    return w, xs, ys
+
+
+def _shard_rows(P):
+    per = -(-V // P)
+    return [(min(V, r * per), min(V, (r + 1) * per)) for r in range(P)]
+
+
+def _rank_fn(rank, P, variants, dtype, opts, group):
+    import moepeak
+
+    w, xs, ys = _data(P, dtype)
+    # single-device expectations
+    dw_sum = torch.zeros(V, H, dtype=torch.float64)
+    exp = None
+    for j in range(P):
+        xj = xs[j].clone().requires_grad_()
+        wj = w.clone().requires_grad_()
+        lj = moepeak.linear_cross_entropy(xj, wj, ys[j], mode="vocab_outer", **opts)
+        lj.backward()
+        dw_sum += wj.grad.double()
+        if j == rank:
+            exp = (lj.detach(), xj.grad)
+    a, b = _shard_rows(P)[rank]
+    for variant in variants:
+        x = xs[rank].clone().requires_grad_()
+        ws = w[a:b].clone().requires_grad_()
+        loss = moepeak.linear_cross_entropy(x, ws, ys[rank], group=group, ring=variant,
+                                            chunk_tokens=4, chunk_vocab=5, **opts)
+        loss.backward()
+        tol = dict(rtol=2e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+        torch.testing.assert_close(loss, exp[0], **tol, msg=lambda m: f"{variant} loss rank {rank}: {m}")
+        torch.testing.assert_close(x.grad, exp[1], **tol, msg=lambda m: f"{variant} dX rank {rank}: {m}")
+        torch.testing.assert_close(ws.grad.double(), dw_sum[a:b], **tol,
+                                   msg=lambda m: f"{variant} dW shard rank {rank}: {m}")
+
+
+def _rank_fn_all(rank, world):
+    """One spawn of 4 ranks runs P = 2, 3 (subgroups of ranks 0..P-1) and 4 (WORLD):
+    spawning is the slow part on a small CI machine, and subgroups test that the
+    ring uses ranks within the group."""
+    import torch.distributed as dist
+
+    opts = dict(label_smoothing=0.1, z_loss=1e-3, softcap=4.0, reduction="mean")
+    for P in (2, 3, 4):
+        group = dist.new_group(list(range(P))) if P < world else dist.group.WORLD  # collective on all ranks
+        if rank < P:
+            _rank_fn(rank, P, ("weights", "activations", "auto"), torch.float32, opts, group)
+            if P == 2:
+                _rank_fn(rank, P, ("weights", "activations"), torch.float32, dict(reduction="sum"), group)
+                _bad_fn(rank, P, group)
+        dist.barrier()
+    _dtensor_lm_fn(rank, world)
+
+
+def _dtensor_lm_fn(rank, P):
+    """FSDP2: a tiny LM under fully_shard whose lm_head is RingDTPLinearCrossEntropy
+    (weight sharded dim-0, left to the ring via ignored_params) trains like the
+    unsharded model with lm_head + F.cross_entropy (3 SGD steps, same data on
+    every rank, so FSDP's gradient average equals the one-process gradient)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import moepeak
+
+    class LM(torch.nn.Module):
+        def __init__(self, head):
+            super().__init__()
+            self.emb = torch.nn.Embedding(V, H)
+            self.mlp = torch.nn.Linear(H, H)
+            self.head = head
+
+        def forward(self, tok, tgt):
+            h = torch.tanh(self.mlp(self.emb(tok)))
+            if isinstance(self.head, torch.nn.Linear):
+                return torch.nn.functional.cross_entropy(self.head(h).reshape(-1, V), tgt.reshape(-1))
+            return self.head(h, tgt)
+
+    torch.manual_seed(0)
+    ref = LM(torch.nn.Linear(H, V, bias=False))
+    lm = LM(moepeak.RingDTPLinearCrossEntropy(H, V, ring="weights"))
+    lm.load_state_dict(ref.state_dict())  # the checkpoint of an lm_head model loads as is
+    mesh = init_device_mesh("cpu", (P,))
+    lm.head.shard_(mesh)
+    fully_shard(lm, mesh=mesh, ignored_params={lm.head.weight})
+    assert lm.head.weight.to_local().shape[0] == -(-V // P) or rank == P - 1
+    opt = torch.optim.SGD(lm.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(3):
+        tok = torch.randint(0, V, (2, 9), generator=g)
+        inp, tgt = tok[:, :-1], tok[:, 1:]
+        loss = lm(inp, tgt)
+        rl = ref(inp, tgt)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss.backward()
+        rl.backward()
+        opt.step()
+        ref_opt.step()
+        torch.testing.assert_close(loss, rl, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lm.head.weight.full_tensor(), ref.head.weight, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lm.mlp.weight.full_tensor(), ref.mlp.weight, rtol=1e-5, atol=1e-6)
+
+
+def test_ring_variants_equal_single_device_P234_and_fsdp2():
+    run_ranks(4, _rank_fn_all, timeout=400)
+
+
+def _bad_fn(rank, P, group):
+    import moepeak
+
+    w, xs, ys = _data(P, torch.float32)
+    a, b = _shard_rows(P)[rank]
+    y = ys[rank].clone()
+    y[0] = V  # out of range for the global vocab
+    with pytest.raises(ValueError, match="labels must be in"):
+        moepeak.linear_cross_entropy(xs[rank], w[a:b], y, group=group)
+    with pytest.raises(ValueError, match="ring must be"):
+        moepeak.linear_cross_entropy(xs[rank], w[a:b], ys[rank], group=group, ring="tokens")
