@@ -24,6 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 from _common import append_csv, is_oom, machine_row  # noqa: E402
 
 from moepeak import plan as P  # noqa: E402
