@@ -149,21 +149,27 @@ def _host_mem_bytes() -> int:
 
 
 def _shard(model: MoELM, world: int):
-    """FSDP2 on what every rank replicates; experts (split by the EP group) and
-    the Ring-DTP vocab shard stay rank-local."""
+    """FSDP2 on what every rank replicates. Experts (split by the EP group) stay
+    rank-local; the Ring-DTP head weight becomes a Shard(0) DTensor the ring
+    uses in place (its gradient arrives averaged over the ranks, as FSDP2's do).
+    Returns the params whose gradient is a sum over ranks (to divide by P)."""
     try:
         from torch.distributed.fsdp import fully_shard
     except ImportError:  # torch < 2.6
         from torch.distributed._composable.fsdp import fully_shard
-    local = set()
+    summed = set()
     for blk in model.layers:
-        if model.cfg.moe == "llep":
-            local |= {blk.moe.w_gate_up, blk.moe.w_down}
-        fully_shard(blk, ignored_params=local & set(blk.parameters()) or None)
+        mine = {blk.moe.w_gate_up, blk.moe.w_down} if model.cfg.moe == "llep" else set()
+        summed |= mine
+        fully_shard(blk, ignored_params=mine or None)
+    ignored = set(summed)
     if model.cfg.head == "ring_dtp":
-        local |= set(model.head.parameters())
-    fully_shard(model, ignored_params=local or None)
-    return local
+        from torch.distributed.device_mesh import init_device_mesh
+        dev = "cuda" if model.embed.weight.is_cuda else "cpu"
+        model.head.shard_(init_device_mesh(dev, (world,)))
+        ignored |= set(model.head.parameters())
+    fully_shard(model, ignored_params=ignored or None)
+    return summed
 
 
 class Progress:
@@ -312,7 +318,8 @@ def _run(a, res: Run) -> Dict:
     model = MoELM(cfg, group=group, world_size=world, device=device, dtype=train["dtype"], seed=a.seed)
     res.model = model
     local_params = _shard(model, world) if world > 1 else set()
-    local_names = sorted(n for n, p in model.named_parameters() if p in local_params)
+    local_names = sorted(n for n, p in model.named_parameters()
+                         if p in local_params)  # rank-local: saved per rank
     opt = build_optimizer(model.parameters(), opt_kind, lr=train["lr"], weight_decay=0.0,
                           bucket_mb=a.bucket_mb)
     res.opt = opt

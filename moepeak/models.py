@@ -422,7 +422,7 @@ def resolve(cfg: MoEConfig, optimizer: str, *, want_moepeak: Dict[str, bool]):
                          f"using plain PyTorch ({_PLAIN_SETTING[sw]})")
             on = False
         settings[sw] = _MOEPEAK_SETTING[sw] if on else _PLAIN_SETTING[sw]
-    if cfg.checkpoint == "none" and settings["checkpoint"] == "torch":
+    if cfg.checkpoint == "none":  # no checkpointing asked: neither SCO nor torch's
         settings["checkpoint"] = "none"
     opt = settings.pop("optimizer")
     return cfg.replace(**settings), opt, notes

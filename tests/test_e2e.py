@@ -105,7 +105,7 @@ def _rank_fn(rank, world, switches, batches, out_path):
     plain = MoEConfig(**TINY, moe="dense", head="plain", checkpoint="torch")
     cfg = plain.replace(**{s: SWITCH[s] for s in switches if s != "optimizer"})
     model = MoELM(cfg, group=dist.group.WORLD, world_size=world, seed=7)
-    local = _shard(model, world)
+    local = _shard(model, world)  # params whose gradient is summed over ranks
     opt = build_optimizer(model.parameters(), "stream" if "optimizer" in switches else "torch",
                           lr=1e-2, weight_decay=0.1)
     losses = []
