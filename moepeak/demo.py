@@ -23,6 +23,7 @@ import math
 import os
 import sys
 import time
+import traceback
 import warnings
 from typing import Dict, List, Optional
 
@@ -99,11 +100,6 @@ class Run:
                         fn()
         self.opt = self.model = None
         gc.collect()
-        with contextlib.suppress(Exception):
-            import moepeak.sco as sco  # free the pinned arena, when SCO provides it
-            for name in ("free_arena", "release_arena"):
-                if callable(getattr(sco, name, None)):
-                    getattr(sco, name)()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         if self.pg_owned and dist.is_initialized():
@@ -263,9 +259,13 @@ def run(argv=None) -> Dict:
     res = Run()
     try:
         return _run(a, res)
-    except KeyboardInterrupt:
-        print("\nmoepeak demo: interrupted; releasing pinned memory, GPU memory and process groups",
-              file=sys.stderr)
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt):
+            print("\nmoepeak demo: interrupted; releasing pinned memory, GPU memory and process groups",
+                  file=sys.stderr)
+        # drop the finished frames' locals (the autograd graph, live SCO boundaries)
+        # so that close() can free the pinned arena and GPU memory right away
+        traceback.clear_frames(e.__traceback__)
         raise
     finally:
         res.close()

@@ -332,8 +332,21 @@ class MoELM(nn.Module):
                                           device=device, dtype=dtype, **kw)
         else:
             self.head = PlainLMHead(cfg.hidden, cfg.vocab_size, device=device, dtype=dtype)
-        self._ckpt = component("checkpoint") if cfg.checkpoint == "sco" else None
+        self._ckpt, self.sco_config = None, None
+        if cfg.checkpoint == "sco":
+            self._use_sco()
         self.reset_parameters(seed)
+
+    def _use_sco(self):
+        """This model's own SCO config (its pinned arena is freed by close())."""
+        if self._ckpt is None:
+            self._ckpt = component("checkpoint")
+            self.sco_config = importlib.import_module("moepeak.sco").SCOConfig()
+
+    def close(self):
+        """Free the pinned SCO arena now (it would otherwise live until exit)."""
+        if self.sco_config is not None:
+            self.sco_config.free()
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0):
@@ -367,7 +380,7 @@ class MoELM(nn.Module):
         if not torch.is_grad_enabled() or self.cfg.checkpoint == "none":
             return blk(x)
         if self.cfg.checkpoint == "sco":
-            return self._ckpt(blk, x)
+            return self._ckpt(blk, x, sco_config=self.sco_config)
         return torch_ckpt.checkpoint(blk, x, use_reentrant=False)
 
     def hidden_states(self, input_ids):

@@ -103,9 +103,8 @@ def _boundaries(model, ids, device, mode):
     """Bytes kept for backward by a forward through the blocks with checkpoint `mode`."""
     old = model.cfg.checkpoint
     model.cfg.checkpoint = mode
-    if mode == "sco" and model._ckpt is None:
-        from .models import component
-        model._ckpt = component("checkpoint")
+    if mode == "sco":
+        model._use_sco()
     try:
         if device.type == "cuda":
             torch.cuda.synchronize(device)

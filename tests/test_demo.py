@@ -140,3 +140,33 @@ def test_demo_fsdp2_gloo_save_resume(tmp_path, monkeypatch):
     r = torch.load(out)
     assert r["start"] == 2 and r["second"][:2] == r["first"]
     torch.testing.assert_close(torch.tensor(r["second"]), torch.tensor(r["full"]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_interrupt_in_process_frees_sco_arena(device, monkeypatch):
+    """KeyboardInterrupt mid-run: no live SCO boundary and no pinned arena left."""
+    import moepeak.data as D
+    import moepeak.models as M
+    made, orig_use, orig_batch, n = [], M.MoELM._use_sco, D.TokenStream.batch, [0]
+
+    def use_sco(self):
+        orig_use(self)
+        made.append(self.sco_config)
+
+    def batch(self, *a, **k):
+        n[0] += 1
+        if n[0] == 4:  # during the 4th step, after 3 forward/backward passes
+            raise KeyboardInterrupt
+        return orig_batch(self, *a, **k)
+    monkeypatch.setattr(M.MoELM, "_use_sco", use_sco)
+    monkeypatch.setattr(D.TokenStream, "batch", batch)
+    argv = TINY + ["--steps", "10", "--no-peaks", "--device", device]
+    if device == "cuda":
+        argv += ["--seq-len", "2048"]
+    with pytest.raises(KeyboardInterrupt):
+        run(argv)
+    if not made:
+        pytest.skip("SCO not in this build")
+    for c in made:
+        st = c.stats()
+        assert st["live"] == 0 and st["arena_bytes"] == 0, st
