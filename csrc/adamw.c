@@ -109,7 +109,7 @@ static PyObject *py_adamw_cpu(PyObject *self, PyObject *args) {
     const int64_t *r = P + i * PTR_COLS;
     if (r[3] == 0 || r[5] == 0) continue; /* no grad / empty */
     mp_adamw_seg s = {(float *)(intptr_t)r[0], (float *)(intptr_t)r[1], (float *)(intptr_t)r[2],
-                      (const void *)(intptr_t)r[3], (void *)(intptr_t)r[4], r[5], 0, (int)r[6], (int)r[7], &coef[i]};
+                      (const void *)(intptr_t)r[3], (void *)(intptr_t)r[4], r[5], 0, (int)r[6], (int)r[7], &coef[i], 0};
     segs[ns++] = s;
   }
   mp_status st;
@@ -364,7 +364,7 @@ static mp_status run_pipeline(adamw_plan *p, const int64_t *P, const mp_adamw_co
       if (r[3] == 0) continue;
       mp_adamw_seg w = {(float *)(intptr_t)r[0] + s[1], (float *)(intptr_t)r[1] + s[1],
                         (float *)(intptr_t)r[2] + s[1], p->gslot[gs] + s[3], p->pslot[ps] + s[4],
-                        s[2], s[1], (int)r[6], (int)r[7], &coef[s[0]]};
+                        s[2], s[1], (int)r[6], (int)r[7], &coef[s[0]], 1 /* lp: a pinned slot */};
       p->work[ns++] = w;
     }
     MP_TRY(st, mp_adamw_run(p->work, ns, isa, threads));

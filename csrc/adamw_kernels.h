@@ -46,6 +46,11 @@ typedef struct {
   int64_t base; /* index of element 0 of this segment inside its parameter */
   int gdt, ldt;
   const mp_adamw_coef *coef;
+  /* 1: write lp with non-temporal (streaming) stores where aligned. For lp in
+   * a pinned slot that only the copy engine reads next, this skips the
+   * read-for-ownership of each line: 2 of the ~32 B/param of DRAM traffic of
+   * an offloaded step. 0 (default) for params the CPU may read again. */
+  int lp_stream;
 } mp_adamw_seg;
 
 /* Update every segment, split over the thread pool (nthreads <= 0: default).

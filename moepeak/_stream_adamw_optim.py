@@ -6,7 +6,7 @@ import torch
 
 from . import _C
 from ._ext import HAS_CUDA_BUILD
-from .stream_adamw import _DT, _ISAS, _PLANS, _plan_ids, _Plan, stream_adamw
+from .stream_adamw import _DT, _ISAS, _PLANS, _plan_ids, _Plan, _stream_adamw_impl, stream_adamw
 
 _STATE_TENSORS = ("exp_avg", "exp_avg_sq", "master_param")
 
@@ -154,10 +154,14 @@ class StreamAdamW(torch.optim.Optimizer):
             b2s.append(float(group["betas"][1]))
             epss.append(float(group["eps"]))
             wds.append(float(group["weight_decay"]))
-        stream_adamw(params, grads, masters, ms, vs, step_vals, lrs, b1s, b2s, epss, wds, isa=self._isa,
+        compiling = torch.compiler.is_compiling() if hasattr(torch, "compiler") else False
+        fn = stream_adamw if compiling else _stream_adamw_impl
+        fn(params, grads, masters, ms, vs, step_vals, lrs, b1s, b2s, epss, wds, isa=self._isa,
                      threads=self._threads, bucket_mb=self._bucket_mb, grad_slots=self._slots[0],
                      param_slots=self._slots[1], plan_id=self._plan_id, plan_index=plan_index,
                      host_pipeline=self._host_pipeline)
+        if not compiling:  # what the op's dispatcher would do for the params (autograd's in-place check)
+            _bump_versions([lp for _, _, lp, _, _ in entries])
         return loss
 
     def _cuda_plan(self, entries):
@@ -225,6 +229,14 @@ class StreamAdamW(torch.optim.Optimizer):
 
 
 _EMPTY = torch.empty(0)
+
+
+def _bump_versions(tensors):
+    try:
+        torch._C._increment_version(tensors)  # one call for the list (torch >= 2.5)
+    except TypeError:
+        for t in tensors:
+            torch._C._increment_version(t)
 
 
 def _check_hyper(lr_name, lr, betas, eps, weight_decay, amsgrad, maximize):

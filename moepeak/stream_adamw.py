@@ -172,8 +172,7 @@ def _get_plan(plan_id, key, device, bucket_mb, grad_slots, param_slots, host):
 # --------------------------------------------------------------------------
 # the torch op
 # --------------------------------------------------------------------------
-@torch.library.custom_op("moepeak::stream_adamw", mutates_args=("params", "masters", "exp_avgs", "exp_avg_sqs"))
-def stream_adamw(
+def _stream_adamw_impl(
     params: List[torch.Tensor],
     grads: List[torch.Tensor],
     masters: List[torch.Tensor],
@@ -268,6 +267,15 @@ def stream_adamw(
                 stream = torch.cuda.current_stream(device).cuda_stream
                 _C.adamw_plan_step(plan.capsule, *step_args, stream, isa, threads, tthreads, tvlen)
 
+
+
+# The op. StreamAdamW.step calls _stream_adamw_impl directly when not under
+# torch.compile (the dispatcher's per-tensor alias checks and version bumps
+# of five lists cost ~10 ms per step for a few hundred params) and bumps the
+# params' version counters itself; the op is what torch.compile/opcheck see.
+stream_adamw = torch.library.custom_op("moepeak::stream_adamw",
+                                       mutates_args=("params", "masters", "exp_avgs", "exp_avg_sqs"))(
+    _stream_adamw_impl)
 
 @stream_adamw.register_fake
 def _(params, grads, masters, exp_avgs, exp_avg_sqs, steps, lrs, beta1s, beta2s, epss, weight_decays, isa=-1,
