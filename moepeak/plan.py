@@ -7,13 +7,13 @@ V vocab, E experts, K top-k, L layers, b bytes per activation element (bf16 = 2)
 N parameters.
 
 Peaks (bytes per GPU)                      plain FSDP2 + AC            moepeak
-  dispatch   b*[c0*T*K*H + rho*T*K*(c1*H + c2*I)] + 4*T*H      b*C*(4H + 3I) + 4*T*H
+  dispatch   b*[c0*T*K*H + rho*T*K*(c1*H + c2*I)] + 4*T*H      b*C*(4H + 3I) + 4*T*H (P=1: 2H+3I)
              (c0=1 the expanded copy, c1=1 expert output rows,  (2 recv + 1 send buffers of
               c2=4 gate_up [2I] + silu(gate) [I] + act [I];      C rows, GEMM C*(3I+H), fp32
               rho = max rows a rank receives / (T*K),            [T, H] accumulator)
               1 balanced .. P; fp32 [T, H] combine buffer)
-  vocab      T*V*(b + 8) (bf16 logits, fp32 copy, fp32          4*Ct*Cv*2 + 8*T (+ 2 shard
-             log-softmax; b=4: T*V*8)                             buffers + fp32 dW shard, P>1)
+  vocab      T*V*(b + 8) (bf16 logits, fp32 copy, fp32          512 MiB workspace + 8*T + 4*T*H
+             log-softmax; b=4: T*V*8)                             (+ 2 shard buffers + fp32 dW shard, P>1)
   boundaries L*T*H*b (one checkpoint input per block)            min(L, 5)*T*H*b (kept, recomputing,
                                                                   prefetch, 2 in flight)
   optimizer  12*N/P (fp32 master, m, v)                          5*bucket (3 grad + 2 param slots)
@@ -124,9 +124,8 @@ class Setup:
     gpu_mem_gib: float = 141.0
     act_bytes: int = 2          # b
     imbalance: float = 1.5      # rho for plain EP (capped to [1, P])
-    chunk_rows: int = 16384     # PipelinedLLEP C
-    chunk_tokens: int = 4096    # Ring-DTP workspace Ct x Cv
-    chunk_vocab: int = 16384
+    chunk_rows: int = 32768     # PipelinedLLEP C (its default, llep_plan.default_chunk_rows)
+    ring_workspace_mb: float = 512.0  # Ring-DTP block workspace (its default budget)
     bucket_mb: float = 64.0     # StreamAdamW bucket
     sco_window: int = 5         # boundaries resident under SCO
     batch: int = 1
@@ -159,8 +158,11 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         out["fixed"] = s.plain_fixed_bytes * N / P + gathered + attn
     else:
         C = min(s.chunk_rows, max(1, T * K))
-        out["dispatch"] = b * C * (4 * H + 3 * I) + 4 * T * H
-        ws = 4 * min(s.chunk_tokens, T) * min(s.chunk_vocab, V) * 2 + 8 * T
+        # P = 1: the chunk's GEMM working set C*(2H + 3I); P > 1 adds 2 recv + 1 send buffers
+        out["dispatch"] = b * C * ((2 * H + 3 * I) if P == 1 else (4 * H + 3 * I)) + 4 * T * H
+        # workspace (bounded by its budget, never above the full T x V block) + lse/m,s [T]
+        # + an fp32 [T, H] dX accumulator
+        ws = min(s.ring_workspace_mb * 2 ** 20, T * V * (4 + (b if b < 4 else 0))) + 8 * T + 4 * T * H
         if P > 1:
             ws += 2 * (V // P) * H * b + 4 * (V // P) * H
         out["vocab"] = ws
