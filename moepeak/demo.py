@@ -1,0 +1,427 @@
+"""`moepeak demo`: train a small MoE LM with all four moepeak schedules, show
+the loss fall, and measure the four peaks next to the same model in plain
+PyTorch.
+
+Defaults (see DEFAULTS): on a GPU, 131072 tokens per step (one sequence of
+128k) through a 4-layer, 16-expert model with a 65536-row vocabulary (bytes
++ specials + padding rows, so the vocabulary peak is realistic), bf16; on CPU
+a tiny model at 512 tokens that trains in well under 2 minutes on 2 cores.
+
+Under torchrun (WORLD_SIZE > 1): FSDP2 `fully_shard` on the replicated parts,
+experts split over the ranks (PipelinedLLEP's group) and the Ring-DTP vocab
+shards over the same ranks; each rank reads its own batch.
+
+run(argv) is the whole job as a function (tests call it); it returns a dict
+with the losses and the peak table.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import math
+import os
+import sys
+import time
+import traceback
+import warnings
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import __version__
+from .data import TokenStream
+from .models import MoEConfig, MoELM, build_optimizer, param_count, resolve
+from . import peaks as peakmod
+
+GiB = 2 ** 30
+
+DEFAULTS = {
+    "cuda": dict(layers=4, hidden=1024, heads=8, kv_heads=2, experts=16, top_k=2, intermediate=512,
+                 vocab=65536, seq_len=131072, batch=1, steps=100, lr=2e-3, dtype="bfloat16"),
+    "cpu": dict(layers=2, hidden=64, heads=4, kv_heads=2, experts=8, top_k=2, intermediate=64,
+                vocab=264, seq_len=256, batch=4, steps=120, lr=3e-3, dtype="float32"),
+}
+SCHEDULES = (("llep", "moe", "PipelinedLLEP expert dispatch"),
+             ("ring_dtp", "head", "Ring-DTP vocabulary projection + CE"),
+             ("sco", "checkpoint", "SCO checkpoint-boundary offload"),
+             ("stream_adamw", "optimizer", "OffloadStreamAdamW optimizer"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="moepeak demo", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    g = ap.add_argument_group("model size (defaults depend on the device)")
+    for f in ("layers", "hidden", "heads", "kv-heads", "experts", "top-k", "intermediate", "vocab"):
+        g.add_argument(f"--{f}", type=int, default=None)
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    t = ap.add_argument_group("training")
+    t.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
+    t.add_argument("--batch", type=int, default=None, help="sequences per step per rank")
+    t.add_argument("--steps", type=int, default=None)
+    t.add_argument("--lr", type=float, default=None)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--data", choices=("auto", "stdlib", "synthetic"), default="auto")
+    t.add_argument("--data-mb", type=float, default=8.0, help="corpus size cap (MiB)")
+    s = ap.add_argument_group("schedules (each on by default; --plain turns all four off)")
+    for flag, _, what in SCHEDULES:
+        s.add_argument(f"--{flag.replace('_', '-')}", action=argparse.BooleanOptionalAction,
+                       default=True, help=what)
+    s.add_argument("--plain", action="store_true", help="plain PyTorch: dense MoE, F.cross_entropy, "
+                   "torch.utils.checkpoint, torch.optim.AdamW")
+    s.add_argument("--no-checkpoint", action="store_true", help="no activation checkpointing at all")
+    s.add_argument("--bucket-mb", type=float, default=None, help="StreamAdamW bucket size")
+    s.add_argument("--chunk-rows", type=int, default=None, help="PipelinedLLEP chunk budget")
+    o = ap.add_argument_group("output")
+    o.add_argument("--save", default=None, help="directory: torch.distributed.checkpoint at the end")
+    o.add_argument("--resume", default=None, help="directory written by --save: continue from it")
+    o.add_argument("--plot", default=None, help="PNG path: loss curve and peak table (needs matplotlib)")
+    o.add_argument("--no-peaks", action="store_true", help="skip the per-component peak measurement")
+    o.add_argument("--log-every", type=int, default=None)
+    o.add_argument("--quiet", action="store_true")
+    return ap
+
+
+class Run:
+    """Everything the job owns, so that Ctrl-C (or any error) can release it."""
+
+    def __init__(self):
+        self.model = None
+        self.opt = None
+        self.pg_owned = False
+
+    def close(self):
+        for obj in (self.opt, self.model):
+            for m in ([obj] if obj is self.opt else (obj.modules() if obj is not None else [])):
+                fn = getattr(m, "close", None)
+                if callable(fn):
+                    with contextlib.suppress(Exception):
+                        fn()
+        self.opt = self.model = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if self.pg_owned and dist.is_initialized():
+            dist.destroy_process_group()
+            self.pg_owned = False
+
+
+def _config_from_args(a, dev_kind: str):
+    d = DEFAULTS[dev_kind]
+    pick = lambda k, v: d[k] if v is None else v
+    cfg = MoEConfig(vocab_size=pick("vocab", a.vocab), hidden=pick("hidden", a.hidden),
+                    layers=pick("layers", a.layers), heads=pick("heads", a.heads),
+                    kv_heads=pick("kv_heads", a.kv_heads), experts=pick("experts", a.experts),
+                    top_k=pick("top_k", a.top_k), intermediate=pick("intermediate", a.intermediate),
+                    checkpoint="none" if a.no_checkpoint else "sco", chunk_rows=a.chunk_rows)
+    train = dict(seq_len=pick("seq_len", a.seq_len), batch=pick("batch", a.batch),
+                 steps=pick("steps", a.steps), lr=pick("lr", a.lr),
+                 dtype=getattr(torch, pick("dtype", a.dtype)))
+    return cfg, train
+
+
+def _validate_train(train, a):
+    bad = []
+    if train["seq_len"] < 2:
+        bad.append(f"--seq-len must be >= 2, got {train['seq_len']}")
+    if train["batch"] < 1:
+        bad.append(f"--batch must be >= 1, got {train['batch']}")
+    if train["steps"] < 0:
+        bad.append(f"--steps must be >= 0, got {train['steps']}")
+    if not (train["lr"] > 0 and math.isfinite(train["lr"])):
+        bad.append(f"--lr must be a positive number, got {train['lr']}")
+    if a.resume and not os.path.isdir(a.resume):
+        bad.append(f"--resume {a.resume!r} is not a directory written by --save")
+    if bad:
+        raise ValueError("moepeak demo: " + "; ".join(bad))
+
+
+def _host_mem_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 50
+
+
+def _shard(model: MoELM, world: int):
+    """FSDP2 on what every rank replicates. Experts (split by the EP group) stay
+    rank-local; the Ring-DTP head weight becomes a Shard(0) DTensor the ring
+    uses in place (its gradient arrives averaged over the ranks, as FSDP2's do).
+    Returns the params whose gradient is a sum over ranks (to divide by P)."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+    summed = set()
+    for blk in model.layers:
+        mine = {blk.moe.w_gate_up, blk.moe.w_down} if model.cfg.moe == "llep" else set()
+        summed |= mine
+        fully_shard(blk, ignored_params=mine or None)
+    ignored = set(summed)
+    if model.cfg.head == "ring_dtp":
+        from torch.distributed.device_mesh import init_device_mesh
+        dev = "cuda" if model.embed.weight.is_cuda else "cpu"
+        model.head.shard_(init_device_mesh(dev, (world,)))
+        ignored |= set(model.head.parameters())
+    fully_shard(model, ignored_params=ignored or None)
+    return summed
+
+
+class Progress:
+    def __init__(self, total: int, enabled: bool, every: int):
+        self.total, self.enabled, self.every = total, enabled, max(1, every)
+        self.tty = enabled and sys.stderr.isatty()
+
+    def update(self, step: int, loss: float, tok_s: float, peak: Optional[float]):
+        if not self.enabled:
+            return
+        done = step + 1
+        if not self.tty and done % self.every and done != self.total:
+            return
+        w = 24
+        fill = int(w * done / max(1, self.total))
+        pk = f" peak {peak / GiB:6.2f} GiB" if peak is not None else ""
+        line = (f"[{'#' * fill}{'.' * (w - fill)}] step {done:>5}/{self.total} loss {loss:7.4f} "
+                f"{tok_s / 1e3:8.1f}k tok/s{pk}")
+        if self.tty:
+            sys.stderr.write("\r" + line)
+            if done == self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+        else:
+            print(line, flush=True)
+
+
+def _ckpt_state(model, opt, local_names, rank):
+    """(replicated/DTensor part, rank-local part). Rank-local params (experts of
+    this EP rank, the Ring-DTP vocab shard) differ between ranks under the same
+    name, so DCP would treat them as replicated and keep one copy: they are
+    stored under a per-rank key instead, with their optimizer state."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    msd, osd = get_state_dict(model, opt)
+    _wrap_sharded_state(model, osd)
+    local = {"model": {}, "optim": {}}
+    for n in local_names:
+        local["model"][n] = msd.pop(n)
+        if n in osd.get("state", {}):
+            local["optim"][n] = osd["state"].pop(n)
+    return msd, osd, local
+
+
+def _wrap_sharded_state(model, osd):
+    """An optimizer may keep the state of an FSDP2 (DTensor) param as a plain
+    tensor of the local shard's shape (StreamAdamW keeps it in host RAM). DCP
+    would take such a tensor for a replicated one and keep a single rank's copy,
+    so it is wrapped here as a DTensor with the param's mesh and placements."""
+    params = dict(model.named_parameters())
+    for fqn, st in osd.get("state", {}).items():
+        p = params.get(fqn)
+        if p is None or type(p).__name__ != "DTensor":
+            continue
+        from torch.distributed.tensor import DTensor
+        for k, v in list(st.items()):
+            if torch.is_tensor(v) and type(v).__name__ != "DTensor" and v.dim() > 0 \
+                    and tuple(v.shape) == tuple(p.to_local().shape):
+                st[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
+                                           shape=p.shape, stride=p.stride())
+
+
+def save(path: str, model, opt, step: int, losses: List[float], local_names=(), rank=0):
+    import torch.distributed.checkpoint as dcp
+    msd, osd, local = _ckpt_state(model, opt, local_names, rank)
+    sd = {"model": msd, "optim": osd, "meta": {"step": step, "losses": list(losses)}}
+    if local_names:
+        sd[f"local_rank{rank}"] = local
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(sd, checkpoint_id=path)
+
+
+def load(path: str, model, opt, local_names=(), rank=0):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    msd, osd, local = _ckpt_state(model, opt, local_names, rank)
+    sd = {"model": msd, "optim": osd, "meta": {"step": 0, "losses": []}}
+    if local_names:
+        sd[f"local_rank{rank}"] = local
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(sd, checkpoint_id=path)
+    sd["model"].update(local["model"])
+    sd["optim"].setdefault("state", {}).update(local["optim"])
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    return int(sd["meta"]["step"]), list(sd["meta"]["losses"])
+
+
+def run(argv=None) -> Dict:
+    a = build_parser().parse_args(argv)
+    res = Run()
+    try:
+        return _run(a, res)
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt):
+            print("\nmoepeak demo: interrupted; releasing pinned memory, GPU memory and process groups",
+                  file=sys.stderr)
+        # drop the finished frames' locals (the autograd graph, live SCO boundaries)
+        # so that close() can free the pinned arena and GPU memory right away
+        traceback.clear_frames(e.__traceback__)
+        raise
+    finally:
+        res.close()
+
+
+def _run(a, res: Run) -> Dict:
+    # ---- where, and how many ranks
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    dev_name = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dev_name not in ("cuda", "cpu"):
+        raise ValueError(f"moepeak demo: --device must be cuda or cpu, got {a.device!r}")
+    if dev_name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("moepeak demo: --device cuda, but torch sees no CUDA device")
+    cfg, train = _config_from_args(a, dev_name)
+    want = {"moe": a.llep, "head": a.ring_dtp, "checkpoint": a.sco, "optimizer": a.stream_adamw}
+    if a.plain:
+        want = dict.fromkeys(want, False)
+    # ---- validate everything before any work
+    _validate_train(train, a)
+    cfg.validate(world_size=world, seq_len=train["seq_len"], batch=train["batch"], dtype=train["dtype"],
+                 arena_limit_bytes=_host_mem_bytes() // 2)
+    cfg, opt_kind, notes = resolve(cfg, "stream", want_moepeak=want)
+    rank, group = 0, None
+    if world > 1:
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if dev_name == "cuda" else "gloo")
+            res.pg_owned = True
+        rank, group = dist.get_rank(), dist.group.WORLD
+    if dev_name == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    say = (lambda *x: print(*x, flush=True)) if (rank == 0 and not a.quiet) else (lambda *x: None)
+    T, B, steps = train["seq_len"], train["batch"], train["steps"]
+    data = TokenStream(a.data, seed=a.seed, max_bytes=max(1 << 16, int(a.data_mb * 2 ** 20)))
+
+    say(f"moepeak {__version__} demo on {device} x{world}, torch {torch.__version__}")
+    say(f"model: {param_count(cfg) / 1e6:.1f} M params; L={cfg.layers} H={cfg.hidden} heads={cfg.heads}/"
+        f"{cfg.kv_heads} E={cfg.experts} K={cfg.top_k} I={cfg.intermediate} V={cfg.vocab_size} "
+        f"{str(train['dtype']).replace('torch.', '')}")
+    say(f"data: {data.source} ({len(data) / 1e6:.1f} M byte tokens); {B} x {T} = {B * T} tokens per "
+        f"step per rank, {steps} steps")
+    say("schedules: moe=%s head=%s checkpoint=%s optimizer=%s" % (cfg.moe, cfg.head, cfg.checkpoint, opt_kind))
+    for n in notes:
+        say("  note: " + n)
+
+    # ---- model + optimizer
+    model = MoELM(cfg, group=group, world_size=world, device=device, dtype=train["dtype"], seed=a.seed)
+    res.model = model
+    local_params = _shard(model, world) if world > 1 else set()
+    local_names = sorted(n for n, p in model.named_parameters()
+                         if p in local_params)  # rank-local: saved per rank
+    opt = build_optimizer(model.parameters(), opt_kind, lr=train["lr"], weight_decay=0.0,
+                          bucket_mb=a.bucket_mb)
+    res.opt = opt
+    start, losses = 0, []
+    if a.resume:
+        start, losses = load(a.resume, model, opt, local_names, rank)
+        say(f"resumed from {a.resume} at step {start}")
+
+    # ---- train
+    cuda = device.type == "cuda"
+    prog = Progress(steps, rank == 0 and not a.quiet, a.log_every or max(1, steps // 10))
+    opt_meas, step_times, peak_seen = {}, [], 0
+    for step in range(start, start + steps):
+        x, y = data.batch(step, B, T, rank=rank, device=device)
+        t0 = time.perf_counter()
+        loss = model(x, y)
+        loss.backward()
+        if local_params and world > 1:
+            # rank-local params got the sum over ranks of each rank's mean-loss gradient;
+            # FSDP averaged the rest: divide to match (global loss = mean over ranks).
+            for p in local_params:
+                if p.grad is not None:
+                    p.grad.div_(world)
+        if cuda and step == start:  # isolate the first optimizer step (state is created there)
+            peak_seen = max(peak_seen, torch.cuda.max_memory_allocated(device))
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        opt.step()
+        if cuda and step == start:
+            torch.cuda.synchronize(device)
+            opt_meas = {"step_peak": torch.cuda.max_memory_allocated(device) - before,
+                        "state": torch.cuda.memory_allocated(device) - before}
+        opt.zero_grad(set_to_none=True)
+        lv = loss.detach().float()
+        if world > 1:
+            dist.all_reduce(lv)
+            lv /= world
+        lv = lv.item()
+        dt = time.perf_counter() - t0
+        step_times.append(dt)
+        losses.append(lv)
+        if cuda:
+            peak_seen = max(peak_seen, torch.cuda.max_memory_allocated(device))
+        if not math.isfinite(lv):
+            raise FloatingPointError(f"moepeak demo: loss is {lv} at step {step}")
+        prog.update(step - start, lv, B * T * world / dt, peak_seen if cuda else None)
+    if steps:
+        k = max(1, min(10, len(losses) // 5))
+        say(f"loss: first {sum(losses[:k]) / k:.4f} -> last {sum(losses[-k:]) / k:.4f} "
+            f"(mean of {k} steps)" + (f"; peak GPU memory {peak_seen / GiB:.2f} GiB" if cuda else ""))
+    if a.save:
+        save(a.save, model, opt, start + steps, losses, local_names, rank)
+        say(f"saved step {start + steps} to {a.save}")
+
+    table = None
+    if not a.no_peaks and world > 1:
+        say("(the per-component peak table is measured in single-process runs only)")
+    if not a.no_peaks and world == 1:
+        table = peakmod.measure(model, cfg, opt_kind, opt, data, B, T, device, opt_meas)
+        say(peakmod.format_table(table, cfg, B * T, device))
+    if a.plot and rank == 0:
+        _plot(a.plot, losses, table, say)
+    return {"losses": losses, "start": start, "step_times": step_times, "peak": peak_seen, "cfg": cfg, "optimizer": opt_kind, "peaks": table,
+            "notes": notes, "data": data.source}
+
+
+def _plot(path, losses, table, say):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        say("moepeak demo: matplotlib is not installed (pip install matplotlib); skipping --plot")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    axes[0].plot(range(1, len(losses) + 1), losses)
+    axes[0].set_xlabel("step")
+    axes[0].set_ylabel("loss")
+    if table:
+        names = [r["peak"] for r in table]
+        num = lambda v: v / 2 ** 20 if isinstance(v, (int, float)) else 0.0  # "OOM" plots as 0
+        mp = [num(r["moepeak"]) for r in table]
+        pl = [num(r["plain"]) for r in table]
+        xs = range(len(names))
+        axes[1].bar([i - 0.2 for i in xs], pl, 0.4, label="plain PyTorch")
+        axes[1].bar([i + 0.2 for i in xs], mp, 0.4, label="moepeak")
+        axes[1].set_xticks(list(xs))
+        axes[1].set_xticklabels(names)
+        axes[1].set_ylabel("MiB")
+        axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    say(f"wrote {path}")
+
+
+def main(argv=None) -> int:
+    try:
+        run(argv)
+    except KeyboardInterrupt:
+        return 130
+    except ValueError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    return 0

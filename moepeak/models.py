@@ -1,0 +1,441 @@
+"""The model zoo: a small Mixture-of-Experts decoder LM in plain PyTorch, with a
+switch per moepeak schedule.
+
+    embed -> L x [ x + Attn(RMSNorm(x)) ; x + MoE(RMSNorm(x)) ] -> RMSNorm -> head+CE
+
+Every switch changes only the schedule, never the parameters: the same
+state_dict drives both settings, which is how the end-to-end test compares
+moepeak with plain PyTorch.
+
+    switch       moepeak                         plain PyTorch
+    moe          "llep": PipelinedLLEPMoE        "dense": loop over experts
+    head         "ring_dtp": RingDTPLinearCE     "plain": F.linear + F.cross_entropy
+    checkpoint   "sco": sco_checkpoint           "torch": torch.utils.checkpoint, "none"
+    optimizer    "stream": StreamAdamW           "torch": torch.optim.AdamW   (build_optimizer)
+
+Parameter names and layouts (E_local = experts / expert-parallel ranks):
+    embed.weight                    [V, H]
+    layers.i.attn_norm.weight       [H]
+    layers.i.attn.{q,k,v,o}_proj.weight  [nh*d, H], [nkv*d, H], [nkv*d, H], [H, nh*d]
+    layers.i.mlp_norm.weight        [H]
+    layers.i.moe.router.weight      [E, H]        (logits computed in fp32)
+    layers.i.moe.w_gate_up          [E_local, H, 2I]   ([:I] gate, [I:] up)
+    layers.i.moe.w_down             [E_local, I, H]
+    norm.weight                     [H]
+    head.weight                     [V, H]        (the vocab shard [V/P, H] under a ring group)
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint as torch_ckpt
+
+MOE_CHOICES = ("llep", "dense")
+HEAD_CHOICES = ("ring_dtp", "plain")
+CKPT_CHOICES = ("sco", "torch", "none")
+OPTIM_CHOICES = ("stream", "torch")
+
+# Which moepeak module provides each schedule's public name.
+_COMPONENT = {
+    "moe": ("llep", "PipelinedLLEPMoE"),
+    "head": ("ring_dtp", "RingDTPLinearCrossEntropy"),
+    "checkpoint": ("sco", "sco_checkpoint"),
+    "optimizer": ("stream_adamw", "StreamAdamW"),
+}
+_MOEPEAK_SETTING = {"moe": "llep", "head": "ring_dtp", "checkpoint": "sco", "optimizer": "stream"}
+_PLAIN_SETTING = {"moe": "dense", "head": "plain", "checkpoint": "torch", "optimizer": "torch"}
+
+
+def component(switch: str):
+    """The moepeak object behind `switch`, or raise ImportError saying why not."""
+    mod, name = _COMPONENT[switch]
+    try:
+        return getattr(importlib.import_module(f"moepeak.{mod}"), name)
+    except (ImportError, AttributeError) as e:
+        raise ImportError(f"moepeak.{name} is not available in this build ({type(e).__name__}: {e})") from e
+
+
+def available(switch: str) -> bool:
+    try:
+        component(switch)
+        return True
+    except ImportError:
+        return False
+
+
+@dataclass
+class MoEConfig:
+    vocab_size: int = 264          # 256 bytes + specials, padded to a multiple of 8
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    experts: int = 4
+    top_k: int = 2
+    intermediate: int = 64
+    rope_theta: float = 1e6
+    norm_eps: float = 1e-6
+    norm_topk_prob: bool = True
+    moe: str = "llep"
+    head: str = "ring_dtp"
+    checkpoint: str = "sco"
+    chunk_rows: Optional[int] = None       # PipelinedLLEP chunk budget C (None: its default)
+    chunk_tokens: Optional[int] = None     # Ring-DTP workspace (None: its default)
+    chunk_vocab: Optional[int] = None
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def validate(self, *, world_size: int = 1, seq_len: Optional[int] = None,
+                 batch: int = 1, dtype: torch.dtype = torch.float32,
+                 arena_limit_bytes: Optional[int] = None) -> "MoEConfig":
+        """Raise ValueError with every problem found, before any work starts."""
+        bad = []
+        for f in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "experts",
+                  "top_k", "intermediate"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                bad.append(f"{f} must be a positive integer, got {v!r}")
+        if bad:
+            raise ValueError("moepeak: invalid model config: " + "; ".join(bad))
+        if self.hidden % self.heads:
+            bad.append(f"heads ({self.heads}) must divide hidden ({self.hidden})")
+        elif self.head_dim % 2:
+            bad.append(f"head_dim = hidden/heads = {self.head_dim} must be even (RoPE rotates pairs)")
+        if self.heads % self.kv_heads:
+            bad.append(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
+        if self.top_k > self.experts:
+            bad.append(f"top_k ({self.top_k}) must be <= experts ({self.experts})")
+        if self.vocab_size < 259:
+            bad.append(f"vocab_size ({self.vocab_size}) must be >= 259 (256 bytes + 3 specials)")
+        if world_size > 1 and self.experts % world_size:
+            bad.append(f"experts ({self.experts}) must be divisible by the number of ranks ({world_size})")
+        if world_size > 1 and self.head == "ring_dtp" and self.vocab_size % world_size:
+            bad.append(f"vocab_size ({self.vocab_size}) must be divisible by the number of ranks "
+                       f"({world_size}) for the Ring-DTP vocab shards")
+        for sw, choices in (("moe", MOE_CHOICES), ("head", HEAD_CHOICES), ("checkpoint", CKPT_CHOICES)):
+            if getattr(self, sw) not in choices:
+                bad.append(f"{sw} must be one of {choices}, got {getattr(self, sw)!r}")
+        for f in ("chunk_rows", "chunk_tokens", "chunk_vocab"):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                bad.append(f"{f} must be a positive integer or None, got {v!r}")
+        if seq_len is not None:
+            if seq_len < 2:
+                bad.append(f"seq_len must be >= 2, got {seq_len}")
+            elif self.checkpoint == "sco" and arena_limit_bytes is not None:
+                need = sco_arena_bytes(self, seq_len, batch, dtype)
+                if need > arena_limit_bytes:
+                    bad.append(
+                        f"seq_len {seq_len}: the SCO arena needs layers*batch*seq_len*hidden*bytes = "
+                        f"{need / 2**30:.2f} GiB of pinned host memory, more than the "
+                        f"{arena_limit_bytes / 2**30:.2f} GiB allowed; lower --seq-len or --layers")
+        if bad:
+            raise ValueError("moepeak: invalid model config: " + "; ".join(bad))
+        return self
+
+    def moepeak_settings(self) -> Dict[str, str]:
+        return {"moe": self.moe, "head": self.head, "checkpoint": self.checkpoint}
+
+    def replace(self, **kw) -> "MoEConfig":
+        return dataclasses.replace(self, **kw)
+
+    def plain(self) -> "MoEConfig":
+        """The same model in plain PyTorch (dense MoE, F.cross_entropy, torch checkpoint)."""
+        return self.replace(moe="dense", head="plain",
+                            checkpoint="none" if self.checkpoint == "none" else "torch")
+
+
+def sco_arena_bytes(cfg: MoEConfig, seq_len: int, batch: int, dtype: torch.dtype) -> int:
+    """Pinned bytes SCO needs: one boundary [B, T, H] per block."""
+    return cfg.layers * batch * seq_len * cfg.hidden * torch.empty((), dtype=dtype).element_size()
+
+
+def param_count(cfg: MoEConfig) -> int:
+    H, I, E, V, L = cfg.hidden, cfg.intermediate, cfg.experts, cfg.vocab_size, cfg.layers
+    d = cfg.head_dim
+    attn = H * cfg.heads * d * 2 + H * cfg.kv_heads * d * 2
+    moe = E * H + E * 3 * H * I
+    return 2 * V * H + H + L * (attn + moe + 2 * H)
+
+
+# --------------------------------------------------------------------------- blocks
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x):
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+class Rotary:
+    """cos/sin tables [T, d] (fp32), cached per (T, device); shared by all blocks
+    and not a module argument, so checkpointing sees only the block input."""
+
+    def __init__(self, head_dim: int, theta: float):
+        self.head_dim, self.theta = head_dim, theta
+        self._cache: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tables(self, T: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+        key = (T, str(device))
+        if key not in self._cache:
+            self._cache.clear()
+            with torch.no_grad():
+                inv = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, device=device,
+                                                         dtype=torch.float32) / self.head_dim))
+                ang = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv)
+                ang = torch.cat([ang, ang], dim=-1)
+                self._cache[key] = (ang.cos(), ang.sin())
+        return self._cache[key]
+
+
+def apply_rope(x, cos, sin):
+    """x: [B, nh, T, d]; rotate_half convention."""
+    d = x.shape[-1] // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    rot = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rot.float() * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: MoEConfig, rotary: Rotary, device=None, dtype=None):
+        super().__init__()
+        H, d = cfg.hidden, cfg.head_dim
+        self.nh, self.nkv, self.d = cfg.heads, cfg.kv_heads, d
+        kw = dict(bias=False, device=device, dtype=dtype)
+        self.q_proj = nn.Linear(H, self.nh * d, **kw)
+        self.k_proj = nn.Linear(H, self.nkv * d, **kw)
+        self.v_proj = nn.Linear(H, self.nkv * d, **kw)
+        self.o_proj = nn.Linear(self.nh * d, H, **kw)
+        self.rotary = rotary
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.d).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
+        cos, sin = self.rotary.tables(T, x.device)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.nkv != self.nh:  # GQA by repetition (works on every torch >= 2.4)
+            r = self.nh // self.nkv
+            k = k.repeat_interleave(r, dim=1)
+            v = v.repeat_interleave(r, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash on GPU: O(T) memory
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.d))
+
+
+class DenseMoE(nn.Module):
+    """Plain PyTorch MoE: same parameters and routing as PipelinedLLEPMoE, one
+    gather + two GEMMs per expert, every intermediate materialised."""
+
+    def __init__(self, hidden_size, intermediate_size, num_experts, top_k, *,
+                 norm_topk_prob=True, device=None, dtype=None):
+        super().__init__()
+        H, I, E = hidden_size, intermediate_size, num_experts
+        self.H, self.I, self.E, self.K, self.norm_topk_prob = H, I, E, top_k, norm_topk_prob
+        self.router = nn.Linear(H, E, bias=False, device=device, dtype=dtype)
+        self.w_gate_up = nn.Parameter(torch.empty(E, H, 2 * I, device=device, dtype=dtype))
+        self.w_down = nn.Parameter(torch.empty(E, I, H, device=device, dtype=dtype))
+
+    def route(self, x2):
+        acc = torch.promote_types(x2.dtype, torch.float32)
+        logits = F.linear(x2.to(acc), self.router.weight.to(acc))          # [N, E] fp32 (fp64 in)
+        probs = logits.softmax(-1)
+        w, ids = probs.topk(self.K, dim=-1)                                 # [N, K]
+        if self.norm_topk_prob:
+            w = w / w.sum(-1, keepdim=True)
+        return logits, w, ids
+
+    def forward(self, x):
+        shape = x.shape
+        x2 = x.reshape(-1, self.H)
+        logits, w, ids = self.route(x2)
+        acc = logits.dtype
+        y = torch.zeros(x2.shape, device=x.device, dtype=acc)               # [N, H] accumulator
+        for e in range(self.E):
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            h = x2[tok] @ self.w_gate_up[e]                                  # [n, 2I]
+            a = F.silu(h[:, :self.I]) * h[:, self.I:]
+            out = (a @ self.w_down[e]).to(acc) * w[tok, slot, None]
+            y = y.index_add(0, tok, out)
+        return y.to(x.dtype).view(shape), logits
+
+
+class PlainLMHead(nn.Module):
+    """lm_head + cross-entropy on the full [N, V] fp32 logits."""
+
+    def __init__(self, hidden_size, vocab_size, *, ignore_index=-100, device=None, dtype=None):
+        super().__init__()
+        self.ignore_index = ignore_index
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, device=device, dtype=dtype))
+
+    def forward(self, hidden, labels):
+        logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), self.weight).float()
+        return F.cross_entropy(logits, labels.reshape(-1), ignore_index=self.ignore_index)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: MoEConfig, rotary: Rotary, group=None, device=None, dtype=None):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps, device, dtype)
+        self.attn = Attention(cfg, rotary, device, dtype)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps, device, dtype)
+        if cfg.moe == "llep":
+            kw = {} if cfg.chunk_rows is None else {"chunk_rows": cfg.chunk_rows}
+            self.moe = component("moe")(cfg.hidden, cfg.intermediate, cfg.experts, cfg.top_k,
+                                        group=group, norm_topk_prob=cfg.norm_topk_prob,
+                                        device=device, dtype=dtype, **kw)
+        else:
+            self.moe = DenseMoE(cfg.hidden, cfg.intermediate, cfg.experts, cfg.top_k,
+                                norm_topk_prob=cfg.norm_topk_prob, device=device, dtype=dtype)
+
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        y, _ = self.moe(self.mlp_norm(x))
+        return x + y
+
+
+class MoELM(nn.Module):
+    """forward(input_ids [B, T] int64, labels [B, T] int64, -100 = ignore) -> mean loss."""
+
+    def __init__(self, cfg: MoEConfig, *, group=None, world_size: int = 1, device=None,
+                 dtype=torch.float32, seed: int = 0):
+        super().__init__()
+        cfg.validate(world_size=world_size)
+        self.cfg, self.group = cfg, group
+        self.rank = 0
+        if group is not None and torch.distributed.is_initialized():
+            self.rank = torch.distributed.get_rank(group)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(Block(cfg, self.rotary, group, device, dtype)
+                                    for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, device, dtype)
+        if cfg.head == "ring_dtp":
+            kw = {k: getattr(cfg, k) for k in ("chunk_tokens", "chunk_vocab") if getattr(cfg, k)}
+            self.head = component("head")(cfg.hidden, cfg.vocab_size, group=group,
+                                          device=device, dtype=dtype, **kw)
+        else:
+            self.head = PlainLMHead(cfg.hidden, cfg.vocab_size, device=device, dtype=dtype)
+        self._ckpt, self.sco_config = None, None
+        if cfg.checkpoint == "sco":
+            self._use_sco()
+        self.reset_parameters(seed)
+
+    def _use_sco(self):
+        """This model's own SCO config (its pinned arena is freed by close())."""
+        if self._ckpt is None:
+            self._ckpt = component("checkpoint")
+            self.sco_config = importlib.import_module("moepeak.sco").SCOConfig()
+
+    def close(self):
+        """Free the pinned SCO arena now (it would otherwise live until exit)."""
+        if self.sco_config is not None:
+            self.sco_config.free()
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0):
+        """Deterministic init from `seed`, independent of the schedules chosen:
+        every parameter is drawn by name on the CPU, then copied in."""
+        std = 0.02
+        for name, p in self.named_parameters():
+            g = torch.Generator().manual_seed(seed * 1000003 + _stable_hash(name))
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            shape = list(p.shape)
+            full0 = self._full_dim0(name, shape[0])
+            full = torch.empty([full0] + shape[1:], dtype=torch.float32)
+            full.normal_(0.0, std, generator=g)
+            if name.endswith("o_proj.weight") or name.endswith("w_down"):
+                full.mul_(1.0 / math.sqrt(2 * self.cfg.layers))
+            if full0 != shape[0]:  # this rank's dim-0 shard (local experts / vocab shard)
+                r = self.rank
+                full = full[r * shape[0]:(r + 1) * shape[0]]
+            p.copy_(full.to(p.dtype))
+
+    def _full_dim0(self, name: str, local: int) -> int:
+        if name.endswith("w_gate_up") or name.endswith("w_down"):
+            return self.cfg.experts
+        if name == "head.weight":
+            return self.cfg.vocab_size
+        return local
+
+    def _run_block(self, blk, x):
+        if not torch.is_grad_enabled() or self.cfg.checkpoint == "none":
+            return blk(x)
+        if self.cfg.checkpoint == "sco":
+            return self._ckpt(blk, x, sco_config=self.sco_config)
+        return torch_ckpt.checkpoint(blk, x, use_reentrant=False)
+
+    def hidden_states(self, input_ids):
+        x = self.embed(input_ids)
+        for blk in self.layers:
+            x = self._run_block(blk, x)
+        return self.norm(x)
+
+    def forward(self, input_ids, labels):
+        return self.head(self.hidden_states(input_ids), labels)
+
+
+def _stable_hash(s: str) -> int:
+    h = 2166136261
+    for c in s.encode():
+        h = ((h ^ c) * 16777619) & 0xFFFFFFFF
+    return h
+
+
+def build_optimizer(params, kind: str = "stream", *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                    weight_decay=1e-2, bucket_mb: Optional[float] = None):
+    """"stream": moepeak.StreamAdamW (state in host RAM); "torch": torch.optim.AdamW
+    (fused where this torch supports it: StreamAdamW's bitwise target)."""
+    params = list(params)
+    if kind == "stream":
+        kw = {} if bucket_mb is None else {"bucket_mb": bucket_mb}
+        return component("optimizer")(params, lr=lr, betas=betas, eps=eps,
+                                      weight_decay=weight_decay, **kw)
+    if kind != "torch":
+        raise ValueError(f"moepeak: optimizer must be one of {OPTIM_CHOICES}, got {kind!r}")
+    # FSDP2 DTensor params beside rank-local plain params (experts, vocab shard):
+    # torch's fused/foreach kernels refuse a mix within one group, so split them.
+    dt = [p for p in params if type(p.data).__name__ == "DTensor"]
+    if dt and len(dt) != len(params):
+        ids = {id(p) for p in dt}
+        params = [{"params": dt}, {"params": [p for p in params if id(p) not in ids]}]
+    try:
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                 fused=True)
+    except (RuntimeError, TypeError, ValueError):
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+def resolve(cfg: MoEConfig, optimizer: str, *, want_moepeak: Dict[str, bool]):
+    """Turn per-schedule on/off wishes into settings; a schedule whose component
+    is not in this build falls back to plain PyTorch, with a note saying so."""
+    notes, settings = [], {}
+    for sw in ("moe", "head", "checkpoint", "optimizer"):
+        on = want_moepeak.get(sw, True)
+        if on and not available(sw):
+            notes.append(f"{sw}: moepeak.{_COMPONENT[sw][1]} is not available in this build; "
+                         f"using plain PyTorch ({_PLAIN_SETTING[sw]})")
+            on = False
+        settings[sw] = _MOEPEAK_SETTING[sw] if on else _PLAIN_SETTING[sw]
+    if cfg.checkpoint == "none":  # no checkpointing asked: neither SCO nor torch's
+        settings["checkpoint"] = "none"
+    opt = settings.pop("optimizer")
+    return cfg.replace(**settings), opt, notes
