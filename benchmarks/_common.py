@@ -42,25 +42,8 @@ def append_csv(path: str, row: Dict[str, object]) -> None:
         w.writerow(row)
 
 
-def cuda_time_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 3, stat: str = "median") -> float:
-    """Median (or min) milliseconds of fn() over `reps`, timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s = torch.cuda.Event(enable_timing=True)
-        e = torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times) if stat == "median" else min(times)
-
-
 def cuda_times_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 3):
-    """All per-rep times (for median and spread)."""
+    """All per-rep milliseconds of fn() (for median and spread), timed with CUDA events."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -74,6 +57,12 @@ def cuda_times_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 3):
         e.synchronize()
         times.append(s.elapsed_time(e))
     return times
+
+
+def cuda_time_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 3, stat: str = "median") -> float:
+    """Median (or min) milliseconds of fn() over `reps`, timed with CUDA events."""
+    times = cuda_times_ms(fn, reps=reps, warmup=warmup)
+    return statistics.median(times) if stat == "median" else min(times)
 
 
 def peak_above(fn: Callable[[], object]):
