@@ -80,6 +80,28 @@ class Workspace:
         return [self.alloc(shape, dtype) for _ in range(k)]
 
 
+def slot_elems(C: int, H: int, I: int) -> int:
+    """Elements of one activation-cache slot: h [C, 2I] then o [C, H]."""
+    return C * (2 * I + H)
+
+
+def cache_slots(budget_bytes: int, T: int, K: int, C: int, H: int, I: int, P: int, b: int) -> int:
+    """Chunks whose forward intermediates fit the launch-time byte budget.
+    From shapes and the budget only (never the routing): at most
+    budget // (b * C * (2I + H)) slots, and at P = 1 no more than the
+    ceil(T*K / C) chunks there are. Worked once: budget 1536 MiB, C = 32768,
+    H = I = 2880, bf16: one slot is 32768 x 8640 x 2 B = 540 MiB, so 2 slots
+    (1080 MiB): T = 16k, K = 4 (2 chunks) recomputes nothing; T = 256k (32
+    chunks) recomputes 30."""
+    per = b * slot_elems(C, H, I)
+    if budget_bytes <= 0 or per <= 0:
+        return 0
+    n = budget_bytes // per
+    if P == 1:
+        n = min(n, -(-T * K // C))
+    return int(n)
+
+
 def workspace_bytes(C: int, H: int, I: int, P: int, b: int, backward: bool) -> int:
     """The working set in bytes, from C alone (see the module docstring)."""
     idx = 8 * C * (3 + 2) if P > 1 else 0
@@ -362,8 +384,12 @@ def _act(h, I, s, a, rows):
     torch.mul(s[:rows], h[:rows, I:], out=a[:rows])
 
 
-def forward(ctx: Ctx) -> torch.Tensor:
+def forward(ctx: Ctx, cache: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y [T, H] (x dtype). cache [slots, C*(2I+H)] (x dtype, may have 0
+    slots): chunk j < slots leaves its h and o there for backward."""
     x, H, I, C, K, P = ctx.x, ctx.H, ctx.I, ctx.C, ctx.K, ctx.P
+    LAST_STATS.update(cached_chunks=min(ctx.n, cache.shape[0] if cache is not None else 0),
+                      cache_bytes=cache.numel() * cache.element_size() if cache is not None else 0)
     acc = torch.zeros(ctx.T, H, dtype=torch.float32, device=x.device)
     ws = Workspace(x.device)
     gmm = ctx._grouped_ok()
@@ -377,9 +403,12 @@ def forward(ctx: Ctx) -> torch.Tensor:
             lay = ctx.layout(j)
             idx = ctx.send_idx(lay, None)
             xg = lp.gather_rows(x, idx, K, xr)
-            y = _experts_fwd(ctx, xg, lay.ecount, h, a, o)
+            slot = _slot_views(ctx, cache, j)
+            y = _experts_fwd(ctx, xg, lay.ecount, h, a, o, slot)
+            _zero_tail(slot, idx.numel())
             lp.combine_rows(acc, y, idx, ctx.wflat, K)
             y = None
+        _zero_unused(ctx, cache)
         LAST_STATS.update(workspace_bytes=ws.nbytes)
         xr = h = a = o = None  # release the working set before the output copy
         return acc.to(x.dtype)
@@ -412,15 +441,17 @@ def forward(ctx: Ctx) -> torch.Tensor:
         if rows:
             perm, inv = _perms(lay, permb, invb)
             xg = lp.gather_rows(rx[j % 2], perm, 1, gx)
-            y = _experts_fwd(ctx, xg, lay.ecount, h, a, o)
+            y = _experts_fwd(ctx, xg, lay.ecount, h, a, o, _slot_views(ctx, cache, j))
             lp.gather_rows(y, inv, 1, yb[j % 2])
             y = None
+        _zero_tail(_slot_views(ctx, cache, j), rows)
         hc = tr.all_to_all_v(yb[j % 2][:rows], lay.recv_len, back[j % 2][:idx.numel()], lay.send_len)
         if pend is not None:
             finish(pend)
         pend, cur = (hc, idx, back[j % 2]), nxt
     if pend is not None:
         finish(pend)
+    _zero_unused(ctx, cache)
     LAST_STATS.update(workspace_bytes=ws.nbytes)
     sx = rx = yb = back = gx = h = a = o = cur = pend = None  # release the working set
     return acc.to(x.dtype)
@@ -436,23 +467,62 @@ def _perms(lay, permb, invb):
     return permb[:rows], invb[:rows]
 
 
-def _experts_fwd(ctx, xg, ecount, h, a, o):
+def _slot_views(ctx, cache, j):
+    """Chunk j's activation-cache views (h [C, 2I], o [C, H], both contiguous
+    in slot j of cache [slots, C*(2I+H)]), or None when chunk j has no slot."""
+    if cache is None or j >= cache.shape[0]:
+        return None
+    C, H, I = ctx.C, ctx.H, ctx.I
+    sl = cache[j]
+    return sl[:C * 2 * I].view(C, 2 * I), sl[C * 2 * I:].view(C, H)
+
+
+def _experts_fwd(ctx, xg, ecount, h, a, o, slot=None):
     """Expert outputs [rows, H] of the grouped rows xg (h, o: workspace
-    buffers or None on the grouped path)."""
+    buffers or None on the grouped path). With a cache slot (hc, oc) the GEMM
+    outputs land in it (written there directly, or copied from
+    torch._grouped_mm's own output) for backward to use instead of a
+    recompute; the values are the very same either way."""
     rows, I = xg.shape[0], ctx.I
     grp = ctx.groups(ecount)
-    hh = ctx.mm(xg, grp, 0, False, h)
+    hh = ctx.mm(xg, grp, 0, False, h if slot is None else slot[0])
+    if slot is not None:
+        hh = _keep(hh, slot[0][:rows])
     torch.ops.aten.silu.out(hh[:, :I], out=a[:rows])
     a[:rows].mul_(hh[:, I:])                                         # a = silu(gate) * up
     hh = None
-    return ctx.mm(a[:rows], grp, 1, False, o)
+    oo = ctx.mm(a[:rows], grp, 1, False, o if slot is None else slot[1])
+    return oo if slot is None else _keep(oo, slot[1][:rows])
 
 
-def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True):
+def _zero_tail(slot, rows):
+    """Rows past the chunk's own in its cache slot are zeroed, so the cache
+    (an op output) is fully defined; a no-op for full chunks."""
+    if slot is not None and rows < slot[0].shape[0]:
+        slot[0][rows:].zero_()
+        slot[1][rows:].zero_()
+
+
+def _zero_unused(ctx, cache):
+    """Slots beyond the n chunks (possible at P > 1 or with T = 0): zeroed."""
+    if cache is not None and cache.shape[0] > ctx.n:
+        cache[ctx.n:].zero_()
+
+
+def _keep(res, dst):
+    """res stored in dst (a copy only when the GEMM did not write dst)."""
+    if res.data_ptr() != dst.data_ptr():
+        dst.copy_(res)
+    return dst
+
+
+def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True, cache: Optional[torch.Tensor] = None):
     """Returns dx [T, H] (x dtype), d(topk_weights) [T*K] fp32, dW_gate_up and
-    dW_down (param dtype; weight gradients of lent experts summed in)."""
+    dW_down (param dtype; weight gradients of lent experts summed in).
+    cache: forward's activation cache (chunks j < slots skip the recompute)."""
     x, H, I, C, K, P = ctx.x, ctx.H, ctx.I, ctx.C, ctx.K, ctx.P
     dev, dt = x.device, x.dtype
+    LAST_STATS.update(recomputed_chunks=ctx.n - min(ctx.n, cache.shape[0] if cache is not None else 0))
     dx = torch.zeros(ctx.T, H, dtype=torch.float32, device=dev)
     dtw = torch.zeros(ctx.T * K, dtype=torch.float32, device=dev)
     dW = (torch.zeros_like(ctx.wgu), torch.zeros_like(ctx.wd))
@@ -471,9 +541,10 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True):
     o, do = ws.gemm_out((C, H), dt, gmm), ws.alloc((C, H), dt)
     wr, dwr = ws.alloc((C,), torch.float32), ws.alloc((C,), torch.float32)
 
-    def compute(xg, gg, wg, ecount):
-        """Recompute the expert forward for these grouped rows, then their
-        backward. Returns the dx rows [rows, H]; leaves d(weight) rows in dwr.
+    def compute(xg, gg, wg, ecount, slot):
+        """Recompute the expert forward for these grouped rows (or, with a
+        cache slot, take h and o that forward left there: the same values),
+        then their backward. Returns the dx rows [rows, H]; leaves d(weight) rows in dwr.
         One grouping (offsets copied to the device once) serves all six
         GEMMs of the chunk; h stays alive from the recompute to the last use.
         (Recomputing o = a W2 for d(weight) = <dy, o> costs one GEMM more than
@@ -482,11 +553,14 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True):
         PyTorch's own bf16 error.)"""
         rows = xg.shape[0]
         grp = ctx.groups(ecount)
-        hh = ctx.mm(xg, grp, 0, False, h)                            # [rows, 2I]
+        if slot is None:
+            hh = ctx.mm(xg, grp, 0, False, h)                        # [rows, 2I]
+        else:
+            hh = slot[0][:rows]
         _act(hh, I, s, a, rows)
-        oo = ctx.mm(a[:rows], grp, 1, False, o)                      # [rows, H]
-        oo.mul_(gg)                                                  # dy . expert output, per row
-        torch.sum(oo, 1, dtype=torch.float32, out=dwr[:rows])
+        oo = ctx.mm(a[:rows], grp, 1, False, o) if slot is None else slot[1][:rows]  # [rows, H]
+        torch.mul(oo, gg, out=do[:rows])                             # dy . expert output, per row
+        torch.sum(do[:rows], 1, dtype=torch.float32, out=dwr[:rows])  # (the cache is only read)
         oo = None
         torch.mul(gg, wg.unsqueeze(1), out=do[:rows])                # d(expert output) = w * dy
         if need_dw:
@@ -511,7 +585,7 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True):
             xg = lp.gather_rows(x, idx, K, xr)
             gg = lp.gather_rows(gy, idx, K, gr)
             torch.index_select(ctx.wflat, 0, idx, out=wr[:rows])
-            dxr = compute(xg, gg, wr[:rows], lay.ecount)
+            dxr = compute(xg, gg, wr[:rows], lay.ecount, _slot_views(ctx, cache, j))
             lp.combine_rows(dx, dxr, idx, None, K)
             dxr = None
             dtw.index_copy_(0, idx, dwr[:rows])
@@ -562,7 +636,7 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True):
             xg = lp.gather_rows(rx[b], perm, 1, gx)
             gg = lp.gather_rows(rg[b], perm, 1, gg_)
             torch.index_select(rw[b][:rows], 0, perm, out=wr[:rows])
-            dxr = compute(xg, gg, wr[:rows], lay.ecount)
+            dxr = compute(xg, gg, wr[:rows], lay.ecount, _slot_views(ctx, cache, j))
             lp.gather_rows(dxr, inv, 1, dxb[b])
             dxr = None
             torch.index_select(dwr[:rows], 0, inv, out=dwb[b][:rows])
