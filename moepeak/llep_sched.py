@@ -88,18 +88,17 @@ def slot_elems(C: int, H: int, I: int) -> int:
 def cache_slots(budget_bytes: int, T: int, K: int, C: int, H: int, I: int, P: int, b: int) -> int:
     """Chunks whose forward intermediates fit the launch-time byte budget.
     From shapes and the budget only (never the routing): at most
-    budget // (b * C * (2I + H)) slots, and at P = 1 no more than the
-    ceil(T*K / C) chunks there are. Worked once: budget 1536 MiB, C = 32768,
+    budget // (b * C * (2I + H)) slots, and no more than ceil(T*K / (C//P)),
+    the chunks this rank's own T*K picks can need (exactly the chunk count at
+    P = 1; at P > 1 the global count may differ either way, which only
+    changes how many chunks are recomputed, never a result). Worked once: budget 1536 MiB, C = 32768,
     H = I = 2880, bf16: one slot is 32768 x 8640 x 2 B = 540 MiB, so 2 slots
     (1080 MiB): T = 16k, K = 4 (2 chunks) recomputes nothing; T = 256k (32
     chunks) recomputes 30."""
     per = b * slot_elems(C, H, I)
     if budget_bytes <= 0 or per <= 0:
         return 0
-    n = budget_bytes // per
-    if P == 1:
-        n = min(n, -(-T * K // C))
-    return int(n)
+    return int(min(budget_bytes // per, -(-T * K // (C // P))))
 
 
 def workspace_bytes(C: int, H: int, I: int, P: int, b: int, backward: bool) -> int:
