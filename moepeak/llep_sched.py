@@ -32,6 +32,11 @@ routing; names as in the code; b = bytes per element of x):
   32768, H = I = 2880, bf16: G = 11, [11, 2880, 5760] x 2 B = 348 MiB, vs
   [32768, 5760] x 2 B = 360 MiB. Per chunk the host does no device read:
   offsets come from the chunk layout (host) in one copy per GEMM grouping.
+  Activation cache (fixed at launch by save_budget_mb, kept from forward to
+  backward): cache [slots, C*(2I+H)] (b each), slot j = chunk j's h [C, 2I]
+  then o [C, H]; slots = min(budget // (b*C*(2I+H)), ceil(T*K / (C//P))), so
+  its bytes are <= the budget whatever the routing; backward recomputes h and
+  o only for chunks j >= slots. Bound of one call: working_set_bound().
   Outside the working set: fp32 accumulators [T, H] (forward y, backward dx),
   the send list [T*K] int64, and borrowed experts' weights (and their grads).
 """
@@ -111,6 +116,13 @@ def workspace_bytes(C: int, H: int, I: int, P: int, b: int, backward: bool) -> i
     if P == 1:
         return b * C * (4 * H + 7 * I) + 8 * C
     return b * C * (16 * H + 7 * I) + 4 * C * 10 + idx
+
+
+def working_set_bound(C: int, H: int, I: int, P: int, b: int, backward: bool, save_budget_bytes: int) -> int:
+    """Bytes above the [T, H]-sized tensors and weight gradients: the working
+    set plus the activation cache (alive in both passes), from C and the
+    launch-time budget alone."""
+    return workspace_bytes(C, H, I, P, b, backward) + max(0, save_budget_bytes)
 
 
 class Ctx:

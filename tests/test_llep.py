@@ -277,6 +277,14 @@ def test_working_set_fixed_by_chunk_rows(frac):
     assert st["workspace_bytes"] == llep_sched.workspace_bytes(C, H, I, 1, 4, backward=False) == 4 * C * (2 * H + 3 * I)
     assert st["workspace_bytes_bwd"] == llep_sched.workspace_bytes(C, H, I, 1, 4, backward=True)
     assert st["max_rows"] <= C and st["n_chunks"] == -(-T * K // C)
+    # with the activation cache (default budget: every chunk fits here)
+    assert st["cache_bytes"] == 4 * C * (2 * I + H) * st["n_chunks"] and st["recomputed_chunks"] == 0
+    for bwd, key in ((False, "workspace_bytes"), (True, "workspace_bytes_bwd")):
+        assert st[key] + st["cache_bytes"] <= llep_sched.working_set_bound(C, H, I, 1, 4, bwd, 1536 << 20)
+    _op_grads(*prob, torch.float32, chunk_rows=C, save_budget_mb=1)
+    st = llep_sched.LAST_STATS
+    assert 0 < st["cache_bytes"] <= 1 << 20
+    assert st["workspace_bytes_bwd"] + st["cache_bytes"] <= llep_sched.working_set_bound(C, H, I, 1, 4, True, 1 << 20)
 
 
 # ---------------------------------------------------------------------------
