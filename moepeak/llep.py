@@ -198,7 +198,10 @@ def llep_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     save_budget_mb: bytes (MiB) fixed at launch for an activation cache: the
     first chunks whose [C, 2I] + [C, H] forward intermediates fit are kept
     for backward, which recomputes only the others (0: recompute all; no
-    cache when no gradient is needed). Results are identical either way."""
+    cache when no gradient is needed). Results are identical either way.
+    The cache lives from this call's forward to its backward: a model keeps
+    one per MoE layer whose backward is pending (none under activation
+    checkpointing's no-grad forward), so budget it per resident layer."""
     tr = get_transport(group)
     P = tr.world_size if tr is not None else 1
     C = lp.default_chunk_rows(P) if chunk_rows is None else chunk_rows

@@ -283,7 +283,7 @@ class Ctx:
 
     def dw_accumulate(self, left, right, grp: "Groups", which: int, dW_local, dW_borrowed):
         """dW_e += left[rows of e]^T @ right[rows of e] (param dtype).
-        Grouped path: experts whose gradient is still untouched (zero) get it
+        Grouped path: experts whose gradient is still untouched (unwritten) get it
         from one torch._grouped_mm (2D x 2D, offsets along the rows) per run of
         at most G experts and a copy into dW; G is chosen so that the
         [G, ., .] result is no larger than one [C, 2I] (or [C, H]) buffer.
@@ -315,7 +315,10 @@ class Ctx:
                     g = dW_local[which][e - self.r * self.El]
                 else:
                     g = dW_borrowed[which][self.slot[e]]
-                g.addmm_(left[off:off + c].t(), right[off:off + c])
+                if e in touched:
+                    g.addmm_(left[off:off + c].t(), right[off:off + c])
+                else:  # first rows of e: dW starts uninitialised (see backward)
+                    torch.mm(left[off:off + c].t(), right[off:off + c], out=g)
                 touched.add(e)
             off += c
 
@@ -527,6 +530,18 @@ def _keep(res, dst):
     return dst
 
 
+def _zero_untouched(ctx, dW, dWb):
+    """Weight gradients of experts that received no rows in this call: 0."""
+    for which in (0, 1):
+        t = ctx.touched[which]
+        for le in range(ctx.El):
+            if le + ctx.r * ctx.El not in t:
+                dW[which][le].zero_()
+        for e in ctx.borrowed:
+            if e not in t:
+                dWb[which][ctx.slot[e]].zero_()
+
+
 def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True, cache: Optional[torch.Tensor] = None):
     """Returns dx [T, H] (x dtype), d(topk_weights) [T*K] fp32, dW_gate_up and
     dW_down (param dtype; weight gradients of lent experts summed in).
@@ -536,12 +551,15 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True, cache: Optional[t
     LAST_STATS.update(recomputed_chunks=ctx.n - min(ctx.n, cache.shape[0] if cache is not None else 0))
     dx = torch.zeros(ctx.T, H, dtype=torch.float32, device=dev)
     dtw = torch.zeros(ctx.T * K, dtype=torch.float32, device=dev)
-    dW = (torch.zeros_like(ctx.wgu), torch.zeros_like(ctx.wd))
+    # dW starts uninitialised (no full-size memset): an expert's first rows
+    # write it (copy of a grouped result, or torch.mm(out=)), later ones add;
+    # experts that got no rows are zeroed at the end (_zero_untouched).
+    dW = (torch.empty_like(ctx.wgu), torch.empty_like(ctx.wd))
     nb = len(ctx.borrowed)
     bgrad = None
     dWb = ([], [])
     if nb:
-        bgrad = torch.zeros(nb, ctx.per, dtype=ctx.wgu.dtype, device=dev)
+        bgrad = torch.empty(nb, ctx.per, dtype=ctx.wgu.dtype, device=dev)
         n1 = H * 2 * I
         dWb = ([bgrad[i, :n1].view(H, 2 * I) for i in range(nb)], [bgrad[i, n1:].view(I, H) for i in range(nb)])
 
@@ -603,6 +621,7 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True, cache: Optional[t
         LAST_STATS.update(workspace_bytes_bwd=ws.nbytes)
         # release the working set (closure cells included) before the dx copy
         h = dh = s = a = da = o = do = wr = dwr = xr = gr = None
+        _zero_untouched(ctx, dW, dWb)
         return dx.to(dt), dtw, dW[0], dW[1]
 
     tr = ctx.tr
@@ -662,6 +681,7 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True, cache: Optional[t
     LAST_STATS.update(workspace_bytes_bwd=ws.nbytes)
     h = dh = s = a = da = o = do = wr = dwr = None
     sx = sg = rx = rg = dxb = back = gx = gg_ = sw = rw = dwb = dwback = cur = pend = None
+    _zero_untouched(ctx, dW, dWb)  # before lent experts' gradients are added in
 
     if ctx.plan.spilled and need_dw:
         # Weight gradients of lent experts come home and are summed there.
