@@ -7,7 +7,9 @@ Arms at P = 1 (same inputs, same process):
   hf_loop        Hugging Face-style loop over experts (one-hot mask, index_add)
   grouped_mm     permute rows by expert (the T*K*H expanded copy) + torch._grouped_mm
   moepeak_1chunk moepeak.llep_moe with chunk_rows = T*K (one chunk: unchunked)
-  pipelined      moepeak.llep_moe with the default chunk budget
+  pipelined      moepeak.llep_moe with the default chunk budget (and the default
+                 1536 MiB activation cache: backward skips the first chunks' recompute)
+  pipelined_nocache  the same with save_budget_mb=0 (every chunk recomputed)
 Arms at P = 2 (T tokens per rank):
   standard_ep    all_to_all_single dispatch/combine (torch.distributed.nn, autograd)
                  of the expanded rows, local grouped GEMMs
@@ -216,7 +218,8 @@ def main():
     iters = args.iters or (2 if args.quick else 5)
     warmup = 1
     if P == 1:
-        arms = {"hf_loop": None, "grouped_mm": None, "moepeak_1chunk": None, "pipelined": None}
+        arms = {"hf_loop": None, "grouped_mm": None, "moepeak_1chunk": None, "pipelined": None,
+                "pipelined_nocache": None}
     else:
         arms = {"standard_ep": None, "llep_1chunk": None, "pipelined": None}
     if args.arms:
@@ -241,6 +244,8 @@ def main():
                     "grouped_mm": lambda: grouped_mm_layer(x, ids, tw, wgu, wd),
                     "moepeak_1chunk": lambda: llep_moe(x, ids, tw, wgu, wd, chunk_rows=max(T * K, 1)),
                     "pipelined": lambda: llep_moe(x, ids, tw, wgu, wd, group=group),
+                    # the same without the activation cache: backward recomputes every chunk
+                    "pipelined_nocache": lambda: llep_moe(x, ids, tw, wgu, wd, group=group, save_budget_mb=0),
                     "standard_ep": lambda: standard_ep(x, ids, tw, wgu, wd, group),
                     "llep_1chunk": lambda: llep_moe(x, ids, tw, wgu, wd, group=group, chunk_rows=c1),
                 }

@@ -27,6 +27,10 @@ from ._ext import check_tensor
 from .transport import get_transport
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+# Activation-cache budget: at T = 256k (P = 1, C = 32768, H = I = 2880, bf16)
+# the layer peaked at 11.9-12.1 GiB without it; 1536 MiB holds 2 slots
+# (1080 MiB), leaving the peak under 14 GiB, and covers T = 16k entirely.
+DEFAULT_SAVE_BUDGET_MB = 1536
 _GROUPS = {}
 
 
@@ -52,47 +56,64 @@ def _transport(key: str):
 @torch.library.custom_op("moepeak::llep_dispatch", mutates_args=())
 def llep_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
                   w_down: torch.Tensor, group: str, chunk_rows: int, alpha: float, min_tokens_per_gemm: int,
-                  imbalance_threshold: float) -> torch.Tensor:
+                  imbalance_threshold: float, save_slots: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     ctx = sched.Ctx(x, topk_ids, topk_weights, w_gate_up, w_down, _transport(group), chunk_rows, alpha,
                     min_tokens_per_gemm, imbalance_threshold)
-    return sched.forward(ctx)
+    cache = _new_cache(x, w_down, chunk_rows, save_slots)
+    return sched.forward(ctx, cache), cache
+
+
+def _new_cache(x, w_down, chunk_rows, save_slots):
+    """Activation cache [save_slots, C*(2I+H)] (x dtype): fixed at launch by
+    the slot count (from the byte budget), never by the routing."""
+    if save_slots < 0:
+        raise ValueError(f"moepeak: save_slots must be >= 0, got {save_slots}")
+    H, I = w_down.shape[2], w_down.shape[1]
+    return x.new_empty(save_slots, sched.slot_elems(chunk_rows, H, I))
 
 
 @llep_dispatch.register_fake
 def _(x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha, min_tokens_per_gemm,
-      imbalance_threshold):
-    return torch.empty_like(x)
+      imbalance_threshold, save_slots=0):
+    return torch.empty_like(x), _new_cache(x, w_down, chunk_rows, save_slots)
 
 
 @torch.library.custom_op("moepeak::llep_dispatch_backward", mutates_args=())
 def llep_dispatch_backward(grad_y: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
                            topk_weights: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, group: str,
                            chunk_rows: int, alpha: float, min_tokens_per_gemm: int,
-                           imbalance_threshold: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                torch.Tensor]:
+                           imbalance_threshold: float, cache: Optional[torch.Tensor] = None
+                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     ctx = sched.Ctx(x, topk_ids, topk_weights, w_gate_up, w_down, _transport(group), chunk_rows, alpha,
                     min_tokens_per_gemm, imbalance_threshold)
-    dx, dtw, dwgu, dwd = sched.backward(ctx, grad_y.contiguous())
+    if cache is not None:
+        check_tensor("cache", cache, dtypes=(x.dtype,), ndim=2, device=x.device, contiguous=True)
+        se = sched.slot_elems(chunk_rows, w_down.shape[2], w_down.shape[1])
+        if cache.shape[1] != se:
+            raise ValueError(f"moepeak: cache must be [slots, {se}] (chunk_rows*(2I+H)), got {tuple(cache.shape)}")
+    dx, dtw, dwgu, dwd = sched.backward(ctx, grad_y.contiguous(), cache=cache)
     return dx, dtw.view(topk_weights.shape).to(topk_weights.dtype), dwgu, dwd
 
 
 @llep_dispatch_backward.register_fake
 def _(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha, min_tokens_per_gemm,
-      imbalance_threshold):
+      imbalance_threshold, cache=None):
     return (torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w_gate_up),
             torch.empty_like(w_down))
 
 
 def _setup_context(ctx, inputs, output):
     x, topk_ids, topk_weights, w_gate_up, w_down = inputs[:5]
-    ctx.save_for_backward(x, topk_ids, topk_weights, w_gate_up, w_down)
-    ctx.args = inputs[5:]
+    ctx.save_for_backward(x, topk_ids, topk_weights, w_gate_up, w_down, output[1])
+    ctx.args = inputs[5:10]
+    ctx.mark_non_differentiable(output[1])
 
 
-def _backward(ctx, grad_y):
-    x, topk_ids, topk_weights, w_gate_up, w_down = ctx.saved_tensors
-    dx, dtw, dwgu, dwd = llep_dispatch_backward(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, *ctx.args)
-    return dx, None, dtw, dwgu, dwd, None, None, None, None, None
+def _backward(ctx, grad_y, grad_cache):
+    x, topk_ids, topk_weights, w_gate_up, w_down, cache = ctx.saved_tensors
+    dx, dtw, dwgu, dwd = llep_dispatch_backward(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, *ctx.args,
+                                                cache if cache.shape[0] else None)
+    return dx, None, dtw, dwgu, dwd, None, None, None, None, None, None
 
 
 llep_dispatch.register_autograd(_backward, setup_context=_setup_context)
@@ -165,23 +186,36 @@ def _validate(x, topk_ids, topk_weights, w_gate_up, w_down, P, chunk_rows, alpha
 
 def llep_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
              w_down: torch.Tensor, *, group=None, chunk_rows: Optional[int] = None, alpha: float = 1.0,
-             min_tokens_per_gemm: int = 1024, imbalance_threshold: float = 1.3) -> torch.Tensor:
+             min_tokens_per_gemm: int = 1024, imbalance_threshold: float = 1.3,
+             save_budget_mb: int = DEFAULT_SAVE_BUDGET_MB) -> torch.Tensor:
     """The MoE experts on this rank's local weights, PipelinedLLEP-scheduled.
 
     x [..., H]; topk_ids, topk_weights [T, K] (T = x.numel() // H; ids are
     global expert ids in [0, E_local * P)); w_gate_up [E_local, H, 2I] (gate
     columns [:I], up [I:]); w_down [E_local, I, H]. Returns y shaped like x.
     Every rank of `group` must call it (with its own tokens; T may differ).
-    Differentiable in x, topk_weights, w_gate_up and w_down."""
+    Differentiable in x, topk_weights, w_gate_up and w_down.
+    save_budget_mb: bytes (MiB) fixed at launch for an activation cache: the
+    first chunks whose [C, 2I] + [C, H] forward intermediates fit are kept
+    for backward, which recomputes only the others (0: recompute all; no
+    cache when no gradient is needed). Results are identical either way.
+    The cache lives from this call's forward to its backward: a model keeps
+    one per MoE layer whose backward is pending (none under activation
+    checkpointing's no-grad forward), so budget it per resident layer."""
     tr = get_transport(group)
     P = tr.world_size if tr is not None else 1
     C = lp.default_chunk_rows(P) if chunk_rows is None else chunk_rows
     T, H = _validate(x, topk_ids, topk_weights, w_gate_up, w_down, P, C, alpha, min_tokens_per_gemm,
                      imbalance_threshold)
+    if not (isinstance(save_budget_mb, int) and save_budget_mb >= 0):
+        raise ValueError(f"moepeak: save_budget_mb must be an int >= 0, got {save_budget_mb!r}")
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w_gate_up, w_down))
+    slots = sched.cache_slots(save_budget_mb << 20, T, topk_ids.shape[1], int(C), H, w_down.shape[1], P,
+                              x.element_size()) if grad else 0
     shape = x.shape
-    y = llep_dispatch(x.reshape(T, H).contiguous(), topk_ids.contiguous(), topk_weights.contiguous(),
-                      w_gate_up.contiguous(), w_down.contiguous(), _group_key(group), int(C), float(alpha),
-                      int(min_tokens_per_gemm), float(imbalance_threshold))
+    y, _ = llep_dispatch(x.reshape(T, H).contiguous(), topk_ids.contiguous(), topk_weights.contiguous(),
+                         w_gate_up.contiguous(), w_down.contiguous(), _group_key(group), int(C), float(alpha),
+                         int(min_tokens_per_gemm), float(imbalance_threshold), int(slots))
     return y.view(shape)
 
 
@@ -213,8 +247,8 @@ class PipelinedLLEPMoE(nn.Module):
     probabilities, renormalised to sum 1 when norm_topk_prob."""
 
     def __init__(self, hidden_size, intermediate_size, num_experts, top_k, *, group=None, chunk_rows=None,
-                 alpha=1.0, min_tokens_per_gemm=1024, imbalance_threshold=1.3, norm_topk_prob=True, device=None,
-                 dtype=None):
+                 alpha=1.0, min_tokens_per_gemm=1024, imbalance_threshold=1.3, norm_topk_prob=True,
+                 save_budget_mb=DEFAULT_SAVE_BUDGET_MB, device=None, dtype=None):
         super().__init__()
         P = get_transport(group).world_size if group is not None else 1
         if num_experts % P:
@@ -226,6 +260,7 @@ class PipelinedLLEPMoE(nn.Module):
         self.num_local_experts = num_experts // P
         self.chunk_rows, self.alpha, self.min_tokens_per_gemm = chunk_rows, alpha, min_tokens_per_gemm
         self.imbalance_threshold, self.norm_topk_prob = imbalance_threshold, norm_topk_prob
+        self.save_budget_mb = save_budget_mb
         kw = dict(device=device, dtype=dtype)
         self.router = nn.Linear(hidden_size, num_experts, bias=False, **kw)
         self.w_gate_up = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, 2 * intermediate_size, **kw))
@@ -250,7 +285,7 @@ class PipelinedLLEPMoE(nn.Module):
         logits, ti, tw = self.route(x2)
         y = llep_moe(x2, ti, tw, self.w_gate_up, self.w_down, group=self.group, chunk_rows=self.chunk_rows,
                      alpha=self.alpha, min_tokens_per_gemm=self.min_tokens_per_gemm,
-                     imbalance_threshold=self.imbalance_threshold)
+                     imbalance_threshold=self.imbalance_threshold, save_budget_mb=self.save_budget_mb)
         return y.view(x.shape), logits
 
     def reference_forward(self, x):

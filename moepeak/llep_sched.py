@@ -32,6 +32,11 @@ routing; names as in the code; b = bytes per element of x):
   32768, H = I = 2880, bf16: G = 11, [11, 2880, 5760] x 2 B = 348 MiB, vs
   [32768, 5760] x 2 B = 360 MiB. Per chunk the host does no device read:
   offsets come from the chunk layout (host) in one copy per GEMM grouping.
+  Activation cache (fixed at launch by save_budget_mb, kept from forward to
+  backward): cache [slots, C*(2I+H)] (b each), slot j = chunk j's h [C, 2I]
+  then o [C, H]; slots = min(budget // (b*C*(2I+H)), ceil(T*K / (C//P))), so
+  its bytes are <= the budget whatever the routing; backward recomputes h and
+  o only for chunks j >= slots. Bound of one call: working_set_bound().
   Outside the working set: fp32 accumulators [T, H] (forward y, backward dx),
   the send list [T*K] int64, and borrowed experts' weights (and their grads).
 """
@@ -80,6 +85,27 @@ class Workspace:
         return [self.alloc(shape, dtype) for _ in range(k)]
 
 
+def slot_elems(C: int, H: int, I: int) -> int:
+    """Elements of one activation-cache slot: h [C, 2I] then o [C, H]."""
+    return C * (2 * I + H)
+
+
+def cache_slots(budget_bytes: int, T: int, K: int, C: int, H: int, I: int, P: int, b: int) -> int:
+    """Chunks whose forward intermediates fit the launch-time byte budget.
+    From shapes and the budget only (never the routing): at most
+    budget // (b * C * (2I + H)) slots, and no more than ceil(T*K / (C//P)),
+    the chunks this rank's own T*K picks can need (exactly the chunk count at
+    P = 1; at P > 1 the global count may differ either way, which only
+    changes how many chunks are recomputed, never a result). Worked once: budget 1536 MiB, C = 32768,
+    H = I = 2880, bf16: one slot is 32768 x 8640 x 2 B = 540 MiB, so 2 slots
+    (1080 MiB): T = 16k, K = 4 (2 chunks) recomputes nothing; T = 256k (32
+    chunks) recomputes 30."""
+    per = b * slot_elems(C, H, I)
+    if budget_bytes <= 0 or per <= 0:
+        return 0
+    return int(min(budget_bytes // per, -(-T * K // (C // P))))
+
+
 def workspace_bytes(C: int, H: int, I: int, P: int, b: int, backward: bool) -> int:
     """The working set in bytes, from C alone (see the module docstring)."""
     idx = 8 * C * (3 + 2) if P > 1 else 0
@@ -90,6 +116,13 @@ def workspace_bytes(C: int, H: int, I: int, P: int, b: int, backward: bool) -> i
     if P == 1:
         return b * C * (4 * H + 7 * I) + 8 * C
     return b * C * (16 * H + 7 * I) + 4 * C * 10 + idx
+
+
+def working_set_bound(C: int, H: int, I: int, P: int, b: int, backward: bool, save_budget_bytes: int) -> int:
+    """Bytes above the [T, H]-sized tensors and weight gradients: the working
+    set plus the activation cache (alive in both passes), from C and the
+    launch-time budget alone."""
+    return workspace_bytes(C, H, I, P, b, backward) + max(0, save_budget_bytes)
 
 
 class Ctx:
@@ -250,7 +283,7 @@ class Ctx:
 
     def dw_accumulate(self, left, right, grp: "Groups", which: int, dW_local, dW_borrowed):
         """dW_e += left[rows of e]^T @ right[rows of e] (param dtype).
-        Grouped path: experts whose gradient is still untouched (zero) get it
+        Grouped path: experts whose gradient is still untouched (unwritten) get it
         from one torch._grouped_mm (2D x 2D, offsets along the rows) per run of
         at most G experts and a copy into dW; G is chosen so that the
         [G, ., .] result is no larger than one [C, 2I] (or [C, H]) buffer.
@@ -282,7 +315,10 @@ class Ctx:
                     g = dW_local[which][e - self.r * self.El]
                 else:
                     g = dW_borrowed[which][self.slot[e]]
-                g.addmm_(left[off:off + c].t(), right[off:off + c])
+                if e in touched:
+                    g.addmm_(left[off:off + c].t(), right[off:off + c])
+                else:  # first rows of e: dW starts uninitialised (see backward)
+                    torch.mm(left[off:off + c].t(), right[off:off + c], out=g)
                 touched.add(e)
             off += c
 
@@ -362,8 +398,12 @@ def _act(h, I, s, a, rows):
     torch.mul(s[:rows], h[:rows, I:], out=a[:rows])
 
 
-def forward(ctx: Ctx) -> torch.Tensor:
+def forward(ctx: Ctx, cache: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y [T, H] (x dtype). cache [slots, C*(2I+H)] (x dtype, may have 0
+    slots): chunk j < slots leaves its h and o there for backward."""
     x, H, I, C, K, P = ctx.x, ctx.H, ctx.I, ctx.C, ctx.K, ctx.P
+    LAST_STATS.update(cached_chunks=min(ctx.n, cache.shape[0] if cache is not None else 0),
+                      cache_bytes=cache.numel() * cache.element_size() if cache is not None else 0)
     acc = torch.zeros(ctx.T, H, dtype=torch.float32, device=x.device)
     ws = Workspace(x.device)
     gmm = ctx._grouped_ok()
@@ -377,9 +417,12 @@ def forward(ctx: Ctx) -> torch.Tensor:
             lay = ctx.layout(j)
             idx = ctx.send_idx(lay, None)
             xg = lp.gather_rows(x, idx, K, xr)
-            y = _experts_fwd(ctx, xg, lay.ecount, h, a, o)
+            slot = _slot_views(ctx, cache, j)
+            y = _experts_fwd(ctx, xg, lay.ecount, h, a, o, slot)
+            _zero_tail(slot, idx.numel())
             lp.combine_rows(acc, y, idx, ctx.wflat, K)
             y = None
+        _zero_unused(ctx, cache)
         LAST_STATS.update(workspace_bytes=ws.nbytes)
         xr = h = a = o = None  # release the working set before the output copy
         return acc.to(x.dtype)
@@ -412,15 +455,17 @@ def forward(ctx: Ctx) -> torch.Tensor:
         if rows:
             perm, inv = _perms(lay, permb, invb)
             xg = lp.gather_rows(rx[j % 2], perm, 1, gx)
-            y = _experts_fwd(ctx, xg, lay.ecount, h, a, o)
+            y = _experts_fwd(ctx, xg, lay.ecount, h, a, o, _slot_views(ctx, cache, j))
             lp.gather_rows(y, inv, 1, yb[j % 2])
             y = None
+        _zero_tail(_slot_views(ctx, cache, j), rows)
         hc = tr.all_to_all_v(yb[j % 2][:rows], lay.recv_len, back[j % 2][:idx.numel()], lay.send_len)
         if pend is not None:
             finish(pend)
         pend, cur = (hc, idx, back[j % 2]), nxt
     if pend is not None:
         finish(pend)
+    _zero_unused(ctx, cache)
     LAST_STATS.update(workspace_bytes=ws.nbytes)
     sx = rx = yb = back = gx = h = a = o = cur = pend = None  # release the working set
     return acc.to(x.dtype)
@@ -436,31 +481,85 @@ def _perms(lay, permb, invb):
     return permb[:rows], invb[:rows]
 
 
-def _experts_fwd(ctx, xg, ecount, h, a, o):
+def _slot_views(ctx, cache, j):
+    """Chunk j's activation-cache views (h [C, 2I], o [C, H], both contiguous
+    in slot j of cache [slots, C*(2I+H)]), or None when chunk j has no slot."""
+    if cache is None or j >= cache.shape[0]:
+        return None
+    C, H, I = ctx.C, ctx.H, ctx.I
+    sl = cache[j]
+    return sl[:C * 2 * I].view(C, 2 * I), sl[C * 2 * I:].view(C, H)
+
+
+def _experts_fwd(ctx, xg, ecount, h, a, o, slot=None):
     """Expert outputs [rows, H] of the grouped rows xg (h, o: workspace
-    buffers or None on the grouped path)."""
+    buffers or None on the grouped path). With a cache slot (hc, oc) the GEMM
+    outputs land in it (written there directly, or copied from
+    torch._grouped_mm's own output) for backward to use instead of a
+    recompute; the values are the very same either way."""
     rows, I = xg.shape[0], ctx.I
     grp = ctx.groups(ecount)
-    hh = ctx.mm(xg, grp, 0, False, h)
+    hh = ctx.mm(xg, grp, 0, False, h if slot is None else slot[0])
+    if slot is not None:
+        hh = _keep(hh, slot[0][:rows])
     torch.ops.aten.silu.out(hh[:, :I], out=a[:rows])
     a[:rows].mul_(hh[:, I:])                                         # a = silu(gate) * up
     hh = None
-    return ctx.mm(a[:rows], grp, 1, False, o)
+    oo = ctx.mm(a[:rows], grp, 1, False, o if slot is None else slot[1])
+    return oo if slot is None else _keep(oo, slot[1][:rows])
 
 
-def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True):
+def _zero_tail(slot, rows):
+    """Rows past the chunk's own in its cache slot are zeroed, so the cache
+    (an op output) is fully defined; a no-op for full chunks."""
+    if slot is not None and rows < slot[0].shape[0]:
+        slot[0][rows:].zero_()
+        slot[1][rows:].zero_()
+
+
+def _zero_unused(ctx, cache):
+    """Slots beyond the n chunks (possible at P > 1 or with T = 0): zeroed."""
+    if cache is not None and cache.shape[0] > ctx.n:
+        cache[ctx.n:].zero_()
+
+
+def _keep(res, dst):
+    """res stored in dst (a copy only when the GEMM did not write dst)."""
+    if res.data_ptr() != dst.data_ptr():
+        dst.copy_(res)
+    return dst
+
+
+def _zero_untouched(ctx, dW, dWb):
+    """Weight gradients of experts that received no rows in this call: 0."""
+    for which in (0, 1):
+        t = ctx.touched[which]
+        for le in range(ctx.El):
+            if le + ctx.r * ctx.El not in t:
+                dW[which][le].zero_()
+        for e in ctx.borrowed:
+            if e not in t:
+                dWb[which][ctx.slot[e]].zero_()
+
+
+def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True, cache: Optional[torch.Tensor] = None):
     """Returns dx [T, H] (x dtype), d(topk_weights) [T*K] fp32, dW_gate_up and
-    dW_down (param dtype; weight gradients of lent experts summed in)."""
+    dW_down (param dtype; weight gradients of lent experts summed in).
+    cache: forward's activation cache (chunks j < slots skip the recompute)."""
     x, H, I, C, K, P = ctx.x, ctx.H, ctx.I, ctx.C, ctx.K, ctx.P
     dev, dt = x.device, x.dtype
+    LAST_STATS.update(recomputed_chunks=ctx.n - min(ctx.n, cache.shape[0] if cache is not None else 0))
     dx = torch.zeros(ctx.T, H, dtype=torch.float32, device=dev)
     dtw = torch.zeros(ctx.T * K, dtype=torch.float32, device=dev)
-    dW = (torch.zeros_like(ctx.wgu), torch.zeros_like(ctx.wd))
+    # dW starts uninitialised (no full-size memset): an expert's first rows
+    # write it (copy of a grouped result, or torch.mm(out=)), later ones add;
+    # experts that got no rows are zeroed at the end (_zero_untouched).
+    dW = (torch.empty_like(ctx.wgu), torch.empty_like(ctx.wd))
     nb = len(ctx.borrowed)
     bgrad = None
     dWb = ([], [])
     if nb:
-        bgrad = torch.zeros(nb, ctx.per, dtype=ctx.wgu.dtype, device=dev)
+        bgrad = torch.empty(nb, ctx.per, dtype=ctx.wgu.dtype, device=dev)
         n1 = H * 2 * I
         dWb = ([bgrad[i, :n1].view(H, 2 * I) for i in range(nb)], [bgrad[i, n1:].view(I, H) for i in range(nb)])
 
@@ -471,9 +570,10 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True):
     o, do = ws.gemm_out((C, H), dt, gmm), ws.alloc((C, H), dt)
     wr, dwr = ws.alloc((C,), torch.float32), ws.alloc((C,), torch.float32)
 
-    def compute(xg, gg, wg, ecount):
-        """Recompute the expert forward for these grouped rows, then their
-        backward. Returns the dx rows [rows, H]; leaves d(weight) rows in dwr.
+    def compute(xg, gg, wg, ecount, slot):
+        """Recompute the expert forward for these grouped rows (or, with a
+        cache slot, take h and o that forward left there: the same values),
+        then their backward. Returns the dx rows [rows, H]; leaves d(weight) rows in dwr.
         One grouping (offsets copied to the device once) serves all six
         GEMMs of the chunk; h stays alive from the recompute to the last use.
         (Recomputing o = a W2 for d(weight) = <dy, o> costs one GEMM more than
@@ -482,11 +582,14 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True):
         PyTorch's own bf16 error.)"""
         rows = xg.shape[0]
         grp = ctx.groups(ecount)
-        hh = ctx.mm(xg, grp, 0, False, h)                            # [rows, 2I]
+        if slot is None:
+            hh = ctx.mm(xg, grp, 0, False, h)                        # [rows, 2I]
+        else:
+            hh = slot[0][:rows]
         _act(hh, I, s, a, rows)
-        oo = ctx.mm(a[:rows], grp, 1, False, o)                      # [rows, H]
-        oo.mul_(gg)                                                  # dy . expert output, per row
-        torch.sum(oo, 1, dtype=torch.float32, out=dwr[:rows])
+        oo = ctx.mm(a[:rows], grp, 1, False, o) if slot is None else slot[1][:rows]  # [rows, H]
+        torch.mul(oo, gg, out=do[:rows])                             # dy . expert output, per row
+        torch.sum(do[:rows], 1, dtype=torch.float32, out=dwr[:rows])  # (the cache is only read)
         oo = None
         torch.mul(gg, wg.unsqueeze(1), out=do[:rows])                # d(expert output) = w * dy
         if need_dw:
@@ -511,13 +614,14 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True):
             xg = lp.gather_rows(x, idx, K, xr)
             gg = lp.gather_rows(gy, idx, K, gr)
             torch.index_select(ctx.wflat, 0, idx, out=wr[:rows])
-            dxr = compute(xg, gg, wr[:rows], lay.ecount)
+            dxr = compute(xg, gg, wr[:rows], lay.ecount, _slot_views(ctx, cache, j))
             lp.combine_rows(dx, dxr, idx, None, K)
             dxr = None
             dtw.index_copy_(0, idx, dwr[:rows])
         LAST_STATS.update(workspace_bytes_bwd=ws.nbytes)
         # release the working set (closure cells included) before the dx copy
         h = dh = s = a = da = o = do = wr = dwr = xr = gr = None
+        _zero_untouched(ctx, dW, dWb)
         return dx.to(dt), dtw, dW[0], dW[1]
 
     tr = ctx.tr
@@ -562,7 +666,7 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True):
             xg = lp.gather_rows(rx[b], perm, 1, gx)
             gg = lp.gather_rows(rg[b], perm, 1, gg_)
             torch.index_select(rw[b][:rows], 0, perm, out=wr[:rows])
-            dxr = compute(xg, gg, wr[:rows], lay.ecount)
+            dxr = compute(xg, gg, wr[:rows], lay.ecount, _slot_views(ctx, cache, j))
             lp.gather_rows(dxr, inv, 1, dxb[b])
             dxr = None
             torch.index_select(dwr[:rows], 0, inv, out=dwb[b][:rows])
@@ -577,6 +681,7 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True):
     LAST_STATS.update(workspace_bytes_bwd=ws.nbytes)
     h = dh = s = a = da = o = do = wr = dwr = None
     sx = sg = rx = rg = dxb = back = gx = gg_ = sw = rw = dwb = dwback = cur = pend = None
+    _zero_untouched(ctx, dW, dWb)  # before lent experts' gradients are added in
 
     if ctx.plan.spilled and need_dw:
         # Weight gradients of lent experts come home and are summed there.

@@ -277,6 +277,91 @@ def test_working_set_fixed_by_chunk_rows(frac):
     assert st["workspace_bytes"] == llep_sched.workspace_bytes(C, H, I, 1, 4, backward=False) == 4 * C * (2 * H + 3 * I)
     assert st["workspace_bytes_bwd"] == llep_sched.workspace_bytes(C, H, I, 1, 4, backward=True)
     assert st["max_rows"] <= C and st["n_chunks"] == -(-T * K // C)
+    # with the activation cache (default budget: every chunk fits here)
+    assert st["cache_bytes"] == 4 * C * (2 * I + H) * st["n_chunks"] and st["recomputed_chunks"] == 0
+    for bwd, key in ((False, "workspace_bytes"), (True, "workspace_bytes_bwd")):
+        assert st[key] + st["cache_bytes"] <= llep_sched.working_set_bound(C, H, I, 1, 4, bwd, 1536 << 20)
+    _op_grads(*prob, torch.float32, chunk_rows=C, save_budget_mb=1)
+    st = llep_sched.LAST_STATS
+    assert 0 < st["cache_bytes"] <= 1 << 20
+    assert st["workspace_bytes_bwd"] + st["cache_bytes"] <= llep_sched.working_set_bound(C, H, I, 1, 4, True, 1 << 20)
+
+
+# ---------------------------------------------------------------------------
+# activation cache (forward keeps h, o of the first chunks; backward reuses)
+# ---------------------------------------------------------------------------
+def _slot_grads(x, ids, tw, wgu, wd, gy, dtype, C, slots):
+    """Gradients through the op with an explicit cache slot count."""
+    leaves = [x.to(dtype).requires_grad_(), tw.float().requires_grad_(), wgu.to(dtype).requires_grad_(),
+              wd.to(dtype).requires_grad_()]
+    y, cache = llep_dispatch(leaves[0], ids, leaves[1], leaves[2], leaves[3], "", C, 1.0, 1024, 1.3, slots)
+    assert tuple(cache.shape) == (slots, llep_sched.slot_elems(C, x.shape[1], wd.shape[1]))
+    assert not cache.requires_grad
+    return (y.detach(),) + torch.autograd.grad(y, leaves, gy.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("frac", [0.0, 0.95])
+def test_cache_bitwise_equals_recompute(dtype, frac):
+    """Cached chunks (none, some, all, more slots than chunks) give bitwise
+    the same y, dx, d(topk_weights) and dW as recomputing every chunk."""
+    T, C = 53, 16
+    prob = _problem(T, 16, 24, 8, 3, torch.float64, seed=21, frac=frac)
+    n = -(-T * 3 // C)
+    ref = _slot_grads(*prob, dtype, C, 0)
+    assert llep_sched.LAST_STATS["cached_chunks"] == 0 and llep_sched.LAST_STATS["recomputed_chunks"] == n
+    for slots in (1, n // 2, n, n + 3):
+        got = _slot_grads(*prob, dtype, C, slots)
+        st = llep_sched.LAST_STATS
+        assert st["cached_chunks"] == min(slots, n) and st["recomputed_chunks"] == n - min(slots, n), st
+        for name, a, b in zip(NAMES, got, ref):
+            assert torch.equal(a, b), f"{name} differs with {slots} cache slots"
+    if dtype == torch.float32:
+        _assert_close_all(got, _dense_grads(*prob), 1e-5, 1e-5)
+
+
+@pytest.mark.skipif(not _cpu_grouped_mm(), reason="torch has no CPU _grouped_mm here")
+def test_cache_bitwise_grouped_cpu():
+    """The grouped path copies torch._grouped_mm's own outputs into the cache:
+    still bitwise the recompute."""
+    prob = _problem(70, 16, 8, 16, 3, torch.float64, seed=12, frac=0.5)
+    llep_sched.GROUPED_ON_CPU[0] = True
+    try:
+        ref = _slot_grads(*prob, torch.bfloat16, 24, 0)
+        got = _slot_grads(*prob, torch.bfloat16, 24, 4)
+        assert llep_sched.LAST_STATS["grouped_mm"] > 0
+    finally:
+        llep_sched.GROUPED_ON_CPU[0] = False
+    for name, a, b in zip(NAMES, got, ref):
+        assert torch.equal(a, b), name
+
+
+def test_cache_slots_from_budget_not_routing():
+    C, H, I, b = 32768, 2880, 2880, 2
+    slot = b * C * (2 * I + H)
+    assert slot == 566231040  # 540 MiB
+    assert llep_sched.cache_slots(1536 << 20, 16384, 4, C, H, I, 1, b) == 2
+    assert llep_sched.cache_slots(1536 << 20, 262144, 4, C, H, I, 1, b) == 2
+    assert llep_sched.cache_slots(1536 << 20, 1000, 4, C, H, I, 1, b) == 1  # one chunk only
+    assert llep_sched.cache_slots(1536 << 20, 262144, 4, C, H, I, 2, b) == 2
+    assert llep_sched.cache_slots(0, 262144, 4, C, H, I, 1, b) == 0
+    assert llep_sched.cache_slots(539, 262144, 4, C, H, I, 1, b) == 0
+    # the cache a call allocates: the same under balanced and skewed routing,
+    # and none without gradients
+    T, H, I, E, K, C = 90, 8, 12, 8, 4, 32
+    sizes = []
+    for frac in (0.0, 0.95):
+        prob = _problem(T, H, I, E, K, torch.float32, frac=frac)
+        _op_grads(*prob, torch.float32, chunk_rows=C, save_budget_mb=1)
+        sizes.append(llep_sched.LAST_STATS["cache_bytes"])
+    assert sizes[0] == sizes[1] == 4 * C * (2 * I + H) * llep_sched.cache_slots(1 << 20, T, K, C, H, I, 1, 4)
+    assert sizes[0] == 4 * C * (2 * I + H) * 12  # ceil(360 / 32) chunks, all fit in 1 MiB
+    with torch.no_grad():
+        llep_moe(*[t.float() if t.is_floating_point() else t for t in prob[:5]], chunk_rows=C)
+    assert llep_sched.LAST_STATS["cache_bytes"] == 0
+    prob = _problem(T, H, I, E, K, torch.float32, frac=0.3)
+    _op_grads(*prob, torch.float32, chunk_rows=C, save_budget_mb=0)
+    assert llep_sched.LAST_STATS["cache_bytes"] == 0 and llep_sched.LAST_STATS["recomputed_chunks"] == 12
 
 
 # ---------------------------------------------------------------------------
@@ -302,6 +387,10 @@ def test_bad_input():
         llep_moe(x, ids, tw, wgu, wd, chunk_rows=0)
     with pytest.raises(ValueError, match="alpha"):
         llep_moe(x, ids, tw, wgu, wd, alpha=0.5)
+    with pytest.raises(ValueError, match="save_budget_mb"):
+        llep_moe(x, ids, tw, wgu, wd, save_budget_mb=-1)
+    with pytest.raises(ValueError, match="save_slots"):
+        llep_dispatch(x, ids, tw, wgu, wd, "", 6, 1.0, 1024, 1.3, -1)
     with pytest.raises(ValueError, match="multiple"):
         lp.llep_plan(torch.zeros(4, 6, dtype=torch.int64), 1.0, 1, 1.3)
     with pytest.raises(ValueError, match="top_k"):
@@ -316,6 +405,7 @@ def test_opcheck():
     args = (x.requires_grad_(), ids, tw.requires_grad_(), wgu.requires_grad_(), wd.requires_grad_(), "", 6, 1.0,
             1024, 1.3)
     torch.library.opcheck(llep_dispatch, args)
+    torch.library.opcheck(llep_dispatch, args + (3,))  # with an activation cache (4 chunks, 3 slots)
     acc = torch.zeros(11, 8)
     idx = torch.randperm(22)[:15]
     torch.library.opcheck(llep_combine_, (acc, torch.randn(15, 8), idx, torch.rand(22), 2))

@@ -178,3 +178,42 @@ def test_grouped_peak_not_above_per_expert_cuda():
         assert peaks[1] <= peaks[0], peaks
     for name, a, b in zip(NAMES, outs[1], outs[0]):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2, msg=name)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_cache_cuda_equals_recompute(grouped):
+    """bf16 on the GPU: chunks served from the activation cache (0, 3 of 8,
+    all 8 slots) give bitwise the same d(topk_weights) and dW as recomputing
+    (GEMMs are deterministic); y and dx go through the fp32 atomicAdd
+    combine, whose summation order may differ run to run: equal within one
+    bf16 rounding. The peak grows by at most the cache itself."""
+    try:
+        from tests.test_llep import _slot_grads
+    except ImportError:
+        from test_llep import _slot_grads
+    T, H, I, E, K, C = 4096, 256, 256, 16, 4, 2048
+    prob = _to(_problem(T, H, I, E, K, torch.float32, seed=6, frac=0.95), dev)
+    saved = llep_sched._GROUPED_MM_OK[0]
+    llep_sched._GROUPED_MM_OK[0] = grouped and hasattr(torch, "_grouped_mm")
+    outs, peaks = [], []
+    try:
+        for slots in (0, 3, 8):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            outs.append(_slot_grads(*prob, torch.bfloat16, C, slots))
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated() - base)
+            st = dict(llep_sched.LAST_STATS)
+            assert st["cached_chunks"] == slots and st["recomputed_chunks"] == 8 - slots, st
+            assert (st["grouped_mm"] > 0) == (grouped and hasattr(torch, "_grouped_mm")), st
+    finally:
+        llep_sched._GROUPED_MM_OK[0] = saved
+    slot_bytes = 2 * llep_sched.slot_elems(C, H, I)
+    for got, slots, peak in zip(outs[1:], (3, 8), peaks[1:]):
+        for name, a, b in zip(NAMES, got, outs[0]):
+            if name in ("y", "dx"):
+                torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2, msg=name)
+            else:
+                assert torch.equal(a, b), f"{name} differs with {slots} cache slots"
+        assert peak <= peaks[0] + slots * slot_bytes + (1 << 20), (peaks, slots, slot_bytes)

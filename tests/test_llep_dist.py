@@ -36,7 +36,7 @@ def _global_problem(tokens, frac, seed):
     return x, ids, tw, wgu, wd, gy
 
 
-def _run_case(rank, P, tokens, frac, C, m, expect_spill=None, seed=0, group=None):
+def _run_case(rank, P, tokens, frac, C, m, expect_spill=None, seed=0, group=None, save_budget_mb=1):
     x, ids, tw, wgu, wd, gy = _global_problem(tokens, frac, seed)
     leaves = [t.clone().requires_grad_() for t in (x, tw, wgu, wd)]
     yref = refs.moe_dense_ref(leaves[0], ids, leaves[1], leaves[2], leaves[3])
@@ -47,8 +47,12 @@ def _run_case(rank, P, tokens, frac, C, m, expect_spill=None, seed=0, group=None
     mine = [x[lo:hi].float().requires_grad_(), tw[lo:hi].float().requires_grad_(),
             wgu[es].float().requires_grad_(), wd[es].float().requires_grad_()]
     y = llep_moe(mine[0], ids[lo:hi], mine[1], mine[2], mine[3], group=group, chunk_rows=C,
-                 min_tokens_per_gemm=m)
+                 min_tokens_per_gemm=m, save_budget_mb=save_budget_mb)
     stats = dict(llep_sched.LAST_STATS)
+    # activation cache: ceil(T*K / (C//P)) slots fit 1 MiB here (none for T = 0)
+    slots = llep_sched.cache_slots(save_budget_mb << 20, hi - lo, K, C, H, I, P, 4)
+    assert stats["cached_chunks"] == min(slots, stats["n_chunks"]), stats
+    assert stats["cache_bytes"] == slots * 4 * C * (2 * I + H)
     got = (y.detach(),) + torch.autograd.grad(y, mine, gy[lo:hi].float())
     want = (ref[0][lo:hi], ref[1][lo:hi], ref[2][lo:hi], ref[3][es], ref[4][es])
     for name, a, b in zip(("y", "dx", "dtopk_weights", "dw_gate_up", "dw_down"), got, want):
@@ -72,7 +76,8 @@ def _cases(rank, P, group):
     _run_case(rank, P, tokens, 0.0, 1 << 16, 1024, expect_spill=False, **kw)       # balanced, one chunk
     _run_case(rank, P, tokens, 0.0, 2 * P + 1, 4, **kw)                             # balanced, many chunks
     st = _run_case(rank, P, tokens, 0.95, 4 * P, 2, expect_spill=True, **kw)      # 95:4, spills, many chunks
-    assert st["n_chunks"] > 1
+    assert st["n_chunks"] > 1 and st["cached_chunks"] > 0
+    _run_case(rank, P, tokens, 0.95, 4 * P, 2, expect_spill=True, save_budget_mb=0, **kw)  # no cache
     _run_case(rank, P, tokens, 0.95, 1 << 16, 2, expect_spill=True, **kw)          # 95:4, one chunk
     zero = list(tokens)
     zero[P - 1] = 0
