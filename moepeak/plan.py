@@ -8,7 +8,8 @@ N parameters.
 
 Peaks (bytes per GPU; each term read off the code that allocates it, see peaks())
                  plain FSDP2 + AC                     moepeak
-  dispatch   4*T*H (fp32 combine accumulator)         b*C*(2H+3I) (P>1: 4H+3I) + 4*T*H + 4*T*K
+  dispatch   T*K*(b*H+4b*I+8H+20) saved rows          T*(b*H+4K) saved + b*C*(2H+3I) (P>1:
+             + 4*T*H (fp32 combine accumulator)        4H+3I) + 4*T*H + 4*T*K (bwd dX, d(w))
   vocab      12*T*V (fp32 log-softmax saved,          Ring-DTP: fused (<= 8 token chunks):
              nll grad, log-softmax grad)               512 MiB [ct, V] block + b*T*H dX;
                                                        else 256 MiB + (4+b)*T*H + 32*T
@@ -17,7 +18,7 @@ Peaks (bytes per GPU; each term read off the code that allocates it, see peaks()
 Also held: 'fixed' = params + grads (plain 4*N/P fp32 grads; moepeak bf16 params + grads
 2*b*N/P), two all-gathered blocks when P > 1, RoPE tables 8*d*T; 'block' = the saved
 tensors of the block being recomputed (two RMSNorms 2*(8H+4), attention b*(H+5*nh*d) +
-4*nh, router 4H+4E+12K, the MoE's own, the incoming grad b*H, per token); 'head_act' =
+4*nh, router 4H+4E+12K, the incoming grad b*H, per token); 'head_act' =
 the final RMSNorm's 8H+4 + the head's input b*H per token.
 
 The step's peak is the larger of two phases:
@@ -195,8 +196,8 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         # index_add), the gate weight 4 and the row/slot ids 16; P > 1: rho x.
         moe_saved = rho * K * (b * H + 4 * b * I + 8 * H + 20)
         out["saved_moe"] = moe_saved
-        block = T * (norms + attn + router + moe_saved + b * H)   # + the incoming grad [T, H]
-        out["dispatch"] = 4 * T * H                # fp32 [T, H] combine accumulator
+        block = T * (norms + attn + router + b * H)   # + the incoming grad [T, H]
+        out["dispatch"] = T * moe_saved + 4 * T * H    # + the fp32 [T, H] combine accumulator
         # F.linear -> .float() -> F.cross_entropy: backward holds the saved fp32 log-softmax,
         # nll_loss's fp32 grad and log_softmax's fp32 grad, all [T, V]: 12 B per logit.
         out["vocab"] = 12.0 * T * V
@@ -210,8 +211,9 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         # dX and fp32 [T*K] d(weights); the chunk's GEMM working set C*(2H + 3I)
         # (P > 1 adds 2 recv + 1 send buffers of C rows).
         out["saved_moe"] = b * H + 4 * K
-        block = T * (norms + attn + router + b * H + 4 * K + b * H)
-        out["dispatch"] = b * C * ((2 * H + 3 * I) if P == 1 else (4 * H + 3 * I)) + 4 * T * H + 4 * T * K
+        block = T * (norms + attn + router + b * H)
+        out["dispatch"] = T * out["saved_moe"] + b * C * ((2 * H + 3 * I) if P == 1 else (4 * H + 3 * I)) \
+            + 4 * T * H + 4 * T * K
         ws = ring_dtp_vocab_bytes(T, H, V, b, s.ring_workspace_mb)
         if P > 1:
             ws += 2 * (V // P) * H * b + 4 * (V // P) * H
