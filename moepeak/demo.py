@@ -225,32 +225,13 @@ def _ckpt_state(model, opt, local_names, rank):
     name, so DCP would treat them as replicated and keep one copy: they are
     stored under a per-rank key instead, with their optimizer state."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    msd, osd = get_state_dict(model, opt)
-    _wrap_sharded_state(model, osd)
+    msd, osd = get_state_dict(model, opt)  # StreamAdamW returns DTensor state for FSDP2 params
     local = {"model": {}, "optim": {}}
     for n in local_names:
         local["model"][n] = msd.pop(n)
         if n in osd.get("state", {}):
             local["optim"][n] = osd["state"].pop(n)
     return msd, osd, local
-
-
-def _wrap_sharded_state(model, osd):
-    """An optimizer may keep the state of an FSDP2 (DTensor) param as a plain
-    tensor of the local shard's shape (StreamAdamW keeps it in host RAM). DCP
-    would take such a tensor for a replicated one and keep a single rank's copy,
-    so it is wrapped here as a DTensor with the param's mesh and placements."""
-    params = dict(model.named_parameters())
-    for fqn, st in osd.get("state", {}).items():
-        p = params.get(fqn)
-        if p is None or type(p).__name__ != "DTensor":
-            continue
-        from torch.distributed.tensor import DTensor
-        for k, v in list(st.items()):
-            if torch.is_tensor(v) and type(v).__name__ != "DTensor" and v.dim() > 0 \
-                    and tuple(v.shape) == tuple(p.to_local().shape):
-                st[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
-                                           shape=p.shape, stride=p.stride())
 
 
 def save(path: str, model, opt, step: int, losses: List[float], local_names=(), rank=0):
