@@ -194,10 +194,38 @@ class StreamAdamW(torch.optim.Optimizer):
         return 0 if self._plan is None else self._plan.pinned_bytes
 
     # ------------------------------------------------------------------ state_dict
+    def state_dict(self):
+        """torch's layout. The state of an FSDP2 (DTensor) param lives in host RAM
+        as a plain tensor of the *local shard's* shape; here it is returned as a
+        DTensor with the param's mesh, placements, global shape and stride, so
+        torch.distributed.checkpoint saves every rank's shard (a plain tensor
+        would be taken for a replicated one and only one rank's copy kept).
+        self.state is not changed (the per-param dicts are copied)."""
+        sd = super().state_dict()
+        idx_param = {}
+        for g, sg in zip(self.param_groups, sd["param_groups"]):
+            idx_param.update(zip(sg["params"], g["params"]))
+        for idx, st in list(sd["state"].items()):
+            p = idx_param.get(idx)
+            if p is None or type(p).__name__ != "DTensor":
+                continue
+            from torch.distributed.tensor import DTensor
+            lshape = tuple(_local(p).shape)
+            st = dict(st)
+            for k in _STATE_TENSORS:
+                v = st.get(k)
+                if torch.is_tensor(v) and type(v).__name__ != "DTensor" and v.dim() > 0 \
+                        and tuple(v.shape) == lshape:
+                    st[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
+                                               shape=p.shape, stride=p.stride())
+            sd["state"][idx] = st
+        return sd
+
     def load_state_dict(self, state_dict):
-        """Accepts our own state dicts and torch.optim.AdamW's. The fp32
-        tensors are kept on the CPU in fp32 (torch's loader would cast them to
-        the param's dtype and device)."""
+        """Accepts our own state dicts and torch.optim.AdamW's, with state
+        tensors as DTensors (this rank's shard is taken) or plain local-shard
+        tensors. The fp32 tensors are kept on the CPU in fp32 (torch's loader
+        would cast them to the param's dtype and device)."""
         saved_groups = state_dict["param_groups"]
         id_map = {}
         for g, ng in zip(saved_groups, self.param_groups):
@@ -217,7 +245,8 @@ class StreamAdamW(torch.optim.Optimizer):
             st = self.state[p]
             lp = _local(p)
             if "step" in st:
-                st["step"] = torch.as_tensor(st["step"]).detach().to("cpu", torch.float32).reshape(())
+                # a copy: the loaded dict's step tensor must not advance with this optimizer
+                st["step"] = torch.as_tensor(st["step"]).detach().to("cpu", torch.float32, copy=True).reshape(())
             for k, t in tensors.items():
                 t = _local(t)
                 if k == "master_param" and lp.dtype == torch.float32:

@@ -39,9 +39,11 @@ GiB = 2 ** 30
 
 DEFAULTS = {
     "cuda": dict(layers=4, hidden=1024, heads=8, kv_heads=2, experts=16, top_k=2, intermediate=512,
-                 vocab=65536, seq_len=131072, batch=1, steps=100, lr=2e-3, dtype="bfloat16"),
+                 vocab=65536, seq_len=131072, batch=1, steps=150, lr=2e-3, dtype="bfloat16",
+                 warmup=15),
     "cpu": dict(layers=2, hidden=64, heads=4, kv_heads=2, experts=8, top_k=2, intermediate=64,
-                vocab=264, seq_len=256, batch=4, steps=120, lr=3e-3, dtype="float32"),
+                vocab=264, seq_len=256, batch=4, steps=120, lr=3e-3, dtype="float32",
+                warmup=10),
 }
 SCHEDULES = (("llep", "moe", "PipelinedLLEP expert dispatch"),
              ("ring_dtp", "head", "Ring-DTP vocabulary projection + CE"),
@@ -60,7 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
     t.add_argument("--batch", type=int, default=None, help="sequences per step per rank")
     t.add_argument("--steps", type=int, default=None)
-    t.add_argument("--lr", type=float, default=None)
+    t.add_argument("--lr", type=float, default=None, help="peak learning rate")
+    t.add_argument("--warmup", type=int, default=None,
+                   help="linear LR warmup steps (then cosine decay to --min-lr-ratio x lr)")
+    t.add_argument("--lr-horizon", type=int, default=None,
+                   help="step at which the cosine reaches its floor (default: the last step of this "
+                        "run; give the same value to a run and its --resume to get one curve)")
+    t.add_argument("--min-lr-ratio", type=float, default=0.1)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--data", choices=("auto", "stdlib", "synthetic"), default="auto")
     t.add_argument("--data-mb", type=float, default=8.0, help="corpus size cap (MiB)")
@@ -116,7 +124,7 @@ def _config_from_args(a, dev_kind: str):
                     top_k=pick("top_k", a.top_k), intermediate=pick("intermediate", a.intermediate),
                     checkpoint="none" if a.no_checkpoint else "sco", chunk_rows=a.chunk_rows)
     train = dict(seq_len=pick("seq_len", a.seq_len), batch=pick("batch", a.batch),
-                 steps=pick("steps", a.steps), lr=pick("lr", a.lr),
+                 steps=pick("steps", a.steps), lr=pick("lr", a.lr), warmup=pick("warmup", a.warmup),
                  dtype=getattr(torch, pick("dtype", a.dtype)))
     return cfg, train
 
@@ -127,6 +135,12 @@ def _validate_train(train, a):
         bad.append(f"--seq-len must be >= 2, got {train['seq_len']}")
     if train["batch"] < 1:
         bad.append(f"--batch must be >= 1, got {train['batch']}")
+    if train["warmup"] < 0:
+        bad.append(f"--warmup must be >= 0, got {train['warmup']}")
+    if a.lr_horizon is not None and a.lr_horizon < 1:
+        bad.append(f"--lr-horizon must be >= 1, got {a.lr_horizon}")
+    if not 0.0 <= a.min_lr_ratio <= 1.0:
+        bad.append(f"--min-lr-ratio must be in [0, 1], got {a.min_lr_ratio}")
     if train["steps"] < 0:
         bad.append(f"--steps must be >= 0, got {train['steps']}")
     if not (train["lr"] > 0 and math.isfinite(train["lr"])):
@@ -193,38 +207,31 @@ class Progress:
             print(line, flush=True)
 
 
+def warmup_cosine(warmup: int, horizon: int, floor: float):
+    """LR multiplier at global step s: linear warmup (s+1)/warmup over the first
+    `warmup` steps, then cosine from 1 down to `floor` at step `horizon`, flat after.
+    E.g. warmup=15, horizon=150, floor=0.1: s=0 -> 0.067, s=14 -> 1, s=82 -> 0.55, s>=150 -> 0.1."""
+    def f(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / warmup
+        frac = min(1.0, (s - warmup) / max(1, horizon - warmup))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * frac))
+    return f
+
+
 def _ckpt_state(model, opt, local_names, rank):
     """(replicated/DTensor part, rank-local part). Rank-local params (experts of
     this EP rank, the Ring-DTP vocab shard) differ between ranks under the same
     name, so DCP would treat them as replicated and keep one copy: they are
     stored under a per-rank key instead, with their optimizer state."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    msd, osd = get_state_dict(model, opt)
-    _wrap_sharded_state(model, osd)
+    msd, osd = get_state_dict(model, opt)  # StreamAdamW returns DTensor state for FSDP2 params
     local = {"model": {}, "optim": {}}
     for n in local_names:
         local["model"][n] = msd.pop(n)
         if n in osd.get("state", {}):
             local["optim"][n] = osd["state"].pop(n)
     return msd, osd, local
-
-
-def _wrap_sharded_state(model, osd):
-    """An optimizer may keep the state of an FSDP2 (DTensor) param as a plain
-    tensor of the local shard's shape (StreamAdamW keeps it in host RAM). DCP
-    would take such a tensor for a replicated one and keep a single rank's copy,
-    so it is wrapped here as a DTensor with the param's mesh and placements."""
-    params = dict(model.named_parameters())
-    for fqn, st in osd.get("state", {}).items():
-        p = params.get(fqn)
-        if p is None or type(p).__name__ != "DTensor":
-            continue
-        from torch.distributed.tensor import DTensor
-        for k, v in list(st.items()):
-            if torch.is_tensor(v) and type(v).__name__ != "DTensor" and v.dim() > 0 \
-                    and tuple(v.shape) == tuple(p.to_local().shape):
-                st[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
-                                           shape=p.shape, stride=p.stride())
 
 
 def save(path: str, model, opt, step: int, losses: List[float], local_names=(), rank=0):
@@ -328,6 +335,13 @@ def _run(a, res: Run) -> Dict:
         start, losses = load(a.resume, model, opt, local_names, rank)
         say(f"resumed from {a.resume} at step {start}")
 
+    # ---- LR schedule: a function of the global step, so a resumed run continues it
+    horizon = a.lr_horizon or (start + steps)
+    lr_at = warmup_cosine(train["warmup"], horizon, a.min_lr_ratio)
+    for g in opt.param_groups:  # the checkpoint may have stored a scheduled lr
+        g["lr"] = g["initial_lr"] = train["lr"]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_at(start + i))
+
     # ---- train
     cuda = device.type == "cuda"
     prog = Progress(steps, rank == 0 and not a.quiet, a.log_every or max(1, steps // 10))
@@ -352,6 +366,7 @@ def _run(a, res: Run) -> Dict:
             torch.cuda.synchronize(device)
             opt_meas = {"step_peak": torch.cuda.max_memory_allocated(device) - before,
                         "state": torch.cuda.memory_allocated(device) - before}
+        sched.step()
         opt.zero_grad(set_to_none=True)
         lv = loss.detach().float()
         if world > 1:

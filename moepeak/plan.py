@@ -6,25 +6,25 @@ over the P ranks by context parallelism), H hidden, I expert intermediate,
 V vocab, E experts, K top-k, L layers, b bytes per activation element (bf16 = 2),
 N parameters.
 
-Peaks (bytes per GPU)                      plain FSDP2 + AC            moepeak
-  dispatch   b*[c0*T*K*H + rho*T*K*(c1*H + c2*I)] + 4*T*H      b*C*(4H + 3I) + 4*T*H (P=1: 2H+3I)
-             (c0=1 the expanded copy, c1=1 expert output rows,  (2 recv + 1 send buffers of
-              c2=4 gate_up [2I] + silu(gate) [I] + act [I];      C rows, GEMM C*(3I+H), fp32
-              rho = max rows a rank receives / (T*K),            [T, H] accumulator)
-              1 balanced .. P; fp32 [T, H] combine buffer)
-  vocab      T*V*(b + 8) (bf16 logits, fp32 copy, fp32          512 MiB workspace + 8*T + 4*T*H
-             log-softmax; b=4: T*V*8)                             (+ 2 shard buffers + fp32 dW shard, P>1)
-  boundaries L*T*H*b (one checkpoint input per block)            min(L, 5)*T*H*b (kept, recomputing,
-                                                                  prefetch, 2 in flight)
-  optimizer  12*N/P (fp32 master, m, v)                          5*bucket (3 grad + 2 param slots)
-Fixed parts: plain: fp32 sharded grads 4*N/P, two all-gathered bf16 blocks
-2*2*N_block (P > 1 only); moepeak: bf16 sharded params + grads 4*N/P (its master copy is in
-host RAM), the same two blocks. Both: attention's O(T) tensors of the block
-being recomputed, T*b*(4H + nh*d + 2*nkv*d) + 4*T*nh (lse).
+Peaks (bytes per GPU; each term read off the code that allocates it, see peaks())
+                 plain FSDP2 + AC                     moepeak
+  dispatch   T*K*(b*H+4b*I+8H+20) saved rows          T*(b*H+4K) saved + b*C*(2H+3I) (P>1:
+             + 4*T*H (fp32 combine accumulator)        4H+3I) + 4*T*H + 4*T*K (bwd dX, d(w))
+  vocab      12*T*V (fp32 log-softmax saved,          Ring-DTP: fused (<= 8 token chunks):
+             nll grad, log-softmax grad)               512 MiB [ct, V] block + b*T*H dX;
+                                                       else 256 MiB + (4+b)*T*H + 32*T
+  boundaries L*T*H*b (one checkpoint input/block)     max(W=2, 1+prefetch=2)*T*H*b (SCO)
+  optimizer  12*N/P (fp32 master, m, v)               0 (host RAM + pinned slots)
+Also held: 'fixed' = params + grads (plain 4*N/P fp32 grads; moepeak bf16 params + grads
+2*b*N/P), two all-gathered blocks when P > 1, RoPE tables 8*d*T; 'block' = the saved
+tensors of the block being recomputed (two RMSNorms 2*(8H+4), attention b*(H+5*nh*d) +
+4*nh, router 4H+4E+12K, the incoming grad b*H, per token); 'head_act' =
+the final RMSNorm's 8H+4 + the head's input b*H per token.
 
-What coexists at the step's peak (backward of the first block to recompute):
-fixed + optimizer + boundaries + max(dispatch, vocab). The binding peak is the
-largest of the four; the longest context is found by bisection on the total.
+The step's peak is the larger of two phases:
+  total = fixed + optimizer + boundaries + max(block + dispatch, head_act + vocab).
+The binding peak is the largest of the four; the longest context is found by bisection
+on the total. Checked against H200 measurements in tests/test_plan.py.
 """
 from __future__ import annotations
 
@@ -126,8 +126,9 @@ class Setup:
     imbalance: float = 1.5      # rho for plain EP (capped to [1, P])
     chunk_rows: int = 32768     # PipelinedLLEP C (its default, llep_plan.default_chunk_rows)
     ring_workspace_mb: float = 512.0  # Ring-DTP block workspace (its default budget)
-    bucket_mb: float = 64.0     # StreamAdamW bucket
-    sco_window: int = 5         # boundaries resident under SCO
+    bucket_mb: float = 64.0     # StreamAdamW bucket (its slots are pinned host memory: 0 GPU bytes)
+    sco_in_flight: int = 2      # SCOConfig.max_in_flight (W): forward D2H copies still referenced
+    sco_prefetch: int = 1       # SCOConfig.prefetch: boundaries loaded ahead in backward
     batch: int = 1
     # plain plan's bytes per parameter: FSDP2 mixed precision keeps fp32 master,
     # m, v (12, "optimizer") and fp32 grads (4, fixed). The demo's plain run on
@@ -136,40 +137,99 @@ class Setup:
     plain_fixed_bytes: float = 4.0
 
 
+# Ring-DTP's defaults (moepeak/ring_dtp_blocks.py, moepeak/ring_dtp.py), mirrored here so
+# that `plan` runs without the compiled extension.
+RING_FUSED_WORKSPACE = 512 << 20     # DEFAULT_WORKSPACE_BYTES: fused modes' [ct, V] logits block
+RING_BLOCKED_WORKSPACE = 256 << 20   # BLOCKED_WORKSPACE_BYTES: the 4-GEMM orders' block workspace
+RING_FUSED_MAX_CHUNKS = 8            # _FUSED_MAX_CHUNKS: bf16 fused_lowp only up to 8 token chunks
+
+
+def ring_dtp_vocab_bytes(T: int, H: int, V: int, b: int, budget_mb: float = 512.0) -> float:
+    """Ring-DTP's own bytes at its peak, for the mode it picks (ring_dtp._pick_mode):
+    fp32 or <= 8 chunks: a fused mode, forward makes dX [T, H] x dtype (kept to the
+    backward) in one [ct, V] logits block; else vocab_outer: an fp32 [T, H] dX accumulator
+    + its cast to dtype + the 256 MiB block workspace. Both: 5 fp32 [T] fold rows + 3 fp32
+    [T] saved (m, ls, q). (dW [V, H] is the parameter's gradient: counted in 'fixed'.)"""
+    ws = budget_mb * 2 ** 20
+    rows = 32 * T
+    if b >= 4:
+        return ws + 4 * T * H + rows
+    ct = int(ws // (V * b)) // 64 * 64 or 1
+    if -(-T // ct) <= RING_FUSED_MAX_CHUNKS:
+        return min(ws, T * V * b) + b * T * H + rows
+    return ws / 2 + (4 + b) * T * H + rows
+
+
 def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
-    """Bytes per GPU of each peak and of the fixed part, for plan 'plain' or 'moepeak'."""
+    """Bytes per GPU of each peak and of the fixed part, for plan 'plain' or 'moepeak'.
+
+    Every per-token term below is read off the code that allocates it (moepeak/models.py's
+    blocks, the components' autograd), not fitted; tests/test_plan.py checks the saved-
+    tensor terms on CPU with autograd hooks and the totals against GPU measurements.
+    """
     if plan not in ("plain", "moepeak"):
         raise ValueError(f"moepeak plan: plan must be 'plain' or 'moepeak', got {plan!r}")
     P, b = s.gpus, s.act_bytes
     T = s.batch * -(-context // P)
-    H, I, V, K, L = m.hidden, m.intermediate, m.vocab, m.top_k, m.layers
+    H, I, V, K, L, E = m.hidden, m.intermediate, m.vocab, m.top_k, m.layers, m.experts
     N = m.params()
     nblock = m.block_params(True)
     d = m.d()
-    attn = T * b * (4 * H + m.heads * d + 2 * m.kv_heads * d) + 4 * T * m.heads
+    Hq = m.heads * d
     gathered = 2 * b * nblock if P > 1 else 0   # FSDP2: current + prefetched block
-    out = {}
+    # Per token, saved by autograd for the one block being recomputed (its backward):
+    #   RMSNorm x2: fp32 x (pow, mul) + fp32 normalised y (mul by weight) + rstd = 8H + 4 each;
+    #   attention: the norm output (q/k/v input) b*H; flash SDPA keeps q, k and v repeated to
+    #   nh heads, the output and fp32 lse (4 * b*Hq + 4*nh); o_proj's input copy b*Hq;
+    #   router: fp32 copy of its input 4H, softmax output 4E, top-k ids 8K, top-k values 4K,
+    #   their sum 4 (normalisation).
+    norms = 2 * (8 * H + 4)
+    attn = b * (H + 5 * Hq) + 4 * m.heads
+    router = 4 * H + 4 * E + 12 * K + 4
+    out = {"saved_norm": 8 * H + 4, "saved_router": router}  # per token (checked on CPU)
+    rope = 8 * d                                 # cos, sin tables [T, d] x fp32, cached
+    head_act = 8 * H + 4 + b * H                 # final RMSNorm (as above) + the head's input
     if plan == "plain":
         rho = min(max(s.imbalance, 1.0), float(P))
-        out["dispatch"] = b * (T * K * H + rho * T * K * (H + 4 * I)) + 4 * T * H
-        out["vocab"] = T * V * (8 + (b if b < 4 else 0))
+        # DenseMoE per routed row (K per token): gathered x b*H, gate_up output b*2I (silu, mul),
+        # silu b*I, act b*I, the fp32 expert output 4H and its gate-scaled copy 4H (mul,
+        # index_add), the gate weight 4 and the row/slot ids 16; P > 1: rho x.
+        moe_saved = rho * K * (b * H + 4 * b * I + 8 * H + 20)
+        out["saved_moe"] = moe_saved
+        block = T * (norms + attn + router + b * H)   # + the incoming grad [T, H]
+        out["dispatch"] = T * moe_saved + 4 * T * H    # + the fp32 [T, H] combine accumulator
+        # F.linear -> .float() -> F.cross_entropy: backward holds the saved fp32 log-softmax,
+        # nll_loss's fp32 grad and log_softmax's fp32 grad, all [T, V]: 12 B per logit.
+        out["vocab"] = 12.0 * T * V
         out["boundaries"] = L * T * H * b
         out["optimizer"] = s.plain_opt_bytes * N / P
-        out["fixed"] = s.plain_fixed_bytes * N / P + gathered + attn
+        out["fixed"] = s.plain_fixed_bytes * N / P + gathered + T * rope
     else:
         C = min(s.chunk_rows, max(1, T * K))
-        # P = 1: the chunk's GEMM working set C*(2H + 3I); P > 1 adds 2 recv + 1 send buffers
-        out["dispatch"] = b * C * ((2 * H + 3 * I) if P == 1 else (4 * H + 3 * I)) + 4 * T * H
-        # workspace (bounded by its budget, never above the full T x V block) + lse/m,s [T]
-        # + an fp32 [T, H] dX accumulator
-        ws = min(s.ring_workspace_mb * 2 ** 20, T * V * (4 + (b if b < 4 else 0))) + 8 * T + 4 * T * H
+        # llep_dispatch saves its input b*H + the normalised weights 4K (ids: the router's);
+        # its backward adds an fp32 [T, H]
+        # dX and fp32 [T*K] d(weights); the chunk's GEMM working set C*(2H + 3I)
+        # (P > 1 adds 2 recv + 1 send buffers of C rows).
+        out["saved_moe"] = b * H + 4 * K
+        block = T * (norms + attn + router + b * H)
+        out["dispatch"] = T * out["saved_moe"] + b * C * ((2 * H + 3 * I) if P == 1 else (4 * H + 3 * I)) \
+            + 4 * T * H + 4 * T * K
+        ws = ring_dtp_vocab_bytes(T, H, V, b, s.ring_workspace_mb)
         if P > 1:
             ws += 2 * (V // P) * H * b + 4 * (V // P) * H
         out["vocab"] = ws
-        out["boundaries"] = min(L, s.sco_window) * T * H * b
-        out["optimizer"] = 5 * s.bucket_mb * 2 ** 20
-        out["fixed"] = 2 * b * N / P + gathered + attn
-    out["total"] = out["fixed"] + out["optimizer"] + out["boundaries"] + max(out["dispatch"], out["vocab"])
+        # SCO (moepeak/sco.py): the last W forward copies stay referenced until the first
+        # reload polls them (through the head's backward); in a block's backward: the input
+        # being recomputed + `prefetch` loaded ahead. Flat in L.
+        out["boundaries"] = min(L, max(s.sco_in_flight, 1 + s.sco_prefetch)) * T * H * b
+        # StreamAdamW: fp32 master/m/v in host RAM, its bucket slots pinned host memory;
+        # it adds no GPU memory (moepeak/stream_adamw.py). Params + grads are in 'fixed'.
+        out["optimizer"] = 0.0
+        out["fixed"] = 2 * b * N / P + gathered + T * rope
+    out["block"] = block                   # the recomputed block's saved tensors (+ its grad in)
+    out["head_act"] = T * head_act         # what the head's backward also holds
+    out["total"] = out["fixed"] + out["optimizer"] + out["boundaries"] + \
+        max(out["block"] + out["dispatch"], out["head_act"] + out["vocab"])
     out["binding"] = max(PEAKS, key=lambda k: out[k])
     return out
 
@@ -198,7 +258,7 @@ def report(m: ModelShape, s: Setup, context: int) -> str:
                 f"({-(-context // s.gpus)} tokens per GPU), activations {s.act_bytes} B/elem")
     rows.append("")
     rows.append(f"{'GiB per GPU':<22}{'plain FSDP2+AC':>16}{'moepeak':>12}")
-    for k in PEAKS + ("fixed", "total"):
+    for k in PEAKS + ("fixed", "block", "head_act", "total"):
         rows.append(f"{k:<22}{res['plain'][k] / GiB:>16.2f}{res['moepeak'][k] / GiB:>12.2f}")
     cap = s.gpu_mem_gib * GiB
     for p in ("plain", "moepeak"):

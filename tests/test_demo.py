@@ -1,6 +1,8 @@
 """`moepeak demo` end to end on CPU through the Python entry point: the loss
 falls, save/resume continues the same curve, bad configs are refused before
 any work, the CLI dispatches."""
+import math
+
 import pytest
 import torch
 
@@ -27,10 +29,11 @@ def test_demo_loss_falls_and_reports_peaks():
 
 
 def test_demo_save_resume_continues_the_curve(tmp_path):
-    full = run(TINY + ["--steps", "8", "--no-peaks"])["losses"]
+    sched = ["--warmup", "3", "--lr-horizon", "8"]  # one LR curve over the 8 steps
+    full = run(TINY + sched + ["--steps", "8", "--no-peaks"])["losses"]
     ck = str(tmp_path / "ck")
-    first = run(TINY + ["--steps", "4", "--no-peaks", "--save", ck])
-    second = run(TINY + ["--steps", "4", "--no-peaks", "--resume", ck])
+    first = run(TINY + sched + ["--steps", "4", "--no-peaks", "--save", ck])
+    second = run(TINY + sched + ["--steps", "4", "--no-peaks", "--resume", ck])
     assert second["start"] == 4
     assert second["losses"][:4] == first["losses"]
     torch.testing.assert_close(torch.tensor(second["losses"]), torch.tensor(full), rtol=1e-5, atol=1e-6)
@@ -50,6 +53,7 @@ def test_demo_plain_flags():
     (["--seq-len", "1"], "--seq-len must be >= 2"),
     (["--seq-len", str(1 << 44)], "SCO arena needs"),
     (["--lr", "-1"], "--lr must be a positive number"),
+    (["--warmup", "-1"], "--warmup must be >= 0"),
     (["--resume", "/nonexistent/moepeak"], "is not a directory written by --save"),
 ])
 def test_demo_rejects_bad_config_before_work(extra, msg, capsys):
@@ -119,7 +123,7 @@ def test_ctrl_c_exits_cleanly():
 
 def _demo_ranks(rank, world, ck, out):
     from moepeak.demo import run as demo_run
-    argv = TINY + ["--no-peaks", "--experts", "4"]
+    argv = TINY + ["--no-peaks", "--experts", "4", "--warmup", "2", "--lr-horizon", "4"]
     full = demo_run(argv + ["--steps", "4"])["losses"]
     first = demo_run(argv + ["--steps", "2", "--save", ck])["losses"]
     second = demo_run(argv + ["--steps", "2", "--resume", ck])
@@ -170,3 +174,13 @@ def test_interrupt_in_process_frees_sco_arena(device, monkeypatch):
     for c in made:
         st = c.stats()
         assert st["live"] == 0 and st["arena_bytes"] == 0, st
+
+
+def test_warmup_cosine_schedule():
+    from moepeak.demo import warmup_cosine
+    f = warmup_cosine(15, 150, 0.1)
+    assert abs(f(0) - 1 / 15) < 1e-12 and f(14) == 1.0 and f(15) == 1.0
+    assert abs(f(82) - (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 67 / 135)))) < 1e-12
+    assert abs(f(150) - 0.1) < 1e-12 and abs(f(10 ** 6) - 0.1) < 1e-12
+    vals = [f(s) for s in range(15, 151)]
+    assert all(a >= b for a, b in zip(vals, vals[1:]))  # monotone decay after warmup

@@ -151,9 +151,72 @@ def test_fsdp2_gloo_two_ranks_match_single_process(switches, tmp_path, monkeypat
         opt.zero_grad(set_to_none=True)
 
 
+def _step(model, x, y):
+    """One forward/backward: (loss, {name: grad}) in float64 on the CPU."""
+    model.zero_grad(set_to_none=True)
+    loss = model(x, y)
+    loss.backward()
+    return (loss.detach().double().cpu(),
+            {n: p.grad.detach().double().cpu().clone() for n, p in model.named_parameters()})
+
+
+def _within_2x_of_pytorch(got, plain, truth, dtype, what):
+    """The project's low-precision rule (DESIGN.md section 4): against an fp64 ground
+    truth, moepeak may be at most 2x as wrong as plain PyTorch at the same dtype, plus
+    a tiny floor, 1/16 of bf16's eps (2^-11) relative to the tensor's largest element (so
+    a tensor that PyTorch happens to get exactly right does not demand bit-exactness)."""
+    e_got, e_plain = (got - truth).abs(), (plain - truth).abs()
+    floor = torch.finfo(dtype).eps / 16 * float(truth.abs().max())
+    msg = (f"{what}: moepeak max/mean err {float(e_got.max()):.3e}/{float(e_got.mean()):.3e}, "
+           f"plain-{dtype} max/mean err {float(e_plain.max()):.3e}/{float(e_plain.mean()):.3e}, "
+           f"max |truth| {float(truth.abs().max()):.3e}, floor {floor:.3e}")
+    print(msg)
+    assert float(e_got.max()) <= 2 * float(e_plain.max()) + floor, msg
+
+
+def _compare_low_precision(switches, device, dtype, steps=3):
+    """moepeak in `dtype` vs plain PyTorch in `dtype`, both measured against the plain
+    model in float64 at the *same weights*: at every step the plain models are loaded
+    with moepeak's current weights (its trajectory, driven by its own optimizer), so
+    the three gradients are of one function at one point."""
+    ds = TokenStream("auto", max_bytes=1 << 20)
+    batches = [ds.batch(s, 2, 24) for s in range(steps)]
+    plain_cfg = MoEConfig(**TINY, moe="dense", head="plain", checkpoint="torch")
+    cfg = plain_cfg.replace(**{s: SWITCH[s] for s in switches if s != "optimizer"})
+    mine = MoELM(cfg, device=device, dtype=dtype, seed=7)
+    plain = MoELM(plain_cfg, device=device, dtype=dtype, seed=7)
+    truth = MoELM(plain_cfg, device=device, dtype=torch.float64, seed=7)
+    opt = build_optimizer(mine.parameters(), "stream" if "optimizer" in switches else "torch",
+                          lr=1e-2, weight_decay=0.1)
+    for s in range(steps):
+        x, y = (t.to(device) for t in batches[s])
+        with torch.no_grad():
+            for n, p in mine.named_parameters():  # same point for all three
+                plain.get_parameter(n).copy_(p)
+                truth.get_parameter(n).copy_(p)
+        got_l, got_g = _step(mine, x, y)
+        pl_l, pl_g = _step(plain, x, y)
+        tr_l, tr_g = _step(truth, x, y)
+        _within_2x_of_pytorch(got_l, pl_l, tr_l, dtype, f"loss at step {s}")
+        for n in tr_g:
+            _within_2x_of_pytorch(got_g[n], pl_g[n], tr_g[n], dtype, f"grad {n} at step {s}")
+        opt.step()
+    assert float(tr_l) < float(_step(truth, *(t.to(device) for t in batches[0]))[0]) + 1.0
+    mine.close()  # only on success: after a failure the arena has live boundaries
+
+
+@pytest.mark.parametrize("switches", [list(SWITCH)], ids=["all-four"])
+def test_all_four_schedules_bf16_within_2x_of_pytorch(switches):
+    """CPU, bfloat16: the same rule as on the GPU."""
+    _need(switches)
+    _compare_low_precision(switches, "cpu", torch.bfloat16)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_all_four_schedules_match_plain_cuda(dtype):
     _need(list(SWITCH))
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
-    _compare(list(SWITCH), device="cuda", dtype=dtype, tol=tol)
+    if dtype == torch.float32:  # fp32: tight, trajectory vs trajectory over 3 steps
+        _compare(list(SWITCH), device="cuda", dtype=dtype, tol=1e-4)
+    else:  # low precision: at most 2x plain PyTorch's own error against fp64, per tensor
+        _compare_low_precision(list(SWITCH), "cuda", dtype)

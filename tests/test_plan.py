@@ -31,6 +31,8 @@ def test_peaks_monotone_in_context_and_moepeak_lower(name):
             r = P.peaks(m, s, ctx, plan)
             if prev[plan] is not None:
                 for k in P.PEAKS + ("fixed", "total"):
+                    if plan == "moepeak" and k == "vocab":
+                        continue  # Ring-DTP leaves its fused mode past 8 token chunks (512 -> 256 MiB)
                     assert r[k] >= prev[plan][k], (plan, k, ctx)
             prev[plan] = r
         assert P.peaks(m, s, ctx, "moepeak")["total"] <= P.peaks(m, s, ctx, "plain")["total"]
@@ -42,20 +44,21 @@ def test_plain_peaks_scale_as_documented():
     a, b = P.peaks(m, s, 65536, "plain"), P.peaks(m, s, 131072, "plain")
     for k in ("vocab", "boundaries"):
         assert b[k] == 2 * a[k]            # linear in T
-    assert a["vocab"] == 65536 * 151936 * (2 + 8)
+    assert a["vocab"] == 65536 * 151936 * 12   # fp32 log-softmax + nll grad + log-softmax grad
     assert a["boundaries"] == 48 * 65536 * 2048 * 2
     assert a["optimizer"] == 12 * m.params()
-    # moepeak's boundaries are flat in depth, its optimizer flat in context
+    # moepeak's boundaries are flat in depth; StreamAdamW adds no GPU memory
     deep = P.ModelShape(**{**m.__dict__, "layers": 96})
     assert P.peaks(deep, s, 65536, "moepeak")["boundaries"] == P.peaks(m, s, 65536, "moepeak")["boundaries"]
-    assert P.peaks(m, s, 1 << 20, "moepeak")["optimizer"] == P.peaks(m, s, 8192, "moepeak")["optimizer"]
+    assert P.peaks(m, s, 1 << 20, "moepeak")["optimizer"] == 0 == P.peaks(m, s, 8192, "moepeak")["optimizer"]
 
 
 def test_binding_peak_changes_with_context():
     m, s = P.PRESETS["Qwen3-30B-A3B"], P.Setup(gpus=8)
     assert P.peaks(m, s, 4096, "plain")["binding"] == "optimizer"   # 30B params dominate short context
     assert P.peaks(m, s, 1 << 21, "plain")["binding"] == "vocab"     # T x 151936 logits at 2M tokens
-    assert P.peaks(m, s, 1 << 21, "moepeak")["binding"] != "vocab"
+    # moepeak's vocab peak is O(T*H), not O(T*V): < 5% of plain's at 2M tokens
+    assert P.peaks(m, s, 1 << 21, "moepeak")["vocab"] < 0.05 * P.peaks(m, s, 1 << 21, "plain")["vocab"]
 
 
 def test_longest_context_is_the_edge():
@@ -107,10 +110,9 @@ def test_plot_when_matplotlib(tmp_path):
 # ---------------------------------------------- the formulas vs bytes measured on CPU
 
 def test_vocab_formula_vs_saved_bytes_fp32():
-    """Plain head at b=4: the formula counts T*V*8 bytes at the forward peak: the
-    fp32 logits plus log-softmax's saved output. Autograd saves the log-softmax
-    output (T*V*4) plus the head's inputs; the logits are freed after it, so the
-    saved bytes are half the formula's logit term (the other half is transient)."""
+    """Plain head at b=4: the formula counts T*V*12 bytes at the backward peak: the
+    saved fp32 log-softmax output (measured here: T*V*4), nll_loss's fp32 grad and
+    log_softmax's fp32 grad, both [T, V] like it (transient, made by the backward)."""
     T, H, V = 96, 16, 1000
     head = PlainLMHead(H, V)
     torch.nn.init.normal_(head.weight)
@@ -122,26 +124,23 @@ def test_vocab_formula_vs_saved_bytes_fp32():
     assert sb.bytes - inputs == T * V * 4 + T * 8 + 4  # log-softmax out, int64 labels, nll total_weight
     m = P.ModelShape(layers=1, hidden=H, experts=1, top_k=1, intermediate=1, vocab=V, heads=1, kv_heads=1)
     pred = P.peaks(m, P.Setup(gpus=1, act_bytes=4), T, "plain")["vocab"]
-    assert pred == 2 * T * V * 4
+    assert pred == 3 * T * V * 4
 
 
 def test_dispatch_formula_bounds_saved_bytes_fp32():
-    """Plain dense MoE at b=4, one rank (rho=1): bytes autograd saves (gathered
-    rows T*K*H, GEMM outputs T*K*2I, activation T*K*I, ...) lie within 15% of the
-    formula's b*[T*K*H + T*K*(H + 4I)] + 4*T*H (the rest: routing and int64 indices)."""
+    """Plain dense MoE at b=4, one rank (rho=1): the plan's saved bytes per token of the
+    router + DenseMoE match what autograd saves within 2%."""
     T, H, I, E, K = 256, 32, 48, 4, 2
     moe = DenseMoE(H, I, E, K)
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0, 0.3)
     x = torch.randn(T, H, requires_grad=True)
-    with SavedBytes() as sb:
-        moe(x)
-    weights = sum(p.numel() * 4 for p in moe.parameters())
-    measured = sb.bytes - weights - T * H * 4
+    got = _saved_bytes_per_token(lambda: moe(x), list(moe.parameters()), T)
     m = P.ModelShape(layers=1, hidden=H, experts=E, top_k=K, intermediate=I, vocab=300, heads=1, kv_heads=1)
-    pred = P.peaks(m, P.Setup(gpus=1, act_bytes=4, imbalance=1.0), T, "plain")["dispatch"]
-    assert abs(measured - pred) / pred < 0.15, (measured, pred)
+    r = P.peaks(m, P.Setup(gpus=1, act_bytes=4, imbalance=1.0), T, "plain")
+    want = r["saved_router"] + r["saved_moe"]
+    assert abs(got - want) <= 0.02 * got, (got, want)
 
 
 def test_boundary_formula_equals_model_tensors():
@@ -156,3 +155,69 @@ def test_boundary_formula_equals_model_tensors():
     model.hidden_states(ids)
     m = P.ModelShape(layers=3, hidden=32, experts=4, top_k=2, intermediate=32, vocab=264, heads=2, kv_heads=1)
     assert sum(kept) == P.peaks(m, P.Setup(gpus=1, act_bytes=4, batch=2), 40, "plain")["boundaries"]
+
+
+# ---------------------------------------------------------------- checked against measurements
+
+def _saved_bytes_per_token(fn, params, T):
+    """Bytes of the distinct non-parameter storages autograd saves while fn() runs, per token."""
+    import torch
+    pids = {p.untyped_storage().data_ptr() for p in params}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in pids:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values()) / T
+
+
+def test_saved_tensor_terms_match_autograd_on_cpu():
+    """The plan's per-token saved bytes of RMSNorm, the router + DenseMoE (plain) and the
+    router + PipelinedLLEPMoE (moepeak), measured on CPU with saved_tensors_hooks."""
+    import torch
+    from moepeak.models import DenseMoE, RMSNorm, available, component
+    T, H, I, E, K = 512, 64, 48, 8, 2
+    m = P.ModelShape(layers=1, hidden=H, experts=E, top_k=K, intermediate=I, vocab=256, heads=4, kv_heads=2)
+    s = P.Setup(gpus=1, imbalance=1.0)
+    plain, mine = P.peaks(m, s, T, "plain"), P.peaks(m, s, T, "moepeak")
+    torch.manual_seed(0)
+    x = torch.randn(1, T, H, dtype=torch.bfloat16, requires_grad=True)
+    n = RMSNorm(H, dtype=torch.bfloat16)
+    got = _saved_bytes_per_token(lambda: n(x), list(n.parameters()), T)
+    assert abs(got - plain["saved_norm"]) <= 0.01 * got, (got, plain["saved_norm"])
+    d = DenseMoE(H, I, E, K, dtype=torch.bfloat16)
+    for p in d.parameters():
+        torch.nn.init.normal_(p)
+    got = _saved_bytes_per_token(lambda: d(x), list(d.parameters()), T)
+    want = plain["saved_router"] + plain["saved_moe"]
+    assert abs(got - want) <= 0.02 * got, (got, want)
+    if available("moe"):
+        mo = component("moe")(H, I, E, K, dtype=torch.bfloat16)
+        got = _saved_bytes_per_token(lambda: mo(x), list(mo.parameters()), T)
+        want = mine["saved_router"] + mine["saved_moe"]
+        assert abs(got - want) <= 0.02 * got, (got, want)
+
+
+# MEASURED on the H200 (torch 2.11, CUDA 13.0) on 2026-11-29 by benchmarks/bench_demo.py --quick:
+# torch.cuda.max_memory_allocated over the demo's default GPU model (L=4, H=1024, heads 8/2,
+# E=16, K=2, I=512, V=65536, bf16, one GPU), per context and mode. Fixtures, not predictions.
+MEASURED_H200_2026_11_29_GIB = {
+    (32768, "moepeak"): 2.52, (32768, "plain"): 25.97,
+    (131072, "moepeak"): 6.65, (131072, "plain"): 99.75,
+}
+
+
+@pytest.mark.parametrize("context, plan", sorted(MEASURED_H200_2026_11_29_GIB))
+def test_plan_within_15_percent_of_h200_measurements(context, plan):
+    m = P.ModelShape(layers=4, hidden=1024, experts=16, top_k=2, intermediate=512, vocab=65536,
+                     heads=8, kv_heads=2)
+    # the demo's plain run: bf16 params + grads, torch AdamW's bf16 m, v (bench_demo's Setup)
+    s = P.Setup(gpus=1, act_bytes=2, imbalance=1.0, plain_opt_bytes=4.0, plain_fixed_bytes=4.0)
+    pred = P.peaks(m, s, context, plan)["total"] / P.GiB
+    meas = MEASURED_H200_2026_11_29_GIB[(context, plan)]
+    print(f"{plan} @ {context}: plan {pred:.2f} GiB, measured {meas:.2f} GiB, ratio {pred / meas:.3f}")
+    assert 0.85 <= pred / meas <= 1.15, (plan, context, pred, meas)

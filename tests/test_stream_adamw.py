@@ -328,6 +328,35 @@ def _dtensor_rank(rank, world):
         assert torch.equal(d.to_local(), loc.detach()), f"rank {rank}: shard differs"
         assert torch.equal(ours.state[d]["exp_avg_sq"], ref.state[loc]["exp_avg_sq"])
 
+    # state_dict(): a DTensor param's state is a DTensor (its mesh, placements, global shape),
+    # so torch.distributed.checkpoint keeps every rank's shard; self.state stays plain.
+    from torch.distributed.tensor import DTensor
+    sd = ours.state_dict()
+    for i, d in enumerate(dps):
+        for k in ("exp_avg", "exp_avg_sq"):
+            v = sd["state"][i][k]
+            assert isinstance(v, DTensor) and v.shape == d.shape and v.placements == d.placements
+            assert torch.equal(v.to_local(), ours.state[d][k])
+            assert type(ours.state[d][k]) is torch.Tensor
+        assert sd["state"][i]["step"].dim() == 0
+    # load_state_dict accepts it, and the same state as plain local-shard tensors
+    plain_sd = {"param_groups": sd["param_groups"],
+                "state": {i: {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in st.items()}
+                          for i, st in sd["state"].items()}}
+    for src in (sd, plain_sd):
+        other = [torch.nn.Parameter(d.detach().clone()) for d in dps]
+        o = moepeak.StreamAdamW(other, lr=1e-2)
+        o.load_state_dict(src)
+        for d, e in zip(dps, other):
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert type(o.state[e][k]) is torch.Tensor and torch.equal(o.state[e][k], ours.state[d][k])
+        for d, e in zip(dps, other):  # one more step: the same update
+            e.grad = d.grad = distribute_tensor(torch.ones(d.shape), mesh, [Shard(0)])
+        o.step()
+    ours.step()
+    for d, e in zip(dps, other):
+        assert torch.equal(d.to_local(), e.to_local()), (rank, (d.to_local() - e.to_local()).abs().max(), ours.state[d]["step"], o.state[e]["step"])
+
 
 def test_dtensor_params_update_local_shards():
     from dist_utils import run_ranks
