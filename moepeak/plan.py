@@ -125,6 +125,7 @@ class Setup:
     act_bytes: int = 2          # b
     imbalance: float = 1.5      # rho for plain EP (capped to [1, P])
     chunk_rows: int = 32768     # PipelinedLLEP C (its default, llep_plan.default_chunk_rows)
+    llep_save_budget_mb: int = 1536  # PipelinedLLEP activation cache (llep.DEFAULT_SAVE_BUDGET_MB)
     ring_workspace_mb: float = 512.0  # Ring-DTP block workspace (its default budget)
     bucket_mb: float = 64.0     # StreamAdamW bucket (its slots are pinned host memory: 0 GPU bytes)
     sco_in_flight: int = 2      # SCOConfig.max_in_flight (W): forward D2H copies still referenced
@@ -205,15 +206,22 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         out["optimizer"] = s.plain_opt_bytes * N / P
         out["fixed"] = s.plain_fixed_bytes * N / P + gathered + T * rope
     else:
-        C = min(s.chunk_rows, max(1, T * K))
+        C = s.chunk_rows  # the working set and cache slots are sized by C, whatever T is
         # llep_dispatch saves its input b*H + the normalised weights 4K (ids: the router's);
         # its backward adds an fp32 [T, H]
         # dX and fp32 [T*K] d(weights); the chunk's GEMM working set C*(2H + 3I)
         # (P > 1 adds 2 recv + 1 send buffers of C rows).
         out["saved_moe"] = b * H + 4 * K
         block = T * (norms + attn + router + b * H)
+        # + the activation cache, alive from the layer's (re)computed forward to its
+        # backward: whole slots of b*C*(2I + H) within the launch budget, never more
+        # slots than chunks (moepeak/llep_sched.py cache_slots).
+        slot = b * C * (2 * I + H)
+        chunks = -(-T * K // max(1, C // P))
+        cache = min((s.llep_save_budget_mb << 20) // slot, chunks) * slot
+        out["llep_cache"] = cache
         out["dispatch"] = T * out["saved_moe"] + b * C * ((2 * H + 3 * I) if P == 1 else (4 * H + 3 * I)) \
-            + 4 * T * H + 4 * T * K
+            + 4 * T * H + 4 * T * K + cache
         ws = ring_dtp_vocab_bytes(T, H, V, b, s.ring_workspace_mb)
         if P > 1:
             ws += 2 * (V // P) * H * b + 4 * (V // P) * H
