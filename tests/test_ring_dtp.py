@@ -163,18 +163,33 @@ def test_mode_errors():
     print("dW error / naive dW error:", ratios)
     assert ratios[("fused", 1)] <= 1.2 and ratios[("vocab_outer", 8)] <= 1.2
     assert ratios[("fused", 32)] > ratios[("fused", 1)]
-    # bf16 logits: naive's own rounding, so naive-level error in one chunk; within 2x at auto's 8 chunks
+    # bf16 logits: naive's own rounding, so naive-level error in one chunk; within 2x at 8 chunks on these
+    # peaked logits (std 2); more chunks grow past 2x here (module docstring), see the next test
     assert ratios[("fused_lowp", 1)] <= 1.2 and ratios[("fused_lowp", 8)] <= 2.0
     assert ratios[("fused_lowp", 32)] > ratios[("fused_lowp", 1)]
 
 
+def test_fused_lowp_error_at_auto_chunk_count():
+    """auto's configuration at T = 32k, V = 151936 is fused_lowp in 19 chunks. On data like the
+    H200 benchmark's (uniform random labels, V >> T, logits of std 1) its dW error stays within
+    2x naive's (H200: 1.17x; this CPU size: ~1.75x); dX and loss are naive-level."""
+    x, w, y, _ = make(1216, 64, 16384, torch.bfloat16, seed=0, scale=0.25)
+    ref = grads(ref_linear_cross_entropy, x.double(), w.double(), y, None)
+    naive = grads(naive_linear_cross_entropy, x, w, y, None)
+    ours = grads(moepeak.linear_cross_entropy, x, w, y, None, mode="fused_lowp", chunk_tokens=64)  # 19 chunks
+    for i, name in enumerate(("loss", "dX", "dW")):
+        eo, en = relerr(ours[i], ref[i]), relerr(naive[i], ref[i])
+        assert eo <= 2 * en + (1e-6 if i == 0 else 0), (name, eo, en)
+
+
 def test_auto_mode_choice():
     from moepeak.ring_dtp import MODES as M, _pick_mode
-    # bf16 logits, 1728 rows per chunk at V = 151936 (fused_chunk_tokens): 2 chunks at T = 2000
+    # bf16 logits, 1728 rows per chunk at V = 151936 (fused_chunk_tokens): at most 20 chunks
     assert _pick_mode(0, True, 1, 2000, 151936, torch.bfloat16) == M["fused_lowp"]
-    assert _pick_mode(0, True, 1, 8 * 1728, 151936, torch.bfloat16) == M["fused_lowp"]
-    assert _pick_mode(0, True, 1, 8 * 1728 + 1, 151936, torch.bfloat16) == M["vocab_outer"]
-    assert _pick_mode(0, True, 1, 32768, 151936, torch.bfloat16) == M["vocab_outer"]
+    assert _pick_mode(0, True, 1, 32768, 151936, torch.bfloat16) == M["fused_lowp"]  # 19 chunks
+    assert _pick_mode(0, True, 1, 20 * 1728, 151936, torch.bfloat16) == M["fused_lowp"]
+    assert _pick_mode(0, True, 1, 20 * 1728 + 1, 151936, torch.bfloat16) == M["vocab_outer"]
+    assert _pick_mode(0, True, 1, 131072, 151936, torch.bfloat16) == M["vocab_outer"]
     assert _pick_mode(0, True, 1, 32768, 151936, torch.bfloat16, 8192) == M["fused_lowp"]
     assert _pick_mode(0, True, 0, 100, 1000, torch.bfloat16) == M["vocab_outer"]
     assert _pick_mode(0, False, 1, 100, 1000, torch.bfloat16) == M["vocab_outer"]
