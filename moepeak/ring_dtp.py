@@ -47,8 +47,11 @@ the same chunk count, relative to naive bf16 (1.02e-3):
   * that run's fused peaks were dX + dW twice: autograd handed backward zero-filled
     gradients [T, H] and [V, H] for the op's dX/dW outputs (fixed since: they are
     marked non-differentiable, grads not materialized). Expected now: dX 0.25 +
-    dW 1.16 + workspace 0.49 + ~0.06 = ~1.96 GiB for fused_lowp at 1728 rows.
-  T = 128k: fused_lowp 822 ms (Liger 772 ms), same double-count (4.38 GiB).
+    dW 1.16 + workspace 0.49 + [T] state = ~1.92 GiB for fused_lowp at 1728 rows
+    (backward adds only a 64 MiB fp32 scaling block, after the workspace is freed).
+  T = 128k: fused_lowp 822 ms (Liger 772 ms), same double-count (4.38 GiB; expected
+    now ~2.67: dX 1.0 + dW 1.16 + 0.49). auto picks vocab_outer there (76 chunks):
+    1242 ms, 4.29 GiB (fp32 dX accumulator 2 GiB).
 Error growth with the chunk count. fused* round the bf16 dW accumulator once per
 chunk. On the H200 data above (uniform random labels over 152k classes, logits of
 std 1) a dW row gets its large label term from one chunk and the other chunks add
