@@ -12,6 +12,7 @@ import torch
 
 import moepeak
 from moepeak.ring_dtp import ring_dtp_ce  # noqa: F401  (registers the ops)
+from moepeak import ring_dtp_blocks as B
 from tests.refs import naive_linear_cross_entropy, ref_linear_cross_entropy
 
 FLOOR = {torch.float32: 2e-6, torch.bfloat16: 1e-3, torch.float16: 2e-4}
@@ -162,18 +163,33 @@ def test_mode_errors():
     print("dW error / naive dW error:", ratios)
     assert ratios[("fused", 1)] <= 1.2 and ratios[("vocab_outer", 8)] <= 1.2
     assert ratios[("fused", 32)] > ratios[("fused", 1)]
-    # bf16 logits: naive's own rounding, so naive-level error in one chunk; within 2x at auto's 8 chunks
+    # bf16 logits: naive's own rounding, so naive-level error in one chunk; within 2x at 8 chunks on these
+    # peaked logits (std 2); more chunks grow past 2x here (module docstring), see the next test
     assert ratios[("fused_lowp", 1)] <= 1.2 and ratios[("fused_lowp", 8)] <= 2.0
     assert ratios[("fused_lowp", 32)] > ratios[("fused_lowp", 1)]
 
 
+def test_fused_lowp_error_at_auto_chunk_count():
+    """auto's configuration at T = 32k, V = 151936 is fused_lowp in 19 chunks. On data like the
+    H200 benchmark's (uniform random labels, V >> T, logits of std 1) its dW error stays within
+    2x naive's (H200: 1.17x; this CPU size: ~1.75x); dX and loss are naive-level."""
+    x, w, y, _ = make(1216, 64, 16384, torch.bfloat16, seed=0, scale=0.25)
+    ref = grads(ref_linear_cross_entropy, x.double(), w.double(), y, None)
+    naive = grads(naive_linear_cross_entropy, x, w, y, None)
+    ours = grads(moepeak.linear_cross_entropy, x, w, y, None, mode="fused_lowp", chunk_tokens=64)  # 19 chunks
+    for i, name in enumerate(("loss", "dX", "dW")):
+        eo, en = relerr(ours[i], ref[i]), relerr(naive[i], ref[i])
+        assert eo <= 2 * en + (1e-6 if i == 0 else 0), (name, eo, en)
+
+
 def test_auto_mode_choice():
     from moepeak.ring_dtp import MODES as M, _pick_mode
-    # bf16 logits, 1728 rows per chunk at V = 151936 (fused_chunk_tokens): 2 chunks at T = 2000
+    # bf16 logits, 1728 rows per chunk at V = 151936 (fused_chunk_tokens): at most 20 chunks
     assert _pick_mode(0, True, 1, 2000, 151936, torch.bfloat16) == M["fused_lowp"]
-    assert _pick_mode(0, True, 1, 8 * 1728, 151936, torch.bfloat16) == M["fused_lowp"]
-    assert _pick_mode(0, True, 1, 8 * 1728 + 1, 151936, torch.bfloat16) == M["vocab_outer"]
-    assert _pick_mode(0, True, 1, 32768, 151936, torch.bfloat16) == M["vocab_outer"]
+    assert _pick_mode(0, True, 1, 32768, 151936, torch.bfloat16) == M["fused_lowp"]  # 19 chunks
+    assert _pick_mode(0, True, 1, 20 * 1728, 151936, torch.bfloat16) == M["fused_lowp"]
+    assert _pick_mode(0, True, 1, 20 * 1728 + 1, 151936, torch.bfloat16) == M["vocab_outer"]
+    assert _pick_mode(0, True, 1, 131072, 151936, torch.bfloat16) == M["vocab_outer"]
     assert _pick_mode(0, True, 1, 32768, 151936, torch.bfloat16, 8192) == M["fused_lowp"]
     assert _pick_mode(0, True, 0, 100, 1000, torch.bfloat16) == M["vocab_outer"]
     assert _pick_mode(0, False, 1, 100, 1000, torch.bfloat16) == M["vocab_outer"]
@@ -346,24 +362,98 @@ def test_cuda_bad_labels_raise_after_compiled_call():
     check_labels()  # nothing pending any more
 
 
+class _FreshBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Sums the bytes of every new storage an aten/moepeak op returns while active
+    (outputs that share an input's storage, i.e. views and in-place ops, are not new)."""
+
+    def __init__(self):
+        super().__init__()
+        self.total, self.ops = 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        ins = {a.untyped_storage().data_ptr() for a in leaves if isinstance(a, torch.Tensor)}
+        for o in torch.utils._pytree.tree_leaves(out):
+            if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in ins:
+                self.total += o.untyped_storage().nbytes()
+                self.ops.append((str(func), o.untyped_storage().nbytes()))
+        return out
+
+
+@pytest.mark.parametrize("mode", ["fused_lowp", "fused"])
+def test_fused_backward_allocates_no_gradient_copies(mode, monkeypatch):
+    """The H200 peak of 2.88 GiB (T = 32k) was dX + dW twice: autograd materialized
+    zero gradients [T, H] and [V, H] for the op's dX/dW outputs. Backward of the fused
+    modes may only allocate the fp32 scaling block; .grad must be the op's own buffers."""
+    import moepeak.ring_dtp as R
+    monkeypatch.setattr(R, "_SCALE_BLOCK_ELEMS", 4096)
+    T, H, V = 384, 64, 1000
+    x, w, y, _ = make(T, H, V, torch.bfloat16, seed=21)
+    x.requires_grad_()
+    w.requires_grad_()
+    with _FreshBytes() as fwd:
+        loss = moepeak.linear_cross_entropy(x, w, y, mode=mode, chunk_tokens=128)
+    op_out = [o for f, o in fwd.ops if "ring_dtp_ce" in f]
+    assert sum(op_out) >= (T + V) * H * 2  # the forward op made dX and dW
+    with _FreshBytes() as bwd:
+        loss.backward()
+    # each temporary is one fp32 scaling block (freed before the next): far below dX (49 kB) and dW (128 kB)
+    biggest = max(n for _, n in bwd.ops)
+    assert biggest <= 4 * 4096, f"backward allocated a {biggest} B buffer: {sorted(bwd.ops, key=lambda o: -o[1])[:4]}"
+    assert {f for f, _ in bwd.ops} <= {"aten._to_copy.default", "aten.ones_like.default"}, bwd.ops
+    # dX + dW exist once: the forward's buffers became .grad (no copy at the autograd boundary)
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", MODES)
 def test_cuda_peak_memory_bounded(mode):
-    """The logits never exist: peak above the inputs stays within gradients +
-    fp32 dX accumulator (4-GEMM orders) + the block workspace, far below T*V*4."""
+    """The logits never exist, and dX + dW exist once: peak above the inputs stays within
+    gradients + the mode's workspace (+ the fp32 dX accumulator of vocab_outer) + slack.
+    The fused modes run with 512-row chunks (workspace 64 / 192 MiB < dX + dW = 160 MiB),
+    so a second copy of the gradients (the old materialized zero grads) fails the bound."""
     T, H, V = 16384, 1024, 65536
     x, w, y, _ = make(T, H, V, torch.bfloat16, seed=14)
     x, w, y = x.cuda().requires_grad_(), w.cuda().requires_grad_(), y.cuda()
-    moepeak.linear_cross_entropy(x, w, y, mode=mode).backward()  # warm-up
+    ct = 512 if mode.startswith("fused") else None
+    moepeak.linear_cross_entropy(x, w, y, mode=mode, chunk_tokens=ct).backward()  # warm-up
     x.grad = w.grad = None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    moepeak.linear_cross_entropy(x, w, y, mode=mode).backward()
+    moepeak.linear_cross_entropy(x, w, y, mode=mode, chunk_tokens=ct).backward()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     grads_bytes = (T + V) * H * 2
-    acc = T * H * 4 if mode != "fused" else 0
-    bound = grads_bytes + acc + (512 << 20) + (96 << 20)
+    # 64 MiB: backward's fp32 scaling block (_SCALE_BLOCK_ELEMS), the [T] state, labels
+    if mode == "fused_lowp":
+        bound = grads_bytes + ct * V * 2 + (64 << 20)
+    elif mode == "fused":
+        bound = grads_bytes + ct * V * 6 + (64 << 20)
+    else:  # the 4-GEMM orders: fp32 dX accumulator + blocks (+ the previous block's dZ / dW partial)
+        bound = grads_bytes + T * H * 4 + B.BLOCKED_WORKSPACE_BYTES + (128 << 20)
     assert peak <= bound, f"{mode}: peak {peak / 2**20:.0f} MiB > bound {bound / 2**20:.0f} MiB"
     assert peak < T * V * 4 / 2  # well below one fp32 copy of the logits
+
+
+@pytest.mark.cuda
+def test_cuda_auto_within_issue_budget():
+    """The issue's target shape: T = 32k, H = 4096, V = 151936, bf16, fwd+bwd with mode auto
+    (fused_lowp, 1728-row chunks): peak above the inputs <= 2.0 GiB including dX and dW
+    (expected ~1.92 GiB: dX 0.25 + dW 1.16 + workspace 0.49)."""
+    T, H, V = 32768, 4096, 151936
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    w = (torch.randn(V, H, device="cuda", dtype=torch.bfloat16, generator=g) / H ** 0.5).requires_grad_()
+    y = torch.randint(0, V, (T,), device="cuda", generator=g)
+    moepeak.linear_cross_entropy(x, w, y).backward()  # warm-up
+    x.grad = w.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    moepeak.linear_cross_entropy(x, w, y).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak <= 2 << 30, f"peak {peak / 2**30:.3f} GiB > 2.0 GiB"
+    assert torch.isfinite(w.grad).all() and torch.isfinite(x.grad).all()
