@@ -107,9 +107,14 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, topk_ids, topk_weights, w_gate_up, w_down, output[1])
     ctx.args = inputs[5:10]
     ctx.mark_non_differentiable(output[1])
+    # No zero-filled gradient for the cache output (it would cost the whole cache
+    # budget again in backward; measured on the H200 before this line).
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_y, grad_cache):
+    if grad_y is None:  # y did not reach the loss: nothing flows back
+        return (None,) * 11
     x, topk_ids, topk_weights, w_gate_up, w_down, cache = ctx.saved_tensors
     dx, dtw, dwgu, dwd = llep_dispatch_backward(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, *ctx.args,
                                                 cache if cache.shape[0] else None)
