@@ -40,10 +40,12 @@ GiB = 2 ** 30
 DEFAULTS = {
     "cuda": dict(layers=4, hidden=1024, heads=8, kv_heads=2, experts=16, top_k=2, intermediate=512,
                  vocab=65536, seq_len=131072, batch=1, steps=150, lr=2e-3, dtype="bfloat16",
-                 warmup=15),
+                 warmup=15, chunk_rows=None),
     "cpu": dict(layers=2, hidden=64, heads=4, kv_heads=2, experts=8, top_k=2, intermediate=64,
                 vocab=264, seq_len=256, batch=4, steps=120, lr=3e-3, dtype="float32",
-                warmup=10),
+                # 2048 routed rows a step: chunks of 256 rows bound the dispatch working set
+                # (the GPU default, 32768 rows, would exceed the whole tiny layer)
+                warmup=10, chunk_rows=256),
 }
 SCHEDULES = (("llep", "moe", "PipelinedLLEP expert dispatch"),
              ("ring_dtp", "head", "Ring-DTP vocabulary projection + CE"),
@@ -122,7 +124,8 @@ def _config_from_args(a, dev_kind: str):
                     layers=pick("layers", a.layers), heads=pick("heads", a.heads),
                     kv_heads=pick("kv_heads", a.kv_heads), experts=pick("experts", a.experts),
                     top_k=pick("top_k", a.top_k), intermediate=pick("intermediate", a.intermediate),
-                    checkpoint="none" if a.no_checkpoint else "sco", chunk_rows=a.chunk_rows)
+                    checkpoint="none" if a.no_checkpoint else "sco",
+                    chunk_rows=pick("chunk_rows", a.chunk_rows))
     train = dict(seq_len=pick("seq_len", a.seq_len), batch=pick("batch", a.batch),
                  steps=pick("steps", a.steps), lr=pick("lr", a.lr), warmup=pick("warmup", a.warmup),
                  dtype=getattr(torch, pick("dtype", a.dtype)))
