@@ -46,7 +46,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 

@@ -13,7 +13,7 @@ Ranks here are ranks *within the group* (0..world_size-1).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist

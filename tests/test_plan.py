@@ -1,7 +1,6 @@
 """`moepeak plan`: preset arithmetic, peaks vs context, binding peak, the
 longest context, bad input, and the model's formulas against bytes measured
 on CPU (the 15% GPU comparison is in benchmarks/bench_demo.py)."""
-import argparse
 
 import pytest
 import torch
