@@ -32,14 +32,21 @@ def machine_row() -> Dict[str, str]:
     }
 
 
-def append_csv(path: str, row: Dict[str, object]) -> None:
+def append_rows(path: str, rows, fieldnames=None, **writer_kw) -> None:
+    """Append dict rows to a CSV file, writing the header first when the file is new.
+    fieldnames: the columns (default: the first row's keys); writer_kw go to csv.DictWriter."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fieldnames = list(fieldnames if fieldnames is not None else rows[0].keys())
     new = not os.path.exists(path)
     with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(row.keys()))
+        w = csv.DictWriter(f, fieldnames=fieldnames, **writer_kw)
         if new:
             w.writeheader()
-        w.writerow(row)
+        w.writerows(rows)
+
+
+def append_csv(path: str, row: Dict[str, object]) -> None:
+    append_rows(path, [row])
 
 
 def cuda_times_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 3):

@@ -24,7 +24,6 @@ T / median fwd+bwd time (P = 2: max over ranks). An OOM is a result.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as _dt
 import gc
 import os
@@ -35,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _common import append_rows  # noqa: E402
 import moepeak  # noqa: E402
 from moepeak.llep import llep_moe  # noqa: E402
 
@@ -285,14 +285,8 @@ def main():
     if rank == 0:
         _summary(rows)
         if args.out:
-            os.makedirs(args.out, exist_ok=True)
             path = os.path.join(args.out, "llep.csv")
-            new = not os.path.exists(path)
-            with open(path, "a", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
-                if new:
-                    w.writeheader()
-                w.writerows(rows)
+            append_rows(path, rows)
             print(f"appended {len(rows)} rows to {path}")
     if dist_mode:
         import torch.distributed as dist

@@ -22,7 +22,6 @@ minus before; host_rss, pinned bytes. An OOM is recorded, not raised.
   python benchmarks/bench_optim.py --out benchmarks/results [--quick]
 """
 import argparse
-import csv
 import datetime
 import gc
 import os
@@ -33,6 +32,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _common import append_rows  # noqa: E402
 import moepeak  # noqa: E402
 
 COLS = ["gpu", "date", "torch", "moepeak", "threads", "params", "layout", "arm", "step_s", "step_min_s", "step_max_s",
@@ -270,12 +270,7 @@ def main():
                     del params, opt
                     gc.collect()
                     torch.cuda.empty_cache()
-    new = not os.path.exists(path)
-    with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLS, restval="", extrasaction="ignore")
-        if new:
-            w.writeheader()
-        w.writerows(rows)
+    append_rows(path, rows, fieldnames=COLS, restval="", extrasaction="ignore")
     print(f"\nwrote {len(rows)} rows to {path}")
     summary(rows, args.threads)
 

@@ -19,7 +19,6 @@ An OOM is a result (status "oom"), never a crash.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import os
 import statistics
@@ -29,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _common import append_rows  # noqa: E402
 import moepeak  # noqa: E402
 
 GiB = 1 << 30
@@ -288,14 +288,8 @@ def main():
                              err_dx=f"{e[1]:.3e}", err_dw=f"{e[2]:.3e}"))
         verdicts(results, t3, errs)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "ring_dtp.csv")
-        new = not os.path.exists(path)
-        with open(path, "a", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
-            if new:
-                wr.writeheader()
-            wr.writerows(rows)
+        append_rows(path, rows)
         print(f"\nappended {len(rows)} rows to {path}")
 
 

@@ -19,7 +19,6 @@ Sizes worked once: boundary = T·H·2 B = 32768·4096·2 = 256 MiB at T = 32k
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import gc
 import os
@@ -32,6 +31,7 @@ import torch
 import torch.utils.checkpoint as tuc
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _common import append_rows  # noqa: E402
 import moepeak  # noqa: E402
 from moepeak.sco import SCOConfig  # noqa: E402
 from tests.refs import SCOBlock  # noqa: E402
@@ -222,14 +222,8 @@ def main():
             _cleanup()
             print(f"  ({time.time() - t0:.0f} s)", flush=True)
     if a.out:
-        os.makedirs(a.out, exist_ok=True)
         path = os.path.join(a.out, "sco.csv")
-        new = not os.path.exists(path)
-        with open(path, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["gpu"])
-            if new:
-                w.writeheader()
-            w.writerows(rows)
+        append_rows(path, rows, fieldnames=list(rows[0]) if rows else ["gpu"])
         print(f"appended {len(rows)} rows to {path}")
 
 

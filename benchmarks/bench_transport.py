@@ -26,7 +26,6 @@ An OOM or an error is recorded as that row's status, never a crash.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import os
 import shutil
@@ -39,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import append_rows  # noqa: E402
 import moepeak  # noqa: E402
 from moepeak import _C  # noqa: E402
 from moepeak.transport import TorchDistTransport  # noqa: E402
@@ -199,12 +199,7 @@ def main():
     if rank == 0:
         _summary(rows)
         path = os.path.join(args.out, "transport.csv")
-        new = not os.path.exists(path)
-        with open(path, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=FIELDS)
-            if new:
-                w.writeheader()
-            w.writerows(rows)
+        append_rows(path, rows, fieldnames=FIELDS)
         print(f"# appended {len(rows)} rows to {path}")
     for t in transports.values():
         if hasattr(t, "close"):
