@@ -77,17 +77,23 @@ def _check_pair(src_name, src, dst_name, dst):
     return nb_s
 
 
+def _copy_bytes(op: str, src: torch.Tensor, dst: torch.Tensor, dev: torch.device, nbytes: int,
+                host: torch.Tensor) -> None:
+    """The body of both ops: `host` must be CPU; a CUDA side copies async on the
+    current stream (moepeak's copy engine), a CPU pair copies bytes in place."""
+    if host.device.type != "cpu":
+        raise ValueError(f"moepeak: host must be a CPU tensor, got {host.device}")
+    if dev.type == "cuda":
+        require_cuda_build(op)
+        _C.sco_copy(dst.data_ptr(), src.data_ptr(), nbytes, current_stream_handle(dev), 0, 0)
+    elif nbytes:
+        dst.view(-1).view(torch.uint8).copy_(src.reshape(-1).view(torch.uint8))
+
+
 @torch.library.custom_op("moepeak::sco_offload", mutates_args=("host",))
 def sco_offload(x: torch.Tensor, host: torch.Tensor) -> None:
     """Copy x's bytes into host (CPU, pinned for CUDA x), async on the current stream."""
-    nbytes = _check_pair("x", x, "host", host)
-    if host.device.type != "cpu":
-        raise ValueError(f"moepeak: host must be a CPU tensor, got {host.device}")
-    if x.device.type == "cuda":
-        require_cuda_build("sco_offload")
-        _C.sco_copy(host.data_ptr(), x.data_ptr(), nbytes, current_stream_handle(x.device), 0, 0)
-    elif nbytes:
-        host.view(-1).view(torch.uint8).copy_(x.reshape(-1).view(torch.uint8))
+    _copy_bytes("sco_offload", src=x, dst=host, dev=x.device, nbytes=_check_pair("x", x, "host", host), host=host)
 
 
 @sco_offload.register_fake
@@ -98,14 +104,8 @@ def _(x, host):
 @torch.library.custom_op("moepeak::sco_reload", mutates_args=("out",))
 def sco_reload(host: torch.Tensor, out: torch.Tensor) -> None:
     """Copy host's bytes into out (a tensor of the boundary's shape), async on the current stream."""
-    nbytes = _check_pair("host", host, "out", out)
-    if host.device.type != "cpu":
-        raise ValueError(f"moepeak: host must be a CPU tensor, got {host.device}")
-    if out.device.type == "cuda":
-        require_cuda_build("sco_reload")
-        _C.sco_copy(out.data_ptr(), host.data_ptr(), nbytes, current_stream_handle(out.device), 0, 0)
-    elif nbytes:
-        out.view(-1).view(torch.uint8).copy_(host.reshape(-1).view(torch.uint8))
+    _copy_bytes("sco_reload", src=host, dst=out, dev=out.device, nbytes=_check_pair("host", host, "out", out),
+                host=host)
 
 
 @sco_reload.register_fake
