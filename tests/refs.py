@@ -168,24 +168,29 @@ def llep_plan_ref(load, alpha, min_tokens, lam):
             cands = [d for d in range(P) if d != exclude]
             return min(cands, key=lambda d: (assigned[d], d))
 
-        for e in sorted(range(E), key=lambda e: (-L[e], e)):
+        R = [0] * E
+        for e in sorted(range(E), key=lambda e: (L[e], e)):  # native pass: smallest first
             o = e // El
             keep = min(L[e], max(0, cap - assigned[o]))
-            Q[e][o] += keep
+            Q[e][o] = keep
             assigned[o] += keep
-            R = L[e] - keep
-            while R > 0:
+            R[e] = L[e] - keep
+        for e in sorted((e for e in range(E) if R[e] > 0), key=lambda e: (-R[e], e)):  # spill pass
+            o, r = e // El, R[e]
+            while r > 0:
                 d = least(o)
                 room = cap - assigned[d]
-                if room >= R:
-                    take = R
+                if r < min_tokens:
+                    d, take = o, r
+                elif room >= r:
+                    take = r
                 elif room >= min_tokens and room > 0:
                     take = room
                 else:
-                    d, take = least(None), R
+                    d, take = least(None), r
                 Q[e][d] += take
                 assigned[d] += take
-                R -= take
+                r -= take
                 spilled = spilled or d != o
     A = [[[0] * P for _ in range(P)] for _ in range(E)]
     S = [[0] * P for _ in range(P)]

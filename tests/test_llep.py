@@ -61,10 +61,33 @@ def test_plan_adversarial():
     # empty experts, T = 0 on some ranks, everything zero
     _check_plan([[0, 0, 50, 0], [0, 0, 0, 0]], 1.0, 4, 1.3)
     _check_plan([[0] * 6 for _ in range(3)], 1.0, 4, 1.3)
-    # every spill share below m: remainder goes whole to the least-loaded rank
+    # the C file's worked example: small experts stay home, one expert moves
     plan = _check_plan([[900, 50, 30, 20], [0, 0, 0, 0]], 1.0, 100, 1.3)
-    assert plan.Q.tolist() == [[500, 400], [0, 50], [0, 30], [0, 20]]  # the C file's worked example
+    assert plan.Q.tolist() == [[450, 450], [50, 0], [0, 30], [0, 20]]
+    # a residual below m never leaves its owner (worth neither a GEMM nor a weight transfer)
     plan = _check_plan([[10, 0, 0, 0], [0, 0, 0, 0]], 1.0, 1024, 1.3)
+    assert plan.Q.tolist() == [[10, 0], [0, 0], [0, 0], [0, 0]] and not plan.spilled
+    # residuals >= m go to the least-assigned helper; one below m stays with its owner
+    plan = _check_plan([[0, 0, 0, 0, 0, 0], [300, 0, 0, 0, 0, 0], [0, 0, 0, 0, 290, 0]], 1.0, 100, 1.3)
+    assert plan.Q.tolist()[0] == [197, 103, 0]
+
+
+def test_plan_moves_only_hot_experts():
+    """95:4-style routing on 2 ranks, 64 experts each, every cold expert above
+    m: only hot experts move (their weights travel), never the cold ones."""
+    P, E = 2, 128
+    for hot_share, cold in ((0.95, 30), (0.5, 1500), (0.8, 2000)):
+        load = [[0] * E for _ in range(P)]
+        for s in range(P):
+            for e in range(E):
+                load[s][e] = cold
+            for e in range(4):
+                load[s][e] = int(hot_share * cold * E / (1 - hot_share) / 4)
+        plan = _check_plan(load, 1.0, 1024, 1.3)
+        assert plan.spilled
+        moved = [e for e in range(E) if int(plan.Q[e].sum()) != int(plan.Q[e, e // (E // P)])]
+        assert 1 <= len(moved) <= 4 and all(e < 4 for e in moved), (hot_share, moved)
+        assert max(plan.Q.sum(0).tolist()) - min(plan.Q.sum(0).tolist()) <= 1024 + 2 * cold
     # below the imbalance threshold nothing moves
     plan = _check_plan([[100, 100], [100, 120]], 1.0, 1, 1.3)
     assert not plan.spilled
