@@ -94,10 +94,15 @@ def config_fingerprint(**fields) -> List[int]:
 
 
 def default_chunk_rows(P: int) -> int:
-    """32768 rows per destination: at H = I = 2880 in bf16, one [C, H] buffer
-    is 180 MiB and the P = 1 forward working set (C * (2H + 3I) * 2 bytes) is
-    0.9 GiB -- small against an 80-141 GiB GPU, large enough for full GEMMs."""
-    return max(32768, P)
+    """Rows per destination per chunk (C). P = 1: 32768; at H = I = 2880 in
+    bf16 one [C, H] buffer is 180 MiB and the backward working set
+    (C * (4H + 7I) * 2 bytes, llep_sched.workspace_bytes) 2.1 GiB -- small
+    against an 80-141 GiB GPU, large enough for full GEMMs. P > 1: 16384,
+    because the double-buffered send/receive rings make the backward working
+    set C * (16H + 7I) * 2 bytes: 2.0 GiB at the same shapes (4.0 GiB at
+    C = 32768, measured on 2 H200s). A chunk still gives each destination
+    up to 16384 rows: full-size expert GEMMs."""
+    return 32768 if P == 1 else max(16384, P)
 
 
 # ---------------------------------------------------------------------------

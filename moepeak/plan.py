@@ -124,7 +124,7 @@ class Setup:
     gpu_mem_gib: float = 141.0
     act_bytes: int = 2          # b
     imbalance: float = 1.5      # rho for plain EP (capped to [1, P])
-    chunk_rows: int = 32768     # PipelinedLLEP C (its default, llep_plan.default_chunk_rows)
+    chunk_rows: Optional[int] = None  # PipelinedLLEP C (None: its default, llep_plan.default_chunk_rows)
     llep_save_budget_mb: int = 1536  # PipelinedLLEP activation cache (llep.DEFAULT_SAVE_BUDGET_MB)
     ring_workspace_mb: float = 512.0  # Ring-DTP block workspace (its default budget)
     bucket_mb: float = 64.0     # StreamAdamW bucket (its slots are pinned host memory: 0 GPU bytes)
@@ -206,7 +206,8 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         out["optimizer"] = s.plain_opt_bytes * N / P
         out["fixed"] = s.plain_fixed_bytes * N / P + gathered + T * rope
     else:
-        C = s.chunk_rows  # the working set and cache slots are sized by C, whatever T is
+        from .llep_plan import default_chunk_rows
+        C = s.chunk_rows or default_chunk_rows(P)  # working set and cache slots: from C, whatever T is
         # llep_dispatch saves its input b*H + the normalised weights 4K (ids: the router's);
         # its backward adds an fp32 [T, H]
         # dX and fp32 [T*K] d(weights); the chunk's GEMM working set C*(2H + 3I)
@@ -220,7 +221,8 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         chunks = -(-T * K // max(1, C // P))
         cache = min((s.llep_save_budget_mb << 20) // slot, chunks) * slot
         out["llep_cache"] = cache
-        out["dispatch"] = T * out["saved_moe"] + b * C * ((2 * H + 3 * I) if P == 1 else (4 * H + 3 * I)) \
+        # P > 1: backward's double-buffered send/receive rings (llep_sched.workspace_bytes)
+        out["dispatch"] = T * out["saved_moe"] + b * C * ((2 * H + 3 * I) if P == 1 else (16 * H + 7 * I)) \
             + 4 * T * H + 4 * T * K + cache
         ws = ring_dtp_vocab_bytes(T, H, V, b, s.ring_workspace_mb)
         if P > 1:
