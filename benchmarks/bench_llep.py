@@ -14,12 +14,15 @@ Arms at P = 2 (T tokens per rank):
   standard_ep    all_to_all_single dispatch/combine (torch.distributed.nn, autograd)
                  of the expanded rows, local grouped GEMMs
   llep_1chunk    LLEP plan, one chunk
-  pipelined      PipelinedLLEP, default chunk budget
+  pipelined      PipelinedLLEP, default chunk budget (16384 rows at P > 1) and cache
+  pipelined_nocache  the same with save_budget_mb=0
+  pipelined_c32k PipelinedLLEP with chunk_rows=32768 (the P = 1 default)
 Imbalance "x:4": x% of tokens send all K picks to experts 0..3 (K > 4: experts
 0..3 plus K-4 random others). Peak = max_memory_allocated - allocated before
 the layer call (inputs and weights excluded; weight gradients included).
 Timing: CUDA events, median (min-max) of the timed iterations; tokens/s =
-T / median fwd+bwd time (P = 2: max over ranks). An OOM is a result.
+T / median fwd+bwd time. P = 2: a barrier starts every timed call on all
+ranks together; each statistic is the max over ranks. An OOM is a result.
 """
 from __future__ import annotations
 
@@ -148,6 +151,10 @@ def _measure(fn, x, tw, params, gy, iters, warmup):
             p.grad = None
         gc.collect()
         torch.cuda.synchronize()
+        if _dist_on():  # every rank starts the timed call together: no rank times another's lag
+            import torch.distributed as dist
+            dist.barrier()
+            torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -161,6 +168,11 @@ def _measure(fn, x, tw, params, gy, iters, warmup):
         if it >= warmup:
             times.append(s.elapsed_time(e))
     return peak, times
+
+
+def _dist_on() -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def run_arm(name, fn, x, tw, params, gy, iters, warmup):
@@ -215,19 +227,20 @@ def main():
         if P > 1 and not args.tokens:
             tokens = [8192, 32768]
     imb = {k: IMBALANCE[k] for k in ("balanced", "95:4")} if args.quick else IMBALANCE
-    iters = args.iters or (2 if args.quick else 5)
+    iters = args.iters or (2 if args.quick else 5) + (4 if P > 1 else 0)
     warmup = 1
     if P == 1:
         arms = {"hf_loop": None, "grouped_mm": None, "moepeak_1chunk": None, "pipelined": None,
                 "pipelined_nocache": None}
     else:
-        arms = {"standard_ep": None, "llep_1chunk": None, "pipelined": None}
+        arms = {"standard_ep": None, "llep_1chunk": None, "pipelined": None, "pipelined_nocache": None,
+                "pipelined_c32k": None}
     if args.arms:
         arms = {a: None for a in args.arms.split(",")}
 
     meta = dict(gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 torch=torch.__version__, moepeak=moepeak.__version__, P=P, dtype="bf16")
-    rows = []
+    rows, flushed = [], 0
     for cname, (E, K, H, I) in configs.items():
         El = E // P
         g = torch.Generator(device=dev).manual_seed(1234 + rank)
@@ -248,6 +261,8 @@ def main():
                     "pipelined_nocache": lambda: llep_moe(x, ids, tw, wgu, wd, group=group, save_budget_mb=0),
                     "standard_ep": lambda: standard_ep(x, ids, tw, wgu, wd, group),
                     "llep_1chunk": lambda: llep_moe(x, ids, tw, wgu, wd, group=group, chunk_rows=c1),
+                    # P = 1's chunk budget at P = 2 (twice the default working set)
+                    "pipelined_c32k": lambda: llep_moe(x, ids, tw, wgu, wd, group=group, chunk_rows=32768),
                 }
                 c1 = one_chunk_rows(ids, E, group, P) if P > 1 else None
                 if args.smoke:  # the arms compute the same layer
@@ -261,10 +276,11 @@ def main():
                     res = run_arm(arm, fns[arm], x, tw, [wgu, wd], gy, iters, warmup)
                     if P > 1:  # max over ranks
                         import torch.distributed as dist
-                        v = torch.tensor([res["peak_gib"], res["ms"], float(res["status"] != "ok")], device=dev)
+                        v = torch.tensor([res["peak_gib"], res["ms"], res["ms_min"], res["ms_max"],
+                                          float(res["status"] != "ok")], device=dev)
                         dist.all_reduce(v, op=dist.ReduceOp.MAX)
-                        res["peak_gib"], res["ms"] = float(v[0]), float(v[1])
-                        if v[2] > 0 and res["status"] == "ok":
+                        res["peak_gib"], res["ms"], res["ms_min"], res["ms_max"] = (float(t) for t in v[:4])
+                        if v[4] > 0 and res["status"] == "ok":
                             res["status"] = "failed on another rank"
                     tps = T / (res["ms"] / 1e3) if res["status"] == "ok" and res["ms"] > 0 else float("nan")
                     row = dict(meta, config=cname, T=T, imbalance=iname, arm=arm, status=res["status"],
@@ -278,6 +294,9 @@ def main():
                               f"({res['ms_min']:.1f}-{res['ms_max']:.1f})  {tps:12.0f} tok/s", flush=True)
                 del x, tw, gy, ids
         del wgu, wd
+        if rank == 0 and args.out:  # per config, so a run cut short keeps what it measured
+            append_rows(os.path.join(args.out, "llep.csv"), rows[flushed:])
+            flushed = len(rows)
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -285,9 +304,7 @@ def main():
     if rank == 0:
         _summary(rows)
         if args.out:
-            path = os.path.join(args.out, "llep.csv")
-            append_rows(path, rows)
-            print(f"appended {len(rows)} rows to {path}")
+            print(f"appended {len(rows)} rows to {os.path.join(args.out, 'llep.csv')}")
     if dist_mode:
         import torch.distributed as dist
         dist.destroy_process_group()
