@@ -125,7 +125,7 @@ class Setup:
     act_bytes: int = 2          # b
     imbalance: float = 1.5      # rho for plain EP (capped to [1, P])
     chunk_rows: Optional[int] = None  # PipelinedLLEP C (None: its default, llep_plan.default_chunk_rows)
-    llep_save_budget_mb: int = 1536  # PipelinedLLEP activation cache (llep.DEFAULT_SAVE_BUDGET_MB)
+    llep_save_budget_mb: Optional[int] = None  # PipelinedLLEP activation cache (None: llep.default_save_budget_mb)
     ring_workspace_mb: float = 512.0  # Ring-DTP block workspace (its default budget)
     bucket_mb: float = 64.0     # StreamAdamW bucket (its slots are pinned host memory: 0 GPU bytes)
     sco_in_flight: int = 2      # SCOConfig.max_in_flight (W): forward D2H copies still referenced
@@ -219,7 +219,8 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         # slots than chunks (moepeak/llep_sched.py cache_slots).
         slot = b * C * (2 * I + H)
         chunks = -(-T * K // max(1, C // P))
-        cache = min((s.llep_save_budget_mb << 20) // slot, chunks) * slot
+        budget = s.llep_save_budget_mb if s.llep_save_budget_mb is not None else (1536 if P == 1 else 0)
+        cache = min((budget << 20) // slot, chunks) * slot
         out["llep_cache"] = cache
         # P > 1: backward's double-buffered send/receive rings (llep_sched.workspace_bytes)
         out["dispatch"] = T * out["saved_moe"] + b * C * ((2 * H + 3 * I) if P == 1 else (16 * H + 7 * I)) \
