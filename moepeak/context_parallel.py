@@ -31,7 +31,6 @@ full sequence's mean loss, also when ignored labels are spread unevenly.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Tuple
 
 import torch
@@ -50,9 +49,14 @@ def cp_slice(t: torch.Tensor, rank: int, world: int, dim: int = 1) -> torch.Tens
     return t.narrow(dim, rank * S, S).contiguous()
 
 
+# Newer torch renames the two dim-0 collectives (same arguments); older has only the old names.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _all_gather0(x: torch.Tensor, group, world: int) -> torch.Tensor:
     out = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=group)
+    _ALL_GATHER(out, x, group=group)
     return out
 
 
@@ -60,9 +64,7 @@ def _reduce_scatter0(g: torch.Tensor, group, world: int, rank: int) -> torch.Ten
     S = g.shape[0] // world
     out = g.new_empty((S,) + tuple(g.shape[1:]))
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # renamed in newer torch, same op
-            dist.reduce_scatter_tensor(out, g, op=dist.ReduceOp.SUM, group=group)
+        _REDUCE_SCATTER(out, g, op=dist.ReduceOp.SUM, group=group)
     except RuntimeError:  # a backend without reduce-scatter (older gloo): all-reduce, keep ours
         g = g.clone()
         dist.all_reduce(g, group=group)

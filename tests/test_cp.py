@@ -59,7 +59,12 @@ def _full(model, local, grads=False):
     return out
 
 
-def _cp_rank(rank, world, arms, batches, dtype, out_path):
+DEMO = ["--device", "cpu", "--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1",
+        "--experts", "4", "--top-k", "2", "--intermediate", "32", "--vocab", "264", "--seq-len", "64",
+        "--batch", "2", "--lr", "1e-2", "--quiet", "--data-mb", "1", "--no-peaks", "--steps", "3"]
+
+
+def _cp_rank(rank, world, arms, batches, dtype, out_path, demo=False):
     import torch.distributed as dist
     from moepeak.demo import _shard
     dev = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -87,15 +92,18 @@ def _cp_rank(rank, world, arms, batches, dtype, out_path):
             r["params"].append(_full(model, local))
         model.close()
         res[arm] = r
+    if demo:  # `torchrun moepeak demo` (context parallel by default) vs the 1-process demo
+        from moepeak.demo import run as demo_run
+        res["demo"] = demo_run(DEMO)["losses"]
     if rank == 0:
         torch.save(res, out_path)
 
 
-def _run(tmp_path, monkeypatch, arms, batches, dtype, backend):
+def _run(tmp_path, monkeypatch, arms, batches, dtype, backend, demo=False):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ranks import this checkout
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     out = str(tmp_path / "cp.pt")
-    run_ranks(2, _cp_rank, arms, batches, dtype, out, timeout=170, backend=backend)
+    run_ranks(2, _cp_rank, arms, batches, dtype, out, demo, timeout=170, backend=backend)
     return torch.load(out)
 
 
@@ -148,8 +156,11 @@ def test_context_parallel_fsdp2_gloo_matches_single_process(tmp_path, monkeypatc
     arms = ["plain"] + (["moepeak"] if all(available(s) for s in ("moe", "head", "checkpoint",
                                                                  "optimizer")) else [])
     batches = _batches()
-    got = _run(tmp_path, monkeypatch, arms, batches, torch.float32, "gloo")
+    got = _run(tmp_path, monkeypatch, arms, batches, torch.float32, "gloo", demo=True)
     ref = _ref_trajectory(batches)
+    from moepeak.demo import run as demo_run
+    one = demo_run(DEMO)["losses"]  # the same sequences on one process
+    torch.testing.assert_close(torch.tensor(got["demo"]), torch.tensor(one), rtol=2e-6, atol=2e-6)
     for arm in arms:
         g = got[arm]
         for s in range(3):
