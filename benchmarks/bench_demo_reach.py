@@ -262,10 +262,10 @@ def main():
     say(f"bench_demo_reach: P={world}, model {_model_tag(d)}, lengths {lengths[0]}..{lengths[-1]}, "
         f"{a.steps} steps each, budget {budget:.0f} s per arm")
     say(f"{'arm':>8} {'seq_len':>9} {'status':>9} {'peak GiB':>9} {'step s':>8} {'tok/s':>10}  note")
-    reach, last_ok, gpu, total_gib = {}, {}, "cpu", None
+    reach, stop, last_ok, gpu, total_gib = {}, {}, {}, "cpu", None
     for arm in a.arms.split(","):
         t_arm, prev = time.monotonic(), None  # prev: (L, step_s, point wall s) of the last ok point
-        reach[arm] = 0
+        reach[arm], stop[arm] = 0, f"--max-len {lengths[-1]} reached"
         for L in lengths:
             # rank 0 decides (time cap, port) and tells the others: every rank takes the same path
             plan = [None, None]
@@ -282,6 +282,7 @@ def main():
             dist.broadcast_object_list(plan, src=0)
             if plan[0] is not None:
                 row = dict(status="time-cap", note=plan[0])
+                stop[arm] = f"time-cap before {L}"
                 say(f"{arm:>8} {L:>9} {'time-cap':>9} {'':>9} {'':>8} {'':>10}  {row['note']}")
                 if rank == 0:
                     append_rows(os.path.join(a.out, "demo_reach.csv"), [dict(
@@ -310,13 +311,15 @@ def main():
                     tokens_per_s=f"{tps:.1f}" if tps else "", model=_model_tag(d), steps=a.steps,
                     note=note)], FIELDS)
             if status != "ok":
+                stop[arm] = f"{status} at {L}"
                 break
             reach[arm] = L
             last_ok.setdefault(arm, []).append((L, peak))
             prev = (L, step, wall)
     say("")
     for arm in reach:
-        say(f"{arm}: longest context completed {reach[arm]} tokens ({reach[arm] // world} per rank)")
+        say(f"{arm}: longest context completed {reach[arm]} tokens ({reach[arm] // world} per rank); "
+            f"stopped: {stop[arm]}")
         pts = [p for p in last_ok.get(arm, []) if p[1] is not None]
         if total_gib and len(pts) >= 2:
             (l1, p1), (l2, p2) = pts[-2], pts[-1]
@@ -324,11 +327,12 @@ def main():
             if slope > 0:
                 say(f"  projection (linear in the last two peaks, not measured): {total_gib:.0f} GiB "
                     f"reached near {l2 + (total_gib - p2) / slope:.3g} tokens")
-    if len(reach) == 2 and all(reach.values()):
-        r = reach["moepeak"] / reach["plain"] if "moepeak" in reach and "plain" in reach else None
-        if r:
-            say(f"reach ratio moepeak/plain: {r:.1f}x (a lower bound if the moepeak arm stopped at time-cap "
-                f"or --max-len)")
+    if reach.get("moepeak") and reach.get("plain"):
+        r = reach["moepeak"] / reach["plain"]
+        exact = stop["moepeak"].startswith("oom") and stop["plain"].startswith("oom")
+        say(f"reach ratio moepeak/plain: {r:.1f}x" + ("" if exact else
+            f" (not both arms stopped by OOM: moepeak {stop['moepeak']}, plain {stop['plain']}; "
+            f"a lower bound if only plain hit its OOM)"))
     dist.barrier()
     if rank == 0:
         shutil.rmtree(workdir, ignore_errors=True)
