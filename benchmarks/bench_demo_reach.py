@@ -13,7 +13,7 @@ ranks (each holds seq_len/P; attention all-gathers K/V, moepeak.context_parallel
                  (vocab shards over the ranks), SCO, StreamAdamW; FSDP2 on the rest.
     plain arm:   FSDP2 on everything, dense MoE, F.linear + F.cross_entropy on full
                  fp32 logits, torch.utils.checkpoint per block, torch.optim.AdamW.
-Context doubles from --min-len (64k) to --max-len (1M; --quick 512k); per
+Context doubles from --min-len (64k; --quick 128k) to --max-len (1M; --quick 512k); per
 length `--steps` steps (default 2: the last one is timed, the first allocates
 optimizer state and pinned arenas); an arm stops at its first failure, or when
 the next length is predicted (step time x 4 per doubling: attention is
@@ -36,8 +36,13 @@ state on the GPU), step_s (timed step, max over ranks), tokens_per_s
 completed context, the ratio, and a linear projection of where the last
 arm's peak would reach the GPU's memory (a projection, not a measurement).
 
-Expected runtime on 2 x H200: full ~6 min (moepeak up to 1M: ~75 s a step at 1M,
-attention-bound; plain stops at its OOM), --quick ~2.5 min.
+Expected runtime on 2 x H200 (estimated from the 1-GPU demo's 83k tok/s at 131k,
+not measured): full ~5-6 min (moepeak up to 1M, ~50 s a step there, attention-
+bound; plain stops at its OOM, expected at 512k: its fp32 logits need ~768 KiB
+per local token, ~100 GiB at 128k per rank), --quick ~3 min. One longer point,
+attention-bound (~200 s a step), memory ~75 GiB per rank expected:
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 benchmarks/bench_demo_reach.py --arms moepeak \
+        --min-len 2097152 --max-len 2097152 --steps 1 --max-seconds 420 --out benchmarks/results
 """
 from __future__ import annotations
 
@@ -218,7 +223,7 @@ def _combine(outs):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--quick", action="store_true", help="lengths up to 512k, 150 s per arm")
+    ap.add_argument("--quick", action="store_true", help="lengths 128k..512k, 150 s per arm")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU gloo (test the script)")
     ap.add_argument("--min-len", type=int, default=None)
     ap.add_argument("--max-len", type=int, default=None, help="cap (default 1M; --quick 512k)")
@@ -242,7 +247,7 @@ def main():
         lo, hi, budget = a.min_len or 64, a.max_len or 256, a.max_seconds or 120.0
     else:
         d, device_kind = dict(DEFAULTS["cuda"]), "cuda"
-        lo = a.min_len or (1 << 16)
+        lo = a.min_len or ((1 << 17) if a.quick else (1 << 16))
         hi = a.max_len or ((1 << 19) if a.quick else (1 << 20))
         budget = a.max_seconds or (150.0 if a.quick else 270.0)
     dist.init_process_group("gloo")  # the parents coordinate on the CPU; children own the GPUs
