@@ -20,7 +20,7 @@ and in backward its adjoint, one reduce-scatter (sum) of d(kv) back to [S, ...]
 packet is small: T=1M, nkv=2, d=128, bf16 -> 2*2*128*2 B = 1 KiB per token,
 1 GiB for the whole gathered K and V of one layer.
 
-Load balance: the contiguous split gives rank r (2r+1)/(2P) units of causal
+Load balance: the contiguous split gives rank r a share (2r+1)/P^2 of the causal
 attention work (P=2: 1/4 vs 3/4 of the pairs); the last rank sets the pace of
 attention-bound steps. A zig-zag split would balance it; not done here.
 

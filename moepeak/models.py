@@ -13,6 +13,11 @@ moepeak with plain PyTorch.
     checkpoint   "sco": sco_checkpoint           "torch": torch.utils.checkpoint, "none"
     optimizer    "stream": StreamAdamW           "torch": torch.optim.AdamW   (build_optimizer)
 
+Context parallelism (MoEConfig.context_parallel, with a group of P > 1 ranks):
+forward takes this rank's contiguous slice [B, T/P] of the sequences
+(context_parallel.cp_slice); attention all-gathers K/V; the loss is scaled so
+that its mean over the ranks is the full sequences' mean loss. Same parameters.
+
 Parameter names and layouts (E_local = experts / expert-parallel ranks):
     embed.weight                    [V, H]
     layers.i.attn_norm.weight       [H]
