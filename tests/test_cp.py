@@ -68,6 +68,8 @@ def _cp_rank(rank, world, arms, batches, dtype, out_path, demo=False):
     import torch.distributed as dist
     from moepeak.demo import _shard
     dev = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    if dev.type == "cuda":  # fp32 means fp32 (torch's default, made explicit)
+        torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
     res = {}
     for arm in arms:
