@@ -9,7 +9,14 @@ a tiny model at 512 tokens that trains in well under 2 minutes on 2 cores.
 
 Under torchrun (WORLD_SIZE > 1): FSDP2 `fully_shard` on the replicated parts,
 experts split over the ranks (PipelinedLLEP's group) and the Ring-DTP vocab
-shards over the same ranks; each rank reads its own batch.
+shards over the same ranks. Context parallelism is on by default there
+(--no-context-parallel turns it off): the ranks train on the same sequences,
+each holding a contiguous 1/P slice of every sequence (--seq-len is the whole
+context, so P GPUs reach P times the context); attention all-gathers K and V
+(moepeak.context_parallel). With --no-context-parallel each rank reads its own
+batch of --seq-len tokens (data parallel).
+
+    torchrun --nproc_per_node=2 -m moepeak demo --seq-len 262144   # 128k tokens per GPU
 
 run(argv) is the whole job as a function (tests call it); it returns a dict
 with the losses and the peak table.
@@ -32,6 +39,7 @@ import torch.distributed as dist
 
 from . import __version__
 from .data import TokenStream
+from .context_parallel import cp_slice
 from .models import MoEConfig, MoELM, build_optimizer, param_count, resolve
 from . import peaks as peakmod
 
@@ -62,7 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     t = ap.add_argument_group("training")
     t.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
-    t.add_argument("--batch", type=int, default=None, help="sequences per step per rank")
+    t.add_argument("--batch", type=int, default=None,
+                   help="sequences per step (per rank without context parallelism)")
+    t.add_argument("--context-parallel", action=argparse.BooleanOptionalAction, default=None,
+                   help="under torchrun: shard each sequence over the ranks (default: on when "
+                        "WORLD_SIZE > 1; --seq-len must be divisible by WORLD_SIZE)")
     t.add_argument("--steps", type=int, default=None)
     t.add_argument("--lr", type=float, default=None, help="peak learning rate")
     t.add_argument("--warmup", type=int, default=None,
@@ -290,6 +302,8 @@ def _run(a, res: Run) -> Dict:
     if dev_name == "cuda" and not torch.cuda.is_available():
         raise ValueError("moepeak demo: --device cuda, but torch sees no CUDA device")
     cfg, train = _config_from_args(a, dev_name)
+    cp = world > 1 and (a.context_parallel is None or a.context_parallel)
+    cfg = cfg.replace(context_parallel=cp)
     want = {"moe": a.llep, "head": a.ring_dtp, "checkpoint": a.sco, "optimizer": a.stream_adamw}
     if a.plain:
         want = dict.fromkeys(want, False)
@@ -312,14 +326,19 @@ def _run(a, res: Run) -> Dict:
         device = torch.device("cpu")
     say = (lambda *x: print(*x, flush=True)) if (rank == 0 and not a.quiet) else (lambda *x: None)
     T, B, steps = train["seq_len"], train["batch"], train["steps"]
+    tok_step = B * T if cp else B * T * world  # tokens per optimizer step, all ranks
     data = TokenStream(a.data, seed=a.seed, max_bytes=max(1 << 16, int(a.data_mb * 2 ** 20)))
 
     say(f"moepeak {__version__} demo on {device} x{world}, torch {torch.__version__}")
     say(f"model: {param_count(cfg) / 1e6:.1f} M params; L={cfg.layers} H={cfg.hidden} heads={cfg.heads}/"
         f"{cfg.kv_heads} E={cfg.experts} K={cfg.top_k} I={cfg.intermediate} V={cfg.vocab_size} "
         f"{str(train['dtype']).replace('torch.', '')}")
-    say(f"data: {data.source} ({len(data) / 1e6:.1f} M byte tokens); {B} x {T} = {B * T} tokens per "
-        f"step per rank, {steps} steps")
+    if cp:
+        say(f"data: {data.source} ({len(data) / 1e6:.1f} M byte tokens); {B} x {T} = {B * T} tokens per "
+            f"step, context parallel over {world} ranks ({B} x {T // world} tokens per rank), {steps} steps")
+    else:
+        say(f"data: {data.source} ({len(data) / 1e6:.1f} M byte tokens); {B} x {T} = {B * T} tokens per "
+            f"step per rank, {steps} steps")
     say("schedules: moe=%s head=%s checkpoint=%s optimizer=%s" % (cfg.moe, cfg.head, cfg.checkpoint, opt_kind))
     for n in notes:
         say("  note: " + n)
@@ -350,13 +369,18 @@ def _run(a, res: Run) -> Dict:
     prog = Progress(steps, rank == 0 and not a.quiet, a.log_every or max(1, steps // 10))
     opt_meas, step_times, peak_seen = {}, [], 0
     for step in range(start, start + steps):
-        x, y = data.batch(step, B, T, rank=rank, device=device)
+        if cp:  # one batch for the group, each rank takes its slice of every sequence
+            x, y = (cp_slice(t, rank, world).to(device) for t in data.batch(step, B, T))
+        else:
+            x, y = data.batch(step, B, T, rank=rank, device=device)
         t0 = time.perf_counter()
         loss = model(x, y)
         loss.backward()
         if local_params and world > 1:
-            # rank-local params got the sum over ranks of each rank's mean-loss gradient;
-            # FSDP averaged the rest: divide to match (global loss = mean over ranks).
+            # rank-local params got the sum over ranks of each rank's loss gradient;
+            # FSDP averaged the rest: divide to match (global loss = mean over ranks;
+            # under context parallelism MoELM scales each rank's loss so that this mean
+            # is the full sequences' mean loss).
             for p in local_params:
                 if p.grad is not None:
                     p.grad.div_(world)
@@ -383,7 +407,7 @@ def _run(a, res: Run) -> Dict:
             peak_seen = max(peak_seen, torch.cuda.max_memory_allocated(device))
         if not math.isfinite(lv):
             raise FloatingPointError(f"moepeak demo: loss is {lv} at step {step}")
-        prog.update(step - start, lv, B * T * world / dt, peak_seen if cuda else None)
+        prog.update(step - start, lv, tok_step / dt, peak_seen if cuda else None)
     if steps:
         k = max(1, min(10, len(losses) // 5))
         say(f"loss: first {sum(losses[:k]) / k:.4f} -> last {sum(losses[-k:]) / k:.4f} "
@@ -401,6 +425,7 @@ def _run(a, res: Run) -> Dict:
     if a.plot and rank == 0:
         _plot(a.plot, losses, table, say)
     return {"losses": losses, "start": start, "step_times": step_times, "peak": peak_seen, "cfg": cfg, "optimizer": opt_kind, "peaks": table,
+            "tokens_per_step": tok_step,
             "notes": notes, "data": data.source}
 
 

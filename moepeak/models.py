@@ -13,6 +13,11 @@ moepeak with plain PyTorch.
     checkpoint   "sco": sco_checkpoint           "torch": torch.utils.checkpoint, "none"
     optimizer    "stream": StreamAdamW           "torch": torch.optim.AdamW   (build_optimizer)
 
+Context parallelism (MoEConfig.context_parallel, with a group of P > 1 ranks):
+forward takes this rank's contiguous slice [B, T/P] of the sequences
+(context_parallel.cp_slice); attention all-gathers K/V; the loss is scaled so
+that its mean over the ranks is the full sequences' mean loss. Same parameters.
+
 Parameter names and layouts (E_local = experts / expert-parallel ranks):
     embed.weight                    [V, H]
     layers.i.attn_norm.weight       [H]
@@ -37,6 +42,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as torch_ckpt
 
+from . import context_parallel as CP
+
+IGNORE_INDEX = -100  # labels that take no part in the loss (both heads' default)
 MOE_CHOICES = ("llep", "dense")
 HEAD_CHOICES = ("ring_dtp", "plain")
 CKPT_CHOICES = ("sco", "torch", "none")
@@ -89,6 +97,10 @@ class MoEConfig:
     chunk_rows: Optional[int] = None       # PipelinedLLEP chunk budget C (None: its default)
     chunk_tokens: Optional[int] = None     # Ring-DTP workspace (None: its default)
     chunk_vocab: Optional[int] = None
+    # Context parallelism over the model's group (only when it has > 1 rank):
+    # each rank holds the contiguous slice [r*T/P, (r+1)*T/P) of one sequence
+    # (see cp_slice), attention all-gathers K/V, the loss is the full sequence's.
+    context_parallel: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -131,8 +143,12 @@ class MoEConfig:
         if seq_len is not None:
             if seq_len < 2:
                 bad.append(f"seq_len must be >= 2, got {seq_len}")
+            elif self.context_parallel and world_size > 1 and seq_len % world_size:
+                bad.append(f"seq_len ({seq_len}) must be divisible by the number of ranks ({world_size}) "
+                           f"for context parallelism (each rank holds seq_len/ranks tokens)")
             elif self.checkpoint == "sco" and arena_limit_bytes is not None:
-                need = sco_arena_bytes(self, seq_len, batch, dtype)
+                local = seq_len // world_size if self.context_parallel and world_size > 1 else seq_len
+                need = sco_arena_bytes(self, local, batch, dtype)
                 if need > arena_limit_bytes:
                     bad.append(
                         f"seq_len {seq_len}: the SCO arena needs layers*batch*seq_len*hidden*bytes = "
@@ -155,7 +171,7 @@ class MoEConfig:
 
 
 def sco_arena_bytes(cfg: MoEConfig, seq_len: int, batch: int, dtype: torch.dtype) -> int:
-    """Pinned bytes SCO needs: one boundary [B, T, H] per block."""
+    """Pinned bytes SCO needs: one boundary [B, T, H] per block (T: this rank's tokens)."""
     return cfg.layers * batch * seq_len * cfg.hidden * torch.empty((), dtype=dtype).element_size()
 
 
@@ -187,16 +203,18 @@ class Rotary:
 
     def __init__(self, head_dim: int, theta: float):
         self.head_dim, self.theta = head_dim, theta
-        self._cache: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cache: Dict[Tuple[int, str, int], Tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def tables(self, T: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
-        key = (T, str(device))
+    def tables(self, T: int, device, offset: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Tables for positions offset .. offset+T-1 (offset: a context-parallel slice's start)."""
+        key = (T, str(device), offset)
         if key not in self._cache:
             self._cache.clear()
             with torch.no_grad():
                 inv = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, device=device,
                                                          dtype=torch.float32) / self.head_dim))
-                ang = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv)
+                pos = torch.arange(offset, offset + T, device=device, dtype=torch.float32)
+                ang = torch.outer(pos, inv)
                 ang = torch.cat([ang, ang], dim=-1)
                 self._cache[key] = (ang.cos(), ang.sin())
         return self._cache[key]
@@ -221,19 +239,23 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(H, self.nkv * d, **kw)
         self.o_proj = nn.Linear(self.nh * d, H, **kw)
         self.rotary = rotary
+        self.cp = None  # (group, world, rank) under context parallelism (set by MoELM)
 
     def forward(self, x):
-        B, T, _ = x.shape
+        B, T, _ = x.shape  # T: this rank's slice under context parallelism
         q = self.q_proj(x).view(B, T, self.nh, self.d).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
-        cos, sin = self.rotary.tables(T, x.device)
+        offset = 0 if self.cp is None else self.cp[2] * T  # global position of the slice start
+        cos, sin = self.rotary.tables(T, x.device, offset)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.cp is not None:  # keys/values of ranks 0..r: [B, nkv, (r+1)*T, d]
+            k, v = CP.gather_kv(k, v, *self.cp)
         if self.nkv != self.nh:  # GQA by repetition (works on every torch >= 2.4)
             r = self.nh // self.nkv
             k = k.repeat_interleave(r, dim=1)
             v = v.repeat_interleave(r, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash on GPU: O(T) memory
+        o = CP.causal_attention(q, k, v)  # flash on GPU: O(T) memory
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.d))
 
 
@@ -279,14 +301,16 @@ class DenseMoE(nn.Module):
 class PlainLMHead(nn.Module):
     """lm_head + cross-entropy on the full [N, V] fp32 logits."""
 
-    def __init__(self, hidden_size, vocab_size, *, ignore_index=-100, device=None, dtype=None):
+    def __init__(self, hidden_size, vocab_size, *, ignore_index=-100, reduction="mean", device=None,
+                 dtype=None):
         super().__init__()
-        self.ignore_index = ignore_index
+        self.ignore_index, self.reduction = ignore_index, reduction
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, device=device, dtype=dtype))
 
     def forward(self, hidden, labels):
         logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), self.weight).float()
-        return F.cross_entropy(logits, labels.reshape(-1), ignore_index=self.ignore_index)
+        return F.cross_entropy(logits, labels.reshape(-1), ignore_index=self.ignore_index,
+                               reduction=self.reduction)
 
 
 class Block(nn.Module):
@@ -318,9 +342,14 @@ class MoELM(nn.Module):
         super().__init__()
         cfg.validate(world_size=world_size)
         self.cfg, self.group = cfg, group
-        self.rank = 0
+        self.rank, self.world = 0, 1
         if group is not None and torch.distributed.is_initialized():
             self.rank = torch.distributed.get_rank(group)
+            self.world = torch.distributed.get_world_size(group)
+        # context parallel: inputs are this rank's slice (cp_slice); the head returns the
+        # slice's loss sum, which forward() scales to the full sequence's mean
+        self.cp = cfg.context_parallel and self.world > 1
+        red = "sum" if self.cp else "mean"
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden, device=device, dtype=dtype)
         self.layers = nn.ModuleList(Block(cfg, self.rotary, group, device, dtype)
@@ -328,10 +357,13 @@ class MoELM(nn.Module):
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, device, dtype)
         if cfg.head == "ring_dtp":
             kw = {k: getattr(cfg, k) for k in ("chunk_tokens", "chunk_vocab") if getattr(cfg, k)}
-            self.head = component("head")(cfg.hidden, cfg.vocab_size, group=group,
+            self.head = component("head")(cfg.hidden, cfg.vocab_size, group=group, reduction=red,
                                           device=device, dtype=dtype, **kw)
         else:
-            self.head = PlainLMHead(cfg.hidden, cfg.vocab_size, device=device, dtype=dtype)
+            self.head = PlainLMHead(cfg.hidden, cfg.vocab_size, reduction=red, device=device, dtype=dtype)
+        if self.cp:
+            for blk in self.layers:
+                blk.attn.cp = (group, self.world, self.rank)
         self._ckpt, self.sco_config = None, None
         if cfg.checkpoint == "sco":
             self._use_sco()
@@ -390,7 +422,16 @@ class MoELM(nn.Module):
         return self.norm(x)
 
     def forward(self, input_ids, labels):
-        return self.head(self.hidden_states(input_ids), labels)
+        """input_ids, labels: [B, T] (under context parallelism this rank's slice
+        [B, T/P] of the sequences, see context_parallel.cp_slice) -> loss."""
+        if not self.cp:
+            return self.head(self.hidden_states(input_ids), labels)
+        # P * (this slice's loss sum) / (valid labels in the whole sequence): the mean over
+        # the ranks of this value is the full sequence's mean loss (FSDP2 averages gradients)
+        n = (labels != IGNORE_INDEX).sum().to(torch.float32)
+        torch.distributed.all_reduce(n, group=self.group)
+        scale = self.world / n.clamp_min(1.0)
+        return self.head(self.hidden_states(input_ids), labels) * scale
 
 
 def _stable_hash(s: str) -> int:

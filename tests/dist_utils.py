@@ -1,7 +1,7 @@
 """Spawn gloo ranks on this machine for multi-rank tests.
 
 run_ranks(world_size, fn, *args) starts `world_size` processes, initialises a
-gloo process group in each, calls fn(rank, world_size, *args), and raises if
+process group in each (gloo; backend="nccl": rank r on cuda:r), calls fn(rank, world_size, *args), and raises if
 any rank fails or the whole run exceeds `timeout` seconds (a hang is a test
 failure, never a stuck CI). fn must be a module-level function (picklable).
 """
@@ -23,12 +23,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args, errq):
+def _entry(rank, world_size, port, fn, args, errq, backend="gloo"):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":  # one GPU per rank
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         fn(rank, world_size, *args)
         dist.barrier()
     except BaseException:
@@ -39,11 +41,11 @@ def _entry(rank, world_size, port, fn, args, errq):
             dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn, *args, timeout: float = 180.0) -> None:
+def run_ranks(world_size: int, fn, *args, timeout: float = 180.0, backend: str = "gloo") -> None:
     ctx = mp.get_context("spawn")
     errq = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, errq), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, errq, backend), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
