@@ -179,21 +179,25 @@ def _shard(model: MoELM, world: int):
     uses in place (its gradient arrives averaged over the ranks, as FSDP2's do).
     Returns the params whose gradient is a sum over ranks (to divide by P)."""
     try:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     except ImportError:  # torch < 2.6
-        from torch.distributed._composable.fsdp import fully_shard
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    # Gradients are reduce-scattered in fp32 and rounded once to the param
+    # dtype (a bf16 reduction would round the sum of the ranks' partial
+    # gradients once more than one process does).
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     summed = set()
     for blk in model.layers:
         mine = {blk.moe.w_gate_up, blk.moe.w_down} if model.cfg.moe == "llep" else set()
         summed |= mine
-        fully_shard(blk, ignored_params=mine or None)
+        fully_shard(blk, ignored_params=mine or None, mp_policy=mp)
     ignored = set(summed)
     if model.cfg.head == "ring_dtp":
         from torch.distributed.device_mesh import init_device_mesh
         dev = "cuda" if model.embed.weight.is_cuda else "cpu"
         model.head.shard_(init_device_mesh(dev, (world,)))
         ignored |= set(model.head.parameters())
-    fully_shard(model, ignored_params=ignored or None)
+    fully_shard(model, ignored_params=ignored or None, mp_policy=mp)
     return summed
 
 
