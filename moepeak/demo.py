@@ -185,19 +185,21 @@ def _shard(model: MoELM, world: int):
     # Gradients are reduce-scattered in fp32 and rounded once to the param
     # dtype (a bf16 reduction would round the sum of the ranks' partial
     # gradients once more than one process does).
+    from torch.distributed.device_mesh import init_device_mesh
     mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    # The mesh's device type is the model's: without it FSDP2 picks CUDA
+    # whenever a GPU is visible and would move a CPU model's params there.
+    mesh = init_device_mesh("cuda" if model.embed.weight.is_cuda else "cpu", (world,))
     summed = set()
     for blk in model.layers:
         mine = {blk.moe.w_gate_up, blk.moe.w_down} if model.cfg.moe == "llep" else set()
         summed |= mine
-        fully_shard(blk, ignored_params=mine or None, mp_policy=mp)
+        fully_shard(blk, mesh=mesh, ignored_params=mine or None, mp_policy=mp)
     ignored = set(summed)
     if model.cfg.head == "ring_dtp":
-        from torch.distributed.device_mesh import init_device_mesh
-        dev = "cuda" if model.embed.weight.is_cuda else "cpu"
-        model.head.shard_(init_device_mesh(dev, (world,)))
+        model.head.shard_(mesh)
         ignored |= set(model.head.parameters())
-    fully_shard(model, ignored_params=ignored or None, mp_policy=mp)
+    fully_shard(model, mesh=mesh, ignored_params=ignored or None, mp_policy=mp)
     return summed
 
 
