@@ -299,6 +299,21 @@ def skewed_topk_ids(T, E, K, frac, generator=None, hot=4):
 # The model's MoE block and attention written out token by token / with an
 # explicit mask, in the caller's dtype (pass fp64 for ground truth).
 
+
+def moe_problem(T, E, K, H, I, frac, seed):
+    """One global MoE problem in fp64 (CPU): x [T, H], ids [T, K] (skewed by
+    `frac`, hot tokens shuffled over the sequence so every rank gets some),
+    topk weights [T, K], w_gate_up [E, H, 2I], w_down [E, I, H], dy [T, H]."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g, dtype=torch.float64)
+    wgu = torch.randn(E, H, 2 * I, generator=g, dtype=torch.float64) / H ** 0.5
+    wd = torch.randn(E, I, H, generator=g, dtype=torch.float64) / I ** 0.5
+    ids = skewed_topk_ids(T, E, K, frac, generator=g)
+    ids = ids[torch.randperm(T, generator=g)]
+    tw = torch.rand(T, K, generator=g, dtype=torch.float64)
+    gy = torch.randn(T, H, generator=g, dtype=torch.float64)
+    return x, ids, tw, wgu, wd, gy
+
 def ref_moe(x, router_w, w_gate_up, w_down, top_k, norm_topk_prob=True):
     """x: [N, H]; router_w: [E, H]; w_gate_up: [E, H, 2I] ([:I] gate, [I:] up);
     w_down: [E, I, H]. Softmax over all E router logits, top-k, renormalised when

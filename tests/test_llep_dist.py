@@ -24,16 +24,7 @@ E = 8  # experts; 6 when P = 3 (set per run by _ranks_main)
 
 
 def _global_problem(tokens, frac, seed):
-    g = torch.Generator().manual_seed(seed)
-    T = sum(tokens)
-    x = torch.randn(T, H, generator=g, dtype=torch.float64)
-    wgu = torch.randn(E, H, 2 * I, generator=g, dtype=torch.float64) / H ** 0.5
-    wd = torch.randn(E, I, H, generator=g, dtype=torch.float64) / I ** 0.5
-    ids = refs.skewed_topk_ids(T, E, K, frac, generator=g)
-    ids = ids[torch.randperm(T, generator=g)]  # hot tokens spread over ranks
-    tw = torch.rand(T, K, generator=g, dtype=torch.float64)
-    gy = torch.randn(T, H, generator=g, dtype=torch.float64)
-    return x, ids, tw, wgu, wd, gy
+    return refs.moe_problem(sum(tokens), E, K, H, I, frac, seed)
 
 
 def _run_case(rank, P, tokens, frac, C, m, expect_spill=None, seed=0, group=None, save_budget_mb=1):

@@ -229,16 +229,8 @@ C_ROWS, MIN_GEMM = 64, 2   # 32 rows per source per chunk; spill shares >= 2 tok
 
 
 def _llep_problem(frac, dev):
-    g = torch.Generator().manual_seed(7 + int(frac * 100))
-    T = sum(TOKENS)
-    x = torch.randn(T, HL, generator=g, dtype=torch.float64)
-    wgu = torch.randn(E, HL, 2 * IL, generator=g, dtype=torch.float64) / HL ** 0.5
-    wd = torch.randn(E, IL, HL, generator=g, dtype=torch.float64) / IL ** 0.5
-    ids = refs.skewed_topk_ids(T, E, K, frac, generator=g)
-    ids = ids[torch.randperm(T, generator=g)]  # hot tokens on both ranks
-    tw = torch.rand(T, K, generator=g, dtype=torch.float64)
-    gy = torch.randn(T, HL, generator=g, dtype=torch.float64)
-    return tuple(t.to(dev) for t in (x, ids, tw, wgu, wd, gy))
+    prob = refs.moe_problem(sum(TOKENS), E, K, HL, IL, frac, 7 + int(frac * 100))
+    return tuple(t.to(dev) for t in prob)
 
 
 def _dense(x, ids, tw, wgu, wd, gy):
