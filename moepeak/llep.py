@@ -209,6 +209,14 @@ def llep_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     columns [:I], up [I:]); w_down [E_local, I, H]. Returns y shaped like x.
     Every rank of `group` must call it (with its own tokens; T may differ).
     Differentiable in x, topk_weights, w_gate_up and w_down.
+    alpha, min_tokens_per_gemm, imbalance_threshold: the LLEP plan
+    (csrc/llep_plan.c): nothing moves while the max/mean rank load is below
+    imbalance_threshold; otherwise each rank has room for alpha x the mean
+    load, keeps its smallest experts first, and the residuals of its largest
+    go to the least-loaded ranks in shares of at least min_tokens_per_gemm
+    (a smaller residual stays home), so only hot experts' weights travel.
+    chunk_rows: rows per destination per chunk (None: 32768 on one rank,
+    16384 on several; llep_plan.default_chunk_rows).
     save_budget_mb: bytes (MiB) fixed at launch for an activation cache: the
     first chunks whose [C, 2I] + [C, H] forward intermediates fit are kept
     for backward, which recomputes only the others (0: recompute all; no
