@@ -339,12 +339,10 @@ def _run(a, res: Run) -> Dict:
     say(f"model: {param_count(cfg) / 1e6:.1f} M params; L={cfg.layers} H={cfg.hidden} heads={cfg.heads}/"
         f"{cfg.kv_heads} E={cfg.experts} K={cfg.top_k} I={cfg.intermediate} V={cfg.vocab_size} "
         f"{str(train['dtype']).replace('torch.', '')}")
-    if cp:
-        say(f"data: {data.source} ({len(data) / 1e6:.1f} M byte tokens); {B} x {T} = {B * T} tokens per "
-            f"step, context parallel over {world} ranks ({B} x {T // world} tokens per rank), {steps} steps")
-    else:
-        say(f"data: {data.source} ({len(data) / 1e6:.1f} M byte tokens); {B} x {T} = {B * T} tokens per "
-            f"step per rank, {steps} steps")
+    split = (f"step, context parallel over {world} ranks ({B} x {T // world} tokens per rank)" if cp
+             else "step per rank")
+    say(f"data: {data.source} ({len(data) / 1e6:.1f} M byte tokens); {B} x {T} = {B * T} tokens per "
+        f"{split}, {steps} steps")
     say("schedules: moe=%s head=%s checkpoint=%s optimizer=%s" % (cfg.moe, cfg.head, cfg.checkpoint, opt_kind))
     for n in notes:
         say("  note: " + n)

@@ -40,6 +40,8 @@ DEFAULT_SAVE_BUDGET_MB = 1536
 
 def default_save_budget_mb(P: int) -> int:
     return DEFAULT_SAVE_BUDGET_MB if P == 1 else 0
+
+
 _GROUPS = {}
 
 

@@ -219,7 +219,8 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         # slots than chunks (moepeak/llep_sched.py cache_slots).
         slot = b * C * (2 * I + H)
         chunks = -(-T * K // max(1, C // P))
-        budget = s.llep_save_budget_mb if s.llep_save_budget_mb is not None else (1536 if P == 1 else 0)
+        from .llep import default_save_budget_mb
+        budget = s.llep_save_budget_mb if s.llep_save_budget_mb is not None else default_save_budget_mb(P)
         cache = min((budget << 20) // slot, chunks) * slot
         out["llep_cache"] = cache
         # P > 1: backward's double-buffered send/receive rings (llep_sched.workspace_bytes)
