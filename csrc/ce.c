@@ -151,6 +151,20 @@ mp_status mp_ce_grad_cuda(const void *z, int z_dtype, int64_t ldz, int64_t t, in
 /* Bindings. Pointers arrive as ints from ring_dtp.py, which has checked the   */
 /* tensors' shapes, dtypes, devices and contiguity (never call these directly). */
 /* ------------------------------------------------------------------------- */
+/* The block's fields both bindings share: logits z [t, ldz] (first v columns,
+ * global columns v0.., v_valid of them real vocab), labels [t], options. */
+static ce_args ce_block_args(unsigned long long z, long long ldz, long long t, long long v, long long v0,
+                             long long v_valid, unsigned long long labels, long long ignore, double softcap) {
+  ce_args a;
+  memset(&a, 0, sizeof a);
+  a.z = (float *)(uintptr_t)z;
+  a.ldz = ldz; a.t = t; a.v = v; a.v0 = v0; a.v_valid = v_valid;
+  a.labels = (const int64_t *)(uintptr_t)labels;
+  a.ignore_index = ignore;
+  a.softcap = (float)softcap;
+  return a;
+}
+
 static int ce_check_sizes(const ce_args *a) {
   if (a->t < 0 || a->v < 0 || a->ldz < a->v || a->n_classes < 0) {
     PyErr_Format(PyExc_ValueError,
@@ -172,13 +186,7 @@ static PyObject *py_ce_fold(PyObject *self, PyObject *args) {
   if (!PyArg_ParseTuple(args, "KiLLLLLKLdKKKKKpK:ce_fold", &z, &z_dtype, &ldz, &t, &v, &v0, &v_valid, &labels, &ignore,
                         &softcap, &m, &s, &zy, &zsum, &sx, &cuda, &stream))
     return NULL;
-  ce_args a;
-  memset(&a, 0, sizeof a);
-  a.z = (float *)(uintptr_t)z;
-  a.ldz = ldz; a.t = t; a.v = v; a.v0 = v0; a.v_valid = v_valid;
-  a.labels = (const int64_t *)(uintptr_t)labels;
-  a.ignore_index = ignore;
-  a.softcap = (float)softcap;
+  ce_args a = ce_block_args(z, ldz, t, v, v0, v_valid, labels, ignore, softcap);
   a.m = (float *)(uintptr_t)m; a.s = (float *)(uintptr_t)s;
   a.zy = (float *)(uintptr_t)zy; a.zsum = (float *)(uintptr_t)zsum; a.sx = (float *)(uintptr_t)sx;
   a.n_classes = 1;
@@ -220,13 +228,7 @@ static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
                         &ignore, &softcap, &mrow, &ls, &q, &g, &g_stride, &eps, &n_classes, &zloss, &out, &ldo,
                         &out_dtype, &cuda, &stream))
     return NULL;
-  ce_args a;
-  memset(&a, 0, sizeof a);
-  a.z = (float *)(uintptr_t)z;
-  a.ldz = ldz; a.t = t; a.v = v; a.v0 = v0; a.v_valid = v_valid;
-  a.labels = (const int64_t *)(uintptr_t)labels;
-  a.ignore_index = ignore;
-  a.softcap = (float)softcap;
+  ce_args a = ce_block_args(z, ldz, t, v, v0, v_valid, labels, ignore, softcap);
   a.mrow = (const float *)(uintptr_t)mrow;
   a.ls = (const float *)(uintptr_t)ls;
   a.g = (const float *)(uintptr_t)g;
