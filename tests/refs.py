@@ -41,6 +41,12 @@ def ref_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-10
     z = hidden.to(dtype) @ weight.to(dtype).T
     if bias is not None:
         z = z + bias.to(dtype)
+    return _ce_of_logits(z, labels, ignore_index, reduction, label_smoothing, z_loss, softcap)
+
+
+def _ce_of_logits(z, labels, ignore_index, reduction, label_smoothing, z_loss, softcap):
+    """The loss of logits z [T, V] (softcap, CE with smoothing, z-loss on
+    non-ignored rows, reduction; "mean" over non-ignored rows, 0 if none)."""
     if softcap:
         z = softcap * torch.tanh(z / softcap)
     rows = torch.nn.functional.cross_entropy(z, labels, ignore_index=ignore_index, reduction="none",
@@ -56,25 +62,12 @@ def ref_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-10
     return rows.sum() / valid.sum().clamp_min(1)
 
 
-def naive_linear_cross_entropy(hidden, weight, labels, bias=None, **kw):
+def naive_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, reduction="mean",
+                               label_smoothing=0.0, z_loss=0.0, softcap=None):
     """What users write today (logits in the input dtype, then .float()): the
     error yardstick for low precision (DESIGN.md: at most 2x its error)."""
     z = torch.nn.functional.linear(hidden, weight, bias).float()
-    kw = dict(kw)
-    softcap, z_loss, red = kw.pop("softcap", None), kw.pop("z_loss", 0.0), kw.pop("reduction", "mean")
-    ign = kw.get("ignore_index", -100)
-    if softcap:
-        z = softcap * torch.tanh(z / softcap)
-    rows = torch.nn.functional.cross_entropy(z, labels, reduction="none", **kw)
-    valid = labels != ign
-    if z_loss:
-        lse = torch.logsumexp(z, dim=-1)
-        rows = rows + torch.where(valid, z_loss * lse * lse, torch.zeros_like(lse))
-    if red == "none":
-        return rows
-    if red == "sum":
-        return rows.sum()
-    return rows.sum() / valid.sum().clamp_min(1)
+    return _ce_of_logits(z, labels, ignore_index, reduction, label_smoothing, z_loss, softcap)
 
 
 # ---------------------------------------------------------------------------
