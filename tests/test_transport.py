@@ -297,19 +297,28 @@ _FAKE_SCRIPT = textwrap.dedent(r"""
 """)
 
 
-def test_c_transport_against_fake_nccl(tmp_path):
+def _run_on_stand_in_nccl(tmp_path, script, pythonpath):
+    """Build tests/fake_nccl.c into a stand-in libnccl, run `script` in a fresh
+    interpreter that loads it (MOEPEAK_NCCL_LIB), return the finished run; skips
+    without a C compiler or when a real libnccl.so.2 is found first."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler to build the stand-in libnccl")
     lib = tmp_path / "libfakenccl.so"
     subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib), os.path.join(ROOT, "tests", "fake_nccl.c")],
                    check=True)
-    env = dict(os.environ, MOEPEAK_NCCL_LIB=str(lib), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-c", _FAKE_SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
+    env = dict(os.environ, MOEPEAK_NCCL_LIB=str(lib),
+               PYTHONPATH=os.pathsep.join(pythonpath + [os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     if "REAL NCCL" in r.stdout:
         pytest.skip(f"a real libnccl.so.2 is found first here: {r.stdout.strip()}")
+    return r
+
+
+def test_c_transport_against_fake_nccl(tmp_path):
+    r = _run_on_stand_in_nccl(tmp_path, _FAKE_SCRIPT, [ROOT])
     assert "FAKE OK" in r.stdout, r.stdout + r.stderr
 
 
@@ -371,19 +380,7 @@ _PY_SCRIPT = textwrap.dedent(r"""
 def test_nccl_transport_python_layer_on_stand_in(tmp_path):
     """NcclTransport's own logic (byte counts, row offsets, validation, close)
     end to end on the CPU: CUDA stubbed out, the stand-in libnccl underneath."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler to build the stand-in libnccl")
-    lib = tmp_path / "libfakenccl.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib), os.path.join(ROOT, "tests", "fake_nccl.c")],
-                   check=True)
-    path = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, MOEPEAK_NCCL_LIB=str(lib), PYTHONPATH=path)
-    r = subprocess.run([sys.executable, "-c", _PY_SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
-    if "REAL NCCL" in r.stdout:
-        pytest.skip(f"a real libnccl.so.2 is found first here: {r.stdout.strip()}")
+    r = _run_on_stand_in_nccl(tmp_path, _PY_SCRIPT, [ROOT, os.path.join(ROOT, "tests")])
     assert "PY OK" in r.stdout, r.stdout + r.stderr
 
 
