@@ -375,6 +375,18 @@ done:
   return ret;
 }
 
+/* The arguments all_reduce and all_gather share: (comm, send_ptr, recv_ptr,
+ * count, dtype, stream), each checked as its own mp_arg_* does. 0 or -1 with
+ * the Python error set. */
+static int mp_arg_collective(PyObject *h, PyObject *spo, PyObject *rpo, PyObject *co, int dt, PyObject *so,
+                             mp_comm **c, uint64_t *count, uintptr_t *sptr, uintptr_t *rptr, uintptr_t *stream) {
+  *c = mp_arg_comm(h);
+  if (!*c || mp_arg_count(co, "count", count) < 0 || mp_arg_ptr(spo, "send_ptr", *count, sptr) < 0 ||
+      mp_arg_ptr(rpo, "recv_ptr", *count, rptr) < 0 || mp_arg_dtype(dt) < 0 || mp_arg_ptr(so, "stream", 0, stream) < 0)
+    return -1;
+  return 0;
+}
+
 /* nccl_all_reduce(comm, send_ptr, recv_ptr, count, dtype, op, stream); op: sum 0, prod 1, max 2, min 3.
  * send_ptr == recv_ptr is the in-place form. */
 static PyObject *py_nccl_all_reduce(PyObject *self, PyObject *args) {
@@ -382,12 +394,10 @@ static PyObject *py_nccl_all_reduce(PyObject *self, PyObject *args) {
   PyObject *h, *spo, *rpo, *co, *so;
   int dt, op;
   if (!PyArg_ParseTuple(args, "OOOOiiO:nccl_all_reduce", &h, &spo, &rpo, &co, &dt, &op, &so)) return NULL;
-  mp_comm *c = mp_arg_comm(h);
+  mp_comm *c;
   uint64_t count;
   uintptr_t sptr, rptr, stream;
-  if (!c || mp_arg_count(co, "count", &count) < 0 || mp_arg_ptr(spo, "send_ptr", count, &sptr) < 0 ||
-      mp_arg_ptr(rpo, "recv_ptr", count, &rptr) < 0 || mp_arg_dtype(dt) < 0 || mp_arg_ptr(so, "stream", 0, &stream) < 0)
-    return NULL;
+  if (mp_arg_collective(h, spo, rpo, co, dt, so, &c, &count, &sptr, &rptr, &stream) < 0) return NULL;
   if (op < 0 || op >= MP_OP_COUNT) {
     PyErr_Format(PyExc_ValueError, "moepeak: op code must be in [0, %d) (sum, prod, max, min), got %d", MP_OP_COUNT, op);
     return NULL;
@@ -402,12 +412,10 @@ static PyObject *py_nccl_all_gather(PyObject *self, PyObject *args) {
   PyObject *h, *spo, *rpo, *co, *so;
   int dt;
   if (!PyArg_ParseTuple(args, "OOOOiO:nccl_all_gather", &h, &spo, &rpo, &co, &dt, &so)) return NULL;
-  mp_comm *c = mp_arg_comm(h);
+  mp_comm *c;
   uint64_t count;
   uintptr_t sptr, rptr, stream;
-  if (!c || mp_arg_count(co, "count", &count) < 0 || mp_arg_ptr(spo, "send_ptr", count, &sptr) < 0 ||
-      mp_arg_ptr(rpo, "recv_ptr", count, &rptr) < 0 || mp_arg_dtype(dt) < 0 || mp_arg_ptr(so, "stream", 0, &stream) < 0)
-    return NULL;
+  if (mp_arg_collective(h, spo, rpo, co, dt, so, &c, &count, &sptr, &rptr, &stream) < 0) return NULL;
   MP_NOGIL_OR_RAISE(mp_nccl_all_gather(c, (const void *)sptr, (void *)rptr, count, dt, stream));
   Py_RETURN_NONE;
 }
