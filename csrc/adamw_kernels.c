@@ -42,6 +42,7 @@
 #endif
 
 #include "adamw_kernels.h"
+#include "mp_half.h"
 
 /* Elements per pool task: a multiple of 16 (one 64-byte line of fp32) and
  * large enough (64 KiB of fp32 per stream) that the dispatch cost (~5 us)
@@ -100,61 +101,6 @@ static inline int is_torch_tail(const mp_adamw_coef *c, int64_t i) {
   int64_t s = c->tail_from + k * c->tail_chunk;
   int64_t len = c->numel - s < c->tail_chunk ? c->numel - s : c->tail_chunk;
   return i - s >= len / c->tail_vlen * c->tail_vlen;
-}
-
-/* ---- scalar conversions (round to nearest even, like torch's casts) ---- */
-static inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if (f != f) return 0x7FC0; /* NaN: torch's canonical bf16 NaN */
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
-
-static inline float f16_to_f32(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, u;
-  if (exp == 0x1F) {
-    u = sign | 0x7F800000u | (man << 13);
-  } else if (exp == 0) {
-    if (man == 0) {
-      u = sign;
-    } else { /* subnormal: value = man * 2^-24, exact in fp32 */
-      float f = (float)man * 5.9604644775390625e-8f;
-      memcpy(&u, &f, 4);
-      u |= sign;
-    }
-  } else {
-    u = sign | ((exp + 112u) << 23) | (man << 13);
-  }
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-static inline uint16_t f32_to_f16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
-  uint32_t a = u & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return sign | 0x7E00u; /* NaN */
-  if (a >= 0x477FF000u) return sign | 0x7C00u; /* rounds to >= 65520: inf */
-  if (a < 0x38800000u) {                      /* below 2^-14: fp16 subnormal or 0 */
-    float af;
-    memcpy(&af, &a, 4);
-    /* af * 2^24 is exact up to rounding in the integer conversion (RNE) */
-    float scaled = af * 16777216.0f;
-    return sign | (uint16_t)lrintf(scaled);
-  }
-  uint32_t r = a + 0xFFFu + ((a >> 13) & 1u); /* RNE on the 13 dropped bits */
-  return sign | (uint16_t)((r - 0x38000000u) >> 13);
 }
 
 static inline float load_grad(const void *g, int dt, int64_t i) {

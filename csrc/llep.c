@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "llep.h"
+#include "mp_half.h"
 #include "mp_python.h"
 
 /* ---- CPU kernels --------------------------------------------------------- */
@@ -61,30 +62,6 @@ static void gather_range(void *c, int64_t b, int64_t e, int w) {
     memcpy(g->out + i * g->row_bytes, g->src + (g->idx[i] / g->div) * g->row_bytes, (size_t)g->row_bytes);
 }
 
-static inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-static inline float f16_to_f32(uint16_t h) {
-  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
-  if (exp == 0) {
-    if (man == 0) u = sign;
-    else { /* subnormal: renormalise */
-      exp = 127 - 15 + 1;
-      while (!(man & 0x400u)) { man <<= 1; exp--; }
-      u = sign | (exp << 23) | ((man & 0x3ffu) << 13);
-    }
-  } else if (exp == 31) u = sign | 0x7f800000u | (man << 13);
-  else u = sign | ((exp + 127 - 15) << 23) | (man << 13);
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 typedef struct {
   float *acc;
   const void *y;
@@ -112,6 +89,44 @@ static void combine_range(void *c, int64_t b, int64_t e, int wk) {
       const uint16_t *y = (const uint16_t *)k->y + i * k->H;
       for (int64_t h = b; h < e; h++) dst[h] += wt * f16_to_f32(y[h]);
     }
+  }
+}
+
+/* ---- down projection's backward epilogue (see llep.h) ---- */
+typedef struct {
+  void *D, *a;
+  int dtype;
+  const float *w, *wp;
+  float *dwr;
+  int64_t I;
+} down_bwd_ctx;
+
+static inline float ld_el(const void *p, int dt, int64_t i) {
+  if (dt == MP_LLEP_F32) return ((const float *)p)[i];
+  if (dt == MP_LLEP_BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
+  return f16_to_f32(((const uint16_t *)p)[i]);
+}
+
+static inline void st_el(void *p, int dt, int64_t i, float x) {
+  if (dt == MP_LLEP_F32) ((float *)p)[i] = x;
+  else if (dt == MP_LLEP_BF16) ((uint16_t *)p)[i] = f32_to_bf16(x);
+  else ((uint16_t *)p)[i] = f32_to_f16(x);
+}
+
+static void down_bwd_range(void *c, int64_t b, int64_t e, int wk) {
+  (void)wk;
+  const down_bwd_ctx *k = (const down_bwd_ctx *)c;
+  for (int64_t r = b; r < e; r++) {
+    const int64_t o = r * k->I;
+    float dot = 0.f;
+    for (int64_t i = 0; i < k->I; i++) dot += ld_el(k->D, k->dtype, o + i) * ld_el(k->a, k->dtype, o + i);
+    k->dwr[r] = dot / k->wp[r];
+    const float sc = k->w[r] / k->wp[r];
+    if (sc != 1.0f) /* only rows whose weight was replaced by 1 (|w| tiny or 0) */
+      for (int64_t i = 0; i < k->I; i++) {
+        st_el(k->D, k->dtype, o + i, sc * ld_el(k->D, k->dtype, o + i));
+        st_el(k->a, k->dtype, o + i, sc * ld_el(k->a, k->dtype, o + i));
+      }
   }
 }
 
@@ -264,6 +279,33 @@ static PyObject *py_llep_combine(PyObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+static PyObject *py_llep_down_bwd(PyObject *self, PyObject *args) {
+  (void)self;
+  unsigned long long D, a, w, wp, dwr, stream;
+  int dtype, cuda;
+  long long rows, I;
+  if (!PyArg_ParseTuple(args, "KKiKKKLLpK", &D, &a, &dtype, &w, &wp, &dwr, &rows, &I, &cuda, &stream)) return NULL;
+  if (dtype < MP_LLEP_F32 || dtype > MP_LLEP_F16 || rows < 0 || I < 0) {
+    PyErr_SetString(PyExc_ValueError, "moepeak: llep down_bwd needs dtype code 0..2, rows >= 0, I >= 0");
+    return NULL;
+  }
+  if (cuda) {
+#if MP_WITH_CUDA
+    mp_status st = mp_llep_down_bwd_cuda(P_(D), P_(a), dtype, (const float *)P_(w), (const float *)P_(wp),
+                                         (float *)P_(dwr), rows, I, (uintptr_t)stream);
+    if (st != MP_OK) return mp_raise_status(st);
+    Py_RETURN_NONE;
+#else
+    return mp_raise_no_cuda("llep down_bwd");
+#endif
+  }
+  down_bwd_ctx k = {P_(D), P_(a), dtype, (const float *)P_(w), (const float *)P_(wp), (float *)P_(dwr), I};
+  mp_status st;
+  Py_BEGIN_ALLOW_THREADS st = mp_parallel_for(rows, 16, 0, down_bwd_range, &k);
+  Py_END_ALLOW_THREADS if (st != MP_OK) return mp_raise_status(st);
+  Py_RETURN_NONE;
+}
+
 PyMethodDef mp_llep_methods[] = {
     {"llep_plan", py_llep_plan, METH_VARARGS,
      "llep_plan(load, P, E, alpha, min_tokens, lam, Q, A, S) -> spilled (int64 pointers; see csrc/llep.h)"},
@@ -277,5 +319,7 @@ PyMethodDef mp_llep_methods[] = {
     {"llep_gather", py_llep_gather, METH_VARARGS, "llep_gather(src, idx, rows, div, row_bytes, out, is_cuda, stream)"},
     {"llep_combine", py_llep_combine, METH_VARARGS,
      "llep_combine(acc, y, dtype, idx, w_or_0, rows, div, H, is_cuda, stream)"},
+    {"llep_down_bwd", py_llep_down_bwd, METH_VARARGS,
+     "llep_down_bwd(D, a, dtype, w, wp, dwr, rows, I, is_cuda, stream): see csrc/llep.h"},
     {NULL, NULL, 0, NULL},
 };

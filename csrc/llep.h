@@ -56,6 +56,17 @@ void mp_llep_count_cpu(const int64_t *ids, int64_t n, int E, int64_t *cnt);
 mp_status mp_llep_route_cpu(const int64_t *ids, int64_t n, int E, int P, const int64_t *Ar, const int64_t *cum,
                             const int64_t *blk, int64_t *out);
 
+
+/* Down projection's backward epilogue, one pass over a chunk's rows r < rows.
+ * In: D [rows, I] = (wp * dy) W_down^T (GEMM output), a [rows, I] = silu(gate)
+ * * up, w [rows] the pick weights, wp [rows] the weights dy was scaled by
+ * (wp = w, or 1 where |w| is too small to divide by). Out:
+ *   dwr[r] = <D[r], a[r]> / wp[r]       (= <dy, a W_down>: d(pick weight), fp32 sum)
+ *   D[r] *= w[r] / wp[r], a[r] *= w[r] / wp[r]   (in place; rows with wp == w
+ *                                                 are untouched: factor 1)
+ * so that afterwards D = da = (w dy) W_down^T and a^T (wp dy) = the true
+ * dW_down contribution, without recomputing o = a W_down. dtype: MP_LLEP_*. */
+
 #if MP_WITH_CUDA
 /* ---- CUDA launchers (cuda/llep.cu) ------------------------------------- */
 mp_status mp_llep_count_cuda(const int64_t *ids, int64_t n, int E, int64_t *cnt, uintptr_t stream);
@@ -66,6 +77,8 @@ mp_status mp_llep_gather_cuda(const void *src, const int64_t *idx, int64_t rows,
                               void *out, uintptr_t stream);
 mp_status mp_llep_combine_cuda(float *acc, const void *y, int dtype, const int64_t *idx, const float *w,
                                int64_t rows, int64_t div, int64_t H, uintptr_t stream);
+mp_status mp_llep_down_bwd_cuda(void *D, void *a, int dtype, const float *w, const float *wp, float *dwr,
+                                int64_t rows, int64_t I, uintptr_t stream);
 #endif
 
 #ifdef __cplusplus

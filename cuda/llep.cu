@@ -69,6 +69,14 @@ inline int row_blocks(int64_t rows) { return (int)(rows < kMaxBlocks ? (rows < 1
 __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+template <typename T>
+__device__ __forceinline__ T from_f32(float v);
+template <>
+__device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
 
 // acc[idx[i] / div, h] += w[idx[i]] * y[i, h] (w == nullptr: weight 1), fp32.
 // Rows of one chunk may hit the same token (its K picks), hence atomicAdd;
@@ -84,6 +92,37 @@ __global__ void combine_kernel(float *__restrict__ acc, const T *__restrict__ y,
     float *a = acc + (id / div) * H;
     const T *yr = y + i * H;
     for (int64_t h = threadIdx.x; h < H; h += blockDim.x) atomicAdd(&a[h], wt * to_f32(yr[h]));
+  }
+}
+
+// Down projection's backward epilogue (csrc/llep.h): one block per row
+// (grid-stride), threads over the I columns; the dot product is summed in
+// fp32 by each thread, then across the block. The row factor w/wp is 1 for
+// all but rows with a tiny or zero weight, which alone are rewritten.
+template <typename T>
+__global__ void down_bwd_kernel(T *__restrict__ D, T *__restrict__ a, const float *__restrict__ w,
+                                const float *__restrict__ wp, float *__restrict__ dwr, int64_t rows, int64_t I) {
+  __shared__ float sh[kThreads / 32];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    T *Dr = D + r * I;
+    T *ar = a + r * I;
+    float dot = 0.f;
+    for (int64_t i = threadIdx.x; i < I; i += kThreads) dot += to_f32(Dr[i]) * to_f32(ar[i]);
+    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = dot;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float s = 0.f;
+      for (int k = 0; k < kThreads / 32; ++k) s += sh[k];
+      dwr[r] = s / wp[r];
+    }
+    __syncthreads();  // sh is reused by the next row
+    const float sc = w[r] / wp[r];
+    if (sc != 1.0f)
+      for (int64_t i = threadIdx.x; i < I; i += kThreads) {
+        Dr[i] = from_f32<T>(sc * to_f32(Dr[i]));
+        ar[i] = from_f32<T>(sc * to_f32(ar[i]));
+      }
   }
 }
 
@@ -151,6 +190,33 @@ mp_status mp_llep_combine_cuda(float *acc, const void *y, int dtype, const int64
       break;
     default:
       MP_FAIL(st, MP_ERR_INVALID, "llep combine: unknown dtype code %d", dtype);
+  }
+  MP_CUDA_CHECK_LAUNCH(st);
+fail:
+  return st;
+}
+
+mp_status mp_llep_down_bwd_cuda(void *D, void *a, int dtype, const float *w, const float *wp, float *dwr,
+                                int64_t rows, int64_t I, uintptr_t stream) {
+  mp_status st = MP_OK;
+  cudaStream_t cs = MP_STREAM(stream);
+  const int nb = row_blocks(rows);
+  if (rows <= 0) return MP_OK;
+  switch (dtype) {
+    case MP_LLEP_F32:
+      down_bwd_kernel<float><<<nb, kThreads, 0, cs>>>(static_cast<float *>(D), static_cast<float *>(a), w, wp, dwr,
+                                                       rows, I);
+      break;
+    case MP_LLEP_BF16:
+      down_bwd_kernel<__nv_bfloat16><<<nb, kThreads, 0, cs>>>(static_cast<__nv_bfloat16 *>(D),
+                                                               static_cast<__nv_bfloat16 *>(a), w, wp, dwr, rows, I);
+      break;
+    case MP_LLEP_F16:
+      down_bwd_kernel<__half><<<nb, kThreads, 0, cs>>>(static_cast<__half *>(D), static_cast<__half *>(a), w, wp,
+                                                        dwr, rows, I);
+      break;
+    default:
+      MP_FAIL(st, MP_ERR_INVALID, "llep down_bwd: unknown dtype code %d", dtype);
   }
   MP_CUDA_CHECK_LAUNCH(st);
 fail:

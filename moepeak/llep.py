@@ -75,12 +75,12 @@ def llep_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
 
 
 def _new_cache(x, w_down, chunk_rows, save_slots):
-    """Activation cache [save_slots, C*(2I+H)] (x dtype): fixed at launch by
+    """Activation cache [save_slots, C*2I] (x dtype): fixed at launch by
     the slot count (from the byte budget), never by the routing."""
     if save_slots < 0:
         raise ValueError(f"moepeak: save_slots must be >= 0, got {save_slots}")
     H, I = w_down.shape[2], w_down.shape[1]
-    return x.new_empty(save_slots, sched.slot_elems(chunk_rows, H, I))
+    return x.new_empty(save_slots, sched.slot_elems(chunk_rows, I))
 
 
 @llep_dispatch.register_fake
@@ -99,9 +99,9 @@ def llep_dispatch_backward(grad_y: torch.Tensor, x: torch.Tensor, topk_ids: torc
                     min_tokens_per_gemm, imbalance_threshold)
     if cache is not None:
         check_tensor("cache", cache, dtypes=(x.dtype,), ndim=2, device=x.device, contiguous=True)
-        se = sched.slot_elems(chunk_rows, w_down.shape[2], w_down.shape[1])
+        se = sched.slot_elems(chunk_rows, w_down.shape[1])
         if cache.shape[1] != se:
-            raise ValueError(f"moepeak: cache must be [slots, {se}] (chunk_rows*(2I+H)), got {tuple(cache.shape)}")
+            raise ValueError(f"moepeak: cache must be [slots, {se}] (chunk_rows*2I), got {tuple(cache.shape)}")
     dx, dtw, dwgu, dwd = sched.backward(ctx, grad_y.contiguous(), cache=cache)
     return dx, dtw.view(topk_weights.shape).to(topk_weights.dtype), dwgu, dwd
 
@@ -237,7 +237,7 @@ def llep_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     if not (isinstance(save_budget_mb, int) and save_budget_mb >= 0):
         raise ValueError(f"moepeak: save_budget_mb must be an int >= 0, got {save_budget_mb!r}")
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w_gate_up, w_down))
-    slots = sched.cache_slots(save_budget_mb << 20, T, topk_ids.shape[1], int(C), H, w_down.shape[1], P,
+    slots = sched.cache_slots(save_budget_mb << 20, T, topk_ids.shape[1], int(C), w_down.shape[1], P,
                               x.element_size()) if grad else 0
     shape = x.shape
     y, _ = llep_dispatch(x.reshape(T, H).contiguous(), topk_ids.contiguous(), topk_weights.contiguous(),

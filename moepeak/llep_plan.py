@@ -166,5 +166,15 @@ def combine_rows(acc: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, w, div: 
                         current_stream_handle(acc.device))
 
 
+def down_bwd(D: torch.Tensor, a: torch.Tensor, w: torch.Tensor, wp: torch.Tensor, dwr: torch.Tensor) -> None:
+    """The down projection's backward epilogue over rows r (csrc/llep.h):
+    dwr[r] = <D[r], a[r]> / wp[r]; D[r], a[r] *= w[r] / wp[r] in place.
+    D, a [rows, I] (same float dtype, contiguous); w, wp, dwr [>= rows] fp32."""
+    rows = D.shape[0]
+    if rows:
+        _C.llep_down_bwd(D.data_ptr(), a.data_ptr(), _DTYPE_CODE[D.dtype], w.data_ptr(), wp.data_ptr(),
+                         dwr.data_ptr(), rows, D.shape[1], _is_cuda(D), current_stream_handle(D.device))
+
+
 __all__ = ["Plan", "llep_plan", "num_chunks", "ChunkLayout", "chunk_layout", "config_fingerprint",
-           "default_chunk_rows", "count", "route", "gather_rows", "combine_rows"]
+           "default_chunk_rows", "count", "route", "gather_rows", "combine_rows", "down_bwd"]

@@ -19,10 +19,10 @@ routing; names as in the code; b = bytes per element of x):
                    receive, combine-send, combine-receive); gx [C, H] grouped
                    rows; h [C, 2I]; a [C, I]; o [C, H]
   backward, P = 1: xr, gr, o, do [C, H]; h, dh [C, 2I]; s, a, da [C, I];
-                   wr, dwr [C] fp32
+                   wr, wp, dwr [C] fp32
   backward, P > 1: sx, sg, rx, rg, dxb, back: 2 x [C, H]; gx, gg, o, do
                    [C, H]; h, dh [C, 2I]; s, a, da [C, I]; sw, rw, dwb, dwback
-                   2 x [C] fp32; wr, dwr [C] fp32
+                   2 x [C] fp32; wr, wp, dwr [C] fp32
   plus int64 index rings (3 x [C] send indices, [C] perm and inverse perm).
   With torch._grouped_mm (CUDA bf16) the GEMM outputs h, o, da are not
   allocated in the workspace (counted all the same): each GEMM's own output,
@@ -33,10 +33,12 @@ routing; names as in the code; b = bytes per element of x):
   [32768, 5760] x 2 B = 360 MiB. Per chunk the host does no device read:
   offsets come from the chunk layout (host) in one copy per GEMM grouping.
   Activation cache (fixed at launch by save_budget_mb, kept from forward to
-  backward): cache [slots, C*(2I+H)] (b each), slot j = chunk j's h [C, 2I]
-  then o [C, H]; slots = min(budget // (b*C*(2I+H)), ceil(T*K / (C//P))), so
-  its bytes are <= the budget whatever the routing; backward recomputes h and
-  o only for chunks j >= slots. Bound of one call: working_set_bound().
+  backward): cache [slots, C*2I] (b each), slot j = chunk j's h [C, 2I];
+  slots = min(budget // (b*C*2I), ceil(T*K / (C//P))), so its bytes are <=
+  the budget whatever the routing; backward recomputes h only for chunks
+  j >= slots. Backward never recomputes o = a W_down: d(pick weight) =
+  <dy, o> = <dy W_down^T, a>, and dy W_down^T is the GEMM backward makes
+  anyway (see compute() in backward). Bound of one call: working_set_bound().
   Outside the working set: fp32 accumulators [T, H] (forward y, backward dx),
   the send list [T*K] int64, and borrowed experts' weights (and their grads).
 """
@@ -54,6 +56,10 @@ LAST_STATS: Dict[str, object] = {}
 _GROUPED_MM_OK = [hasattr(torch, "_grouped_mm")]
 # Tests only: exercise the grouped path on CPU where torch supports it.
 GROUPED_ON_CPU = [False]
+# Backward divides d(weight) sums by the pick weight w; below this |w| (and at
+# w = 0) dy is left unscaled instead and the row scaled by w afterwards. With
+# |w| >= 2^-24, w * dy stays a normal bf16/fp32 number for any |dy| > 2^-102.
+_TINY_W = 2.0 ** -24
 
 
 class Workspace:
@@ -85,22 +91,23 @@ class Workspace:
         return [self.alloc(shape, dtype) for _ in range(k)]
 
 
-def slot_elems(C: int, H: int, I: int) -> int:
-    """Elements of one activation-cache slot: h [C, 2I] then o [C, H]."""
-    return C * (2 * I + H)
+def slot_elems(C: int, I: int) -> int:
+    """Elements of one activation-cache slot: h [C, 2I] (o is never cached:
+    backward does not need it)."""
+    return C * 2 * I
 
 
-def cache_slots(budget_bytes: int, T: int, K: int, C: int, H: int, I: int, P: int, b: int) -> int:
+def cache_slots(budget_bytes: int, T: int, K: int, C: int, I: int, P: int, b: int) -> int:
     """Chunks whose forward intermediates fit the launch-time byte budget.
     From shapes and the budget only (never the routing): at most
-    budget // (b * C * (2I + H)) slots, and no more than ceil(T*K / (C//P)),
+    budget // (b * C * 2I) slots, and no more than ceil(T*K / (C//P)),
     the chunks this rank's own T*K picks can need (exactly the chunk count at
     P = 1; at P > 1 the global count may differ either way, which only
     changes how many chunks are recomputed, never a result). Worked once: budget 1536 MiB, C = 32768,
-    H = I = 2880, bf16: one slot is 32768 x 8640 x 2 B = 540 MiB, so 2 slots
-    (1080 MiB): T = 16k, K = 4 (2 chunks) recomputes nothing; T = 256k (32
-    chunks) recomputes 30."""
-    per = b * slot_elems(C, H, I)
+    I = 2880, bf16: one slot is 32768 x 5760 x 2 B = 360 MiB, so 4 slots
+    (1440 MiB): T = 16k, K = 4 (2 chunks) recomputes nothing; T = 256k (32
+    chunks) recomputes 28."""
+    per = b * slot_elems(C, I)
     if budget_bytes <= 0 or per <= 0:
         return 0
     return int(min(budget_bytes // per, -(-T * K // (C // P))))
@@ -114,8 +121,8 @@ def workspace_bytes(C: int, H: int, I: int, P: int, b: int, backward: bool) -> i
             return b * C * (2 * H + 3 * I)
         return b * C * (10 * H + 3 * I) + idx
     if P == 1:
-        return b * C * (4 * H + 7 * I) + 8 * C
-    return b * C * (16 * H + 7 * I) + 4 * C * 10 + idx
+        return b * C * (4 * H + 7 * I) + 12 * C
+    return b * C * (16 * H + 7 * I) + 4 * C * 11 + idx
 
 
 def working_set_bound(C: int, H: int, I: int, P: int, b: int, backward: bool, save_budget_bytes: int) -> int:
@@ -283,16 +290,27 @@ class Ctx:
 
     def dw_accumulate(self, left, right, grp: "Groups", which: int, dW_local, dW_borrowed):
         """dW_e += left[rows of e]^T @ right[rows of e] (param dtype).
-        Grouped path: experts whose gradient is still untouched (unwritten) get it
-        from one torch._grouped_mm (2D x 2D, offsets along the rows) per run of
-        at most G experts and a copy into dW; G is chosen so that the
-        [G, ., .] result is no larger than one [C, 2I] (or [C, H]) buffer.
-        Experts already touched by an earlier chunk use addmm_ (one rounding
-        into the running sum: the same rounding as the per-expert path)."""
+        dW_local[which] is None until the first call: on the grouped path the
+        first chunk's grouped GEMM over all local experts (2D x 2D, offsets
+        along the rows; experts without rows there get an unused slice, written
+        or zeroed later) *is* the weight gradient [E_local, ., .], no copy.
+        After that, experts whose gradient is still untouched (unwritten) get
+        it from one torch._grouped_mm per run of at most G experts and a copy
+        into dW; G is chosen so that the [G, ., .] result is no larger than one
+        [C, 2I] (or [C, H]) buffer. Experts already touched by an earlier chunk
+        use addmm_ (one rounding into the running sum: the same rounding as
+        the per-expert path)."""
         touched = self.touched[which]
         done = set()  # experts of this call already written by a grouped run
         if grp.grouped:
             try:
+                if dW_local[which] is None:
+                    for a0, b0, experts, kind, offs in grp.segments:
+                        if kind == "l":
+                            dW_local[which] = torch._grouped_mm(left[a0:b0].t(), right[a0:b0], offs=offs)
+                            ex = [e for e in experts if grp.ecount[e]]
+                            touched.update(ex)
+                            done.update(ex)
                 for a0, experts, kind, offs in grp.dw_runs(which, touched):
                     b0 = a0 + int(sum(grp.ecount[e] for e in experts))
                     r = torch._grouped_mm(left[a0:b0].t(), right[a0:b0], offs=offs)
@@ -308,6 +326,8 @@ class Ctx:
             except (RuntimeError, TypeError, NotImplementedError):
                 _GROUPED_MM_OK[0] = False
                 grp.grouped = False
+        if dW_local[which] is None:
+            dW_local[which] = torch.empty_like(self.wgu if which == 0 else self.wd)
         off = 0
         for e, c in enumerate(grp.ecount):
             if c and e not in done:
@@ -399,8 +419,8 @@ def _act(h, I, s, a, rows):
 
 
 def forward(ctx: Ctx, cache: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """y [T, H] (x dtype). cache [slots, C*(2I+H)] (x dtype, may have 0
-    slots): chunk j < slots leaves its h and o there for backward."""
+    """y [T, H] (x dtype). cache [slots, C*2I] (x dtype, may have 0
+    slots): chunk j < slots leaves its h there for backward."""
     x, H, I, C, K, P = ctx.x, ctx.H, ctx.I, ctx.C, ctx.K, ctx.P
     LAST_STATS.update(cached_chunks=min(ctx.n, cache.shape[0] if cache is not None else 0),
                       cache_bytes=cache.numel() * cache.element_size() if cache is not None else 0)
@@ -482,39 +502,35 @@ def _perms(lay, permb, invb):
 
 
 def _slot_views(ctx, cache, j):
-    """Chunk j's activation-cache views (h [C, 2I], o [C, H], both contiguous
-    in slot j of cache [slots, C*(2I+H)]), or None when chunk j has no slot."""
+    """Chunk j's activation-cache view h [C, 2I] (slot j of cache
+    [slots, C*2I]), or None when chunk j has no slot."""
     if cache is None or j >= cache.shape[0]:
         return None
-    C, H, I = ctx.C, ctx.H, ctx.I
-    sl = cache[j]
-    return sl[:C * 2 * I].view(C, 2 * I), sl[C * 2 * I:].view(C, H)
+    return cache[j].view(ctx.C, 2 * ctx.I)
 
 
 def _experts_fwd(ctx, xg, ecount, h, a, o, slot=None):
     """Expert outputs [rows, H] of the grouped rows xg (h, o: workspace
-    buffers or None on the grouped path). With a cache slot (hc, oc) the GEMM
-    outputs land in it (written there directly, or copied from
+    buffers or None on the grouped path). With a cache slot [C, 2I] the gate/up
+    GEMM's output h lands in it (written there directly, or copied from
     torch._grouped_mm's own output) for backward to use instead of a
     recompute; the values are the very same either way."""
     rows, I = xg.shape[0], ctx.I
     grp = ctx.groups(ecount)
-    hh = ctx.mm(xg, grp, 0, False, h if slot is None else slot[0])
+    hh = ctx.mm(xg, grp, 0, False, h if slot is None else slot)
     if slot is not None:
-        hh = _keep(hh, slot[0][:rows])
+        hh = _keep(hh, slot[:rows])
     torch.ops.aten.silu.out(hh[:, :I], out=a[:rows])
     a[:rows].mul_(hh[:, I:])                                         # a = silu(gate) * up
     hh = None
-    oo = ctx.mm(a[:rows], grp, 1, False, o if slot is None else slot[1])
-    return oo if slot is None else _keep(oo, slot[1][:rows])
+    return ctx.mm(a[:rows], grp, 1, False, o)
 
 
 def _zero_tail(slot, rows):
     """Rows past the chunk's own in its cache slot are zeroed, so the cache
     (an op output) is fully defined; a no-op for full chunks."""
-    if slot is not None and rows < slot[0].shape[0]:
-        slot[0][rows:].zero_()
-        slot[1][rows:].zero_()
+    if slot is not None and rows < slot.shape[0]:
+        slot[rows:].zero_()
 
 
 def _zero_unused(ctx, cache):
@@ -531,8 +547,11 @@ def _keep(res, dst):
 
 
 def _zero_untouched(ctx, dW, dWb):
-    """Weight gradients of experts that received no rows in this call: 0."""
+    """Weight gradients of experts that received no rows in this call: 0
+    (dW[which] is allocated here when no chunk wrote it)."""
     for which in (0, 1):
+        if dW[which] is None:
+            dW[which] = torch.empty_like(ctx.wgu if which == 0 else ctx.wd)
         t = ctx.touched[which]
         for le in range(ctx.El):
             if le + ctx.r * ctx.El not in t:
@@ -551,10 +570,12 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True, cache: Optional[t
     LAST_STATS.update(recomputed_chunks=ctx.n - min(ctx.n, cache.shape[0] if cache is not None else 0))
     dx = torch.zeros(ctx.T, H, dtype=torch.float32, device=dev)
     dtw = torch.zeros(ctx.T * K, dtype=torch.float32, device=dev)
-    # dW starts uninitialised (no full-size memset): an expert's first rows
-    # write it (copy of a grouped result, or torch.mm(out=)), later ones add;
-    # experts that got no rows are zeroed at the end (_zero_untouched).
-    dW = (torch.empty_like(ctx.wgu), torch.empty_like(ctx.wd))
+    # dW starts uninitialised (no full-size memset): the first chunk's grouped
+    # weight-gradient GEMM returns it (Ctx.dw_accumulate), otherwise it is
+    # allocated there; an expert's first rows write it (that GEMM, a copy of a
+    # grouped result, or torch.mm(out=)), later ones add; experts that got no
+    # rows are zeroed at the end (_zero_untouched).
+    dW = [None, None]
     nb = len(ctx.borrowed)
     bgrad = None
     dWb = ([], [])
@@ -568,33 +589,45 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True, cache: Optional[t
     h, dh = ws.gemm_out((C, 2 * I), dt, gmm), ws.alloc((C, 2 * I), dt)
     s, a, da = ws.alloc((C, I), dt), ws.alloc((C, I), dt), ws.gemm_out((C, I), dt, gmm)
     o, do = ws.gemm_out((C, H), dt, gmm), ws.alloc((C, H), dt)
-    wr, dwr = ws.alloc((C,), torch.float32), ws.alloc((C,), torch.float32)
+    wr, wp, dwr = ws.alloc((C,), torch.float32), ws.alloc((C,), torch.float32), ws.alloc((C,), torch.float32)
 
     def compute(xg, gg, wg, ecount, slot):
-        """Recompute the expert forward for these grouped rows (or, with a
-        cache slot, take h and o that forward left there: the same values),
-        then their backward. Returns the dx rows [rows, H]; leaves d(weight) rows in dwr.
-        One grouping (offsets copied to the device once) serves all six
+        """Recompute h = x W_gate_up for these grouped rows (or, with a cache
+        slot, take the h forward left there: the same values), then their
+        backward. Returns the dx rows [rows, H]; leaves d(weight) rows in dwr.
+        One grouping (offsets copied to the device once) serves all five
         GEMMs of the chunk; h stays alive from the recompute to the last use.
-        (Recomputing o = a W2 for d(weight) = <dy, o> costs one GEMM more than
-        d(weight) = <a, dy W2^T>, but the latter rounds d a twice in bf16 and
-        doubled the dW_gate_up error against fp64; the former matches
-        PyTorch's own bf16 error.)"""
+        o = a W_down is never recomputed: d(weight) = <dy, o> = <dy W_down^T, a>,
+        and (w dy) W_down^T is the GEMM that makes da anyway, so d(weight) =
+        <da, a> / w. Rows with |w| < _TINY_W (0 included) take wp = 1 instead
+        of w (dy unscaled) and are scaled by w afterwards (llep_plan.down_bwd),
+        so nothing is divided by a tiny number. da keeps exactly the rounding
+        PyTorch's autograd has (bf16(w dy), then the GEMM; tiny-w rows add one
+        rounding); d(weight) sums <da, a> in fp32. fp16 is the exception: w dy
+        leaves fp16's normal range already at |w dy| < 2^-14, so there d(weight)
+        comes from a recomputed o (one GEMM more), as before."""
         rows = xg.shape[0]
         grp = ctx.groups(ecount)
         if slot is None:
             hh = ctx.mm(xg, grp, 0, False, h)                        # [rows, 2I]
         else:
-            hh = slot[0][:rows]
+            hh = slot[:rows]                                         # (the cache is only read)
         _act(hh, I, s, a, rows)
-        oo = ctx.mm(a[:rows], grp, 1, False, o) if slot is None else slot[1][:rows]  # [rows, H]
-        torch.mul(oo, gg, out=do[:rows])                             # dy . expert output, per row
-        torch.sum(do[:rows], 1, dtype=torch.float32, out=dwr[:rows])  # (the cache is only read)
-        oo = None
-        torch.mul(gg, wg.unsqueeze(1), out=do[:rows])                # d(expert output) = w * dy
+        if dt == torch.float16:
+            oo = ctx.mm(a[:rows], grp, 1, False, o)                  # [rows, H]
+            torch.mul(oo, gg, out=do[:rows])                         # dy . expert output, per row
+            torch.sum(do[:rows], 1, dtype=torch.float32, out=dwr[:rows])
+            oo = None
+            torch.mul(gg, wg.unsqueeze(1), out=do[:rows])            # d(expert output) = w * dy
+            dda = ctx.mm(do[:rows], grp, 1, True, da)                # [rows, I]
+        else:
+            w1 = wp[:rows]
+            w1.copy_(wg).masked_fill_(wg.abs() < _TINY_W, 1.0)       # wp: w, or 1 for tiny |w|
+            torch.mul(gg, w1.unsqueeze(1), out=do[:rows])            # d(expert output) = wp * dy
+            dda = ctx.mm(do[:rows], grp, 1, True, da)                # [rows, I]: (wp dy) W_down^T
+            lp.down_bwd(dda, a[:rows], wg, w1, dwr)                  # d(weight); tiny-w rows rescaled
         if need_dw:
-            ctx.dw_accumulate(a[:rows], do[:rows], grp, 1, dW, dWb)
-        dda = ctx.mm(do[:rows], grp, 1, True, da)                    # [rows, I]
+            ctx.dw_accumulate(a[:rows], do[:rows], grp, 1, dW, dWb)  # a rows already carry w / wp
         torch.mul(dda, s[:rows], out=dh[:rows, I:])                  # d up = da * silu(gate)
         torch.mul(dda, hh[:, I:], out=s[:rows])                      # d silu(gate) = da * up
         dda = None
@@ -620,7 +653,7 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True, cache: Optional[t
             dtw.index_copy_(0, idx, dwr[:rows])
         LAST_STATS.update(workspace_bytes_bwd=ws.nbytes)
         # release the working set (closure cells included) before the dx copy
-        h = dh = s = a = da = o = do = wr = dwr = xr = gr = None
+        h = dh = s = a = da = o = do = wr = wp = dwr = xr = gr = None
         _zero_untouched(ctx, dW, dWb)
         return dx.to(dt), dtw, dW[0], dW[1]
 
@@ -679,7 +712,7 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True, cache: Optional[t
     if pend is not None:
         finish(pend)
     LAST_STATS.update(workspace_bytes_bwd=ws.nbytes)
-    h = dh = s = a = da = o = do = wr = dwr = None
+    h = dh = s = a = da = o = do = wr = wp = dwr = None
     sx = sg = rx = rg = dxb = back = gx = gg_ = sw = rw = dwb = dwback = cur = pend = None
     _zero_untouched(ctx, dW, dWb)  # before lent experts' gradients are added in
 

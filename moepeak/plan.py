@@ -215,9 +215,9 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         out["saved_moe"] = b * H + 4 * K
         block = T * (norms + attn + router + b * H)
         # + the activation cache, alive from the layer's (re)computed forward to its
-        # backward: whole slots of b*C*(2I + H) within the launch budget, never more
+        # backward: whole slots of b*C*2I (h) within the launch budget, never more
         # slots than chunks (moepeak/llep_sched.py cache_slots).
-        slot = b * C * (2 * I + H)
+        slot = b * C * 2 * I
         chunks = -(-T * K // max(1, C // P))
         from .llep import default_save_budget_mb
         budget = s.llep_save_budget_mb if s.llep_save_budget_mb is not None else default_save_budget_mb(P)

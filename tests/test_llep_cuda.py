@@ -209,7 +209,7 @@ def test_cache_cuda_equals_recompute(grouped):
             assert (st["grouped_mm"] > 0) == (grouped and hasattr(torch, "_grouped_mm")), st
     finally:
         llep_sched._GROUPED_MM_OK[0] = saved
-    slot_bytes = 2 * llep_sched.slot_elems(C, H, I)
+    slot_bytes = 2 * llep_sched.slot_elems(C, I)
     for got, slots, peak in zip(outs[1:], (3, 8), peaks[1:]):
         for name, a, b in zip(NAMES, got, outs[0]):
             if name in ("y", "dx"):

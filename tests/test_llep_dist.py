@@ -41,9 +41,9 @@ def _run_case(rank, P, tokens, frac, C, m, expect_spill=None, seed=0, group=None
                  min_tokens_per_gemm=m, save_budget_mb=save_budget_mb)
     stats = dict(llep_sched.LAST_STATS)
     # activation cache: ceil(T*K / (C//P)) slots fit 1 MiB here (none for T = 0)
-    slots = llep_sched.cache_slots(save_budget_mb << 20, hi - lo, K, C, H, I, P, 4)
+    slots = llep_sched.cache_slots(save_budget_mb << 20, hi - lo, K, C, I, P, 4)
     assert stats["cached_chunks"] == min(slots, stats["n_chunks"]), stats
-    assert stats["cache_bytes"] == slots * 4 * C * (2 * I + H)
+    assert stats["cache_bytes"] == slots * 4 * C * 2 * I
     got = (y.detach(),) + torch.autograd.grad(y, mine, gy[lo:hi].float())
     want = (ref[0][lo:hi], ref[1][lo:hi], ref[2][lo:hi], ref[3][es], ref[4][es])
     for name, a, b in zip(("y", "dx", "dtopk_weights", "dw_gate_up", "dw_down"), got, want):
