@@ -182,7 +182,7 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
     st = B.new_state(T, x.device)
     dx = torch.empty_like(x)
     f32acc = x.dtype == torch.float32
-    dw = torch.zeros_like(w)
+    dw = torch.empty_like(w) if T else torch.zeros_like(w)  # the first chunk writes dW, the others add
     db = None if bias is None else torch.zeros(V, dtype=torch.float32, device=x.device)
     # Workspace, allocated once (no allocation inside the loop):
     #   fp32 logits:   zbuf [ct, V] x fp32 and dzbuf [ct, V] x dtype (CUDA low precision;
@@ -219,7 +219,12 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
         else:
             dx[t0:t1] = B.mm(dz, w, False)
         if f32acc or x.device.type == "cuda":
-            dw.addmm_(dz.t(), xc)                             # one rounding per chunk
+            if t0 == 0:
+                torch.mm(dz.t(), xc, out=dw)
+            else:
+                dw.addmm_(dz.t(), xc)                         # one rounding per chunk
+        elif t0 == 0:
+            dw.copy_(B.mm(dz.t(), xc, True))
         else:
             dw.add_(B.mm(dz.t(), xc, True))
         if db is not None:
