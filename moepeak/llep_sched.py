@@ -320,6 +320,7 @@ class Ctx:
                     else:
                         for i, e in enumerate(experts):
                             dW_borrowed[which][self.slot[e]].copy_(r[i])
+                    r = None  # freed before the next run's result exists: one [G, ., .] at a time
                     touched.update(experts)
                     done.update(experts)
                 LAST_STATS["grouped_dw"] = int(LAST_STATS.get("grouped_dw", 0)) + 1

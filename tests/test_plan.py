@@ -203,15 +203,13 @@ def test_saved_tensor_terms_match_autograd_on_cpu():
 
 
 # MEASURED on the H200 (torch 2.11, CUDA 13.0) on 2026-11-29 by benchmarks/bench_demo.py --quick
-# (the last GPU run of that day, 16:20 UTC): torch.cuda.max_memory_allocated over the demo's
-# default GPU model (L=4, H=1024, heads 8/2, E=16, K=2, I=512, V=65536, bf16, one GPU), per
-# context and mode. Fixtures, not predictions. That run's moepeak column still paid
-# PipelinedLLEP's activation cache twice (autograd's zero gradient for the cache output, fixed
-# right after it, see tests/test_llep.py::test_backward_allocates_no_cache_sized_gradient), so
-# the plan, which counts the cache once, sits ~0.25 / ~1.0 GiB below these two numbers.
+# (18:14 UTC, after PipelinedLLEP's cache became h only): torch.cuda.max_memory_allocated over
+# the demo's default GPU model (L=4, H=1024, heads 8/2, E=16, K=2, I=512, V=65536, bf16, one
+# GPU), per context and mode. Fixtures, not predictions (the plan said 2.67 / 7.28 / 26.42 /
+# 100.20 GiB in that run).
 MEASURED_H200_2026_11_29_GIB = {
-    (32768, "moepeak"): 2.96, (32768, "plain"): 25.97,
-    (131072, "moepeak"): 8.65, (131072, "plain"): 99.75,
+    (32768, "moepeak"): 2.58, (32768, "plain"): 25.97,
+    (131072, "moepeak"): 7.15, (131072, "plain"): 99.75,
 }
 
 

@@ -1,0 +1,87 @@
+"""Probes (GPU): which GEMM paths torch offers here and what they cost.
+  1. torch._grouped_mm bf16 x bf16 with out_dtype=fp32 (2D x 3D, MoE shapes) vs bf16 out.
+  2. torch._grouped_mm 2D x 2D (weight-gradient form) with empty groups: what lands there.
+  3. Ring-DTP chunk GEMMs: dX and dW+= of one chunk issued on two streams vs one.
+  python benchmarks/probe_gemm_paths.py
+"""
+import statistics
+import torch
+
+
+def t(fn, iters=10):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(); fn(); e.record(); torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e))
+    return statistics.median(ts)
+
+
+def grouped():
+    E, H, I, C = 128, 2880, 2880, 32768
+    for name, counts in (("balanced", [C // E] * E), ("4 hot", [C // 4] * 4 + [0] * (E - 4))):
+        offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+        x = torch.randn(C, H, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(E, I, H, device="cuda", dtype=torch.bfloat16)
+        fl = 2 * C * H * I / 1e9
+        tb = t(lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs))
+        try:
+            r = torch._grouped_mm(x, w.transpose(1, 2), offs=offs, out_dtype=torch.float32)
+            ref = torch._grouped_mm(x, w.transpose(1, 2), offs=offs).float()
+            tf = t(lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offs, out_dtype=torch.float32))
+            err = float((r - ref).abs().max() / ref.abs().max())
+            print(f"grouped {name}: bf16 out {tb:.3f} ms ({fl / tb:.0f} TF/s), fp32 out {tf:.3f} ms "
+                  f"({fl / tf:.0f} TF/s) dtype {r.dtype} rel diff vs bf16 {err:.2e}")
+        except Exception as e:
+            print(f"grouped {name}: bf16 out {tb:.3f} ms; fp32 out unsupported: {type(e).__name__}: {str(e)[:200]}")
+    # 2D x 2D with an empty group
+    a = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(256, 32, device="cuda", dtype=torch.bfloat16)
+    offs = torch.tensor([128, 128, 256], device="cuda", dtype=torch.int32)
+    for trial in range(2):
+        torch.cuda.empty_cache()
+        junk = torch.full((3, 64, 32), 7.0, device="cuda", dtype=torch.bfloat16)
+        del junk
+        r = torch._grouped_mm(a.t(), b, offs=offs)
+        print(f"2Dx2D empty group {trial}: shape {tuple(r.shape)}, group1 max|.| {float(r[1].abs().max())}, "
+              f"group0 err {float((r[0].float() - a[:128].t().float() @ b[:128].float()).abs().max()):.3e}")
+
+
+def ring_streams():
+    H, V = 4096, 151936
+    w = torch.randn(V, H, device="cuda", dtype=torch.bfloat16)
+    dw = torch.zeros(V, H, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    for ct in (1728, 2048):
+        x = torch.randn(ct, H, device="cuda", dtype=torch.bfloat16)
+        z = torch.randn(ct, V, device="cuda", dtype=torch.bfloat16)
+        dx = torch.empty(ct, H, device="cuda", dtype=torch.bfloat16)
+
+        def seq():
+            torch.mm(z, w, out=dx)
+            dw.addmm_(z.t(), x)
+
+        def conc():
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                torch.mm(z, w, out=dx)
+            dw.addmm_(z.t(), x)
+            torch.cuda.current_stream().wait_stream(side)
+
+        def conc2():  # dX as two vocab halves on two streams (fp32 out then sum): not exact order; timing only
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                torch.mm(z, w, out=dx)
+            torch.cuda.current_stream().wait_stream(side)
+            dw.addmm_(z.t(), x)
+        print(f"ct={ct}: dX;dW sequential {t(seq):.3f} ms, dX on a side stream || dW {t(conc):.3f} ms, "
+              f"side stream serialised {t(conc2):.3f} ms")
+
+
+if __name__ == "__main__":
+    print(torch.cuda.get_device_name(), torch.__version__)
+    grouped()
+    ring_streams()
