@@ -101,7 +101,7 @@ class MoepeakArm:
     def resolve(self, T, H, V):
         from moepeak.ring_dtp import MODES, _pick_mode, _sizes
         T0 = self.timed_T or T
-        m = _pick_mode(MODES[self.mode], True, 1, T0, V, torch.bfloat16, self.ct or 0)
+        m = _pick_mode(MODES[self.mode], True, 1, T0, H, V, torch.bfloat16, self.ct or 0)
         name = [k for k, v in MODES.items() if v == m][0]
         ct0, _ = _sizes(T0, H, V, torch.bfloat16, m, self.ct, None)
         if T == T0 or not name.startswith("fused"):

@@ -25,10 +25,21 @@ every GEMM is torch's. Schedules ("mode"):
                the fold, 2 B read + 2 B written by the gradient (fused with fp32
                logits: 4 + 4 + 4 + 2), and 3x the rows per chunk in the same
                workspace (1728 vs 576 at V = 151936, 512 MiB).
+  vocab_outer_lowp
+               vocab_outer with dX accumulated in the input dtype (bf16/fp16)
+               over at most 8 vocab blocks (one rounding per block, like
+               fused's dW over its token chunks) instead of an fp32 [T, H]
+               accumulator; dW exact per block as in vocab_outer. At T = 128k,
+               H = 4096, V = 151936, bf16: 8 blocks of 18992 columns, dW block
+               [18992, 4096] x fp32 = 297 MiB, so 2.16 GiB of gradients + ~0.55
+               GiB, where vocab_outer needs a 2 GiB fp32 dX accumulator (+ its
+               1 GiB bf16 copy).
   auto         fp32 inputs: fused. Low precision: fused_lowp when backward is
                certain (grad enabled, reduction mean/sum) and it needs at most
                20 token chunks (T <= 34560 at V = 151936 with the 512 MiB
-               workspace); vocab_outer (exact dW, 4 GEMMs) otherwise and on request.
+               workspace); otherwise vocab_outer (exact dW and dX, 4 GEMMs) while
+               its fp32 [T, H] dX accumulator is at most the 512 MiB workspace
+               (T*H <= 128M), vocab_outer_lowp beyond that.
 
 Measured on one H200 (torch 2.11, 2026-11-29; benchmarks/bench_ring_dtp.py --quick),
 T = 32k, H = 4096, V = 151936, bf16, fwd+bwd; 3-GEMM time 155.9 ms at the measured
@@ -50,7 +61,7 @@ the same chunk count, relative to naive bf16 (1.02e-3):
     dW 1.16 + workspace 0.49 + [T] state = ~1.92 GiB for fused_lowp at 1728 rows
     (backward adds only a 64 MiB fp32 scaling block, after the workspace is freed).
   T = 128k: fused_lowp 822 ms (Liger 772 ms), same double-count (4.38 GiB; expected
-    now ~2.67: dX 1.0 + dW 1.16 + 0.49). auto picks vocab_outer there (76 chunks):
+    now ~2.67: dX 1.0 + dW 1.16 + 0.49). auto then picked vocab_outer (76 chunks; now vocab_outer_lowp):
     1242 ms, 4.29 GiB (fp32 dX accumulator 2 GiB).
 Error growth with the chunk count. fused* round the bf16 dW accumulator once per
 chunk. On the H200 data above (uniform random labels over 152k classes, logits of
@@ -90,9 +101,10 @@ from ._ext import check_tensor, require_cuda_build
 from . import ring_dtp_blocks as B
 
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
-MODES = {"auto": 0, "fused": 1, "vocab_outer": 2, "token_outer": 3, "fused_lowp": 4}
+MODES = {"auto": 0, "fused": 1, "vocab_outer": 2, "token_outer": 3, "fused_lowp": 4, "vocab_outer_lowp": 5}
 _FUSED = (MODES["fused"], MODES["fused_lowp"])
 _FUSED_MAX_CHUNKS = 20  # fused_lowp: 19 chunks measured at 1.17x naive's dW error on the H200 (see above)
+_LOWP_DX_BLOCKS = 8     # vocab_outer_lowp: vocab blocks dX is rounded over (n = 8: <= 1.63x naive above)
 
 
 # ---------------------------------------------------------------------------
@@ -263,6 +275,29 @@ def _backward_blocked(x, w, bias, y, m, ls, q, g, ignore_index, softcap, eps, zl
                 dw_b = part if dw_b is None else dw_b.add_(part)
             dw[v0:v1] = dw_b
         return dx_acc.to(x.dtype), dw, db
+    if order == "vocab_outer_lowp":
+        # dX accumulates in x.dtype inside the output: the first vocab block writes
+        # it, each later one adds with one rounding (GEMM accumulate, fp32 inside);
+        # dW block [cv, H] summed in fp32 over the token chunks (exact), as above.
+        dx = torch.empty_like(x)
+        dw = torch.empty_like(w)
+        dw_b = torch.empty((min(cv, V), H), dtype=torch.float32, device=x.device) if T else None
+        for v0 in range(0, V, cv):
+            v1 = min(V, v0 + cv)
+            blk = dw_b[:v1 - v0] if dw_b is not None else None
+            for t0 in range(0, T, ct):
+                t1 = min(T, t0 + ct)
+                dz = grad(t0, t1, v0, v1)
+                B.mm_acc_(dx[t0:t1], dz, w[v0:v1], first=v0 == 0)
+                B.mm_f32_acc_(blk, dz.t(), x[t0:t1], first=t0 == 0)
+                del dz
+            if blk is not None:
+                dw[v0:v1] = blk
+            else:
+                dw[v0:v1] = 0
+        if not T:
+            dx.zero_()
+        return dx, dw, db
     # token_outer: dX exact per chunk, dW accumulates in the weight's dtype
     dx = torch.empty_like(x)
     dw = torch.zeros_like(w)
@@ -287,26 +322,32 @@ def _reduce(rows: Tensor, valid: Tensor, reduction: int) -> Tensor:
     return total / valid.sum().clamp_min(1).to(torch.float32)
 
 
-def _pick_mode(mode: int, grads: bool, reduction: int, T: int, V: int, dtype, chunk_tokens: int = 0) -> int:
+def _pick_mode(mode: int, grads: bool, reduction: int, T: int, H: int, V: int, dtype, chunk_tokens: int = 0) -> int:
     if mode in _FUSED and reduction == 0:
         return MODES["vocab_outer"]  # per-token upstream grads are unknown in forward
     if mode == MODES["fused_lowp"] and dtype == torch.float32:
         return MODES["fused"]  # fp32 inputs: the logits are fp32 anyway
+    if mode == MODES["vocab_outer_lowp"] and dtype == torch.float32:
+        return MODES["vocab_outer"]  # fp32 dX accumulation is the input dtype
     if mode != 0:
         return mode
-    if not grads or reduction == 0:
-        return MODES["vocab_outer"]
+    fusable = grads and reduction != 0  # backward certain, upstream grad one scalar
     if dtype == torch.float32:
-        return MODES["fused"]  # fp32 dW accumulation: exact at any chunk count
+        return MODES["fused"] if fusable else MODES["vocab_outer"]  # fp32 accumulators: exact
     ct = chunk_tokens or B.fused_chunk_tokens(V, dtype, lowp_logits=True)
-    if math.ceil(T / ct) <= _FUSED_MAX_CHUNKS:
+    if fusable and math.ceil(T / ct) <= _FUSED_MAX_CHUNKS:
         return MODES["fused_lowp"]
-    return MODES["vocab_outer"]
+    if 4 * T * H <= B.DEFAULT_WORKSPACE_BYTES:
+        return MODES["vocab_outer"]
+    return MODES["vocab_outer_lowp"]
 
 
 def _sizes(T, H, V, dtype, mode, chunk_tokens, chunk_vocab):
     if mode in _FUSED:
         return chunk_tokens or B.fused_chunk_tokens(V, dtype, lowp_logits=mode == MODES["fused_lowp"]), V
+    if mode == MODES["vocab_outer_lowp"]:
+        cv = chunk_vocab or B.round_up(-(-V // _LOWP_DX_BLOCKS), 128)
+        return chunk_tokens or B.lowp_dx_chunk_tokens(cv, dtype), cv
     ct, cv = B.blocked_chunks(T, H, dtype, chunk_tokens=chunk_tokens)
     return ct, (chunk_vocab or cv)
 
@@ -330,7 +371,7 @@ def ring_dtp_ce(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[T
     if _LabelGuard.pending:  # inside the op: opaque to torch.compile, so no graph break
         _LabelGuard.check()
     y, valid, bad = _sanitize_labels(labels, V, ignore_index)
-    m = _pick_mode(mode, grads, reduction, T, V, hidden.dtype, chunk_tokens)
+    m = _pick_mode(mode, grads, reduction, T, H, V, hidden.dtype, chunk_tokens)
     ct, cv = _sizes(T, H, V, hidden.dtype, m, chunk_tokens or None, chunk_vocab or None)
     dx, dw, db = hidden.new_empty(0), hidden.new_empty(0), torch.empty(0, dtype=torch.float32, device=dev)
     if m in _FUSED and grads:
@@ -360,7 +401,7 @@ def _(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_
     ls = hidden.new_empty((T,), dtype=torch.float32)
     # dX/dW are either full gradients (fused) or empty: data-dependent in size only via
     # the mode choice, which depends on static arguments, so resolve it here the same way.
-    m = _pick_mode(mode, grads, reduction, T, weight.shape[0], hidden.dtype, chunk_tokens)
+    m = _pick_mode(mode, grads, reduction, T, hidden.shape[1], weight.shape[0], hidden.dtype, chunk_tokens)
     if m in _FUSED and grads:
         dx, dw = torch.empty_like(hidden), torch.empty_like(weight)
         db = hidden.new_empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32)
@@ -388,7 +429,9 @@ def ring_dtp_ce_backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labe
         g = gl.reshape(1).contiguous()
     else:
         g = (gl / (~ign).sum().clamp_min(1).to(torch.float32)).reshape(1).contiguous()
-    order = "token_outer" if mode == MODES["token_outer"] else "vocab_outer"
+    resolved = _pick_mode(mode, True, reduction, T, H, V, hidden.dtype, chunk_tokens)  # as forward resolved it
+    order = {MODES["token_outer"]: "token_outer",
+             MODES["vocab_outer_lowp"]: "vocab_outer_lowp"}.get(resolved, "vocab_outer")
     ct, cv = _sizes(T, H, V, hidden.dtype, MODES[order], chunk_tokens or None, chunk_vocab or None)
     dx, dw, db = _backward_blocked(hidden, weight, bias, y, m.contiguous(), ls.contiguous(), q.contiguous(), g,
                                    ignore_index, softcap,

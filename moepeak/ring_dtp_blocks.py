@@ -81,6 +81,48 @@ def mm_f32_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Te
     return out
 
 
+def mm_acc_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """out = a @ b (first) or out += a @ b, out in a's dtype, accumulated in fp32 inside
+    the GEMM and rounded once per call (CUDA: cuBLAS with beta = 1; CPU: fp32 GEMM of
+    the operands, added in fp32, one rounding). out: contiguous rows of a larger tensor."""
+    if a.dtype == torch.float32 or a.device.type == "cuda":
+        if first:
+            torch.mm(a, b, out=out)
+        else:
+            out.addmm_(a, b)
+        return
+    r = mm(a, b, True)
+    if not first:
+        r.add_(out.float())
+    out.copy_(r)
+
+
+def mm_f32_acc_(acc: Optional[torch.Tensor], a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """acc (fp32) = a @ b (first) or acc += a @ b for same-dtype a, b: exact fp32 sums.
+    CUDA bf16/fp16: one GEMM accumulating into the fp32 acc where torch has
+    addmm(out_dtype=fp32) (torch >= 2.8), else an fp32 GEMM result added."""
+    if acc is None:
+        return
+    if a.dtype == torch.float32:
+        torch.mm(a, b, out=acc) if first else acc.addmm_(a, b)
+        return
+    if a.device.type == "cuda" and _OUT_DTYPE_OK.get("cuda_addmm") is not False:
+        try:
+            if first:
+                mm_f32_into(a, b, acc)
+            else:
+                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+                _OUT_DTYPE_OK["cuda_addmm"] = True
+            return
+        except (TypeError, RuntimeError, NotImplementedError):
+            _OUT_DTYPE_OK["cuda_addmm"] = False
+    r = mm(a, b, True)
+    if first:
+        acc.copy_(r)
+    else:
+        acc.add_(r)
+
+
 def logits_block(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """Z = x @ w.T (+ bias): [t, v] x fp32, contiguous (x: [t, H], w: [v, H], bias: [v])."""
     z = mm(x, w.t(), True)
@@ -184,6 +226,20 @@ def row_losses(m, ls, zy, zsum, sx, valid, bad, eps: float, n_classes: int, zlos
 
 def round_down(x: int, q: int) -> int:
     return max(q, (x // q) * q)
+
+
+def round_up(x: int, q: int) -> int:
+    return -(-x // q) * q
+
+
+def lowp_dx_chunk_tokens(cv: int, dtype: torch.dtype, budget: int = BLOCKED_WORKSPACE_BYTES) -> int:
+    """Token rows per block for vocab_outer_lowp: Z [ct, cv] x fp32 and dZ [ct, cv]
+    x dtype within the budget (the dX and dW partials go straight into dX and the
+    fp32 dW block: no [ct, H] or second [cv, H] buffer on CUDA), multiple of 64.
+    Worked once: V = 151936 in 8 blocks: cv = 18992 rounded up to 128 = 19072; bf16,
+    256 MiB: 268435456 / (19072 * 6) = 2345.8 -> ct = 2304 (Z 168 MiB + dZ 84 MiB)."""
+    ct = budget // (cv * (4 + lowp_bytes(dtype)))
+    return round_down(int(ct), 64) if ct >= 64 else max(1, int(ct))
 
 
 def fused_chunk_tokens(V: int, dtype: torch.dtype, budget: int = DEFAULT_WORKSPACE_BYTES,

@@ -64,7 +64,7 @@ def check(x, w, y, b=None, mode="auto", gout=None, chunk_tokens=None, chunk_voca
     return ours, ref
 
 
-MODES = ["fused", "fused_lowp", "vocab_outer", "token_outer"]
+MODES = ["fused", "fused_lowp", "vocab_outer", "token_outer", "vocab_outer_lowp"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -167,6 +167,16 @@ def test_mode_errors():
     # peaked logits (std 2); more chunks grow past 2x here (module docstring), see the next test
     assert ratios[("fused_lowp", 1)] <= 1.2 and ratios[("fused_lowp", 8)] <= 2.0
     assert ratios[("fused_lowp", 32)] > ratios[("fused_lowp", 1)]
+    # vocab_outer_lowp: dW exact per vocab block; dX rounded once per vocab block (8 here,
+    # auto's count): within 2x naive's dX error, where 32 blocks may not be
+    dx_base = relerr(naive[1], ref[1])
+    for nb in (8, 32):
+        r = grads(moepeak.linear_cross_entropy, x, w, y, None, mode="vocab_outer_lowp", chunk_vocab=1024 // nb)
+        ratios[("vocab_outer_lowp dX", nb)] = relerr(r[1], ref[1]) / dx_base
+        ratios[("vocab_outer_lowp dW", nb)] = relerr(r[2], ref[2]) / base
+    print("with vocab_outer_lowp:", ratios)
+    assert ratios[("vocab_outer_lowp dX", 8)] <= 2.0 and ratios[("vocab_outer_lowp dW", 8)] <= 1.2
+    assert ratios[("vocab_outer_lowp dX", 32)] > ratios[("vocab_outer_lowp dX", 8)]
 
 
 def test_fused_lowp_error_at_auto_chunk_count():
@@ -185,17 +195,19 @@ def test_fused_lowp_error_at_auto_chunk_count():
 def test_auto_mode_choice():
     from moepeak.ring_dtp import MODES as M, _pick_mode
     # bf16 logits, 1728 rows per chunk at V = 151936 (fused_chunk_tokens): at most 20 chunks
-    assert _pick_mode(0, True, 1, 2000, 151936, torch.bfloat16) == M["fused_lowp"]
-    assert _pick_mode(0, True, 1, 32768, 151936, torch.bfloat16) == M["fused_lowp"]  # 19 chunks
-    assert _pick_mode(0, True, 1, 20 * 1728, 151936, torch.bfloat16) == M["fused_lowp"]
-    assert _pick_mode(0, True, 1, 20 * 1728 + 1, 151936, torch.bfloat16) == M["vocab_outer"]
-    assert _pick_mode(0, True, 1, 131072, 151936, torch.bfloat16) == M["vocab_outer"]
-    assert _pick_mode(0, True, 1, 32768, 151936, torch.bfloat16, 8192) == M["fused_lowp"]
-    assert _pick_mode(0, True, 0, 100, 1000, torch.bfloat16) == M["vocab_outer"]
-    assert _pick_mode(0, False, 1, 100, 1000, torch.bfloat16) == M["vocab_outer"]
-    assert _pick_mode(0, True, 2, 32768, 151936, torch.float32) == M["fused"]
-    assert _pick_mode(M["fused_lowp"], True, 1, 64, 100, torch.float32) == M["fused"]
-    assert _pick_mode(M["fused_lowp"], True, 0, 64, 100, torch.bfloat16) == M["vocab_outer"]
+    assert _pick_mode(0, True, 1, 2000, 4096, 151936, torch.bfloat16) == M["fused_lowp"]
+    assert _pick_mode(0, True, 1, 32768, 4096, 151936, torch.bfloat16) == M["fused_lowp"]  # 19 chunks
+    assert _pick_mode(0, True, 1, 20 * 1728, 4096, 151936, torch.bfloat16) == M["fused_lowp"]
+    assert _pick_mode(0, True, 1, 20 * 1728 + 1, 4096, 151936, torch.bfloat16) == M["vocab_outer_lowp"]
+    assert _pick_mode(0, True, 1, 20 * 1728 + 1, 2048, 151936, torch.bfloat16) == M["vocab_outer"]  # 270 MiB acc
+    assert _pick_mode(0, True, 1, 131072, 4096, 151936, torch.bfloat16) == M["vocab_outer_lowp"]
+    assert _pick_mode(M["vocab_outer_lowp"], True, 1, 64, 4096, 100, torch.float32) == M["vocab_outer"]
+    assert _pick_mode(0, True, 1, 32768, 4096, 151936, torch.bfloat16, 8192) == M["fused_lowp"]
+    assert _pick_mode(0, True, 0, 100, 4096, 1000, torch.bfloat16) == M["vocab_outer"]
+    assert _pick_mode(0, False, 1, 100, 4096, 1000, torch.bfloat16) == M["vocab_outer"]
+    assert _pick_mode(0, True, 2, 32768, 4096, 151936, torch.float32) == M["fused"]
+    assert _pick_mode(M["fused_lowp"], True, 1, 64, 4096, 100, torch.float32) == M["fused"]
+    assert _pick_mode(M["fused_lowp"], True, 0, 64, 4096, 100, torch.bfloat16) == M["vocab_outer"]
 
 
 def test_return_lse_and_shapes():
@@ -431,6 +443,9 @@ def test_cuda_peak_memory_bounded(mode):
         bound = grads_bytes + ct * V * 2 + (64 << 20)
     elif mode == "fused":
         bound = grads_bytes + ct * V * 6 + (64 << 20)
+    elif mode == "vocab_outer_lowp":  # no fp32 dX: the fp32 dW block (+ an fp32 partial without addmm out_dtype)
+        cv = -(-V // 8)
+        bound = grads_bytes + 2 * cv * H * 4 + B.BLOCKED_WORKSPACE_BYTES + (64 << 20)
     else:  # the 4-GEMM orders: fp32 dX accumulator + blocks (+ the previous block's dZ / dW partial)
         bound = grads_bytes + T * H * 4 + B.BLOCKED_WORKSPACE_BYTES + (128 << 20)
     assert peak <= bound, f"{mode}: peak {peak / 2**20:.0f} MiB > bound {bound / 2**20:.0f} MiB"
