@@ -20,9 +20,15 @@ Two variants, chosen by `ring` ("weights", "activations", "auto"):
  fp32 accumulators of the same shapes in backward, so the ratio holds there).
 
 Double buffering: the payload for step k+1 (the shard, or X and labels) is
-posted with send_recv before step k's compute and waited for after it; the
-accumulator or state that step k changes is sent after it, and waited for
-just before step k+1 first touches it. Buffers: two payload buffers, two
+posted with send_recv before step k's compute and waited for after it. The
+forward state (activations variant) is sent after step k and waited for just
+before step k+1 touches it ([5, T_max] x fp32: a latency, not a bandwidth).
+The backward's fp32 accumulators travel in pieces (_AccRing): piece i (cv
+vocab rows of dW, or ct token rows of dX) is sent as soon as this rank has
+added its last block to it, and step k+1 waits only for piece i before adding
+to it, so only the last piece's hop is exposed (measured on 2 H200s before
+this: the whole accumulator hop, 1.24 GB of dW or 0.5 GB of dX per step, was
+exposed, 11-16 ms of a 319 ms call). Buffers: two payload buffers, two
 accumulator buffers, the block workspace. Shards of unequal size (V % P != 0,
 e.g. FSDP2's ceil-split) are padded to V_max rows of zeros in the travelling
 buffers, and the columns past a shard's real rows are masked (-inf logits,
@@ -55,19 +61,59 @@ def _fold_into(x, w, y, v_off, v_valid, st, ignore_index, softcap, ct, cv):
             B.fold(z, v_off + b0, v_valid, y[t0:t1], ignore_index, softcap, *part)
 
 
-def _grad_into(x, w, y, v_off, v_valid, V, m, ls, q, g, dx_acc, dw_acc, ignore_index, softcap, eps, zloss, ct, cv):
-    """dx_acc [T, H] x fp32 += dZ W; dw_acc [Vw, H] x fp32 += dZ^T X over the blocks of (x, w)."""
-    T, Vw = x.shape[0], w.shape[0]
-    g1 = g.numel() == 1
-    for t0 in range(0, T, ct):
-        t1 = min(T, t0 + ct)
-        for b0 in range(0, Vw, cv):
-            b1 = min(Vw, b0 + cv)
-            z = B.logits_block(x[t0:t1], w[b0:b1], None)
-            dz = B.grad_block(z, v_off + b0, v_valid, y[t0:t1], ignore_index, softcap, m[t0:t1], ls[t0:t1],
-                              q[t0:t1], g if g1 else g[t0:t1], eps, V, zloss, x.dtype)
-            dx_acc[t0:t1].add_(B.mm(dz, w[b0:b1], True))
-            dw_acc[b0:b1].add_(B.mm(dz.t(), x[t0:t1], True))
+def _grad_block(x, w, y, v_off, v_valid, V, m, ls, q, g, dx_acc, dw_acc, ignore_index, softcap, eps, zloss,
+                t0, t1, b0, b1):
+    """One block: dx_acc[t0:t1] (fp32) += dZ W[b0:b1]; dw_acc[b0:b1] (fp32) += dZ^T X[t0:t1]."""
+    if t1 <= t0 or b1 <= b0:
+        return
+    z = B.logits_block(x[t0:t1], w[b0:b1], None)
+    dz = B.grad_block(z, v_off + b0, v_valid, y[t0:t1], ignore_index, softcap, m[t0:t1], ls[t0:t1],
+                      q[t0:t1], g if g.numel() == 1 else g[t0:t1], eps, V, zloss, x.dtype)
+    del z
+    B.mm_f32_acc_(dx_acc[t0:t1], dz, w[b0:b1], first=False)
+    B.mm_f32_acc_(dw_acc[b0:b1], dz.t(), x[t0:t1], first=False)
+
+
+class _AccRing:
+    """The travelling fp32 accumulator of the backward, piece by piece: piece i
+    of this step's accumulator is sent on (and piece i of the next one received)
+    as soon as this rank has finished adding to it, and the next step waits
+    only for piece i before adding to it. So the hop of piece i overlaps the
+    compute of the pieces after it; only the last piece's hop is exposed.
+    Every rank makes the same calls (pieces of the padded [rows_max, H] buffers),
+    one send/recv pair per piece, in the same order."""
+
+    def __init__(self, tr, nxt, prv, rows_max, H, piece, device):
+        self.tr, self.nxt, self.prv, self.piece = tr, nxt, prv, piece
+        self.cur = torch.zeros((rows_max, H), dtype=torch.float32, device=device)  # this step's
+        self.other = torch.empty_like(self.cur)                                      # the next step's
+        self.n = -(-rows_max // piece) if rows_max else 0
+        self.pending = [None] * self.n
+
+    def span(self, i):
+        return i * self.piece, min(self.cur.shape[0], (i + 1) * self.piece)
+
+    def ready(self, i) -> torch.Tensor:
+        """Piece i of this step's accumulator, once it has arrived."""
+        if self.pending[i] is not None:
+            self.pending[i].wait()
+            self.pending[i] = None
+        a, b = self.span(i)
+        return self.cur[a:b]
+
+    def done(self, i) -> None:
+        """This rank has finished piece i: send it on, receive the next step's piece i."""
+        a, b = self.span(i)
+        self.pending[i] = self.tr.send_recv(self.cur[a:b], self.nxt, self.other[a:b], self.prv)
+
+    def next_step(self) -> None:
+        self.cur, self.other = self.other, self.cur
+
+    def home(self) -> torch.Tensor:
+        """After the P-th hop: this rank's own accumulator."""
+        for i in range(self.n):
+            self.ready(i)
+        return self.cur
 
 
 class _Geometry:
@@ -168,24 +214,27 @@ class _RingCE(torch.autograd.Function):
             cur = torch.zeros((geo.Vmax, H), dtype=w.dtype, device=w.device)
             cur[:w.shape[0]] = w
             other = torch.empty_like(cur)
-            acc = torch.zeros((geo.Vmax, H), dtype=torch.float32, device=x.device)  # travels with the shard
-            acc_in = torch.empty_like(acc)
-            ha = None
+            # dW of the shard travels with it, in vocab blocks of cv rows: vocab blocks
+            # are the outer loop, so block i is final (for this rank) before the next.
+            acc = _AccRing(tr, nxt, prv, geo.Vmax, H, cv, x.device)
             for k in range(P):
                 o = (r - k) % P
                 hw = tr.send_recv(cur, nxt, other, prv) if k < P - 1 else None
-                if ha is not None:
-                    ha.wait()
-                    acc, acc_in = acc_in, acc
-                _grad_into(x, cur[:geo.Vs[o]], y, geo.off[o], geo.off[o] + geo.Vs[o], geo.V, m, ls, q, g, dx_acc,
-                           acc[:geo.Vs[o]], ignore_index, softcap, eps, zloss, ct, cv)
-                ha = tr.send_recv(acc, nxt, acc_in, prv)  # the P-th hop lands each dW at its owner
+                vo = geo.Vs[o]
+                for i in range(acc.n):
+                    b0, b1 = acc.span(i)
+                    dw_i = acc.ready(i)
+                    for t0 in range(0, T, ct):
+                        _grad_block(x, cur[b0:min(b1, vo)], y, geo.off[o] + b0, geo.off[o] + vo, geo.V, m, ls, q,
+                                    g, dx_acc, dw_i, ignore_index, softcap, eps, zloss, t0, min(T, t0 + ct), 0,
+                                    max(0, min(b1, vo) - b0))
+                    acc.done(i)  # the P-th hop lands each dW at its owner
+                acc.next_step()
                 if hw is not None:
                     hw.wait()
                     cur, other = other, cur
-            ha.wait()
             dx = dx_acc.to(x.dtype)
-            dw = acc_in[:w.shape[0]].to(w.dtype)
+            dw = acc.home()[:w.shape[0]].to(w.dtype)
         else:
             xb = torch.zeros((geo.Tmax, H), dtype=x.dtype, device=x.device)
             xb[:T] = x
@@ -194,28 +243,31 @@ class _RingCE(torch.autograd.Function):
             aux = torch.zeros((4, geo.Tmax), dtype=torch.float32, device=x.device)  # m, log s, 1 - p_y, g
             aux[0, :T], aux[1, :T], aux[2, :T], aux[3, :T] = m, ls, q, g
             xo, yo, auxo = torch.empty_like(xb), torch.empty_like(yb), torch.empty_like(aux)
-            dxa = torch.zeros((geo.Tmax, H), dtype=torch.float32, device=x.device)  # travels home
-            dxa_in = torch.empty_like(dxa)
+            # dX of the tokens travels with them (home on the P-th hop), in token
+            # chunks of ct rows: chunk i is final (for this rank) after its vocab blocks.
+            dxa = _AccRing(tr, nxt, prv, geo.Tmax, H, ct, x.device)
             dw_acc = torch.zeros((w.shape[0], H), dtype=torch.float32, device=x.device)
-            ha = None
+            Vr = w.shape[0]
             for k in range(P):
                 j = (r - k) % P
                 hx = ([tr.send_recv(xb, nxt, xo, prv), tr.send_recv(yb, nxt, yo, prv),
                        tr.send_recv(aux, nxt, auxo, prv)] if k < P - 1 else [])
-                if ha is not None:
-                    ha.wait()
-                    dxa, dxa_in = dxa_in, dxa
                 tj = geo.Ts[j]
-                _grad_into(xb[:tj], w, yb[:tj], geo.off[r], geo.off[r] + geo.Vs[r], geo.V, aux[0, :tj],
-                           aux[1, :tj], aux[2, :tj], aux[3, :tj].contiguous(), dxa[:tj], dw_acc, ignore_index,
-                           softcap, eps, zloss, ct, cv)
-                ha = tr.send_recv(dxa, nxt, dxa_in, prv)
+                gj = aux[3].contiguous()
+                for i in range(dxa.n):
+                    t0, t1 = dxa.span(i)
+                    dx_i = dxa.ready(i)
+                    for b0 in range(0, Vr, cv):
+                        _grad_block(xb[t0:min(t1, tj)], w, yb[t0:min(t1, tj)], geo.off[r], geo.off[r] + Vr, geo.V,
+                                    aux[0, t0:], aux[1, t0:], aux[2, t0:], gj[t0:], dx_i, dw_acc, ignore_index,
+                                    softcap, eps, zloss, 0, max(0, min(t1, tj) - t0), b0, min(Vr, b0 + cv))
+                    dxa.done(i)
+                dxa.next_step()
                 for h in hx:
                     h.wait()
                 if hx:
                     xb, xo, yb, yo, aux, auxo = xo, xb, yo, yb, auxo, aux
-            ha.wait()
-            dx = dxa_in[:T].to(x.dtype)
+            dx = dxa.home()[:T].to(x.dtype)
             dw = dw_acc.to(w.dtype)
         return dx, dw, None, None, None, None, None, None, None, None, None, None, None, None
 
