@@ -293,16 +293,102 @@ def test_bad_input():
 # ---------------------------------------------------------------------------
 # CUDA (every GPU path against the same references)
 # ---------------------------------------------------------------------------
+# (T, H, V, chunk_tokens, chunk_vocab): small and prime V; then T > the 1728-row chunk of the
+# H200 configuration, V prime (rows of the bf16 block not 16-byte aligned: the kernels' scalar
+# head/tail around the vector body) and 4 vector steps of 256 threads per row and more.
+CUDA_SHAPES = [(300, 64, 1009, 128, 384), (2100, 64, 32771, 1024, 8192)]
+
+
 @pytest.mark.cuda
+@pytest.mark.parametrize("shape", CUDA_SHAPES, ids=lambda s: f"T{s[0]}-V{s[2]}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mode", MODES)
-def test_cuda_all_options(dtype, mode):
-    x, w, y, b = make(300, 64, 1009, dtype, seed=12, bias=True, ignore_frac=0.1)
+def test_cuda_all_options(dtype, mode, shape):
+    T, H, V, ct, cv = shape
+    x, w, y, b = make(T, H, V, dtype, seed=12, bias=True, ignore_frac=0.1)
     x, w, y, b = x.cuda(), w.cuda(), y.cuda(), b.cuda()
-    check(x, w, y, b, mode=mode, chunk_tokens=128, chunk_vocab=384, label_smoothing=0.05, z_loss=1e-4,
+    check(x, w, y, b, mode=mode, chunk_tokens=ct, chunk_vocab=cv, label_smoothing=0.05, z_loss=1e-4,
           softcap=20.0)
-    check(x, w, y, b, mode=mode if not mode.startswith("fused") else "vocab_outer", gout=torch.randn(300, device="cuda"),
-          reduction="none", chunk_tokens=128, chunk_vocab=384)
+    check(x, w, y, b, mode=mode if not mode.startswith("fused") else "vocab_outer", gout=torch.randn(T, device="cuda"),
+          reduction="none", chunk_tokens=ct, chunk_vocab=cv)
+    if mode.startswith("fused"):  # upstream grad != 1: the in-place scale kernel on dX and dW
+        check(x, w, y, b, mode=mode, gout=torch.tensor(0.37, device="cuda"), chunk_tokens=ct, label_smoothing=0.05)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("softcap", [0.0, 15.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_kernels_vs_fp64(dtype, softcap, eps):
+    """The fold and gradient kernels on two blocks vs fp64 (refs._ce_of_logits and its autograd),
+    with what the kernels' fast paths special-case: block rows not 16-byte aligned (ld = v + 3),
+    V not a multiple of 8, padding columns (v_valid < v0 + v, huge logits there), a block not
+    starting at column 0, targets in the head, body, tail and the other block, ignored and
+    zero-weight rows (dZ written 0 without reading), confident rows, a large common offset."""
+    from tests.refs import _ce_of_logits
+    t, v0, v, pad, zl = 300, 37, 20011, 5, 1e-3
+    V = v0 + v - pad                                        # v_valid: columns [V, v0 + v) are padding
+    gen = torch.Generator().manual_seed(30)
+    z = torch.randn(t, v0 + v, generator=gen) * 4
+    y = torch.randint(0, V, (t,), generator=gen)
+    y[::9] = -100
+    y[1:6] = torch.tensor([v0, v0 + 1, V - 1, 5, v0 + 8])  # head/first vector, tail, block A
+    z[10:20, y[10:20]] += 30.0                             # confident rows (p_y -> 1)
+    z[20:30] += 1000.0                                     # large offset: m * log2e rounds coarsely
+    z[:, V:] = 1e4                                         # padding: never counted
+    z = z.to(dtype).float()                                # the values the block holds
+    g = torch.rand(t, generator=gen) + 0.5
+    g[::11] = 0.0
+    zc = z[:, :V].double()
+    if softcap:
+        zc = softcap * torch.tanh(zc / softcap)
+    has = y >= 0
+    yi = y.clamp_min(0)
+    m64 = zc.max(1).values
+    e = torch.exp(zc - m64[:, None])
+    s64 = e.sum(1)
+    sx64 = torch.where(has, e.scatter(1, yi[:, None], 0.0).sum(1), s64)
+    zy64 = torch.where(has, zc.gather(1, yi[:, None])[:, 0], torch.zeros_like(m64))
+    z64 = z[:, :V].double().requires_grad_()
+    (_ce_of_logits(z64, y, -100, "none", eps, zl, softcap or None) * g.double()).sum().backward()
+    dz64 = z64.grad
+
+    cu = torch.device("cuda")
+    za = z[:, :v0].to(dtype).to(cu).contiguous()           # block A: columns [0, v0)
+    zb_buf = torch.zeros(t, v + 3, dtype=dtype, device=cu)  # block B: [t, v] in rows of v + 3
+    zb = zb_buf[:, :v]
+    zb.copy_(z[:, v0:])
+    yc, gc = y.to(cu), g.to(cu)
+    st = B.new_state(t, cu)
+    B.fold(za, 0, V, yc, -100, softcap, *st)
+    B.fold(zb, v0, V, yc, -100, softcap, *st)
+    m, s, zy, zs, sx = (a.cpu().double() for a in st)
+    rt = 1e-5 if not softcap else 3e-5
+    torch.testing.assert_close(m, m64, rtol=1e-6 if softcap else 0, atol=0)
+    torch.testing.assert_close(s, s64, rtol=rt, atol=0)
+    torch.testing.assert_close(sx, sx64, rtol=rt, atol=0)
+    torch.testing.assert_close(zy, zy64, rtol=1e-6 if softcap else 0, atol=0)
+    assert ((zs - zc.sum(1)).abs() <= 4e-6 * zc.abs().sum(1)).all()  # one column is ~5e-5 of it
+
+    mm_, ls, q = B.fin(st)
+    outs = [(dtype, torch.cat([B.grad_block(za, 0, V, yc, -100, softcap, mm_, ls, q, gc, eps, V, zl, dtype),
+                               B.grad_block(zb, v0, V, yc, -100, softcap, mm_, ls, q, gc, eps, V, zl, dtype)], 1))]
+    if dtype == torch.float32:  # fp32 logits -> bf16 dZ in a separate [t, v] buffer (odd v: rows alternate alignment)
+        za2, zb2 = (zz.to(cu).contiguous() for zz in (z[:, :v0], z[:, v0:]))
+        outs.append((torch.bfloat16, torch.cat([
+            B.grad_block(za2, 0, V, yc, -100, softcap, mm_, ls, q, gc, eps, V, zl, torch.bfloat16),
+            B.grad_block(zb2, v0, V, yc, -100, softcap, mm_, ls, q, gc, eps, V, zl, torch.bfloat16)], 1)))
+    for odt, dz in outs:
+        dz = dz.cpu().double()
+        assert torch.all(dz[:, V:] == 0), "padding columns"
+        dead = (y < 0) | (g == 0)
+        assert torch.all(dz[dead] == 0), "ignored / zero-weight rows"
+        unit = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[odt]
+        tol = (unit + (1e-5 if not softcap else 5e-5)) * dz64.abs()
+        tol += 2.0 ** -25 + 1e-9 * g.double()[:, None]           # fp16 subnormal steps; fp32 floor
+        tol[has, yi[has]] += 2e-7 * g.double()[has]              # target: -(1-eps) q + (eps + 2 zl lse) p - uni
+        err = (dz[:, :V] - dz64).abs()
+        assert (err <= tol).all(), (odt, (err / tol).max().item(), divmod((err / tol).argmax().item(), V))
 
 
 @pytest.mark.cuda
