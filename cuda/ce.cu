@@ -6,9 +6,10 @@
 // the formulas there). The GEMM producing Z is torch's; nothing here ever holds
 // more than the one block it is given, and no [T, V] logits tensor exists.
 //
-// Layout of work: one thread block per row (grid-stride over rows), threads
-// stride over the row's columns in 16-byte vectors, kUnroll vectors in flight
-// per thread, block-wide reductions through shared memory. A row is split as
+// Layout of work: one thread block (kThreads = 512) per row, grid-stride over
+// rows; threads stride over the row's columns in 16-byte vectors, kUnroll = 4
+// vectors in flight per thread, block-wide reductions through shared memory.
+// A row is split as
 //   [0, h)            scalar head up to the first 16-byte boundary (h < 16 B),
 //   [h, h + nvec * N) 16-byte vectors of N = 16 / sizeof(In) elements,
 //   [.., nv)          scalar tail (< N elements), nv = the real (non-padding) columns,
@@ -34,11 +35,17 @@
 
 namespace {
 
-constexpr int kThreads = 256;     // threads per row: 8 warps
-constexpr int kUnroll = 4;        // 16-byte loads in flight per thread (64 B; 64 KB per SM at 4 blocks)
-constexpr int kMaxGrid = 65535;   // rows beyond this are handled by the grid-stride loop
-constexpr int kMinBlocks = 4;     // resident row blocks per SM asked of ptxas (<= 64 registers): 32 warps
-constexpr int kScaleGrid = 2048;  // blocks of the grid-stride scale kernel (~4 per SM on an H200)
+// Row blocks: 512 threads (16 warps), 2 resident per SM (ptxas keeps <= 64 registers), 4 16-byte
+// loads in flight per thread: 64 KB per SM, above the ~30 KB that 4 TB/s needs at ~1 us latency.
+// Why 512 x 2 and not 256 x 4 (same bytes in flight): the fused_lowp chunk is t = 1728 rows on
+// 132 SMs, 13 or 14 rows per SM; the last row of an SM often runs alone, and one 16-warp block
+// keeps twice the loads in flight that an 8-warp one would.
+constexpr int kThreads = 512;
+constexpr int kMinBlocks = 2;
+constexpr int kUnroll = 4;
+constexpr int kMaxGrid = 65535;     // rows beyond this are handled by the grid-stride loop
+constexpr int kScaleThreads = 256;  // the scale kernel: grid-stride, up to kScaleGrid blocks (~8 per SM)
+constexpr int kScaleGrid = 2048;
 constexpr float kLog2e = 1.4426950408889634f;
 
 template <typename T>
@@ -256,7 +263,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     int vi = tid;
     for (; vi + (kUnroll - 1) * kThreads < nvec; vi += kUnroll * kThreads)
       fold_vectors<In, kCap, kUnroll>(body, vi, jy - h, c, a);
-    for (; vi < nvec; vi += kThreads) fold_vectors<In, kCap, 1>(body, vi, jy - h, c, a);
+    if (vi + kThreads < nvec) {  // the rest: at most 3 vectors per thread, 2 then 1 in flight
+      fold_vectors<In, kCap, 2>(body, vi, jy - h, c, a);
+      vi += 2 * kThreads;
+    }
+    if (vi < nvec) fold_vectors<In, kCap, 1>(body, vi, jy - h, c, a);
     const int jt = h + nvec * N + tid;  // tail: fewer than N <= kThreads columns
     if (jt < nv) fold_one<kCap>(a, ld(row, jt), jt, jy, c);
 
@@ -384,7 +395,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       int vi = tid;
       for (; vi + (kUnroll - 1) * kThreads < nvec; vi += kUnroll * kThreads)
         grad_vectors<In, Out, kCap, kUnroll>(row + h, orow + h, vi, r.jy - h, r);
-      for (; vi < nvec; vi += kThreads) grad_vectors<In, Out, kCap, 1>(row + h, orow + h, vi, r.jy - h, r);
+      if (vi + kThreads < nvec) {  // the rest: at most 3 vectors per thread
+        grad_vectors<In, Out, kCap, 2>(row + h, orow + h, vi, r.jy - h, r);
+        vi += 2 * kThreads;
+      }
+      if (vi < nvec) grad_vectors<In, Out, kCap, 1>(row + h, orow + h, vi, r.jy - h, r);
       for (int j = h + nvec * N + tid; j < nc; j += kThreads)
         orow[j] = to_out<Out>(grad_one<kCap>(ld(row, j), r, j == r.jy));
     }
@@ -396,12 +411,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 // Scale: p[0, n) *= *g in fp32, one rounding; nothing at all when *g == 1.
 // =============================================================================
 template <typename T>
-__global__ void __launch_bounds__(kThreads) ce_scale_kernel(T *p, int64_t n, const float *__restrict__ g) {
+__global__ void __launch_bounds__(kScaleThreads) ce_scale_kernel(T *p, int64_t n, const float *__restrict__ g) {
   const float gv = __ldg(g);  // device scalar: no host sync
   if (gv == 1.0f) return;     // loss.backward() with grad 1: x * 1 == x bitwise
   constexpr int N = Vec<T>::n;
-  const int64_t nth = (int64_t)gridDim.x * kThreads;
-  const int64_t tid = (int64_t)blockIdx.x * kThreads + threadIdx.x;
+  const int64_t nth = (int64_t)gridDim.x * kScaleThreads;
+  const int64_t tid = (int64_t)blockIdx.x * kScaleThreads + threadIdx.x;
   const int h = head_cols(p, n);
   const int64_t nvec = (n - h) / N;
   T *body = p + h;
@@ -454,8 +469,8 @@ void launch_grad(const void *z, int64_t ldz, int64_t t, int v, int nv, int64_t v
 template <typename T>
 void launch_scale(void *p, int64_t n, const float *g, cudaStream_t stream) {
   const int64_t vecs = n / Vec<T>::n + 1;
-  const int64_t blocks = (vecs + kThreads - 1) / kThreads;
-  ce_scale_kernel<T><<<(unsigned)(blocks < kScaleGrid ? blocks : kScaleGrid), kThreads, 0, stream>>>((T *)p, n, g);
+  const int64_t blocks = (vecs + kScaleThreads - 1) / kScaleThreads;
+  ce_scale_kernel<T><<<(unsigned)(blocks < kScaleGrid ? blocks : kScaleGrid), kScaleThreads, 0, stream>>>((T *)p, n, g);
 }
 
 }  // namespace
