@@ -333,7 +333,8 @@ def test_cuda_kernels_vs_fp64(dtype, softcap, eps):
     y = torch.randint(0, V, (t,), generator=gen)
     y[::9] = -100
     y[1:6] = torch.tensor([v0, v0 + 1, V - 1, 5, v0 + 8])  # head/first vector, tail, block A
-    z[10:20, y[10:20]] += 30.0                             # confident rows (p_y -> 1)
+    rows = torch.arange(10, 18)
+    z[rows, y[rows]] += 30.0                               # confident rows (p_y -> 1)
     z[20:30] += 1000.0                                     # large offset: m * log2e rounds coarsely
     z[:, V:] = 1e4                                         # padding: never counted
     z = z.to(dtype).float()                                # the values the block holds
