@@ -30,6 +30,10 @@
  * replaced out-of-range labels by ignore_index (ring_dtp.py), and a label is
  * only ever compared with column ranges, never used as an address outside
  * the block, so no label value can make these kernels read out of bounds.
+ *
+ * Scale (backward of the fused modes): t *= g for the dX / dW made in forward,
+ * in fp32 with one rounding to t's dtype; g is the upstream gradient, read where
+ * t lives (on CUDA by the kernel: no host sync), and g == 1 costs nothing.
  */
 #include <math.h>
 #include <string.h>
@@ -133,6 +137,85 @@ static void ce_grad_rows(void *ctx, int64_t begin, int64_t end, int worker) {
 }
 
 /* ------------------------------------------------------------------------- */
+/* Scale: t[0, n) *= g in fp32 with one rounding to t's dtype, i.e. exactly   */
+/* (t.float() * g).to(t.dtype). The fused modes' dX and dW times the upstream */
+/* gradient; g == 1 (loss.backward()) does nothing at all.                    */
+/* ------------------------------------------------------------------------- */
+enum { CE_F32 = 0, CE_BF16 = 1, CE_F16 = 2 }; /* the z_dtype / out_dtype codes */
+
+static inline float ce_bf16_to_f32(uint16_t h) {
+  const uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline uint16_t ce_f32_to_bf16(float f) { /* round to nearest even; NaN -> torch's 0x7FC0 */
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if (f != f) return 0x7FC0;
+  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float ce_f16_to_f32(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, ex = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+  uint32_t u;
+  if (ex == 0x1F) {
+    u = sign | 0x7F800000u | (man << 13); /* inf / NaN */
+  } else if (ex != 0) {
+    u = sign | ((ex + 112u) << 23) | (man << 13); /* normal: rebias 15 -> 127 */
+  } else {
+    const float f = (float)man * 5.9604644775390625e-8f; /* zero / subnormal: man * 2^-24, exact */
+    memcpy(&u, &f, 4);
+    u |= sign;
+  }
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline uint16_t ce_f32_to_f16(float f) { /* round to nearest even, like torch's cast */
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return sign | 0x7E00u;  /* NaN */
+  if (a >= 0x477FF000u) return sign | 0x7C00u; /* |f| rounds to >= 65520: inf */
+  if (a >= 0x38800000u) {                      /* normal fp16: drop 13 mantissa bits, RNE, rebias */
+    const uint32_t r = a + 0xFFFu + ((a >> 13) & 1u);
+    return sign | (uint16_t)((r - 0x38000000u) >> 13);
+  }
+  float af; /* below 2^-14: fp16 subnormal steps of 2^-24; |f| * 2^24 is exact, lrintf rounds to even */
+  memcpy(&af, &a, 4);
+  return sign | (uint16_t)lrintf(af * 16777216.0f);
+}
+
+typedef struct {
+  void *t;
+  int dtype;
+  float g;
+} ce_scale_args;
+
+/* Elements per thread-pool grain: 64k elements (128-256 KiB) amortise the dispatch. */
+#define CE_SCALE_GRAIN (1 << 16)
+
+static void ce_scale_range(void *ctx, int64_t begin, int64_t end, int worker) {
+  (void)worker;
+  const ce_scale_args *a = (const ce_scale_args *)ctx;
+  const float g = a->g;
+  if (a->dtype == CE_F32) {
+    float *p = (float *)a->t;
+    for (int64_t i = begin; i < end; ++i) p[i] *= g;
+  } else if (a->dtype == CE_BF16) {
+    uint16_t *p = (uint16_t *)a->t;
+    for (int64_t i = begin; i < end; ++i) p[i] = ce_f32_to_bf16(ce_bf16_to_f32(p[i]) * g);
+  } else {
+    uint16_t *p = (uint16_t *)a->t;
+    for (int64_t i = begin; i < end; ++i) p[i] = ce_f32_to_f16(ce_f16_to_f32(p[i]) * g);
+  }
+}
+
+/* ------------------------------------------------------------------------- */
 /* CUDA launchers (cuda/ce.cu).                                              */
 /* ------------------------------------------------------------------------- */
 #if MP_WITH_CUDA
@@ -145,6 +228,8 @@ mp_status mp_ce_grad_cuda(const void *z, int z_dtype, int64_t ldz, int64_t t, in
                           const float *mrow, const float *ls, const float *q, const float *g, int64_t g_stride,
                           float eps, int64_t n_classes, float zloss, void *out, int64_t ldo, int out_dtype,
                           uintptr_t stream);
+/* p: [n] x dtype (0 fp32, 1 bf16, 2 fp16), p *= *g (g: one fp32), all on the device; nothing when *g == 1. */
+mp_status mp_ce_scale_cuda(void *p, int dtype, int64_t n, const float *g, uintptr_t stream);
 #endif
 
 /* ------------------------------------------------------------------------- */
@@ -273,6 +358,37 @@ static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+/* ce_scale(t, dtype, n, g, cuda, stream): t: [n] x dtype (0 fp32, 1 bf16, 2 fp16), contiguous;
+ * g: [1] x fp32 on the same device (read on the device on CUDA: no host sync). t *= g. */
+static PyObject *py_ce_scale(PyObject *self, PyObject *args) {
+  (void)self;
+  unsigned long long t, g, stream;
+  long long n;
+  int dtype, cuda;
+  if (!PyArg_ParseTuple(args, "KiLKpK:ce_scale", &t, &dtype, &n, &g, &cuda, &stream)) return NULL;
+  if (dtype < CE_F32 || dtype > CE_F16 || n < 0) {
+    PyErr_Format(PyExc_ValueError, "moepeak._C.ce_scale: need dtype 0..2 (got %d) and n >= 0 (got %lld)", dtype, n);
+    return NULL;
+  }
+  if (n == 0) Py_RETURN_NONE;
+  mp_status st = MP_OK;
+  if (cuda) {
+#if MP_WITH_CUDA
+    st = mp_ce_scale_cuda((void *)(uintptr_t)t, dtype, n, (const float *)(uintptr_t)g, (uintptr_t)stream);
+#else
+    return mp_raise_no_cuda("ce_scale");
+#endif
+  } else {
+    ce_scale_args a = {(void *)(uintptr_t)t, dtype, *(const float *)(uintptr_t)g};
+    if (a.g == 1.0f) Py_RETURN_NONE; /* x * 1 == x exactly: nothing to do */
+    Py_BEGIN_ALLOW_THREADS
+    st = mp_parallel_for(n, CE_SCALE_GRAIN, 0, ce_scale_range, &a);
+    Py_END_ALLOW_THREADS
+  }
+  if (st != MP_OK) return mp_raise_status(st);
+  Py_RETURN_NONE;
+}
+
 PyMethodDef mp_ce_methods[] = {
     {"ce_fold", py_ce_fold, METH_VARARGS,
      "ce_fold(z, z_dtype, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, s, zy, zsum, sx, cuda, stream): "
@@ -280,5 +396,7 @@ PyMethodDef mp_ce_methods[] = {
     {"ce_grad", py_ce_grad, METH_VARARGS,
      "ce_grad(z, z_dtype, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, ls, q, g, g_stride, eps, n_classes, "
      "zloss, out, ldo, out_dtype, cuda, stream): turn a fp32 logits block into dZ."},
+    {"ce_scale", py_ce_scale, METH_VARARGS,
+     "ce_scale(t, dtype, n, g, cuda, stream): t[0:n] *= g[0] in fp32 with one rounding (nothing when g == 1)."},
     {NULL, NULL, 0, NULL},
 };

@@ -1,113 +1,67 @@
 // ce.cu: Ring-DTP's CUDA C kernels: the online log-sum-exp fold and the
-// softmax-gradient epilogue over one fp32 logits block Z: [t, ldz] (row i =
-// token i, columns [0, v) = global vocab ids [v0, v0 + v)). Same arithmetic as
-// the CPU kernels in csrc/ce.c (see the formulas there). The GEMM producing Z
-// is torch's; nothing here ever holds more than the one block it is given, and
-// no [T, V] logits tensor exists anywhere.
+// softmax-gradient epilogue over one logits block Z: [t, ldz] x In (fp32, or
+// bf16/fp16 straight from a low-precision GEMM; row i = token i, columns
+// [0, v) = global vocab ids [v0, v0 + v)), and the in-place scale t *= g of the
+// fused modes' gradients. Same arithmetic as the CPU kernels in csrc/ce.c (see
+// the formulas there). The GEMM producing Z is torch's; nothing here ever holds
+// more than the one block it is given, and no [T, V] logits tensor exists.
 //
-// Layout of work: one thread block per row (grid-stride over rows), threads
-// stride over the row's columns, block-wide reductions through shared memory.
-// A row is thousands of columns (a vocab block), so a block per row keeps every
-// load coalesced and the reductions short.
+// Layout of work: one thread block (kThreads = 512) per row, grid-stride over
+// rows; threads stride over the row's columns in 16-byte vectors, kUnroll = 4
+// vectors in flight per thread, block-wide reductions through shared memory.
+// A row is split as
+//   [0, h)            scalar head up to the first 16-byte boundary (h < 16 B),
+//   [h, h + nvec * N) 16-byte vectors of N = 16 / sizeof(In) elements,
+//   [.., nv)          scalar tail (< N elements), nv = the real (non-padding) columns,
+// so rows of any V (odd, prime) run vectorized; column indices inside a row are
+// int (v < 2^31, checked by the launchers), row offsets int64.
+//
+// Cost per element (bf16 logits, no softcap; one H200 SM must retire ~15e9
+// elements/s for 4 TB/s, i.e. ~17 instructions per element at 4 warp-instr/clk):
+//   fold: unpack 1, max 1, sum of logits 1, exponent FFMA 1, exp2f ~4 (MUFU.EX2
+//         with subnormal fix-up), sum 1: ~9, plus one compare per vector for the
+//         target and one max-update branch per kUnroll vectors (the old kernel:
+//         a compare-and-branch, expf ~10, int64 compares per element, ~25+).
+//   grad: unpack 1, FADD 1, FFMA 1, exp2f ~4, FFMA 1, cvt 0.5: ~9 (+ tanhf with softcap).
+// Exponentials are exp2f(log2e * (x - ref)) with the multiply fused; accuracy is
+// that of expf (2 ulp, subnormals kept: no fast-math).
+#include <limits.h>
 #include <math.h>
 #include <stdint.h>
+
+#include <type_traits>
 
 #include "common.cuh"
 
 namespace {
 
-constexpr int kThreads = 256;     // threads per row: 8 warps, enough loads in flight per SM
-constexpr int kMaxGrid = 65535;   // rows beyond this are handled by the grid-stride loop
+// Row blocks: 512 threads (16 warps), 2 resident per SM (ptxas keeps <= 64 registers), 4 16-byte
+// loads in flight per thread: 64 KB per SM, above the ~30 KB that 4 TB/s needs at ~1 us latency.
+// Why 512 x 2 and not 256 x 4 (same bytes in flight): the fused_lowp chunk is t = 1728 rows on
+// 132 SMs, 13 or 14 rows per SM; the last row of an SM often runs alone, and one 16-warp block
+// keeps twice the loads in flight that an 8-warp one would.
+constexpr int kThreads = 512;
+constexpr int kMinBlocks = 2;
+constexpr int kUnroll = 4;
+constexpr int kMaxGrid = 65535;     // rows beyond this are handled by the grid-stride loop
+constexpr int kScaleThreads = 256;  // the scale kernel: grid-stride, up to kScaleGrid blocks (~8 per SM)
+constexpr int kScaleGrid = 2048;
+constexpr float kLog2e = 1.4426950408889634f;
 
-__device__ __forceinline__ float cap(float x, float c) { return c > 0.f ? c * tanhf(x / c) : x; }
+template <typename T>
+struct Vec { static constexpr int n = 16 / (int)sizeof(T); };  // elements per 16-byte vector
 
-// Block-wide reduction of one float (op: 0 max, 1 sum); every thread gets the result.
-__device__ float block_reduce(float x, int op, float *sh) {
-  for (int o = 16; o > 0; o >>= 1) {
-    float y = __shfl_xor_sync(0xffffffffu, x, o);
-    x = op == 0 ? fmaxf(x, y) : x + y;
-  }
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  __syncthreads();  // sh may still be read by a previous reduction
-  if (lane == 0) sh[warp] = x;
-  __syncthreads();
-  x = sh[0];
-  for (int w = 1; w < kThreads / 32; ++w) x = op == 0 ? fmaxf(x, sh[w]) : x + sh[w];
-  return x;
+// Elements of p before its first 16-byte boundary, at most n (the scalar head).
+template <typename T>
+__device__ __forceinline__ int head_cols(const T *p, int64_t n) {
+  const int h = (int)(((16u - (unsigned)(reinterpret_cast<uintptr_t>(p) & 15u)) & 15u) / sizeof(T));
+  return n < h ? (int)n : h;
 }
 
-// Logits element -> fp32 (the block is fp32, or bf16/fp16 straight from a low-precision GEMM).
+// ---- element conversions ----------------------------------------------------
 __device__ __forceinline__ float ld(const float *p, int64_t j) { return p[j]; }
 __device__ __forceinline__ float ld(const __nv_bfloat16 *p, int64_t j) { return __bfloat162float(p[j]); }
 __device__ __forceinline__ float ld(const __half *p, int64_t j) { return __half2float(p[j]); }
-
-__device__ __forceinline__ int64_t valid_cols(int64_t v, int64_t v0, int64_t v_valid) {
-  int64_t n = v_valid - v0;
-  return n < 0 ? 0 : (n > v ? v : n);
-}
-
-// One column of the fold: running per-thread max tm, sum se of exp(x - tm) over
-// the non-target columns (online: rescaled when the max grows), sum zs of x.
-__device__ __forceinline__ void fold_col(float x, int64_t j, int64_t jy, float &tm, float &se, float &zs) {
-  zs += x;
-  if (x > tm) {
-    se *= expf(tm - x);  // tm = -inf at first: se is 0 and stays 0
-    tm = x;
-  }
-  if (j != jy && x > -INFINITY) se += expf(x - tm);
-}
-
-// 16-byte vectors: kVec<In> elements per load, used where the row is 16-byte aligned
-// (rows of an fp32 block with V % 4 == 0, of a bf16/fp16 block with V % 8 == 0).
-template <typename In>
-struct kVec { static constexpr int n = 16 / (int)sizeof(In); };
-
-// Fold one block into the per-row state in ONE pass over the logits: each thread
-// keeps (tm, se, zs) online; the block then merges the threads' (tm, se) at the
-// row max. The target's term is kept out of se (no cancellation in 1 - p_y = sx/s)
-// and added by thread 0 from the target's own logit.
-template <typename In>
-__global__ void ce_fold_kernel(const In *__restrict__ z, int64_t ldz, int64_t t, int64_t v, int64_t v0,
-                               int64_t v_valid, const int64_t *__restrict__ labels, int64_t ignore_index,
-                               float c, float *m, float *s, float *zy, float *zsum, float *sx) {
-  __shared__ float sh[kThreads / 32];
-  constexpr int N = kVec<In>::n;
-  const int64_t nv = valid_cols(v, v0, v_valid);
-  for (int64_t i = blockIdx.x; i < t; i += gridDim.x) {
-    const In *row = z + i * ldz;
-    const int64_t y = labels[i];
-    const int64_t jy = (y != ignore_index) ? y - v0 : -1;
-    float tm = -INFINITY, se = 0.f, zs = 0.f;
-    const bool vec = (reinterpret_cast<uintptr_t>(row) & 15) == 0;
-    const int64_t nvec = vec ? (nv / N) * N : 0;
-    for (int64_t j0 = (int64_t)threadIdx.x * N; j0 < nvec; j0 += (int64_t)kThreads * N) {
-      const uint4 u = *reinterpret_cast<const uint4 *>(row + j0);
-      const In *e = reinterpret_cast<const In *>(&u);
-#pragma unroll
-      for (int k = 0; k < N; ++k) fold_col(cap(ld(e, k), c), j0 + k, jy, tm, se, zs);
-    }
-    for (int64_t j = nvec + threadIdx.x; j < nv; j += kThreads) fold_col(cap(ld(row, j), c), j, jy, tm, se, zs);
-    const float bm = block_reduce(tm, 0, sh);
-    zs = block_reduce(zs, 1, sh);
-    se = block_reduce(tm == -INFINITY ? 0.f : se * expf(tm - bm), 1, sh);  // all at the row max bm
-    if (threadIdx.x == 0) {
-      const bool has_y = y != ignore_index && y >= v0 && y < v0 + nv;
-      const float xy = has_y ? cap(ld(row, y - v0), c) : 0.f;
-      if (has_y) zy[i] = xy;
-      zsum[i] += zs;
-      if (nv > 0 && bm != -INFINITY) {
-        const float mo = m[i];
-        const float mn = fmaxf(mo, bm);
-        const float scale = (mo == -INFINITY) ? 0.f : expf(mo - mn);
-        const float seb = se * expf(bm - mn);
-        const float sy = has_y ? expf(xy - mn) : 0.f;
-        m[i] = mn;
-        s[i] = s[i] * scale + (seb + sy);
-        sx[i] = sx[i] * scale + seb;
-      }
-    }
-  }
-}
 
 template <typename Out>
 __device__ __forceinline__ Out to_out(float x);
@@ -118,102 +72,405 @@ __device__ __forceinline__ __nv_bfloat16 to_out<__nv_bfloat16>(float x) { return
 template <>
 __device__ __forceinline__ __half to_out<__half>(float x) { return __float2half_rn(x); }
 
-// Per-row constants of the gradient epilogue.
-struct GradRow {
-  float mi, lsi, qi, gi, coef, zl2L, eps, uni, c;
-  int64_t jy, nv;
-  bool live;
+__device__ __forceinline__ uint4 ldv(const void *p) { return *reinterpret_cast<const uint4 *>(p); }
+
+// One 16-byte vector -> Vec<In>::n floats (element k at the lower address first).
+__device__ __forceinline__ void unpack(const uint4 &u, float (&x)[4]) {
+  x[0] = __uint_as_float(u.x); x[1] = __uint_as_float(u.y);
+  x[2] = __uint_as_float(u.z); x[3] = __uint_as_float(u.w);
+}
+__device__ __forceinline__ void unpack_bf16(uint32_t w, float &a, float &b) {
+  a = __uint_as_float(w << 16);
+  b = __uint_as_float(w & 0xffff0000u);
+}
+__device__ __forceinline__ void unpack_f16(uint32_t w, float &a, float &b) {
+  a = __half2float(__ushort_as_half((unsigned short)(w & 0xffffu)));
+  b = __half2float(__ushort_as_half((unsigned short)(w >> 16)));
+}
+template <typename In>
+__device__ __forceinline__ void unpack(const uint4 &u, float (&x)[8]) {
+  static_assert(sizeof(In) == 2, "8 elements per vector: bf16 or fp16");
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if constexpr (std::is_same<In, __nv_bfloat16>::value) unpack_bf16(w[k], x[2 * k], x[2 * k + 1]);
+    else unpack_f16(w[k], x[2 * k], x[2 * k + 1]);
+  }
+}
+template <typename In>
+__device__ __forceinline__ void unpack_vec(const uint4 &u, float (&x)[Vec<In>::n]) {
+  if constexpr (sizeof(In) == 4) unpack(u, x);
+  else unpack<In>(u, x);
+}
+
+__device__ __forceinline__ uint32_t pack2(__nv_bfloat16 *, float a, float b) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);  // a in the low half (lower address)
+  return *reinterpret_cast<const uint32_t *>(&h);
+}
+__device__ __forceinline__ uint32_t pack2(__half *, float a, float b) {
+  const __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const uint32_t *>(&h);
+}
+
+// N floats -> N Out elements at p (N * sizeof(Out) = 8 or 16 bytes, p aligned to that).
+template <int N>
+__device__ __forceinline__ void store_vec(float *p, const float (&d)[N]) {
+  static_assert(N == 4, "fp32 output: 4 elements per 16-byte vector");
+  *reinterpret_cast<uint4 *>(p) =
+      make_uint4(__float_as_uint(d[0]), __float_as_uint(d[1]), __float_as_uint(d[2]), __float_as_uint(d[3]));
+}
+template <typename Out, int N>
+__device__ __forceinline__ void store_vec(Out *p, const float (&d)[N]) {
+  static_assert(sizeof(Out) == 2 && (N == 4 || N == 8), "bf16/fp16 output: 4 or 8 elements");
+  if constexpr (N == 8) {
+    *reinterpret_cast<uint4 *>(p) = make_uint4(pack2(p, d[0], d[1]), pack2(p, d[2], d[3]), pack2(p, d[4], d[5]),
+                                               pack2(p, d[6], d[7]));
+  } else {
+    *reinterpret_cast<uint2 *>(p) = make_uint2(pack2(p, d[0], d[1]), pack2(p, d[2], d[3]));
+  }
+}
+
+template <bool kCap>
+__device__ __forceinline__ float capf(float x, float c) { return kCap ? c * tanhf(x / c) : x; }
+
+// Pairwise sum of v[o, o + n) (n a power of two): log2(n) dependent adds, all indices compile-time.
+template <int n, int o = 0, int K>
+__device__ __forceinline__ float tree_sum(const float (&v)[K]) {
+  if constexpr (n == 1) return v[o];
+  else return tree_sum<n / 2, o>(v) + tree_sum<n / 2, o + n / 2>(v);
+}
+
+// Block-wide reduction of K floats (kMax: max, else sum); every thread gets the
+// result. sh: [kThreads / 32 * K] floats.
+template <int K, bool kMax>
+__device__ __forceinline__ void block_reduce(float (&x)[K], float *sh) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const float y = __shfl_xor_sync(0xffffffffu, x[k], o);
+      x[k] = kMax ? fmaxf(x[k], y) : x[k] + y;
+    }
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();  // sh may still be read by a previous reduction
+  if (lane == 0) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) sh[warp * K + k] = x[k];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    x[k] = sh[k];
+    for (int w = 1; w < kThreads / 32; ++w) x[k] = kMax ? fmaxf(x[k], sh[w * K + k]) : x[k] + sh[w * K + k];
+  }
+}
+
+// =============================================================================
+// Fold
+// =============================================================================
+// Per-thread online state. The exponent reference is kept in base 2: mL =
+// rn(tm * log2e), and se = sum over the non-target columns of 2^(x*log2e - mL),
+// each term one FFMA (exact product, one rounding) + exp2f. The rounding of mL
+// itself (e = tm*log2e - mL, exact by FMA) is taken out once per row at the end,
+// so the result is sum exp(x - tm) with expf's accuracy even at |tm| ~ 1e3.
+struct FoldAcc {
+  float tm = -INFINITY;  // running max of the columns seen (target included)
+  float mL = 0.f;        // rn(tm * log2e); 0 while tm == -inf (then se == 0 and every x is -inf)
+  float se = 0.f;        // non-target sum, relative to mL
+  float zs = 0.f;        // sum of x
+  float xy = 0.f;        // the target's (capped) logit if this thread saw it, else 0
 };
 
-// dZ of one column j with logit x (see csrc/ce.c for the formula).
-__device__ __forceinline__ float grad_col(float x, int64_t j, const GradRow &r) {
-  if (!r.live || j >= r.nv) return 0.f;  // ignored row, zero weight, or padding column (-inf logit)
+// Take a new candidate max: rescale se at most once per call (once per kUnroll vectors).
+__device__ __forceinline__ void fold_raise(FoldAcc &a, float mx) {
+  if (mx > a.tm) {
+    const float nL = __fmul_rn(mx, kLog2e);  // _rn: never contracted into an FMA (mL must be this value)
+    a.se = (a.tm == -INFINITY) ? 0.f : a.se * exp2f(a.mL - nL);
+    a.tm = mx;
+    a.mL = nL;
+  }
+}
+
+template <bool kCap>
+__device__ __forceinline__ void fold_one(FoldAcc &a, float x, int j, int jy, float c) {
+  x = capf<kCap>(x, c);
+  a.zs += x;
+  fold_raise(a, x);
+  if (j == jy) a.xy = x;
+  else a.se += exp2f(fmaf(x, kLog2e, -a.mL));
+}
+
+// U vectors of the aligned body at vector indices vi + u * kThreads; jyb = target column - h.
+template <typename In, bool kCap, int U>
+__device__ __forceinline__ void fold_vectors(const In *__restrict__ body, int vi, int jyb, float c, FoldAcc &a) {
+  constexpr int N = Vec<In>::n;
+  uint4 u[U];
+#pragma unroll
+  for (int k = 0; k < U; ++k) u[k] = ldv(body + (vi + k * kThreads) * N);  // all loads issued first
+  float x[U * N];  // the logits, then (in place) their exponentials: 32 registers for bf16
+  float mx = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < U; ++k) {
+    float t[N];
+    unpack_vec<In>(u[k], t);
+#pragma unroll
+    for (int q = 0; q < N; ++q) {
+      x[k * N + q] = capf<kCap>(t[q], c);
+      mx = fmaxf(mx, x[k * N + q]);
+    }
+  }
+  a.zs += tree_sum<U * N>(x);
+  fold_raise(a, mx);
+#pragma unroll
+  for (int k = 0; k < U; ++k) {
+    const int off = jyb - (vi + k * kThreads) * N;  // the target's place in vector k, if any
+    if ((unsigned)off < (unsigned)N) {              // rare: one vector per row
+#pragma unroll
+      for (int q = 0; q < N; ++q) {
+        a.xy = (q == off) ? x[k * N + q] : a.xy;
+        x[k * N + q] = (q == off) ? -INFINITY : x[k * N + q];  // kept out of se: 1 - p_y = sx/s never cancels
+      }
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < U * N; ++q) x[q] = exp2f(fmaf(x[q], kLog2e, -a.mL));  // independent: ILP
+  a.se += tree_sum<U * N>(x);
+}
+
+// Fold one block into the per-row state in ONE pass over the logits: each thread
+// keeps (tm, se, zs) online; the block then merges the threads' (tm, se) at the
+// row max bm. The target's term is kept out of se (no cancellation in 1 - p_y =
+// sx/s) and added by thread 0 from the target's own logit (reduced with the sums).
+template <typename In, bool kCap>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    ce_fold_kernel(const In *__restrict__ z, int64_t ldz, int64_t t, int nv, int64_t v0,
+                   const int64_t *__restrict__ labels, int64_t ignore_index, float c, float *m, float *s, float *zy,
+                   float *zsum, float *sx) {
+  __shared__ float sh[kThreads / 32 * 3];
+  constexpr int N = Vec<In>::n;
+  const int tid = threadIdx.x;
+  for (int64_t i = blockIdx.x; i < t; i += gridDim.x) {
+    const In *row = z + i * ldz;
+    const int64_t y = labels[i];
+    const bool has_y = y != ignore_index && y >= v0 && y < v0 + nv;
+    const int jy = has_y ? (int)(y - v0) : -1;
+    const int h = head_cols(row, nv);
+    const int nvec = (nv - h) / N;
+    const In *body = row + h;
+    FoldAcc a;
+    if (tid < h) fold_one<kCap>(a, ld(row, tid), tid, jy, c);
+    int vi = tid;
+    for (; vi + (kUnroll - 1) * kThreads < nvec; vi += kUnroll * kThreads)
+      fold_vectors<In, kCap, kUnroll>(body, vi, jy - h, c, a);
+    if (vi + kThreads < nvec) {  // the rest: at most 3 vectors per thread, 2 then 1 in flight
+      fold_vectors<In, kCap, 2>(body, vi, jy - h, c, a);
+      vi += 2 * kThreads;
+    }
+    if (vi < nvec) fold_vectors<In, kCap, 1>(body, vi, jy - h, c, a);
+    const int jt = h + nvec * N + tid;  // tail: fewer than N <= kThreads columns
+    if (jt < nv) fold_one<kCap>(a, ld(row, jt), jt, jy, c);
+
+    float bm[1] = {a.tm};
+    block_reduce<1, true>(bm, sh);
+    const float bmL = (bm[0] == -INFINITY) ? 0.f : __fmul_rn(bm[0], kLog2e);
+    float r[3] = {a.zs, a.tm == -INFINITY ? 0.f : a.se * exp2f(a.mL - bmL), a.xy};  // se at the row's bmL
+    block_reduce<3, false>(r, sh);
+    if (tid == 0) {
+      const float xy = r[2];  // one thread contributed it, the others 0
+      if (has_y) zy[i] = xy;
+      zsum[i] += r[0];
+      if (nv > 0 && bm[0] != -INFINITY) {
+        const float mo = m[i];
+        const float mn = fmaxf(mo, bm[0]);
+        const float scale = (mo == -INFINITY) ? 0.f : expf(mo - mn);
+        // r[1] is relative to bmL = bm*log2e - eb (eb exact by FMA): times 2^-eb it is relative to bm
+        const float seb = r[1] * exp2f(-fmaf(bm[0], kLog2e, -bmL)) * expf(bm[0] - mn);
+        const float sy = has_y ? expf(xy - mn) : 0.f;
+        m[i] = mn;
+        s[i] = s[i] * scale + (seb + sy);
+        sx[i] = sx[i] * scale + seb;
+      }
+    }
+  }
+}
+
+// =============================================================================
+// Gradient
+// =============================================================================
+// Per-row constants: d = g*(coef*p - uni) off target, g*((eps + 2 zl lse) p - (1-eps) q - uni)
+// at the target, p = 2^(log2e (x - m) - log2e ls) = exp((x - m) - ls).
+struct GradRow {
+  float mi, lsL, c;  // m, rn(ls * log2e), softcap
+  float cg, ug;      // g * coef, g * uni
+  float gi, ya, yb;  // target: g * (yb * p + ya), ya = -(1-eps) q - uni, yb = eps + 2 zl lse
+  int jy;            // target column in this block, -1 if none
+};
+
+template <bool kCap>
+__device__ __forceinline__ float grad_one(float x, const GradRow &r, bool target) {
   float dcap = 1.f;
-  if (r.c > 0.f) {
+  if (kCap) {
     const float th = tanhf(x / r.c);
     x = r.c * th;
     dcap = 1.f - th * th;
   }
-  const float p = expf((x - r.mi) - r.lsi);
-  const float d = (j == r.jy) ? -(1.f - r.eps) * r.qi + (r.eps + r.zl2L) * p - r.uni : r.coef * p - r.uni;
-  return r.gi * d * dcap;
+  const float p = exp2f(fmaf(x - r.mi, kLog2e, -r.lsL));  // x - m is exact-ish; x - lse would lose ulp(lse)
+  const float d = target ? r.gi * fmaf(r.yb, p, r.ya) : fmaf(r.cg, p, -r.ug);
+  return kCap ? d * dcap : d;
+}
+
+// U vectors at vector indices vi + u * kThreads of the aligned body; read, then written (in place allowed).
+template <typename In, typename Out, bool kCap, int U>
+__device__ __forceinline__ void grad_vectors(const In *body, Out *obody, int vi, int jyb, const GradRow &r) {
+  constexpr int N = Vec<In>::n;
+  uint4 u[U];
+#pragma unroll
+  for (int k = 0; k < U; ++k) u[k] = ldv(body + (vi + k * kThreads) * N);  // all loads before any store
+#pragma unroll
+  for (int k = 0; k < U; ++k) {
+    float x[N], d[N];
+    unpack_vec<In>(u[k], x);
+#pragma unroll
+    for (int q = 0; q < N; ++q) d[q] = grad_one<kCap>(x[q], r, false);
+    const int off = jyb - (vi + k * kThreads) * N;
+    if ((unsigned)off < (unsigned)N) {  // rare: the target's vector
+#pragma unroll
+      for (int q = 0; q < N; ++q) d[q] = (q == off) ? grad_one<kCap>(x[q], r, true) : d[q];
+    }
+    store_vec(obody + (vi + k * kThreads) * N, d);
+  }
+}
+
+// orow[j0, j1) = 0 (padding columns, or the whole row of an ignored / zero-weight token: no reads).
+template <typename Out>
+__device__ __forceinline__ void zero_cols(Out *orow, int j0, int j1) {
+  constexpr int M = Vec<Out>::n;
+  const int h = j0 + head_cols(orow + j0, j1 - j0);
+  const int nz = (j1 - h) / M;
+  for (int j = j0 + (int)threadIdx.x; j < h; j += kThreads) orow[j] = to_out<Out>(0.f);
+  for (int k = threadIdx.x; k < nz; k += kThreads)
+    *reinterpret_cast<uint4 *>(orow + h + k * M) = make_uint4(0, 0, 0, 0);
+  for (int j = h + nz * M + (int)threadIdx.x; j < j1; j += kThreads) orow[j] = to_out<Out>(0.f);
 }
 
 // dZ = g * (softmax - target distribution) (+ z-loss term) * softcap', row by
 // row, with 1 - p_y = q[i] (from the fold's sx / s, see csrc/ce.c). out may alias z
 // when Out == In (same element size and ld): each element is read, then written, by
-// the same thread, so dZ is made in place in the logits block. One pass: 16-byte
-// loads (and stores when both rows are 16-byte aligned and Out is no wider than In).
-template <typename In, typename Out>
-__global__ void ce_grad_kernel(const In *z, int64_t ldz, int64_t t, int64_t v, int64_t v0, int64_t v_valid,
-                               const int64_t *__restrict__ labels, int64_t ignore_index, float c,
-                               const float *__restrict__ mrow, const float *__restrict__ ls,
-                               const float *__restrict__ q,
-                               const float *__restrict__ g, int64_t g_stride,
-                               float eps, float uni, float zloss, Out *out, int64_t ldo) {
-  constexpr int N = kVec<In>::n;
+// the same thread, so dZ is made in place in the logits block. One pass over the
+// real columns; padding columns and dead rows are only written (zeros).
+template <typename In, typename Out, bool kCap>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    ce_grad_kernel(const In *z, int64_t ldz, int64_t t, int v, int nv, int64_t v0, const int64_t *__restrict__ labels,
+                   int64_t ignore_index, float c, const float *__restrict__ mrow, const float *__restrict__ ls,
+                   const float *__restrict__ q, const float *__restrict__ g, int64_t g_stride, float eps, float uni,
+                   float zloss, Out *out, int64_t ldo) {
+  constexpr int N = Vec<In>::n;
   constexpr int kOutBytes = N * (int)sizeof(Out);  // 16 (same width) or 8 (fp32 -> bf16/fp16)
   static_assert(kOutBytes == 16 || kOutBytes == 8, "output vector must be 8 or 16 bytes");
+  const int tid = threadIdx.x;
   for (int64_t i = blockIdx.x; i < t; i += gridDim.x) {
     const In *row = z + i * ldz;
     Out *orow = out + i * ldo;
-    GradRow r;
     const int64_t y = labels[i];
-    r.gi = g[i * g_stride];
-    r.live = !(y == ignore_index || r.gi == 0.f);
-    r.mi = mrow[i];
-    r.lsi = ls[i];
-    r.qi = q[i];
-    const float L = r.mi + r.lsi;
-    r.coef = 1.f + 2.f * zloss * L;
-    r.zl2L = 2.f * zloss * L;
-    r.eps = eps;
-    r.uni = uni;
-    r.c = c;
-    r.jy = y - v0;
-    r.nv = valid_cols(v, v0, v_valid);
-    const bool vec = ((reinterpret_cast<uintptr_t>(row) & 15) == 0) &&
-                     ((reinterpret_cast<uintptr_t>(orow) & (kOutBytes - 1)) == 0);
-    const int64_t nvec = vec ? (v / N) * N : 0;
-    for (int64_t j0 = (int64_t)threadIdx.x * N; j0 < nvec; j0 += (int64_t)kThreads * N) {
-      const uint4 u = *reinterpret_cast<const uint4 *>(row + j0);
-      const In *e = reinterpret_cast<const In *>(&u);
-      if constexpr (kOutBytes == 16) {
-        uint4 o;
-        Out *ov = reinterpret_cast<Out *>(&o);
-#pragma unroll
-        for (int k = 0; k < N; ++k) ov[k] = to_out<Out>(grad_col(ld(e, k), j0 + k, r));
-        *reinterpret_cast<uint4 *>(orow + j0) = o;
-      } else {
-        uint2 o;
-        Out *ov = reinterpret_cast<Out *>(&o);
-#pragma unroll
-        for (int k = 0; k < N; ++k) ov[k] = to_out<Out>(grad_col(ld(e, k), j0 + k, r));
-        *reinterpret_cast<uint2 *>(orow + j0) = o;
+    const float gi = g[i * g_stride];
+    const bool live = !(y == ignore_index || gi == 0.f);
+    const int nc = live ? nv : 0;  // columns computed; [nc, v) are written 0
+    if (nc > 0) {
+      GradRow r;
+      r.mi = mrow[i];
+      const float lsi = ls[i], L = r.mi + lsi;
+      r.lsL = __fmul_rn(lsi, kLog2e);
+      r.c = c;
+      r.cg = gi * (1.f + 2.f * zloss * L);
+      r.ug = gi * uni;
+      r.gi = gi;
+      r.ya = -(1.f - eps) * q[i] - uni;
+      r.yb = eps + 2.f * zloss * L;
+      r.jy = (y >= v0 && y < v0 + nv) ? (int)(y - v0) : -1;
+      int h = head_cols(row, nc);
+      if ((reinterpret_cast<uintptr_t>(orow + h) & (kOutBytes - 1)) != 0) h = nc;  // out misaligned: all scalar
+      const int nvec = (nc - h) / N;
+      for (int j = tid; j < h; j += kThreads) orow[j] = to_out<Out>(grad_one<kCap>(ld(row, j), r, j == r.jy));
+      int vi = tid;
+      for (; vi + (kUnroll - 1) * kThreads < nvec; vi += kUnroll * kThreads)
+        grad_vectors<In, Out, kCap, kUnroll>(row + h, orow + h, vi, r.jy - h, r);
+      if (vi + kThreads < nvec) {  // the rest: at most 3 vectors per thread
+        grad_vectors<In, Out, kCap, 2>(row + h, orow + h, vi, r.jy - h, r);
+        vi += 2 * kThreads;
       }
+      if (vi < nvec) grad_vectors<In, Out, kCap, 1>(row + h, orow + h, vi, r.jy - h, r);
+      for (int j = h + nvec * N + tid; j < nc; j += kThreads)
+        orow[j] = to_out<Out>(grad_one<kCap>(ld(row, j), r, j == r.jy));
     }
-    for (int64_t j = nvec + threadIdx.x; j < v; j += kThreads) orow[j] = to_out<Out>(grad_col(ld(row, j), j, r));
+    zero_cols(orow, nc, v);
   }
+}
+
+// =============================================================================
+// Scale: p[0, n) *= *g in fp32, one rounding; nothing at all when *g == 1.
+// =============================================================================
+template <typename T>
+__global__ void __launch_bounds__(kScaleThreads) ce_scale_kernel(T *p, int64_t n, const float *__restrict__ g) {
+  const float gv = __ldg(g);  // device scalar: no host sync
+  if (gv == 1.0f) return;     // loss.backward() with grad 1: x * 1 == x bitwise
+  constexpr int N = Vec<T>::n;
+  const int64_t nth = (int64_t)gridDim.x * kScaleThreads;
+  const int64_t tid = (int64_t)blockIdx.x * kScaleThreads + threadIdx.x;
+  const int h = head_cols(p, n);
+  const int64_t nvec = (n - h) / N;
+  T *body = p + h;
+  if (tid < h) p[tid] = to_out<T>(ld(p, tid) * gv);
+  for (int64_t k = tid; k < nvec; k += nth) {
+    float x[N];
+    unpack_vec<T>(ldv(body + k * N), x);
+#pragma unroll
+    for (int e = 0; e < N; ++e) x[e] *= gv;
+    store_vec(body + k * N, x);
+  }
+  const int64_t j = h + nvec * N + tid;  // tail: fewer than N columns
+  if (j < n) p[j] = to_out<T>(ld(p, j) * gv);
 }
 
 inline unsigned grid_for(int64_t t) { return (unsigned)(t < kMaxGrid ? t : kMaxGrid); }
 
+inline int valid_cols(int64_t v, int64_t v0, int64_t v_valid) {
+  int64_t n = v_valid - v0;
+  return (int)(n < 0 ? 0 : (n > v ? v : n));
+}
+
 template <typename In>
-void launch_fold(const void *z, int64_t ldz, int64_t t, int64_t v, int64_t v0, int64_t v_valid, const int64_t *labels,
+void launch_fold(const void *z, int64_t ldz, int64_t t, int nv, int64_t v0, const int64_t *labels,
                  int64_t ignore_index, float softcap, float *m, float *s, float *zy, float *zsum, float *sx,
                  cudaStream_t stream) {
-  ce_fold_kernel<In><<<grid_for(t), kThreads, 0, stream>>>((const In *)z, ldz, t, v, v0, v_valid, labels,
-                                                           ignore_index, softcap, m, s, zy, zsum, sx);
+  if (softcap > 0.f)
+    ce_fold_kernel<In, true><<<grid_for(t), kThreads, 0, stream>>>((const In *)z, ldz, t, nv, v0, labels,
+                                                                   ignore_index, softcap, m, s, zy, zsum, sx);
+  else
+    ce_fold_kernel<In, false><<<grid_for(t), kThreads, 0, stream>>>((const In *)z, ldz, t, nv, v0, labels,
+                                                                    ignore_index, softcap, m, s, zy, zsum, sx);
 }
 
 template <typename In, typename Out>
-void launch_grad(const void *z, int64_t ldz, int64_t t, int64_t v, int64_t v0, int64_t v_valid,
-                 const int64_t *labels, int64_t ignore_index, float softcap, const float *mrow, const float *ls,
-                 const float *q, const float *g, int64_t g_stride, float eps, float uni, float zloss, void *out,
-                 int64_t ldo, cudaStream_t stream) {
-  ce_grad_kernel<In, Out><<<grid_for(t), kThreads, 0, stream>>>((const In *)z, ldz, t, v, v0, v_valid, labels,
-                                                                ignore_index, softcap, mrow, ls, q, g, g_stride,
-                                                                eps, uni, zloss, (Out *)out, ldo);
+void launch_grad(const void *z, int64_t ldz, int64_t t, int v, int nv, int64_t v0, const int64_t *labels,
+                 int64_t ignore_index, float softcap, const float *mrow, const float *ls, const float *q,
+                 const float *g, int64_t g_stride, float eps, float uni, float zloss, void *out, int64_t ldo,
+                 cudaStream_t stream) {
+  if (softcap > 0.f)
+    ce_grad_kernel<In, Out, true><<<grid_for(t), kThreads, 0, stream>>>(
+        (const In *)z, ldz, t, v, nv, v0, labels, ignore_index, softcap, mrow, ls, q, g, g_stride, eps, uni, zloss,
+        (Out *)out, ldo);
+  else
+    ce_grad_kernel<In, Out, false><<<grid_for(t), kThreads, 0, stream>>>(
+        (const In *)z, ldz, t, v, nv, v0, labels, ignore_index, softcap, mrow, ls, q, g, g_stride, eps, uni, zloss,
+        (Out *)out, ldo);
+}
+
+template <typename T>
+void launch_scale(void *p, int64_t n, const float *g, cudaStream_t stream) {
+  const int64_t vecs = n / Vec<T>::n + 1;
+  const int64_t blocks = (vecs + kScaleThreads - 1) / kScaleThreads;
+  ce_scale_kernel<T><<<(unsigned)(blocks < kScaleGrid ? blocks : kScaleGrid), kScaleThreads, 0, stream>>>((T *)p, n, g);
 }
 
 }  // namespace
@@ -227,14 +484,17 @@ mp_status mp_ce_fold_cuda(const void *z, int z_dtype, int64_t ldz, int64_t t, in
                           float *s, float *zy, float *zsum, float *sx, uintptr_t stream) {
   mp_status st = MP_OK;
   if (t <= 0) return MP_OK;
-  switch (z_dtype) {
-    case 0: launch_fold<float>(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, s, zy, zsum, sx,
-                               MP_STREAM(stream)); break;
-    case 1: launch_fold<__nv_bfloat16>(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, s, zy, zsum,
-                                       sx, MP_STREAM(stream)); break;
-    case 2: launch_fold<__half>(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, s, zy, zsum, sx,
-                                MP_STREAM(stream)); break;
-    default: MP_FAIL(st, MP_ERR_INVALID, "ce_fold: z_dtype must be 0, 1 or 2, got %d", z_dtype);
+  if (v < 0 || v > INT_MAX) MP_FAIL(st, MP_ERR_INVALID, "ce_fold: v must be in [0, 2^31), got %lld", (long long)v);
+  {
+    const int nv = valid_cols(v, v0, v_valid);
+    cudaStream_t sm = MP_STREAM(stream);
+    switch (z_dtype) {
+      case 0: launch_fold<float>(z, ldz, t, nv, v0, labels, ignore_index, softcap, m, s, zy, zsum, sx, sm); break;
+      case 1: launch_fold<__nv_bfloat16>(z, ldz, t, nv, v0, labels, ignore_index, softcap, m, s, zy, zsum, sx, sm);
+              break;
+      case 2: launch_fold<__half>(z, ldz, t, nv, v0, labels, ignore_index, softcap, m, s, zy, zsum, sx, sm); break;
+      default: MP_FAIL(st, MP_ERR_INVALID, "ce_fold: z_dtype must be 0, 1 or 2, got %d", z_dtype);
+    }
   }
   MP_CUDA_CHECK_LAUNCH(st);
 fail:
@@ -250,30 +510,51 @@ mp_status mp_ce_grad_cuda(const void *z, int z_dtype, int64_t ldz, int64_t t, in
   const float uni = eps / (float)n_classes;
   cudaStream_t sm = MP_STREAM(stream);
   if (t <= 0) return MP_OK;
-  switch (z_dtype * 3 + out_dtype) {
-    case 0:  // fp32 logits, fp32 dZ in place
-      launch_grad<float, float>(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, mrow, ls, q, g, g_stride,
-                                eps, uni, zloss, (void *)z, ldz, sm);
-      break;
-    case 1:
-      launch_grad<float, __nv_bfloat16>(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, mrow, ls, q, g,
-                                        g_stride, eps, uni, zloss, out, ldo, sm);
-      break;
-    case 2:
-      launch_grad<float, __half>(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, mrow, ls, q, g, g_stride,
-                                 eps, uni, zloss, out, ldo, sm);
-      break;
-    case 4:  // bf16 logits, bf16 dZ in place
-      launch_grad<__nv_bfloat16, __nv_bfloat16>(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, mrow, ls,
-                                                q, g, g_stride, eps, uni, zloss, out, ldo, sm);
-      break;
-    case 8:  // fp16 logits, fp16 dZ in place
-      launch_grad<__half, __half>(z, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, mrow, ls, q, g,
-                                  g_stride, eps, uni, zloss, out, ldo, sm);
-      break;
-    default:
-      MP_FAIL(st, MP_ERR_INVALID, "ce_grad: (z_dtype, out_dtype) must be (0, 0..2), (1, 1) or (2, 2), got (%d, %d)",
-              z_dtype, out_dtype);
+  if (v < 0 || v > INT_MAX) MP_FAIL(st, MP_ERR_INVALID, "ce_grad: v must be in [0, 2^31), got %lld", (long long)v);
+  {
+    const int vi = (int)v, nv = valid_cols(v, v0, v_valid);
+    switch (z_dtype * 3 + out_dtype) {
+      case 0:  // fp32 logits, fp32 dZ in place
+        launch_grad<float, float>(z, ldz, t, vi, nv, v0, labels, ignore_index, softcap, mrow, ls, q, g, g_stride,
+                                  eps, uni, zloss, (void *)z, ldz, sm);
+        break;
+      case 1:
+        launch_grad<float, __nv_bfloat16>(z, ldz, t, vi, nv, v0, labels, ignore_index, softcap, mrow, ls, q, g,
+                                          g_stride, eps, uni, zloss, out, ldo, sm);
+        break;
+      case 2:
+        launch_grad<float, __half>(z, ldz, t, vi, nv, v0, labels, ignore_index, softcap, mrow, ls, q, g, g_stride,
+                                   eps, uni, zloss, out, ldo, sm);
+        break;
+      case 4:  // bf16 logits, bf16 dZ in place
+        launch_grad<__nv_bfloat16, __nv_bfloat16>(z, ldz, t, vi, nv, v0, labels, ignore_index, softcap, mrow, ls,
+                                                  q, g, g_stride, eps, uni, zloss, out, ldo, sm);
+        break;
+      case 8:  // fp16 logits, fp16 dZ in place
+        launch_grad<__half, __half>(z, ldz, t, vi, nv, v0, labels, ignore_index, softcap, mrow, ls, q, g, g_stride,
+                                    eps, uni, zloss, out, ldo, sm);
+        break;
+      default:
+        MP_FAIL(st, MP_ERR_INVALID,
+                "ce_grad: (z_dtype, out_dtype) must be (0, 0..2), (1, 1) or (2, 2), got (%d, %d)", z_dtype,
+                out_dtype);
+    }
+  }
+  MP_CUDA_CHECK_LAUNCH(st);
+fail:
+  return st;
+}
+
+// p: [n] x dtype (0 fp32, 1 bf16, 2 fp16) on the device, p *= *g (g: one fp32 on the device).
+mp_status mp_ce_scale_cuda(void *p, int dtype, int64_t n, const float *g, uintptr_t stream) {
+  mp_status st = MP_OK;
+  cudaStream_t sm = MP_STREAM(stream);
+  if (n <= 0) return MP_OK;
+  switch (dtype) {
+    case 0: launch_scale<float>(p, n, g, sm); break;
+    case 1: launch_scale<__nv_bfloat16>(p, n, g, sm); break;
+    case 2: launch_scale<__half>(p, n, g, sm); break;
+    default: MP_FAIL(st, MP_ERR_INVALID, "ce_scale: dtype must be 0, 1 or 2, got %d", dtype);
   }
   MP_CUDA_CHECK_LAUNCH(st);
 fail:

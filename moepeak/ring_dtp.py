@@ -59,7 +59,7 @@ the same chunk count, relative to naive bf16 (1.02e-3):
     gradients [T, H] and [V, H] for the op's dX/dW outputs (fixed since: they are
     marked non-differentiable, grads not materialized). Expected now: dX 0.25 +
     dW 1.16 + workspace 0.49 + [T] state = ~1.92 GiB for fused_lowp at 1728 rows
-    (backward adds only a 64 MiB fp32 scaling block, after the workspace is freed).
+    (backward adds no buffer: dX and dW are scaled in place by the upstream gradient).
   T = 128k: fused_lowp 822 ms (Liger 772 ms), same double-count (4.38 GiB; expected
     now ~2.67: dX 1.0 + dW 1.16 + 0.49). auto then picked vocab_outer (76 chunks; now vocab_outer_lowp):
     1242 ms, 4.29 GiB (fp32 dX accumulator 2 GiB).
@@ -97,7 +97,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._ext import check_tensor, require_cuda_build
+from . import _C
+from ._ext import check_tensor, current_stream_handle, require_cuda_build
 from . import ring_dtp_blocks as B
 
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
@@ -481,7 +482,7 @@ def _backward(ctx, grad_loss, gm, gls, gq, gdx, gdw, gdb):
             # In place: the saved gradients are used once (a second backward through
             # this graph trips autograd's version check instead of scaling twice).
             for t in (dx, dw):
-                t.mul_(g) if t.dtype == torch.float32 else _scale_lowp_(t, g)
+                _scale_(t, g)
             db = db * g
     else:
         hidden, weight, labels, bias, m, ls, q = ctx.saved_tensors
@@ -490,17 +491,23 @@ def _backward(ctx, grad_loss, gm, gls, gq, gdx, gdw, gdb):
     return dx, dw, None, dbias, None, None, None, None, None, None, None, None, None
 
 
-_SCALE_BLOCK_ELEMS = 1 << 24  # fp32 temporary of _scale_lowp_: <= 64 MiB (4096 rows at H = 4096)
-
-
-def _scale_lowp_(t: Tensor, g: Tensor) -> None:
-    """t *= g for a bf16/fp16 t, in fp32 (g is not rounded to t's dtype), a row block of
-    <= _SCALE_BLOCK_ELEMS elements at a time (no full fp32 copy of dX or dW)."""
-    flat = t.view(t.shape[0], -1) if t.dim() > 1 else t.view(-1, 1)
-    rows = max(1, _SCALE_BLOCK_ELEMS // max(1, flat.shape[1]))
-    for r0 in range(0, flat.shape[0], rows):
-        blk = flat[r0:r0 + rows]
-        blk.copy_(blk.float().mul_(g))
+def _scale_(t: Tensor, g: Tensor) -> None:
+    """t *= g in place, in fp32 with one rounding to t's dtype (== (t.float() * g).to(t.dtype)),
+    for t: contiguous fp32/bf16/fp16 and g: one fp32 element on t's device. g is read by the
+    kernel (on CUDA: no host sync) and g == 1 (loss.backward()) does nothing; no temporary.
+    Bumps t's autograd version like any in-place op."""
+    check_tensor("t", t, dtypes=tuple(B._ZCODE), contiguous=True)
+    check_tensor("g", g, dtypes=(torch.float32,), device=t.device)
+    if g.numel() != 1:
+        raise ValueError(f"moepeak: g must have exactly one element, got shape {tuple(g.shape)}")
+    cuda = t.device.type == "cuda"
+    if cuda:
+        require_cuda_build("_scale_")
+    elif t.device.type != "cpu":
+        raise ValueError(f"moepeak: _scale_ supports cpu and cuda tensors, got {t.device}")
+    if t.numel():
+        _C.ce_scale(t.data_ptr(), B._ZCODE[t.dtype], t.numel(), g.data_ptr(), cuda, current_stream_handle(t.device))
+    torch.autograd.graph.increment_version(t)
 
 
 ring_dtp_ce.register_autograd(_backward, setup_context=_setup_context)

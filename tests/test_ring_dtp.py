@@ -305,16 +305,103 @@ def test_bad_input():
 # ---------------------------------------------------------------------------
 # CUDA (every GPU path against the same references)
 # ---------------------------------------------------------------------------
+# (T, H, V, chunk_tokens, chunk_vocab): small and prime V; then T > the 1728-row chunk of the
+# H200 configuration, V prime (rows of the bf16 block not 16-byte aligned: the kernels' scalar
+# head/tail around the vector body) and 4 vector steps of 256 threads per row and more.
+CUDA_SHAPES = [(300, 64, 1009, 128, 384), (2100, 64, 32771, 1024, 8192)]
+
+
 @pytest.mark.cuda
+@pytest.mark.parametrize("shape", CUDA_SHAPES, ids=lambda s: f"T{s[0]}-V{s[2]}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mode", MODES)
-def test_cuda_all_options(dtype, mode):
-    x, w, y, b = make(300, 64, 1009, dtype, seed=12, bias=True, ignore_frac=0.1)
+def test_cuda_all_options(dtype, mode, shape):
+    T, H, V, ct, cv = shape
+    x, w, y, b = make(T, H, V, dtype, seed=12, bias=True, ignore_frac=0.1)
     x, w, y, b = x.cuda(), w.cuda(), y.cuda(), b.cuda()
-    check(x, w, y, b, mode=mode, chunk_tokens=128, chunk_vocab=384, label_smoothing=0.05, z_loss=1e-4,
+    check(x, w, y, b, mode=mode, chunk_tokens=ct, chunk_vocab=cv, label_smoothing=0.05, z_loss=1e-4,
           softcap=20.0)
-    check(x, w, y, b, mode=mode if not mode.startswith("fused") else "vocab_outer", gout=torch.randn(300, device="cuda"),
-          reduction="none", chunk_tokens=128, chunk_vocab=384)
+    check(x, w, y, b, mode=mode if not mode.startswith("fused") else "vocab_outer", gout=torch.randn(T, device="cuda"),
+          reduction="none", chunk_tokens=ct, chunk_vocab=cv)
+    if mode.startswith("fused"):  # upstream grad != 1: the in-place scale kernel on dX and dW
+        check(x, w, y, b, mode=mode, gout=torch.tensor(0.37, device="cuda"), chunk_tokens=ct, label_smoothing=0.05)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("softcap", [0.0, 15.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_kernels_vs_fp64(dtype, softcap, eps):
+    """The fold and gradient kernels on two blocks vs fp64 (refs._ce_of_logits and its autograd),
+    with what the kernels' fast paths special-case: block rows not 16-byte aligned (ld = v + 3),
+    V not a multiple of 8, padding columns (v_valid < v0 + v, huge logits there), a block not
+    starting at column 0, targets in the head, body, tail and the other block, ignored and
+    zero-weight rows (dZ written 0 without reading), confident rows, a large common offset."""
+    from tests.refs import _ce_of_logits
+    t, v0, v, pad, zl = 300, 37, 20011, 5, 1e-3
+    V = v0 + v - pad                                        # v_valid: columns [V, v0 + v) are padding
+    gen = torch.Generator().manual_seed(30)
+    z = torch.randn(t, v0 + v, generator=gen) * 4
+    y = torch.randint(0, V, (t,), generator=gen)
+    y[::9] = -100
+    y[1:6] = torch.tensor([v0, v0 + 1, V - 1, 5, v0 + 8])  # head/first vector, tail, block A
+    rows = torch.arange(10, 18)
+    z[rows, y[rows]] += 30.0                               # confident rows (p_y -> 1)
+    z[20:30] += 1000.0                                     # large offset: m * log2e rounds coarsely
+    z[:, V:] = 1e4                                         # padding: never counted
+    z = z.to(dtype).float()                                # the values the block holds
+    g = torch.rand(t, generator=gen) + 0.5
+    g[::11] = 0.0
+    zc = z[:, :V].double()
+    if softcap:
+        zc = softcap * torch.tanh(zc / softcap)
+    has = y >= 0
+    yi = y.clamp_min(0)
+    m64 = zc.max(1).values
+    e = torch.exp(zc - m64[:, None])
+    s64 = e.sum(1)
+    sx64 = torch.where(has, e.scatter(1, yi[:, None], 0.0).sum(1), s64)
+    zy64 = torch.where(has, zc.gather(1, yi[:, None])[:, 0], torch.zeros_like(m64))
+    z64 = z[:, :V].double().requires_grad_()
+    (_ce_of_logits(z64, y, -100, "none", eps, zl, softcap or None) * g.double()).sum().backward()
+    dz64 = z64.grad
+
+    cu = torch.device("cuda")
+    za = z[:, :v0].to(dtype).to(cu).contiguous()           # block A: columns [0, v0)
+    zb_buf = torch.zeros(t, v + 3, dtype=dtype, device=cu)  # block B: [t, v] in rows of v + 3
+    zb = zb_buf[:, :v]
+    zb.copy_(z[:, v0:])
+    yc, gc = y.to(cu), g.to(cu)
+    st = B.new_state(t, cu)
+    B.fold(za, 0, V, yc, -100, softcap, *st)
+    B.fold(zb, v0, V, yc, -100, softcap, *st)
+    m, s, zy, zs, sx = (a.cpu().double() for a in st)
+    rt = 1e-5 if not softcap else 3e-5
+    torch.testing.assert_close(m, m64, rtol=1e-6 if softcap else 0, atol=0)
+    torch.testing.assert_close(s, s64, rtol=rt, atol=0)
+    torch.testing.assert_close(sx, sx64, rtol=rt, atol=0)
+    torch.testing.assert_close(zy, zy64, rtol=1e-6 if softcap else 0, atol=0)
+    assert ((zs - zc.sum(1)).abs() <= 4e-6 * zc.abs().sum(1)).all()  # one column is ~5e-5 of it
+
+    mm_, ls, q = B.fin(st)
+    outs = [(dtype, torch.cat([B.grad_block(za, 0, V, yc, -100, softcap, mm_, ls, q, gc, eps, V, zl, dtype),
+                               B.grad_block(zb, v0, V, yc, -100, softcap, mm_, ls, q, gc, eps, V, zl, dtype)], 1))]
+    if dtype == torch.float32:  # fp32 logits -> bf16 dZ in a separate [t, v] buffer (odd v: rows alternate alignment)
+        za2, zb2 = (zz.to(cu).contiguous() for zz in (z[:, :v0], z[:, v0:]))
+        outs.append((torch.bfloat16, torch.cat([
+            B.grad_block(za2, 0, V, yc, -100, softcap, mm_, ls, q, gc, eps, V, zl, torch.bfloat16),
+            B.grad_block(zb2, v0, V, yc, -100, softcap, mm_, ls, q, gc, eps, V, zl, torch.bfloat16)], 1)))
+    for odt, dz in outs:
+        dz = dz.cpu().double()
+        assert torch.all(dz[:, V:] == 0), "padding columns"
+        dead = (y < 0) | (g == 0)
+        assert torch.all(dz[dead] == 0), "ignored / zero-weight rows"
+        unit = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[odt]
+        tol = (unit + (1e-5 if not softcap else 5e-5)) * dz64.abs()
+        tol += 2.0 ** -25 + 1e-9 * g.double()[:, None]           # fp16 subnormal steps; fp32 floor
+        tol[has, yi[has]] += 2e-7 * g.double()[has]              # target: -(1-eps) q + (eps + 2 zl lse) p - uni
+        err = (dz[:, :V] - dz64).abs()
+        assert (err <= tol).all(), (odt, (err / tol).max().item(), divmod((err / tol).argmax().item(), V))
 
 
 @pytest.mark.cuda
@@ -394,12 +481,10 @@ class _FreshBytes(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.parametrize("mode", ["fused_lowp", "fused"])
-def test_fused_backward_allocates_no_gradient_copies(mode, monkeypatch):
+def test_fused_backward_allocates_no_gradient_copies(mode):
     """The H200 peak of 2.88 GiB (T = 32k) was dX + dW twice: autograd materialized
     zero gradients [T, H] and [V, H] for the op's dX/dW outputs. Backward of the fused
-    modes may only allocate the fp32 scaling block; .grad must be the op's own buffers."""
-    import moepeak.ring_dtp as R
-    monkeypatch.setattr(R, "_SCALE_BLOCK_ELEMS", 4096)
+    modes scales dX and dW in place (_scale_, no temporary); .grad must be the op's own buffers."""
     T, H, V = 384, 64, 1000
     x, w, y, _ = make(T, H, V, torch.bfloat16, seed=21)
     x.requires_grad_()
@@ -409,13 +494,125 @@ def test_fused_backward_allocates_no_gradient_copies(mode, monkeypatch):
     op_out = [o for f, o in fwd.ops if "ring_dtp_ce" in f]
     assert sum(op_out) >= (T + V) * H * 2  # the forward op made dX and dW
     with _FreshBytes() as bwd:
-        loss.backward()
-    # each temporary is one fp32 scaling block (freed before the next): far below dX (49 kB) and dW (128 kB)
-    biggest = max(n for _, n in bwd.ops)
-    assert biggest <= 4 * 4096, f"backward allocated a {biggest} B buffer: {sorted(bwd.ops, key=lambda o: -o[1])[:4]}"
-    assert {f for f, _ in bwd.ops} <= {"aten._to_copy.default", "aten.ones_like.default"}, bwd.ops
+        loss.backward(torch.tensor(0.37))  # g != 1: the scaling really runs
+    # nothing but scalars: the grad of the loss (and the empty dbias times g)
+    biggest = max([n for _, n in bwd.ops] + [0])
+    assert biggest <= 16, f"backward allocated a {biggest} B buffer: {sorted(bwd.ops, key=lambda o: -o[1])[:4]}"
     # dX + dW exist once: the forward's buffers became .grad (no copy at the autograd boundary)
     assert x.grad.shape == x.shape and w.grad.shape == w.shape
+
+
+@pytest.mark.parametrize("mode", ["fused", "fused_lowp"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_upstream_grad(mode, dtype):
+    """loss.backward(g) with g != 1 scales the gradients made in forward (in place, fp32, one rounding)."""
+    x, w, y, b = make(40, 16, 301, dtype, seed=22, bias=True, ignore_frac=0.1)
+    check(x, w, y, b, mode=mode, gout=torch.tensor(0.37), chunk_tokens=16, label_smoothing=0.05)
+
+
+def test_fused_second_backward_refused():
+    """The fused modes scale their saved dX/dW in place once: a second backward through the
+    same graph is refused by autograd's version check instead of scaling twice."""
+    x, w, y, _ = make(12, 8, 50, torch.bfloat16, seed=23)
+    x.requires_grad_()
+    loss = moepeak.linear_cross_entropy(x, w, y, mode="fused_lowp")
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+# ---------------------------------------------------------------------------
+# _scale_: t *= g (fp32 multiply, one rounding), the fused modes' backward
+# ---------------------------------------------------------------------------
+SCALE_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _scale_data(n, dtype, device, seed=0):
+    """[n + 1] values: the scaled tensor is [1:] (a 1-element offset: not 16-byte aligned,
+    the CUDA head/tail path) or [:n]; the other element must stay untouched."""
+    gen = torch.Generator().manual_seed(seed)
+    t = torch.randn(n + 1, generator=gen) * 300  # fp16: some products overflow to inf at g = 300
+    t[::7] *= 1e-6                               # fp16 subnormal results, bf16 tiny values
+    return t.to(dtype).to(device)
+
+
+def _bits(t):
+    return t.view({torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[t.dtype])
+
+
+def _check_scale(device):
+    from moepeak.ring_dtp import _scale_
+    for dtype in SCALE_DTYPES:
+        for n in (0, 1, 7, 13, 4096, 100003):  # odd n: not a multiple of the 8-element vectors
+            for gv in (1.0, 0.37, 0.0, -2.5, 300.0):
+                base = _scale_data(n, dtype, device, seed=n)
+                t, other = (base[1:], base[:1]) if n % 2 else (base[:n], base[n:])
+                before, other0 = t.clone(), other.clone()
+                g = torch.tensor([gv], dtype=torch.float32, device=device)
+                _scale_(t, g)
+                ref = before if gv == 1.0 else (before.float() * g).to(dtype)
+                assert torch.equal(_bits(t), _bits(ref)), (dtype, n, gv)
+                assert torch.equal(_bits(other), _bits(other0)), (dtype, n, gv)
+
+
+def test_scale_cpu():
+    _check_scale("cpu")
+
+
+def test_scale_every_bit_pattern():
+    """Every bf16 / fp16 value times g: bit-equal to torch's fp32 multiply + cast (NaN: any NaN)."""
+    from moepeak.ring_dtp import _scale_
+    for dtype in (torch.bfloat16, torch.float16):
+        every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+        for gv in (0.37, 300.0, 1e-3, -1.5, 0.0, math.inf):
+            t, g = every.clone(), torch.tensor([gv])
+            _scale_(t, g)
+            ref = (every.float() * g).to(dtype)
+            nan = torch.isnan(ref)
+            assert torch.equal(torch.isnan(t), nan), (dtype, gv)
+            assert torch.equal(_bits(t)[~nan], _bits(ref)[~nan]), (dtype, gv)
+
+
+def test_scale_g1_leaves_bits_untouched():
+    from moepeak.ring_dtp import _scale_
+    t = torch.tensor([float("nan"), -0.0, 1e-40, 3.0], dtype=torch.float32)
+    for dtype in SCALE_DTYPES:
+        u = t.to(dtype)
+        before = _bits(u).clone()
+        _scale_(u, torch.ones((), dtype=torch.float32))  # 0-dim g works too
+        assert torch.equal(_bits(u), before), dtype
+
+
+def test_scale_neighbours_untouched():
+    from moepeak.ring_dtp import _scale_
+    base = torch.arange(40, dtype=torch.bfloat16)
+    _scale_(base[3:29], torch.tensor([2.0]))
+    want = torch.arange(40, dtype=torch.float32)
+    want[3:29] *= 2
+    assert torch.equal(base, want.to(torch.bfloat16))
+
+
+def test_scale_bad_input():
+    from moepeak.ring_dtp import _scale_
+    t = torch.ones(8, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="g must have dtype"):
+        _scale_(t, torch.ones(1, dtype=torch.float64))
+    with pytest.raises(ValueError, match="g must have exactly one element"):
+        _scale_(t, torch.ones(2))
+    with pytest.raises(ValueError, match="t must be contiguous"):
+        _scale_(torch.ones(4, 4, dtype=torch.bfloat16).t(), torch.ones(1))
+    with pytest.raises(TypeError, match="t must have dtype"):
+        _scale_(torch.ones(4, dtype=torch.int32), torch.ones(1))
+    if torch.device("meta") is not None:
+        with pytest.raises(ValueError, match="g must be on"):
+            _scale_(t, torch.ones(1, device="meta"))
+    assert torch.equal(t, torch.ones(8, dtype=torch.bfloat16))  # nothing half-done
+
+
+@pytest.mark.cuda
+def test_cuda_scale():
+    _check_scale("cuda")
+    torch.cuda.synchronize()
 
 
 @pytest.mark.cuda
@@ -438,7 +635,7 @@ def test_cuda_peak_memory_bounded(mode):
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     grads_bytes = (T + V) * H * 2
-    # 64 MiB: backward's fp32 scaling block (_SCALE_BLOCK_ELEMS), the [T] state, labels
+    # 64 MiB: slack for the [T] state, labels and allocator rounding
     if mode == "fused_lowp":
         bound = grads_bytes + ct * V * 2 + (64 << 20)
     elif mode == "fused":
