@@ -38,6 +38,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "mp_half.h"
 #include "mp_python.h"
 
 /* Rows per thread-pool grain: a row is v (up to ~2.5e5) floats, so a few rows
@@ -143,52 +144,7 @@ static void ce_grad_rows(void *ctx, int64_t begin, int64_t end, int worker) {
 /* ------------------------------------------------------------------------- */
 enum { CE_F32 = 0, CE_BF16 = 1, CE_F16 = 2 }; /* the z_dtype / out_dtype codes */
 
-static inline float ce_bf16_to_f32(uint16_t h) {
-  const uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-static inline uint16_t ce_f32_to_bf16(float f) { /* round to nearest even; NaN -> torch's 0x7FC0 */
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if (f != f) return 0x7FC0;
-  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline float ce_f16_to_f32(uint16_t h) {
-  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, ex = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
-  uint32_t u;
-  if (ex == 0x1F) {
-    u = sign | 0x7F800000u | (man << 13); /* inf / NaN */
-  } else if (ex != 0) {
-    u = sign | ((ex + 112u) << 23) | (man << 13); /* normal: rebias 15 -> 127 */
-  } else {
-    const float f = (float)man * 5.9604644775390625e-8f; /* zero / subnormal: man * 2^-24, exact */
-    memcpy(&u, &f, 4);
-    u |= sign;
-  }
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-static inline uint16_t ce_f32_to_f16(float f) { /* round to nearest even, like torch's cast */
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
-  const uint32_t a = u & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return sign | 0x7E00u;  /* NaN */
-  if (a >= 0x477FF000u) return sign | 0x7C00u; /* |f| rounds to >= 65520: inf */
-  if (a >= 0x38800000u) {                      /* normal fp16: drop 13 mantissa bits, RNE, rebias */
-    const uint32_t r = a + 0xFFFu + ((a >> 13) & 1u);
-    return sign | (uint16_t)((r - 0x38000000u) >> 13);
-  }
-  float af; /* below 2^-14: fp16 subnormal steps of 2^-24; |f| * 2^24 is exact, lrintf rounds to even */
-  memcpy(&af, &a, 4);
-  return sign | (uint16_t)lrintf(af * 16777216.0f);
-}
+/* conversions: csrc/mp_half.h (round to nearest even, like torch's casts) */
 
 typedef struct {
   void *t;
@@ -208,10 +164,10 @@ static void ce_scale_range(void *ctx, int64_t begin, int64_t end, int worker) {
     for (int64_t i = begin; i < end; ++i) p[i] *= g;
   } else if (a->dtype == CE_BF16) {
     uint16_t *p = (uint16_t *)a->t;
-    for (int64_t i = begin; i < end; ++i) p[i] = ce_f32_to_bf16(ce_bf16_to_f32(p[i]) * g);
+    for (int64_t i = begin; i < end; ++i) p[i] = f32_to_bf16(bf16_to_f32(p[i]) * g);
   } else {
     uint16_t *p = (uint16_t *)a->t;
-    for (int64_t i = begin; i < end; ++i) p[i] = ce_f32_to_f16(ce_f16_to_f32(p[i]) * g);
+    for (int64_t i = begin; i < end; ++i) p[i] = f32_to_f16(f16_to_f32(p[i]) * g);
   }
 }
 
