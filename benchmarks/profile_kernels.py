@@ -74,7 +74,7 @@ def ring_cases(log):
         return f
     comp = torch.compile(lambda a, b, c: F.cross_entropy(F.linear(a, b).float(), c))
     profile("ring: naive + torch.compile", step(lambda: comp(x, w, y)), log)
-    for ct in (None, 1792, 2048, 3456):
+    for ct in (None, 1920, 2048, 3456):
         profile(f"ring: moepeak fused_lowp ct={ct}",
                 step(lambda ct=ct: moepeak.linear_cross_entropy(x, w, y, mode="fused_lowp", chunk_tokens=ct)), log)
     try:
