@@ -126,7 +126,7 @@ class Setup:
     imbalance: float = 1.5      # rho for plain EP (capped to [1, P])
     chunk_rows: Optional[int] = None  # PipelinedLLEP C (None: its default, llep_plan.default_chunk_rows)
     llep_save_budget_mb: Optional[int] = None  # PipelinedLLEP activation cache (None: llep.default_save_budget_mb)
-    ring_workspace_mb: float = 512.0  # Ring-DTP block workspace (its default budget)
+    ring_workspace_mb: Optional[float] = None  # Ring-DTP's fused workspace (None: its defaults)
     bucket_mb: float = 64.0     # StreamAdamW bucket (its slots are pinned host memory: 0 GPU bytes)
     sco_in_flight: int = 2      # SCOConfig.max_in_flight (W): forward D2H copies still referenced
     sco_prefetch: int = 1       # SCOConfig.prefetch: boundaries loaded ahead in backward
@@ -139,26 +139,37 @@ class Setup:
 
 
 # Ring-DTP's defaults (moepeak/ring_dtp_blocks.py, moepeak/ring_dtp.py), mirrored here so
-# that `plan` runs without the compiled extension.
-RING_FUSED_WORKSPACE = 512 << 20     # DEFAULT_WORKSPACE_BYTES: fused modes' [ct, V] logits block
+# that `plan` runs without the compiled extension (tests/test_plan.py checks the mirror).
+RING_FUSED_WORKSPACE = 512 << 20     # DEFAULT_WORKSPACE_BYTES: fp32 fused's [ct, V] blocks
+RING_LOWP_WORKSPACE = 640 << 20      # LOWP_WORKSPACE_BYTES: fused_lowp's [ct, V] block ...
+RING_LOWP_MAX_ROWS = 2048            # LOWP_MAX_ROWS: ... of at most 2048 rows, multiples of 256
 RING_BLOCKED_WORKSPACE = 256 << 20   # BLOCKED_WORKSPACE_BYTES: the 4-GEMM orders' block workspace
-RING_FUSED_MAX_CHUNKS = 8            # _FUSED_MAX_CHUNKS: bf16 fused_lowp only up to 8 token chunks
+RING_FUSED_MAX_CHUNKS = 20           # _FUSED_MAX_CHUNKS: bf16 fused_lowp only up to 20 token chunks
+RING_LOWP_DX_BLOCKS = 8              # _LOWP_DX_BLOCKS: vocab_outer_lowp's vocab blocks
 
 
-def ring_dtp_vocab_bytes(T: int, H: int, V: int, b: int, budget_mb: float = 512.0) -> float:
-    """Ring-DTP's own bytes at its peak, for the mode it picks (ring_dtp._pick_mode):
-    fp32 or <= 8 chunks: a fused mode, forward makes dX [T, H] x dtype (kept to the
-    backward) in one [ct, V] logits block; else vocab_outer: an fp32 [T, H] dX accumulator
-    + its cast to dtype + the 256 MiB block workspace. Both: 5 fp32 [T] fold rows + 3 fp32
-    [T] saved (m, ls, q). (dW [V, H] is the parameter's gradient: counted in 'fixed'.)"""
-    ws = budget_mb * 2 ** 20
+def ring_dtp_vocab_bytes(T: int, H: int, V: int, b: int, budget_mb: Optional[float] = None) -> float:
+    """Ring-DTP's own bytes at its peak, for the mode `auto` picks (ring_dtp._pick_mode):
+    fp32: fused (forward makes dX [T, H], kept to the backward, in [ct, V] blocks);
+    low precision within 20 token chunks: fused_lowp (one [ct, V] block + dX); else
+    vocab_outer while its fp32 [T, H] dX accumulator is <= 512 MiB (+ its cast to dtype +
+    the 256 MiB block workspace), vocab_outer_lowp beyond (dX in dtype, an fp32 dW block
+    [V/8, H], the block workspace). All: 5 fp32 [T] fold rows + 3 fp32 [T] saved (m, ls,
+    q). (dW [V, H] is the parameter's gradient: counted in 'fixed'.) budget_mb overrides
+    the fused workspaces (Setup.ring_workspace_mb)."""
     rows = 32 * T
     if b >= 4:
-        return ws + 4 * T * H + rows
-    ct = int(ws // (V * b)) // 64 * 64 or 1
+        ws = budget_mb * 2 ** 20 if budget_mb else RING_FUSED_WORKSPACE
+        return min(ws, T * V * 8) + 4 * T * H + rows
+    ws = budget_mb * 2 ** 20 if budget_mb else RING_LOWP_WORKSPACE
+    ct = int(ws // (V * b))
+    ct = min(RING_LOWP_MAX_ROWS, ct // 256 * 256) if ct >= 256 else max(1, ct // 64 * 64)
     if -(-T // ct) <= RING_FUSED_MAX_CHUNKS:
-        return min(ws, T * V * b) + b * T * H + rows
-    return ws / 2 + (4 + b) * T * H + rows
+        return min(ct, T) * V * b + b * T * H + rows
+    if 4 * T * H <= RING_FUSED_WORKSPACE:
+        return RING_BLOCKED_WORKSPACE + (4 + b) * T * H + rows
+    cv = -(-V // RING_LOWP_DX_BLOCKS)
+    return RING_BLOCKED_WORKSPACE + 4 * cv * H + b * T * H + rows
 
 
 def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:

@@ -23,8 +23,9 @@ every GEMM is torch's. Schedules ("mode"):
                kernel overwrites it in place with dZ, which feeds the dX and dW
                GEMMs directly: per element 2 B written by the GEMM, 2 B read by
                the fold, 2 B read + 2 B written by the gradient (fused with fp32
-               logits: 4 + 4 + 4 + 2), and 3x the rows per chunk in the same
-               workspace (1728 vs 576 at V = 151936, 512 MiB).
+               logits: 4 + 4 + 4 + 2), and more rows per chunk (2048 in a
+               594 MiB block vs 576 in 512 MiB at V = 151936; see
+               ring_dtp_blocks.fused_chunk_tokens for why 2048).
   vocab_outer_lowp
                vocab_outer with dX accumulated in the input dtype (bf16/fp16)
                over at most 8 vocab blocks (one rounding per block, like
@@ -36,8 +37,8 @@ every GEMM is torch's. Schedules ("mode"):
                1 GiB bf16 copy).
   auto         fp32 inputs: fused. Low precision: fused_lowp when backward is
                certain (grad enabled, reduction mean/sum) and it needs at most
-               20 token chunks (T <= 34560 at V = 151936 with the 512 MiB
-               workspace); otherwise vocab_outer (exact dW and dX, 4 GEMMs) while
+               20 token chunks (T <= 40960 at V = 151936 with 2048-row
+               chunks); otherwise vocab_outer (exact dW and dX, 4 GEMMs) while
                its fp32 [T, H] dX accumulator is at most the 512 MiB workspace
                (T*H <= 128M), vocab_outer_lowp beyond that.
 

@@ -24,6 +24,9 @@ from ._ext import current_stream_handle
 # given. 512 MiB keeps Ring-DTP's working set a small fraction of the 2 GiB
 # target at T = 32k, H = 4096, V = 151936 (DESIGN.md section 2).
 DEFAULT_WORKSPACE_BYTES = 512 << 20
+# fused_lowp's single [ct, V] block (see fused_chunk_tokens).
+LOWP_WORKSPACE_BYTES = 640 << 20
+LOWP_MAX_ROWS = 2048
 # The 4-GEMM orders also hold an fp32 [T, H] dX accumulator (vocab_outer:
 # 512 MiB at T = 32k, H = 4096), so their block workspace gets half as much.
 BLOCKED_WORKSPACE_BYTES = 256 << 20
@@ -242,19 +245,31 @@ def lowp_dx_chunk_tokens(cv: int, dtype: torch.dtype, budget: int = BLOCKED_WORK
     return round_down(int(ct), 64) if ct >= 64 else max(1, int(ct))
 
 
-def fused_chunk_tokens(V: int, dtype: torch.dtype, budget: int = DEFAULT_WORKSPACE_BYTES,
+def fused_chunk_tokens(V: int, dtype: torch.dtype, budget: Optional[int] = None,
                        lowp_logits: bool = False) -> int:
     """Token rows per chunk when a chunk holds whole vocab rows (modes 'fused*').
 
-    fp32 logits: Z [ct, V] x fp32 and dZ [ct, V] x dtype: ct = budget / (V * (4 + b));
-    lowp logits: Z [ct, V] x dtype with dZ in place:     ct = budget / (V * b);
-    rounded down to a multiple of 64. Worked once: V = 151936, bf16 (b = 2), 512 MiB:
+    fp32 logits: Z [ct, V] x fp32 and dZ [ct, V] x dtype: ct = budget / (V * (4 + b)),
+                 budget 512 MiB, rounded down to a multiple of 64;
+    lowp logits: Z [ct, V] x dtype with dZ in place:     ct = budget / (V * b),
+                 budget 640 MiB, rounded down to a multiple of 256 and at most
+                 LOWP_MAX_ROWS = 2048: the dX GEMM [ct, V] @ [V, H] runs 256-row
+                 tiles, and a whole number of them is what kept it at the GEMM
+                 rate on the H200 (ct = 1728: 7 x 32 tiles = 1.7 waves on 132
+                 SMs, 627 TFLOP/s; 2048: 1.94 waves, 726), while more rows bought
+                 nothing (3456 rows: 193.6 vs 190.7 ms for the whole op).
+    Worked once: V = 151936, bf16 (b = 2):
       fp32 logits 536870912 / (151936 * 6) = 588.9 -> ct = 576 (Z 334 MiB + dZ 167 MiB);
-      lowp logits 536870912 / (151936 * 2) = 1766.8 -> ct = 1728 (Z/dZ 501 MiB).
+      lowp logits 671088640 / (151936 * 2) = 2208.3 -> ct = 2048 (Z/dZ 594 MiB; with
+      dX + dW 1.41 GiB at T = 32k, H = 4096 the op peaks at 1.99 GiB).
     """
     b = lowp_bytes(dtype)
-    per = b if (lowp_logits and b) else 4 + b
-    ct = budget // (V * per)
+    if lowp_logits and b:
+        ct = (budget or LOWP_WORKSPACE_BYTES) // (V * b)
+        if ct >= 256:
+            return min(LOWP_MAX_ROWS, round_down(int(ct), 256))
+        return round_down(int(ct), 64) if ct >= 64 else max(1, int(ct))
+    ct = (budget or DEFAULT_WORKSPACE_BYTES) // (V * (4 + b))
     return round_down(int(ct), 64) if ct >= 64 else max(1, int(ct))
 
 

@@ -223,3 +223,26 @@ def test_plan_within_15_percent_of_h200_measurements(context, plan):
     meas = MEASURED_H200_2026_11_29_GIB[(context, plan)]
     print(f"{plan} @ {context}: plan {pred:.2f} GiB, measured {meas:.2f} GiB, ratio {pred / meas:.3f}")
     assert 0.85 <= pred / meas <= 1.15, (plan, context, pred, meas)
+
+
+def test_ring_dtp_mirror_matches_the_op():
+    """plan.py restates Ring-DTP's defaults (so `plan` runs without the extension):
+    the constants and the mode auto picks must be the op's own."""
+    from moepeak import ring_dtp as R
+    from moepeak import ring_dtp_blocks as B
+    assert (P.RING_FUSED_WORKSPACE, P.RING_LOWP_WORKSPACE, P.RING_LOWP_MAX_ROWS, P.RING_BLOCKED_WORKSPACE,
+            P.RING_FUSED_MAX_CHUNKS, P.RING_LOWP_DX_BLOCKS) == (
+        B.DEFAULT_WORKSPACE_BYTES, B.LOWP_WORKSPACE_BYTES, B.LOWP_MAX_ROWS, B.BLOCKED_WORKSPACE_BYTES,
+        R._FUSED_MAX_CHUNKS, R._LOWP_DX_BLOCKS)
+    for T in (1, 2048, 32768, 40960, 40961, 131072):
+        for H, V in ((4096, 151936), (1024, 65536), (2048, 256000), (64, 1000)):
+            mode = R._pick_mode(0, True, 1, T, H, V, torch.bfloat16)
+            got = P.ring_dtp_vocab_bytes(T, H, V, 2)
+            ct = B.fused_chunk_tokens(V, torch.bfloat16, lowp_logits=True)
+            if mode == R.MODES["fused_lowp"]:
+                assert got == min(ct, T) * V * 2 + 2 * T * H + 32 * T, (T, H, V)
+            elif mode == R.MODES["vocab_outer"]:
+                assert got == B.BLOCKED_WORKSPACE_BYTES + 6 * T * H + 32 * T, (T, H, V)
+            else:
+                assert mode == R.MODES["vocab_outer_lowp"], (T, H, V, mode)
+                assert got == B.BLOCKED_WORKSPACE_BYTES + 4 * -(-V // 8) * H + 2 * T * H + 32 * T, (T, H, V)
