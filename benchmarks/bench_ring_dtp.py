@@ -84,7 +84,7 @@ def make_arms(quick_big=False):
     for m in modes:
         arms[f"moepeak_{m}"] = MoepeakArm(m)
     if not quick_big:  # chunk-size / logits-dtype sweep that settles the defaults (rows per chunk at this T)
-        for m, ct in (("fused_lowp", 864), ("fused_lowp", 3456), ("fused", 1152)):
+        for m, ct in (("fused_lowp", 1728), ("fused_lowp", 3456), ("fused", 1152)):
             arms[f"moepeak_{m}_ct{ct}"] = MoepeakArm(m, ct)
     return arms
 

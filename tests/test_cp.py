@@ -186,7 +186,9 @@ def test_context_parallel_fsdp2_gloo_matches_single_process(tmp_path, monkeypatc
     from moepeak.demo import run as demo_run
     one = demo_run(DEMO)["losses"]  # the same sequences on one process
     torch.testing.assert_close(torch.tensor(got["demo"]), torch.tensor(one), rtol=2e-6, atol=2e-6)
-    _check_fp32(got, _ref_trajectory(batches), arms, 2e-5, 2e-6)
+    # 5e-5: fp32 sums in another order (the context split); on the GPU machine's CPU the
+    # plain arm reached 2.1e-5 of max |ref| on a 32-element norm gradient (2e-5 here before)
+    _check_fp32(got, _ref_trajectory(batches), arms, 5e-5, 2e-6)
     if "moepeak" not in arms:
         pytest.skip("moepeak components missing from this build: only the plain arm was compared")
 
