@@ -260,6 +260,10 @@ def test_opcheck():
     for mode, red, grads_flag in [(2, 0, True), (1, 1, True), (3, 2, False)]:
         torch.library.opcheck(torch.ops.moepeak.ring_dtp_ce.default,
                               (xs, ws, y, bs, -100, red, 0.1, 1e-3, 3.0, mode, 4, 8, grads_flag))
+    # vocab_outer_lowp (5) is a low-precision order: bf16 inputs (fp32 ones resolve to vocab_outer)
+    xl, wl = (t.detach().bfloat16().requires_grad_() for t in (x, w))
+    torch.library.opcheck(torch.ops.moepeak.ring_dtp_ce.default,
+                          (xl, wl, y, None, -100, 1, 0.0, 0.0, 0.0, 5, 4, 8, True))
 
 
 def test_torch_compile_fullgraph():
