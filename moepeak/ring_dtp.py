@@ -196,11 +196,7 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
     st = B.new_state(T, x.device)
     dx = torch.empty_like(x)
     f32acc = x.dtype == torch.float32
-    cuda = x.device.type == "cuda"
-    # CUDA: the first chunk writes dW, the others add (no zero fill). CPU: zeros and
-    # addmm_ for every chunk (mm's beta = 0 kernel rounds differently there, which
-    # after an AdamW step moved test_e2e's fp32 CPU gradients past 1e-5 on a 16-core host).
-    dw = torch.empty_like(w) if (T and cuda) else torch.zeros_like(w)
+    dw = torch.empty_like(w) if T else torch.zeros_like(w)  # the first chunk writes dW, the others add
     db = None if bias is None else torch.zeros(V, dtype=torch.float32, device=x.device)
     # Workspace, allocated once (no allocation inside the loop):
     #   fp32 logits:   zbuf [ct, V] x fp32 and dzbuf [ct, V] x dtype (CUDA low precision;
@@ -208,6 +204,7 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
     #   lowp logits:   zbuf [ct, V] x dtype on CUDA (dZ in place: one buffer), fp32 on CPU.
     ct = min(ct, T)
     lowp = x.dtype != torch.float32
+    cuda = x.device.type == "cuda"
     direct = lowp_logits and lowp and cuda
     zbuf = torch.empty((ct, V), dtype=x.dtype if direct else torch.float32, device=x.device)
     dzbuf = torch.empty((ct, V), dtype=x.dtype, device=x.device) if (cuda and lowp and not direct) else None
@@ -235,11 +232,13 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
             torch.mm(dz, w, out=dx[t0:t1])                    # exact: one GEMM over the whole row
         else:
             dx[t0:t1] = B.mm(dz, w, False)
-        if f32acc or cuda:
-            if t0 == 0 and cuda:
+        if f32acc or x.device.type == "cuda":
+            if t0 == 0:
                 torch.mm(dz.t(), xc, out=dw)
             else:
                 dw.addmm_(dz.t(), xc)                         # one rounding per chunk
+        elif t0 == 0:
+            dw.copy_(B.mm(dz.t(), xc, True))
         else:
             dw.add_(B.mm(dz.t(), xc, True))
         if db is not None:
