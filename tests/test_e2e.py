@@ -57,9 +57,15 @@ def _compare(switches, device="cpu", dtype=torch.float32, tol=1e-5):
     ref = _train(plain, "torch", batches, device, dtype)
     got = _train(mine, "stream" if "optimizer" in switches else "torch", batches, device, dtype)
     for s in range(3):
-        _close(got[0][s], ref[0][s], tol, f"loss at step {s}")
+        # Step 0 compares the schedules' arithmetic itself (tol). Later steps follow an
+        # AdamW update, which turns fp32-rounding differences in near-zero gradients into
+        # lr-sized parameter differences (see the params bound below): 3x tol there. On the
+        # GPU machine's 16-core CPU (2026-11-29) the head's layer-0 q_proj gradient at step 1
+        # differed by 1.19e-5 of max |ref| (mean 5.6e-7), deterministically; 2-core CI: < 1e-5.
+        t = tol if s == 0 else 3 * tol
+        _close(got[0][s], ref[0][s], t, f"loss at step {s}")
         for n, g in ref[1][s].items():
-            _close(got[1][s][n], g, tol, f"grad {n} at step {s}")
+            _close(got[1][s][n], g, t, f"grad {n} at step {s}")
     # Params after 3 AdamW steps: Adam divides by sqrt(v) + eps, so an element whose
     # gradient is near eps turns a tiny absolute gradient difference into a visible
     # step difference; bound it against the step size (lr x steps = 3e-2): 1e-3 of it.
