@@ -73,18 +73,8 @@ __device__ __forceinline__ int head_cols(const T *p, int64_t n) {
 }
 
 // ---- element conversions ----------------------------------------------------
-__device__ __forceinline__ float ld(const float *p, int64_t j) { return p[j]; }
-__device__ __forceinline__ float ld(const __nv_bfloat16 *p, int64_t j) { return __bfloat162float(p[j]); }
-__device__ __forceinline__ float ld(const __half *p, int64_t j) { return __half2float(p[j]); }
-
-template <typename Out>
-__device__ __forceinline__ Out to_out(float x);
-template <>
-__device__ __forceinline__ float to_out<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 to_out<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-template <>
-__device__ __forceinline__ __half to_out<__half>(float x) { return __float2half_rn(x); }
+template <typename T>
+__device__ __forceinline__ float ld(const T *p, int64_t j) { return to_f32(p[j]); }
 
 __device__ __forceinline__ uint4 ldv(const void *p) { return *reinterpret_cast<const uint4 *>(p); }
 
@@ -362,10 +352,10 @@ __device__ __forceinline__ void zero_cols(Out *orow, int j0, int j1) {
   constexpr int M = Vec<Out>::n;
   const int h = j0 + head_cols(orow + j0, j1 - j0);
   const int nz = (j1 - h) / M;
-  for (int j = j0 + (int)threadIdx.x; j < h; j += kThreads) orow[j] = to_out<Out>(0.f);
+  for (int j = j0 + (int)threadIdx.x; j < h; j += kThreads) orow[j] = from_f32<Out>(0.f);
   for (int k = threadIdx.x; k < nz; k += kThreads)
     *reinterpret_cast<uint4 *>(orow + h + k * M) = make_uint4(0, 0, 0, 0);
-  for (int j = h + nz * M + (int)threadIdx.x; j < j1; j += kThreads) orow[j] = to_out<Out>(0.f);
+  for (int j = h + nz * M + (int)threadIdx.x; j < j1; j += kThreads) orow[j] = from_f32<Out>(0.f);
 }
 
 // dZ = g * (softmax - target distribution) (+ z-loss term) * softcap', row by
@@ -405,7 +395,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       int h = head_cols(row, nc);
       if ((reinterpret_cast<uintptr_t>(orow + h) & (kOutBytes - 1)) != 0) h = nc;  // out misaligned: all scalar
       const int nvec = (nc - h) / N;
-      for (int j = tid; j < h; j += kThreads) orow[j] = to_out<Out>(grad_one<kCap>(ld(row, j), r, j == r.jy));
+      for (int j = tid; j < h; j += kThreads) orow[j] = from_f32<Out>(grad_one<kCap>(ld(row, j), r, j == r.jy));
       int vi = tid;
       for (; vi + (kUnroll - 1) * kThreads < nvec; vi += kUnroll * kThreads)
         grad_vectors<In, Out, kCap, kUnroll>(row + h, orow + h, vi, r.jy - h, r);
@@ -415,7 +405,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       }
       if (vi < nvec) grad_vectors<In, Out, kCap, 1>(row + h, orow + h, vi, r.jy - h, r);
       for (int j = h + nvec * N + tid; j < nc; j += kThreads)
-        orow[j] = to_out<Out>(grad_one<kCap>(ld(row, j), r, j == r.jy));
+        orow[j] = from_f32<Out>(grad_one<kCap>(ld(row, j), r, j == r.jy));
     }
     zero_cols(orow, nc, v);
   }
@@ -434,7 +424,7 @@ __global__ void __launch_bounds__(kScaleThreads) ce_scale_kernel(T *p, int64_t n
   const int h = head_cols(p, n);
   const int64_t nvec = (n - h) / N;
   T *body = p + h;
-  if (tid < h) p[tid] = to_out<T>(ld(p, tid) * gv);
+  if (tid < h) p[tid] = from_f32<T>(ld(p, tid) * gv);
   for (int64_t k = tid; k < nvec; k += nth) {
     float x[N];
     unpack_vec<T>(ldv(body + k * N), x);
@@ -443,7 +433,7 @@ __global__ void __launch_bounds__(kScaleThreads) ce_scale_kernel(T *p, int64_t n
     store_vec(body + k * N, x);
   }
   const int64_t j = h + nvec * N + tid;  // tail: fewer than N columns
-  if (j < n) p[j] = to_out<T>(ld(p, j) * gv);
+  if (j < n) p[j] = from_f32<T>(ld(p, j) * gv);
 }
 
 inline unsigned grid_for(int64_t t) { return (unsigned)(t < kMaxGrid ? t : kMaxGrid); }

@@ -23,3 +23,17 @@
 
 #define MP_STREAM(s) (reinterpret_cast<cudaStream_t>(s))
 #define MP_EVENT(e) (reinterpret_cast<cudaEvent_t>(e))
+
+// Element conversions the kernels share: any float type to fp32, and fp32 back
+// with one rounding to nearest even (torch's cast).
+static __device__ __forceinline__ float to_f32(float v) { return v; }
+static __device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+static __device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+template <typename T>
+__device__ __forceinline__ T from_f32(float v);
+template <>
+__device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }

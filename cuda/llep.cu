@@ -66,17 +66,6 @@ __global__ void gather_kernel(const char *__restrict__ src, const int64_t *__res
 
 inline int row_blocks(int64_t rows) { return (int)(rows < kMaxBlocks ? (rows < 1 ? 1 : rows) : kMaxBlocks); }
 
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
-template <typename T>
-__device__ __forceinline__ T from_f32(float v);
-template <>
-__device__ __forceinline__ float from_f32<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <>
-__device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
 
 // acc[idx[i] / div, h] += w[idx[i]] * y[i, h] (w == nullptr: weight 1), fp32.
 // Rows of one chunk may hit the same token (its K picks), hence atomicAdd;
