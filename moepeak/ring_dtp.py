@@ -563,6 +563,12 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
     hidden [..., H], weight [V, H] (with `group`: this rank's dim-0 vocab shard),
     labels [...] int64. Returns loss ([] or labels.shape for reduction="none", fp32),
     and lse (labels.shape, fp32) when return_lse.
+    mode: "auto" or a schedule of the module docstring ("fused", "fused_lowp",
+    "vocab_outer", "vocab_outer_lowp", "token_outer"); all give the same loss and
+    gradients up to rounding, and differ in speed, workspace and where they round
+    (vocab_outer is the exact choice). chunk_tokens / chunk_vocab override the
+    block sizes the workspace budget picks. With `group`, the ring runs its own
+    exact 4-GEMM order and `mode` is not used.
     """
     _check(hidden, weight, labels, bias, reduction, mode, label_smoothing, z_loss, softcap, chunk_tokens,
            chunk_vocab)
