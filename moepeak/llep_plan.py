@@ -22,7 +22,7 @@ from typing import List
 import torch
 
 from . import _C
-from ._ext import current_stream_handle, require_cuda_build
+from ._ext import check_tensor, current_stream_handle, require_cuda_build
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -170,7 +170,15 @@ def down_bwd(D: torch.Tensor, a: torch.Tensor, w: torch.Tensor, wp: torch.Tensor
     """The down projection's backward epilogue over rows r (csrc/llep.h):
     dwr[r] = <D[r], a[r]> / wp[r]; D[r], a[r] *= w[r] / wp[r] in place.
     D, a [rows, I] (same float dtype, contiguous); w, wp, dwr [>= rows] fp32."""
+    check_tensor("D", D, dtypes=tuple(_DTYPE_CODE), ndim=2, contiguous=True)
+    check_tensor("a", a, dtypes=(D.dtype,), ndim=2, device=D.device, contiguous=True)
+    if a.shape != D.shape:
+        raise ValueError(f"moepeak: a must have D's shape {tuple(D.shape)}, got {tuple(a.shape)}")
     rows = D.shape[0]
+    for name, t in (("w", w), ("wp", wp), ("dwr", dwr)):
+        check_tensor(name, t, dtypes=(torch.float32,), ndim=1, device=D.device, contiguous=True)
+        if t.numel() < rows:
+            raise ValueError(f"moepeak: {name} must hold at least rows={rows} elements, got {t.numel()}")
     if rows:
         _C.llep_down_bwd(D.data_ptr(), a.data_ptr(), _DTYPE_CODE[D.dtype], w.data_ptr(), wp.data_ptr(),
                          dwr.data_ptr(), rows, D.shape[1], _is_cuda(D), current_stream_handle(D.device))

@@ -288,6 +288,10 @@ class Ctx:
                 off += c
         return out[:rows]
 
+    def new_dw(self, which: int) -> torch.Tensor:
+        """An unwritten weight gradient like w_gate_up (which 0) or w_down (1)."""
+        return torch.empty_like(self.wgu if which == 0 else self.wd)
+
     def dw_accumulate(self, left, right, grp: "Groups", which: int, dW_local, dW_borrowed):
         """dW_e += left[rows of e]^T @ right[rows of e] (param dtype).
         dW_local[which] is None until the first call: on the grouped path the
@@ -328,7 +332,7 @@ class Ctx:
                 _GROUPED_MM_OK[0] = False
                 grp.grouped = False
         if dW_local[which] is None:
-            dW_local[which] = torch.empty_like(self.wgu if which == 0 else self.wd)
+            dW_local[which] = self.new_dw(which)
         off = 0
         for e, c in enumerate(grp.ecount):
             if c and e not in done:
@@ -552,7 +556,7 @@ def _zero_untouched(ctx, dW, dWb):
     (dW[which] is allocated here when no chunk wrote it)."""
     for which in (0, 1):
         if dW[which] is None:
-            dW[which] = torch.empty_like(ctx.wgu if which == 0 else ctx.wd)
+            dW[which] = ctx.new_dw(which)
         t = ctx.touched[which]
         for le in range(ctx.El):
             if le + ctx.r * ctx.El not in t:

@@ -163,7 +163,7 @@ def ring_dtp_vocab_bytes(T: int, H: int, V: int, b: int, budget_mb: Optional[flo
         return min(ws, T * V * 8) + 4 * T * H + rows
     ws = budget_mb * 2 ** 20 if budget_mb else RING_LOWP_WORKSPACE
     ct = int(ws // (V * b))
-    ct = min(RING_LOWP_MAX_ROWS, ct // 256 * 256) if ct >= 256 else max(1, ct // 64 * 64)
+    ct = min(RING_LOWP_MAX_ROWS, ct // 256 * 256) if ct >= 256 else (ct // 64 * 64 if ct >= 64 else max(1, ct))
     if -(-T // ct) <= RING_FUSED_MAX_CHUNKS:
         return min(ct, T) * V * b + b * T * H + rows
     if 4 * T * H <= RING_FUSED_WORKSPACE:

@@ -281,24 +281,21 @@ def _backward_blocked(x, w, bias, y, m, ls, q, g, ignore_index, softcap, eps, zl
         # dX accumulates in x.dtype inside the output: the first vocab block writes
         # it, each later one adds with one rounding (GEMM accumulate, fp32 inside);
         # dW block [cv, H] summed in fp32 over the token chunks (exact), as above.
+        if not T:
+            return torch.zeros_like(x), torch.zeros_like(w), db
         dx = torch.empty_like(x)
         dw = torch.empty_like(w)
-        dw_b = torch.empty((min(cv, V), H), dtype=torch.float32, device=x.device) if T else None
+        dw_b = torch.empty((min(cv, V), H), dtype=torch.float32, device=x.device)
         for v0 in range(0, V, cv):
             v1 = min(V, v0 + cv)
-            blk = dw_b[:v1 - v0] if dw_b is not None else None
+            blk = dw_b[:v1 - v0]
             for t0 in range(0, T, ct):
                 t1 = min(T, t0 + ct)
                 dz = grad(t0, t1, v0, v1)
                 B.mm_acc_(dx[t0:t1], dz, w[v0:v1], first=v0 == 0)
                 B.mm_f32_acc_(blk, dz.t(), x[t0:t1], first=t0 == 0)
                 del dz
-            if blk is not None:
-                dw[v0:v1] = blk
-            else:
-                dw[v0:v1] = 0
-        if not T:
-            dx.zero_()
+            dw[v0:v1] = blk
         return dx, dw, db
     # token_outer: dX exact per chunk, dW accumulates in the weight's dtype
     dx = torch.empty_like(x)

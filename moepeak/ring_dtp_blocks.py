@@ -100,12 +100,10 @@ def mm_acc_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) ->
     out.copy_(r)
 
 
-def mm_f32_acc_(acc: Optional[torch.Tensor], a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+def mm_f32_acc_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
     """acc (fp32) = a @ b (first) or acc += a @ b for same-dtype a, b: exact fp32 sums.
     CUDA bf16/fp16: one GEMM accumulating into the fp32 acc where torch has
     addmm(out_dtype=fp32) (torch >= 2.8), else an fp32 GEMM result added."""
-    if acc is None:
-        return
     if a.dtype == torch.float32:
         torch.mm(a, b, out=acc) if first else acc.addmm_(a, b)
         return

@@ -26,9 +26,12 @@ before step k+1 touches it ([5, T_max] x fp32: a latency, not a bandwidth).
 The backward's fp32 accumulators travel in pieces (_AccRing): piece i (cv
 vocab rows of dW, or ct token rows of dX) is sent as soon as this rank has
 added its last block to it, and step k+1 waits only for piece i before adding
-to it, so only the last piece's hop is exposed (measured on 2 H200s before
-this: the whole accumulator hop, 1.24 GB of dW or 0.5 GB of dX per step, was
-exposed, 11-16 ms of a 319 ms call). Buffers: two payload buffers, two
+to it, so by the schedule only the last piece's hop waits. Measured on 2
+H200s (T = 32k per rank, V = 151936), this did not shrink the exposed time:
+10.4 / 13.0 ms (activations / weights) against 11.6 / 12.0 ms with the whole
+accumulator hopping at once, while the transfers alone take 6.3 / 13.3 ms;
+the cause left is likely NCCL's kernels competing with the GEMMs for SMs
+(not profiled). Buffers: two payload buffers, two
 accumulator buffers, the block workspace. Shards of unequal size (V % P != 0,
 e.g. FSDP2's ceil-split) are padded to V_max rows of zeros in the travelling
 buffers, and the columns past a shard's real rows are masked (-inf logits,

@@ -280,6 +280,27 @@ def test_down_bwd_kernel_cpu(dtype):
     assert torch.equal(D2[keep], D[keep]) and torch.equal(a2[keep], a[keep])  # factor-1 rows untouched
 
 
+def test_down_bwd_bad_input():
+    """Checked before any pointer reaches C; nothing is written on refusal."""
+    D, a = torch.randn(5, 3), torch.randn(5, 3)
+    w, dwr = torch.rand(5), torch.full((5,), 7.0)
+    D0, a0 = D.clone(), a.clone()
+    cases = [
+        ((D.double(), a, w, w, dwr), TypeError, "D must have dtype"),
+        ((D, a.bfloat16(), w, w, dwr), TypeError, "a must have dtype"),
+        ((D, a[:4], w, w, dwr), ValueError, "a must have D's shape"),
+        ((D.t(), a.t(), w, w, dwr), ValueError, "D must be contiguous"),
+        ((D, a, w[:4], w, dwr), ValueError, "w must hold at least rows=5"),
+        ((D, a, w, w.double(), dwr), TypeError, "wp must have dtype"),
+        ((D, a, w, w, dwr[:3]), ValueError, "dwr must hold at least rows=5"),
+        ((D, a, w, w, dwr.view(5, 1)), ValueError, "dwr must be 1-D"),
+    ]
+    for args, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            lp.down_bwd(*args)
+    assert torch.equal(D, D0) and torch.equal(a, a0) and (dwr == 7.0).all()
+
+
 def _cpu_grouped_mm() -> bool:
     try:
         a = torch.ones(16, 8, dtype=torch.bfloat16)
