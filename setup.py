@@ -14,7 +14,6 @@ does not depend on which libcudart torch ships; NCCL is dlopen'ed at run time.
 """
 import glob
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -80,10 +79,6 @@ class BuildExtWithCuda(build_ext):
             gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
         last = archs[-1].strip()
         gencode += ["-gencode", f"arch=compute_{last},code=compute_{last}"]
-        # Thread-block clusters (sm_90+) for ce.cu's fused fold + gradient kernel: only when
-        # every target has them; otherwise one CTA per row (same results, more HBM traffic).
-        sm90 = all(int(re.match(r"\d+", a.strip()).group()) >= 90 for a in archs)
-        gencode += [f"-DMP_CE_CLUSTER={4 if sm90 else 1}"]
         debug = os.environ.get("MOEPEAK_DEBUG") == "1"
         objdir = os.path.join(self.build_temp, "cuda")
         os.makedirs(objdir, exist_ok=True)

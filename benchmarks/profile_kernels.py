@@ -57,32 +57,7 @@ def profile(name, fn, log, top=14):
     log(f"\n== {name}: wall {ms:.2f} ms, kernels {busy:.2f} ms, busy {busy / ms:.3f}")
     for k, (c, s) in sorted(kern.items(), key=lambda kv: -kv[1][1])[:top]:
         log(f"  {s:9.2f} ms {c:6d}x  {k}")
-    _gaps(prof, log)
     return ms, busy
-
-
-def _gaps(prof, log, top=4):
-    """Where the GPU sat idle inside the profiled call: the largest gaps between
-    consecutive kernels (one stream), with the kernels on either side."""
-    ks = []
-    for ev in prof.events():
-        if str(getattr(ev, "device_type", "")).endswith("CUDA") and getattr(ev, "time_range", None) is not None:
-            ks.append((ev.time_range.start, ev.time_range.end, ev.name[:50]))
-    ks.sort()
-    if len(ks) < 2:
-        return
-    gaps = []
-    end, prev = ks[0][1], ks[0][2]
-    for a, b, n in ks[1:]:
-        if a > end:
-            gaps.append((a - end, prev, n))
-        if b > end:
-            end, prev = b, n
-    total = sum(g for g, _, _ in gaps) / 1000.0
-    span = (end - ks[0][0]) / 1000.0
-    log(f"  idle between the first and last kernel: {total:.2f} ms of {span:.2f} ms, {len(gaps)} gaps; largest:")
-    for g, a, b in sorted(gaps, reverse=True)[:top]:
-        log(f"    {g / 1000.0:7.3f} ms  after {a}  before {b}")
 
 
 def ring_cases(log):
@@ -99,12 +74,9 @@ def ring_cases(log):
         return f
     comp = torch.compile(lambda a, b, c: F.cross_entropy(F.linear(a, b).float(), c))
     profile("ring: naive + torch.compile", step(lambda: comp(x, w, y)), log)
-    from moepeak import ring_dtp_blocks as B
-    for fused in (True, False):  # fold + grad in one kernel (the default) vs two kernels
-        B.FUSED_FOLD_GRAD = fused
-        profile(f"ring: moepeak default (fused_lowp), fold+grad {'one kernel' if fused else 'two kernels'}",
-                step(lambda: moepeak.linear_cross_entropy(x, w, y)), log)
-    B.FUSED_FOLD_GRAD = True
+    for ct in (None, 1920, 2048, 3456):
+        profile(f"ring: moepeak fused_lowp ct={ct}",
+                step(lambda ct=ct: moepeak.linear_cross_entropy(x, w, y, mode="fused_lowp", chunk_tokens=ct)), log)
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
         lg = LigerFusedLinearCrossEntropyLoss(accum_dtype=torch.float32)

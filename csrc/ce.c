@@ -184,13 +184,6 @@ mp_status mp_ce_grad_cuda(const void *z, int z_dtype, int64_t ldz, int64_t t, in
                           const float *mrow, const float *ls, const float *q, const float *g, int64_t g_stride,
                           float eps, int64_t n_classes, float zloss, void *out, int64_t ldo, int out_dtype,
                           uintptr_t stream);
-/* Fold + gradient of a block holding whole rows (v0 = 0) in one kernel: the state and dZ of
- * mp_ce_fold_cuda, then fin, then mp_ce_grad_cuda. Dtype pairs as mp_ce_grad_cuda. */
-mp_status mp_ce_fold_grad_cuda(void *z, int z_dtype, int64_t ldz, int64_t t, int64_t v, int64_t v_valid,
-                               const int64_t *labels, int64_t ignore_index, float softcap, float *m, float *s,
-                               float *zy, float *zsum, float *sx, const float *g, int64_t g_stride, float eps,
-                               int64_t n_classes, float zloss, void *out, int64_t ldo, int out_dtype,
-                               uintptr_t stream);
 /* p: [n] x dtype (0 fp32, 1 bf16, 2 fp16), p *= *g (g: one fp32), all on the device; nothing when *g == 1. */
 mp_status mp_ce_scale_cuda(void *p, int dtype, int64_t n, const float *g, uintptr_t stream);
 #endif
@@ -321,52 +314,6 @@ static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
-/* ce_fold_grad(z, z_dtype, ldz, t, v, v_valid, labels, ignore_index, softcap, m, s, zy, zsum, sx, g, g_stride, eps,
- *              n_classes, zloss, out, ldo, out_dtype, stream): CUDA only; a block of whole rows (global columns
- * [0, v), v_valid of them real). Dtypes and the in-place rule as ce_grad. */
-static PyObject *py_ce_fold_grad(PyObject *self, PyObject *args) {
-  (void)self;
-  unsigned long long z, labels, m, s, zy, zsum, sx, g, out, stream;
-  long long ldz, t, v, v_valid, ignore, g_stride, n_classes, ldo;
-  double softcap, eps, zloss;
-  int z_dtype, out_dtype;
-  if (!PyArg_ParseTuple(args, "KiLLLLKLdKKKKKKLdLdKLiK:ce_fold_grad", &z, &z_dtype, &ldz, &t, &v, &v_valid, &labels,
-                        &ignore, &softcap, &m, &s, &zy, &zsum, &sx, &g, &g_stride, &eps, &n_classes, &zloss, &out,
-                        &ldo, &out_dtype, &stream))
-    return NULL;
-  ce_args a = ce_block_args(z, ldz, t, v, 0, v_valid, labels, ignore, softcap);
-  a.n_classes = n_classes;
-  if (ce_check_sizes(&a)) return NULL;
-  if (n_classes < 1 || (g_stride != 0 && g_stride != 1) || out_dtype < 0 || out_dtype > 2 || z_dtype < 0 ||
-      z_dtype > 2) {
-    PyErr_Format(PyExc_ValueError, "moepeak._C.ce_fold_grad: need n_classes >= 1 (got %lld), g_stride 0 or 1 "
-                 "(got %lld), z_dtype and out_dtype 0..2 (got %d, %d)", n_classes, g_stride, z_dtype, out_dtype);
-    return NULL;
-  }
-  if ((z_dtype != 0 || out_dtype == 0) && (out_dtype != z_dtype || out != z || ldo != ldz)) {
-    PyErr_Format(PyExc_ValueError, "moepeak._C.ce_fold_grad: z_dtype %d, out_dtype %d: dZ of the logits' own dtype "
-                 "is made in place (out == z, ldo == ldz)", z_dtype, out_dtype);
-    return NULL;
-  }
-  if (ldo < v) {
-    PyErr_Format(PyExc_ValueError, "moepeak._C.ce_fold_grad: ldo=%lld < v=%lld", ldo, v);
-    return NULL;
-  }
-  if (t == 0) Py_RETURN_NONE;
-#if MP_WITH_CUDA
-  mp_status st = mp_ce_fold_grad_cuda(
-      (void *)(uintptr_t)z, z_dtype, ldz, t, v, v_valid, a.labels, ignore, a.softcap, (float *)(uintptr_t)m,
-      (float *)(uintptr_t)s, (float *)(uintptr_t)zy, (float *)(uintptr_t)zsum, (float *)(uintptr_t)sx,
-      (const float *)(uintptr_t)g, g_stride, (float)eps, n_classes, (float)zloss, (void *)(uintptr_t)out, ldo,
-      out_dtype, (uintptr_t)stream);
-  if (st != MP_OK) return mp_raise_status(st);
-  Py_RETURN_NONE;
-#else
-  (void)m; (void)s; (void)zy; (void)zsum; (void)sx; (void)g; (void)stream; (void)eps; (void)zloss;
-  return mp_raise_no_cuda("ce_fold_grad");
-#endif
-}
-
 /* ce_scale(t, dtype, n, g, cuda, stream): t: [n] x dtype (0 fp32, 1 bf16, 2 fp16), contiguous;
  * g: [1] x fp32 on the same device (read on the device on CUDA: no host sync). t *= g. */
 static PyObject *py_ce_scale(PyObject *self, PyObject *args) {
@@ -405,9 +352,6 @@ PyMethodDef mp_ce_methods[] = {
     {"ce_grad", py_ce_grad, METH_VARARGS,
      "ce_grad(z, z_dtype, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, ls, q, g, g_stride, eps, n_classes, "
      "zloss, out, ldo, out_dtype, cuda, stream): turn a fp32 logits block into dZ."},
-    {"ce_fold_grad", py_ce_fold_grad, METH_VARARGS,
-     "ce_fold_grad(z, z_dtype, ldz, t, v, v_valid, labels, ignore_index, softcap, m, s, zy, zsum, sx, g, g_stride, "
-     "eps, n_classes, zloss, out, ldo, out_dtype, stream): CUDA: ce_fold, fin and ce_grad of whole rows in one kernel."},
     {"ce_scale", py_ce_scale, METH_VARARGS,
      "ce_scale(t, dtype, n, g, cuda, stream): t[0:n] *= g[0] in fp32 with one rounding (nothing when g == 1)."},
     {NULL, NULL, 0, NULL},

@@ -35,10 +35,6 @@
 
 #include "common.cuh"
 
-#if MP_CE_CLUSTER > 1
-#include <cooperative_groups.h>
-#endif
-
 namespace {
 
 // Row blocks: 512 threads (16 warps), 2 resident per SM (ptxas keeps <= 64 registers), 4 16-byte
@@ -81,8 +77,6 @@ template <typename T>
 __device__ __forceinline__ float ld(const T *p, int64_t j) { return to_f32(p[j]); }
 
 __device__ __forceinline__ uint4 ldv(const void *p) { return *reinterpret_cast<const uint4 *>(p); }
-// The gradient pass's read is the logits' last use: evict-first (it need not stay in L2).
-__device__ __forceinline__ uint4 ldv_last(const void *p) { return __ldcs(reinterpret_cast<const uint4 *>(p)); }
 
 // One 16-byte vector -> Vec<In>::n floats (element k at the lower address first).
 __device__ __forceinline__ void unpack(const uint4 &u, float (&x)[4]) {
@@ -122,23 +116,21 @@ __device__ __forceinline__ uint32_t pack2(__half *, float a, float b) {
   return *reinterpret_cast<const uint32_t *>(&h);
 }
 
-// N floats -> N Out elements at p (N * sizeof(Out) = 8 or 16 bytes, p aligned to that), with
-// evict-first stores: dZ is next read by a GEMM streaming far more than L2 holds, and must not
-// push out the logits rows that ce_fold_grad_kernel re-reads.
+// N floats -> N Out elements at p (N * sizeof(Out) = 8 or 16 bytes, p aligned to that).
 template <int N>
 __device__ __forceinline__ void store_vec(float *p, const float (&d)[N]) {
   static_assert(N == 4, "fp32 output: 4 elements per 16-byte vector");
-  __stcs(reinterpret_cast<uint4 *>(p),
-         make_uint4(__float_as_uint(d[0]), __float_as_uint(d[1]), __float_as_uint(d[2]), __float_as_uint(d[3])));
+  *reinterpret_cast<uint4 *>(p) =
+      make_uint4(__float_as_uint(d[0]), __float_as_uint(d[1]), __float_as_uint(d[2]), __float_as_uint(d[3]));
 }
 template <typename Out, int N>
 __device__ __forceinline__ void store_vec(Out *p, const float (&d)[N]) {
   static_assert(sizeof(Out) == 2 && (N == 4 || N == 8), "bf16/fp16 output: 4 or 8 elements");
   if constexpr (N == 8) {
-    __stcs(reinterpret_cast<uint4 *>(p), make_uint4(pack2(p, d[0], d[1]), pack2(p, d[2], d[3]), pack2(p, d[4], d[5]),
-                                                    pack2(p, d[6], d[7])));
+    *reinterpret_cast<uint4 *>(p) = make_uint4(pack2(p, d[0], d[1]), pack2(p, d[2], d[3]), pack2(p, d[4], d[5]),
+                                               pack2(p, d[6], d[7]));
   } else {
-    __stcs(reinterpret_cast<uint2 *>(p), make_uint2(pack2(p, d[0], d[1]), pack2(p, d[2], d[3])));
+    *reinterpret_cast<uint2 *>(p) = make_uint2(pack2(p, d[0], d[1]), pack2(p, d[2], d[3]));
   }
 }
 
@@ -250,63 +242,6 @@ __device__ __forceinline__ void fold_vectors(const In *__restrict__ body, int vi
   a.se += tree_sum<U * N>(x);
 }
 
-// Fold a slice of a row into the thread's accumulator: the scalar head [0, h) (if
-// head), the 16-byte vectors [vb, ve) of the aligned body row + h, the scalar
-// tail [h + nvec * N, nv) (if tail; nvec = (nv - h) / N). jy: target column or -1.
-template <typename In, bool kCap>
-__device__ __forceinline__ void fold_slice(const In *row, int h, int vb, int ve, bool head, bool tail, int nv, int jy,
-                                           float c, FoldAcc &a) {
-  constexpr int N = Vec<In>::n;
-  const int tid = threadIdx.x;
-  const In *body = row + h;
-  if (head && tid < h) fold_one<kCap>(a, ld(row, tid), tid, jy, c);
-  int vi = vb + tid;
-  for (; vi + (kUnroll - 1) * kThreads < ve; vi += kUnroll * kThreads)
-    fold_vectors<In, kCap, kUnroll>(body, vi, jy - h, c, a);
-  if (vi + kThreads < ve) {  // the rest: at most 3 vectors per thread, 2 then 1 in flight
-    fold_vectors<In, kCap, 2>(body, vi, jy - h, c, a);
-    vi += 2 * kThreads;
-  }
-  if (vi < ve) fold_vectors<In, kCap, 1>(body, vi, jy - h, c, a);
-  const int jt = h + ((nv - h) / N) * N + tid;  // tail: fewer than N <= kThreads columns
-  if (tail && jt < nv) fold_one<kCap>(a, ld(row, jt), jt, jy, c);
-}
-
-// A row's (m, s, sx) after merging in a block partial: bm the block's max, se its
-// non-target sum relative to bmL = rn(bm * log2e) (bmL = 0 when bm is -inf), xy
-// the target's logit (when has_y). Rows with no real column or only -inf keep
-// their state. (zy and zsum are plain stores / adds: see fold_row_store.)
-struct RowState {
-  float m, s, sx;
-};
-__device__ __forceinline__ RowState fold_row_merge(RowState r, bool has_y, int nv, float bm, float bmL, float se,
-                                                   float xy) {
-  if (nv > 0 && bm != -INFINITY) {
-    const float mn = fmaxf(r.m, bm);
-    const float scale = (r.m == -INFINITY) ? 0.f : expf(r.m - mn);
-    // se is relative to bmL = bm*log2e - eb (eb exact by FMA): times 2^-eb it is relative to bm
-    const float seb = se * exp2f(-fmaf(bm, kLog2e, -bmL)) * expf(bm - mn);
-    const float sy = has_y ? expf(xy - mn) : 0.f;
-    r.s = r.s * scale + (seb + sy);
-    r.sx = r.sx * scale + seb;
-    r.m = mn;
-  }
-  return r;
-}
-
-// Merge the partial into row i of the state in memory; returns the new (m, s, sx).
-__device__ __forceinline__ RowState fold_row_store(int64_t i, bool has_y, int nv, float bm, float bmL, float se,
-                                                   float zs, float xy, float *m, float *s, float *zy, float *zsum,
-                                                   float *sx) {
-  const RowState r = fold_row_merge(RowState{m[i], s[i], sx[i]}, has_y, nv, bm, bmL, se, xy);
-  if (has_y) zy[i] = xy;
-  zsum[i] += zs;
-  m[i] = r.m;
-  s[i] = r.s;
-  sx[i] = r.sx;
-  return r;
-}
-
 // Fold one block into the per-row state in ONE pass over the logits: each thread
 // keeps (tm, se, zs) online; the block then merges the threads' (tm, se) at the
 // row max bm. The target's term is kept out of se (no cancellation in 1 - p_y =
@@ -326,15 +261,41 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     const int jy = has_y ? (int)(y - v0) : -1;
     const int h = head_cols(row, nv);
     const int nvec = (nv - h) / N;
+    const In *body = row + h;
     FoldAcc a;
-    fold_slice<In, kCap>(row, h, 0, nvec, true, true, nv, jy, c, a);
+    if (tid < h) fold_one<kCap>(a, ld(row, tid), tid, jy, c);
+    int vi = tid;
+    for (; vi + (kUnroll - 1) * kThreads < nvec; vi += kUnroll * kThreads)
+      fold_vectors<In, kCap, kUnroll>(body, vi, jy - h, c, a);
+    if (vi + kThreads < nvec) {  // the rest: at most 3 vectors per thread, 2 then 1 in flight
+      fold_vectors<In, kCap, 2>(body, vi, jy - h, c, a);
+      vi += 2 * kThreads;
+    }
+    if (vi < nvec) fold_vectors<In, kCap, 1>(body, vi, jy - h, c, a);
+    const int jt = h + nvec * N + tid;  // tail: fewer than N <= kThreads columns
+    if (jt < nv) fold_one<kCap>(a, ld(row, jt), jt, jy, c);
 
     float bm[1] = {a.tm};
     block_reduce<1, true>(bm, sh);
     const float bmL = (bm[0] == -INFINITY) ? 0.f : __fmul_rn(bm[0], kLog2e);
     float r[3] = {a.zs, a.tm == -INFINITY ? 0.f : a.se * exp2f(a.mL - bmL), a.xy};  // se at the row's bmL
     block_reduce<3, false>(r, sh);
-    if (tid == 0) fold_row_store(i, has_y, nv, bm[0], bmL, r[1], r[0], r[2], m, s, zy, zsum, sx);
+    if (tid == 0) {
+      const float xy = r[2];  // one thread contributed it, the others 0
+      if (has_y) zy[i] = xy;
+      zsum[i] += r[0];
+      if (nv > 0 && bm[0] != -INFINITY) {
+        const float mo = m[i];
+        const float mn = fmaxf(mo, bm[0]);
+        const float scale = (mo == -INFINITY) ? 0.f : expf(mo - mn);
+        // r[1] is relative to bmL = bm*log2e - eb (eb exact by FMA): times 2^-eb it is relative to bm
+        const float seb = r[1] * exp2f(-fmaf(bm[0], kLog2e, -bmL)) * expf(bm[0] - mn);
+        const float sy = has_y ? expf(xy - mn) : 0.f;
+        m[i] = mn;
+        s[i] = s[i] * scale + (seb + sy);
+        sx[i] = sx[i] * scale + seb;
+      }
+    }
   }
 }
 
@@ -369,7 +330,7 @@ __device__ __forceinline__ void grad_vectors(const In *body, Out *obody, int vi,
   constexpr int N = Vec<In>::n;
   uint4 u[U];
 #pragma unroll
-  for (int k = 0; k < U; ++k) u[k] = ldv_last(body + (vi + k * kThreads) * N);  // all loads before any store
+  for (int k = 0; k < U; ++k) u[k] = ldv(body + (vi + k * kThreads) * N);  // all loads before any store
 #pragma unroll
   for (int k = 0; k < U; ++k) {
     float x[N], d[N];
@@ -383,56 +344,6 @@ __device__ __forceinline__ void grad_vectors(const In *body, Out *obody, int vi,
     }
     store_vec(obody + (vi + k * kThreads) * N, d);
   }
-}
-
-// The row constants of the gradient from the complete row state: m, ls = log s,
-// q = 1 - p_y = sx / s, the row weight gi, the target's column jy (or -1).
-__device__ __forceinline__ GradRow grad_row(float mi, float lsi, float qi, float gi, int jy, float c, float eps,
-                                            float uni, float zloss) {
-  GradRow r;
-  const float L = mi + lsi;
-  r.mi = mi;
-  r.lsL = __fmul_rn(lsi, kLog2e);
-  r.c = c;
-  r.cg = gi * (1.f + 2.f * zloss * L);
-  r.ug = gi * uni;
-  r.gi = gi;
-  r.ya = -(1.f - eps) * qi - uni;
-  r.yb = eps + 2.f * zloss * L;
-  r.jy = jy;
-  return r;
-}
-
-// The scalar head of a row for the gradient: up to z's first 16-byte boundary,
-// or the whole row (all scalar) when out is not aligned alike there.
-template <typename In, typename Out>
-__device__ __forceinline__ int grad_head(const In *row, const Out *orow, int nc) {
-  constexpr int kOutBytes = Vec<In>::n * (int)sizeof(Out);
-  const int h = head_cols(row, nc);
-  return ((reinterpret_cast<uintptr_t>(orow + h) & (kOutBytes - 1)) != 0) ? nc : h;
-}
-
-// dZ of a slice of a live row (the same slicing as fold_slice: head [0, h), vectors
-// [vb, ve) of row + h, tail [h + nvec * N, nc)); each element read, then written, by
-// one thread, so orow may alias row.
-template <typename In, typename Out, bool kCap>
-__device__ __forceinline__ void grad_slice(const In *row, Out *orow, int h, int vb, int ve, bool head, bool tail,
-                                           int nc, const GradRow &r) {
-  constexpr int N = Vec<In>::n;
-  const int tid = threadIdx.x;
-  if (head)
-    for (int j = tid; j < h; j += kThreads) orow[j] = from_f32<Out>(grad_one<kCap>(ld(row, j), r, j == r.jy));
-  int vi = vb + tid;
-  for (; vi + (kUnroll - 1) * kThreads < ve; vi += kUnroll * kThreads)
-    grad_vectors<In, Out, kCap, kUnroll>(row + h, orow + h, vi, r.jy - h, r);
-  if (vi + kThreads < ve) {  // the rest: at most 3 vectors per thread
-    grad_vectors<In, Out, kCap, 2>(row + h, orow + h, vi, r.jy - h, r);
-    vi += 2 * kThreads;
-  }
-  if (vi < ve) grad_vectors<In, Out, kCap, 1>(row + h, orow + h, vi, r.jy - h, r);
-  if (tail)
-    for (int j = h + ((nc - h) / N) * N + tid; j < nc; j += kThreads)
-      orow[j] = from_f32<Out>(grad_one<kCap>(ld(row, j), r, j == r.jy));
 }
 
 // orow[j0, j1) = 0 (padding columns, or the whole row of an ignored / zero-weight token: no reads).
@@ -459,7 +370,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
                    const float *__restrict__ q, const float *__restrict__ g, int64_t g_stride, float eps, float uni,
                    float zloss, Out *out, int64_t ldo) {
   constexpr int N = Vec<In>::n;
-  static_assert(N * sizeof(Out) == 16 || N * sizeof(Out) == 8, "output vector must be 8 or 16 bytes");
+  constexpr int kOutBytes = N * (int)sizeof(Out);  // 16 (same width) or 8 (fp32 -> bf16/fp16)
+  static_assert(kOutBytes == 16 || kOutBytes == 8, "output vector must be 8 or 16 bytes");
+  const int tid = threadIdx.x;
   for (int64_t i = blockIdx.x; i < t; i += gridDim.x) {
     const In *row = z + i * ldz;
     Out *orow = out + i * ldo;
@@ -468,157 +381,34 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     const bool live = !(y == ignore_index || gi == 0.f);
     const int nc = live ? nv : 0;  // columns computed; [nc, v) are written 0
     if (nc > 0) {
-      const int jy = (y >= v0 && y < v0 + nv) ? (int)(y - v0) : -1;
-      const GradRow r = grad_row(mrow[i], ls[i], q[i], gi, jy, c, eps, uni, zloss);
-      const int h = grad_head<In, Out>(row, orow, nc);
-      grad_slice<In, Out, kCap>(row, orow, h, 0, (nc - h) / N, true, true, nc, r);
+      GradRow r;
+      r.mi = mrow[i];
+      const float lsi = ls[i], L = r.mi + lsi;
+      r.lsL = __fmul_rn(lsi, kLog2e);
+      r.c = c;
+      r.cg = gi * (1.f + 2.f * zloss * L);
+      r.ug = gi * uni;
+      r.gi = gi;
+      r.ya = -(1.f - eps) * q[i] - uni;
+      r.yb = eps + 2.f * zloss * L;
+      r.jy = (y >= v0 && y < v0 + nv) ? (int)(y - v0) : -1;
+      int h = head_cols(row, nc);
+      if ((reinterpret_cast<uintptr_t>(orow + h) & (kOutBytes - 1)) != 0) h = nc;  // out misaligned: all scalar
+      const int nvec = (nc - h) / N;
+      for (int j = tid; j < h; j += kThreads) orow[j] = from_f32<Out>(grad_one<kCap>(ld(row, j), r, j == r.jy));
+      int vi = tid;
+      for (; vi + (kUnroll - 1) * kThreads < nvec; vi += kUnroll * kThreads)
+        grad_vectors<In, Out, kCap, kUnroll>(row + h, orow + h, vi, r.jy - h, r);
+      if (vi + kThreads < nvec) {  // the rest: at most 3 vectors per thread
+        grad_vectors<In, Out, kCap, 2>(row + h, orow + h, vi, r.jy - h, r);
+        vi += 2 * kThreads;
+      }
+      if (vi < nvec) grad_vectors<In, Out, kCap, 1>(row + h, orow + h, vi, r.jy - h, r);
+      for (int j = h + nvec * N + tid; j < nc; j += kThreads)
+        orow[j] = from_f32<Out>(grad_one<kCap>(ld(row, j), r, j == r.jy));
     }
     zero_cols(orow, nc, v);
   }
-}
-
-// =============================================================================
-// Fold + gradient of whole rows in one kernel (the fused modes)
-// =============================================================================
-// When a block holds every real column of its rows (v0 = 0), a row's lse is
-// known once the row is folded, so its dZ can be made at once, while the row is
-// still in L2: HBM sees the row read once and dZ written once, where the fold
-// and grad kernels read it twice. kCluster CTAs (a thread-block cluster, sm_90)
-// share a row, each a contiguous slice of its 16-byte vectors (rank 0 also the
-// scalar head, the last rank the tail), so few rows are in flight at a time:
-// 132 SMs x 2 CTAs / 4 = 66 rows, 20 MB of bf16 rows at V = 151936, inside the
-// 50 MB L2 between a slice's first read and its re-read (the dZ stores stream
-// past L2 with evict-first). The CTAs exchange their partials (max, non-target
-// sum, sum of logits, target logit) through distributed shared memory; every
-// CTA merges the kCluster partials in rank order (so all get the same bits),
-// rank 0 stores the row's state, and each CTA makes its slice of dZ from the
-// same (m, log s, 1 - p_y) the grad kernel would get from B.fin.
-// Invariant: the partial buffer is double-buffered by row parity, so one cluster
-// barrier per row suffices: a CTA writing row k + 2's partial has passed row
-// k + 1's barrier, which every CTA of the cluster reaches only after reading
-// row k's partials.
-#ifndef MP_CE_CLUSTER
-#define MP_CE_CLUSTER 1  // setup.py sets 4 when every target arch is sm_90 or newer
-#endif
-#if MP_CE_CLUSTER > 1
-#define MP_CE_CLUSTER_DIMS __cluster_dims__(MP_CE_CLUSTER, 1, 1)
-#else
-#define MP_CE_CLUSTER_DIMS
-#endif
-constexpr int kCluster = MP_CE_CLUSTER;
-
-__device__ __forceinline__ void cluster_barrier() {
-#if MP_CE_CLUSTER > 1
-  cooperative_groups::this_cluster().sync();  // all threads of all CTAs; orders shared-memory accesses
-#else
-  __syncthreads();
-#endif
-}
-
-// Rank r's copy of this CTA's shared variable p (its own when kCluster == 1).
-template <typename T>
-__device__ __forceinline__ T *cluster_peer(T *p, int r) {
-#if MP_CE_CLUSTER > 1
-  return cooperative_groups::this_cluster().map_shared_rank(p, r);
-#else
-  (void)r;
-  return p;
-#endif
-}
-
-template <typename In, typename Out, bool kCap>
-__global__ void MP_CE_CLUSTER_DIMS __launch_bounds__(kThreads, kMinBlocks)
-    ce_fold_grad_kernel(In *z, int64_t ldz, int64_t t, int v, int nv, const int64_t *__restrict__ labels,
-                        int64_t ignore_index, float c, float *m, float *s, float *zy, float *zsum, float *sx,
-                        const float *__restrict__ g, int64_t g_stride, float eps, float uni, float zloss, Out *out,
-                        int64_t ldo) {
-  __shared__ float sh[kThreads / 32 * 3];
-  __shared__ float part[2][4];  // [row parity][bm, se at rn(bm log2e), zs, xy]: read by the cluster's CTAs
-  __shared__ GradRow row_c;     // the row's gradient constants, from thread 0
-  __shared__ int row_live;
-  constexpr int N = Vec<In>::n;
-  const int tid = threadIdx.x;
-  const int rank = (int)(blockIdx.x % kCluster);
-  const int64_t n_clusters = gridDim.x / kCluster;
-  int par = 0;
-  for (int64_t i = blockIdx.x / kCluster; i < t; i += n_clusters, par ^= 1) {
-    In *row = z + i * ldz;
-    Out *orow = out + i * ldo;
-    const int64_t y = labels[i];
-    const bool has_y = y != ignore_index && y >= 0 && y < nv;
-    const int jy = has_y ? (int)y : -1;
-    const int h = head_cols(row, nv);
-    const int nvec = (nv - h) / N;
-    const int per = (nvec + kCluster - 1) / kCluster;
-    const int vb = min(nvec, rank * per), ve = min(nvec, vb + per);
-    const bool head = rank == 0, tail = rank == kCluster - 1;
-
-    // Pass 1: fold this CTA's slice, reduce it over the CTA.
-    FoldAcc a;
-    fold_slice<In, kCap>(row, h, vb, ve, head, tail, nv, jy, c, a);
-    float bm[1] = {a.tm};
-    block_reduce<1, true>(bm, sh);
-    const float bmL = (bm[0] == -INFINITY) ? 0.f : __fmul_rn(bm[0], kLog2e);
-    float r[3] = {a.zs, a.tm == -INFINITY ? 0.f : a.se * exp2f(a.mL - bmL), a.xy};
-    block_reduce<3, false>(r, sh);
-    if (tid == 0) {
-      part[par][0] = bm[0];
-      part[par][1] = r[1];
-      part[par][2] = r[0];
-      part[par][3] = r[2];
-    }
-    cluster_barrier();
-
-    // Merge the cluster's partials (rank order), then the row state and its gradient constants.
-    if (tid == 0) {
-      float pm[kCluster], pse[kCluster], pzs[kCluster], pxy[kCluster];
-#pragma unroll
-      for (int k = 0; k < kCluster; ++k) {
-        const float *pk = cluster_peer(&part[par][0], k);
-        pm[k] = pk[0]; pse[k] = pk[1]; pzs[k] = pk[2]; pxy[k] = pk[3];
-      }
-      float M = pm[0];
-#pragma unroll
-      for (int k = 1; k < kCluster; ++k) M = fmaxf(M, pm[k]);
-      const float ML = (M == -INFINITY) ? 0.f : __fmul_rn(M, kLog2e);
-      float se = 0.f, zs = 0.f, xy = 0.f;
-#pragma unroll
-      for (int k = 0; k < kCluster; ++k) {
-        const float pL = (pm[k] == -INFINITY) ? 0.f : __fmul_rn(pm[k], kLog2e);
-        se += (pm[k] == -INFINITY) ? 0.f : pse[k] * exp2f(pL - ML);  // exact 1 for the max's partial
-        zs += pzs[k];
-        xy += pxy[k];  // one rank saw the target, the others hold 0
-      }
-      const RowState st = (rank == 0)
-          ? fold_row_store(i, has_y, nv, M, ML, se, zs, xy, m, s, zy, zsum, sx)
-          : fold_row_merge(RowState{m[i], s[i], sx[i]}, has_y, nv, M, ML, se, xy);
-      const float gi = g[i * g_stride];
-      row_live = !(y == ignore_index || gi == 0.f) && nv > 0;
-      // ls and q exactly as B.fin forms them (torch.log, IEEE division)
-      row_c = grad_row(st.m, logf(st.s), st.sx / st.s, gi, jy, c, eps, uni, zloss);
-    }
-    __syncthreads();
-    const GradRow rc = row_c;
-    const bool live = row_live != 0;
-
-    // Pass 2: this CTA's slice of dZ (re-read from L2), or zeros for a dead row.
-    if (live) {
-      const int hg = grad_head<In, Out>(row, orow, nv);
-      if (hg == h) {
-        grad_slice<In, Out, kCap>(row, orow, h, vb, ve, head, tail, nv, rc);
-      } else {  // out not aligned like z in this row: scalar over the same columns
-        const int j0 = head ? 0 : h + vb * N, j1 = tail ? nv : h + ve * N;
-        for (int j = j0 + tid; j < j1; j += kThreads) orow[j] = from_f32<Out>(grad_one<kCap>(ld(row, j), rc, j == jy));
-      }
-      if (tail) zero_cols(orow, nv, v);
-    } else {
-      const int64_t per_c = ((int64_t)v + kCluster - 1) / kCluster;
-      const int j0 = (int)min((int64_t)v, rank * per_c), j1 = (int)min((int64_t)v, (rank + 1) * per_c);
-      zero_cols(orow + j0, 0, j1 - j0);
-    }
-    __syncthreads();  // row_c / row_live are rewritten for the next row
-  }
-  cluster_barrier();  // no CTA exits while a peer may still read its partials
 }
 
 // =============================================================================
@@ -677,23 +467,6 @@ void launch_grad(const void *z, int64_t ldz, int64_t t, int v, int nv, int64_t v
   else
     ce_grad_kernel<In, Out, false><<<grid_for(t), kThreads, 0, stream>>>(
         (const In *)z, ldz, t, v, nv, v0, labels, ignore_index, softcap, mrow, ls, q, g, g_stride, eps, uni, zloss,
-        (Out *)out, ldo);
-}
-
-template <typename In, typename Out>
-void launch_fold_grad(void *z, int64_t ldz, int64_t t, int v, int nv, const int64_t *labels, int64_t ignore_index,
-                      float softcap, float *m, float *s, float *zy, float *zsum, float *sx, const float *g,
-                      int64_t g_stride, float eps, float uni, float zloss, void *out, int64_t ldo,
-                      cudaStream_t stream) {
-  const int64_t rows = t < kMaxGrid / kCluster ? t : kMaxGrid / kCluster;  // one cluster per row, grid-stride
-  const unsigned grid = (unsigned)(rows * kCluster);
-  if (softcap > 0.f)
-    ce_fold_grad_kernel<In, Out, true><<<grid, kThreads, 0, stream>>>(
-        (In *)z, ldz, t, v, nv, labels, ignore_index, softcap, m, s, zy, zsum, sx, g, g_stride, eps, uni, zloss,
-        (Out *)out, ldo);
-  else
-    ce_fold_grad_kernel<In, Out, false><<<grid, kThreads, 0, stream>>>(
-        (In *)z, ldz, t, v, nv, labels, ignore_index, softcap, m, s, zy, zsum, sx, g, g_stride, eps, uni, zloss,
         (Out *)out, ldo);
 }
 
@@ -768,55 +541,6 @@ mp_status mp_ce_grad_cuda(const void *z, int z_dtype, int64_t ldz, int64_t t, in
       default:
         MP_FAIL(st, MP_ERR_INVALID,
                 "ce_grad: (z_dtype, out_dtype) must be (0, 0..2), (1, 1) or (2, 2), got (%d, %d)", z_dtype,
-                out_dtype);
-    }
-  }
-  MP_CUDA_CHECK_LAUNCH(st);
-fail:
-  return st;
-}
-
-// Fold a block holding every real column of its rows (v0 = 0) into a fresh or
-// partial state and make its dZ in the same kernel (the fused modes): the state
-// and out are what mp_ce_fold_cuda, then fin, then mp_ce_grad_cuda give (same
-// formulas; sums in another order). Dtype pairs as mp_ce_grad_cuda.
-mp_status mp_ce_fold_grad_cuda(void *z, int z_dtype, int64_t ldz, int64_t t, int64_t v, int64_t v_valid,
-                               const int64_t *labels, int64_t ignore_index, float softcap, float *m, float *s,
-                               float *zy, float *zsum, float *sx, const float *g, int64_t g_stride, float eps,
-                               int64_t n_classes, float zloss, void *out, int64_t ldo, int out_dtype,
-                               uintptr_t stream) {
-  mp_status st = MP_OK;
-  const float uni = eps / (float)n_classes;
-  cudaStream_t sm = MP_STREAM(stream);
-  if (t <= 0) return MP_OK;
-  if (v < 0 || v > INT_MAX)
-    MP_FAIL(st, MP_ERR_INVALID, "ce_fold_grad: v must be in [0, 2^31), got %lld", (long long)v);
-  {
-    const int vi = (int)v, nv = valid_cols(v, 0, v_valid);
-    switch (z_dtype * 3 + out_dtype) {
-      case 0:
-        launch_fold_grad<float, float>(z, ldz, t, vi, nv, labels, ignore_index, softcap, m, s, zy, zsum, sx, g,
-                                       g_stride, eps, uni, zloss, z, ldz, sm);
-        break;
-      case 1:
-        launch_fold_grad<float, __nv_bfloat16>(z, ldz, t, vi, nv, labels, ignore_index, softcap, m, s, zy, zsum, sx,
-                                               g, g_stride, eps, uni, zloss, out, ldo, sm);
-        break;
-      case 2:
-        launch_fold_grad<float, __half>(z, ldz, t, vi, nv, labels, ignore_index, softcap, m, s, zy, zsum, sx, g,
-                                        g_stride, eps, uni, zloss, out, ldo, sm);
-        break;
-      case 4:
-        launch_fold_grad<__nv_bfloat16, __nv_bfloat16>(z, ldz, t, vi, nv, labels, ignore_index, softcap, m, s, zy,
-                                                       zsum, sx, g, g_stride, eps, uni, zloss, z, ldz, sm);
-        break;
-      case 8:
-        launch_fold_grad<__half, __half>(z, ldz, t, vi, nv, labels, ignore_index, softcap, m, s, zy, zsum, sx, g,
-                                         g_stride, eps, uni, zloss, z, ldz, sm);
-        break;
-      default:
-        MP_FAIL(st, MP_ERR_INVALID,
-                "ce_fold_grad: (z_dtype, out_dtype) must be (0, 0..2), (1, 1) or (2, 2), got (%d, %d)", z_dtype,
                 out_dtype);
     }
   }

@@ -223,8 +223,10 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
                 z.add_(bias.float())
             if lowp_logits and lowp:                          # CPU: the rounding of a low-precision GEMM output
                 z.copy_(z.to(x.dtype))
-        dz = B.fold_grad(z, V, y[t0:t1], ignore_index, softcap, (m, s, zy, zs, sx), g, eps, V, zloss, x.dtype,
-                         out=None if dzbuf is None else dzbuf[:n])
+        B.fold(z, 0, V, y[t0:t1], ignore_index, softcap, m, s, zy, zs, sx)
+        mm_, ls, q = B.fin((m, s, zy, zs, sx))
+        dz = B.grad_block(z, 0, V, y[t0:t1], ignore_index, softcap, mm_, ls, q, g, eps, V, zloss, x.dtype,
+                          out=None if dzbuf is None else dzbuf[:n])
         del z
         if x.device.type == "cuda" or f32acc:
             torch.mm(dz, w, out=dx[t0:t1])                    # exact: one GEMM over the whole row

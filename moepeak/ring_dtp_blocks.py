@@ -180,37 +180,6 @@ def grad_block(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ign
     return z if dtype == torch.float32 else z.to(dtype)
 
 
-# CUDA: fold and gradient of whole-row blocks in one kernel (ce_fold_grad). False runs the
-# fold and grad kernels separately (same results up to fp32 summation order); for A/B benchmarks.
-FUSED_FOLD_GRAD = True
-
-
-def fold_grad(z: torch.Tensor, v_valid: int, labels: torch.Tensor, ignore_index: int, softcap: float, st,
-              g: torch.Tensor, eps: float, n_classes: int, zloss: float, dtype: torch.dtype,
-              out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Fold a block z: [t, v] holding whole rows (global columns [0, v)) into the state
-    st = (m, s, zy, zsum, sx) and return its dZ in `dtype`: what fold, fin and
-    grad_block give, in one pass over z on CUDA (the row is re-read from L2)."""
-    t, v = z.shape
-    cuda = z.device.type == "cuda"
-    if not (cuda and FUSED_FOLD_GRAD):
-        fold(z, 0, v_valid, labels, ignore_index, softcap, *st)
-        m, ls, q = fin(st)
-        return grad_block(z, 0, v_valid, labels, ignore_index, softcap, m, ls, q, g, eps, n_classes, zloss, dtype,
-                          out=out)
-    if z.dtype != torch.float32 or dtype == torch.float32:  # dZ in place, in z's dtype
-        res, code = z, _ZCODE[z.dtype]
-    else:
-        res = out if out is not None else torch.empty((t, v), dtype=dtype, device=z.device)
-        code = _ZCODE[dtype]
-    m, s, zy, zsum, sx = st
-    _C.ce_fold_grad(z.data_ptr(), _ZCODE[z.dtype], z.stride(0), t, v, v_valid, labels.data_ptr(), ignore_index,
-                    softcap, m.data_ptr(), s.data_ptr(), zy.data_ptr(), zsum.data_ptr(), sx.data_ptr(), g.data_ptr(),
-                    0 if g.numel() == 1 else 1, eps, n_classes, zloss, res.data_ptr(), res.stride(0), code,
-                    current_stream_handle(z.device))
-    return res
-
-
 def merge_state(a, b) -> None:
     """a <- a (+) b for states of disjoint vocab ranges (in place on a)."""
     ma, sa, zya, zsa, sxa = a

@@ -335,19 +335,24 @@ def test_cuda_all_options(dtype, mode, shape):
         check(x, w, y, b, mode=mode, gout=torch.tensor(0.37, device="cuda"), chunk_tokens=ct, label_smoothing=0.05)
 
 
-def _kernel_case(dtype, softcap, eps, zl=1e-3, t=300, v0=37, v=20011, pad=5, seed=30):
-    """Logits rows [t, v0 + v] (columns [V, v0 + v) padding) with what the kernels' fast paths
-    special-case: V not a multiple of 8, huge logits in the padding, targets at the first
-    columns, in the first vector, at the last real column, ignored and zero-weight rows,
-    confident rows (p_y -> 1), a large common offset. Returns the case and its fp64
-    reference: the state (m, s, sx, zy, zsum over real columns) and dZ (refs._ce_of_logits)."""
+@pytest.mark.cuda
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("softcap", [0.0, 15.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_kernels_vs_fp64(dtype, softcap, eps):
+    """The fold and gradient kernels on two blocks vs fp64 (refs._ce_of_logits and its autograd),
+    with what the kernels' fast paths special-case: block rows not 16-byte aligned (ld = v + 3),
+    V not a multiple of 8, padding columns (v_valid < v0 + v, huge logits there), a block not
+    starting at column 0, targets in the head, body, tail and the other block, ignored and
+    zero-weight rows (dZ written 0 without reading), confident rows, a large common offset."""
     from tests.refs import _ce_of_logits
-    V = v0 + v - pad
-    gen = torch.Generator().manual_seed(seed)
+    t, v0, v, pad, zl = 300, 37, 20011, 5, 1e-3
+    V = v0 + v - pad                                        # v_valid: columns [V, v0 + v) are padding
+    gen = torch.Generator().manual_seed(30)
     z = torch.randn(t, v0 + v, generator=gen) * 4
     y = torch.randint(0, V, (t,), generator=gen)
     y[::9] = -100
-    y[1:6] = torch.tensor([v0, v0 + 1, V - 1, 5, v0 + 8])
+    y[1:6] = torch.tensor([v0, v0 + 1, V - 1, 5, v0 + 8])  # head/first vector, tail, block A
     rows = torch.arange(10, 18)
     z[rows, y[rows]] += 30.0                               # confident rows (p_y -> 1)
     z[20:30] += 1000.0                                     # large offset: m * log2e rounds coarsely
@@ -367,47 +372,8 @@ def _kernel_case(dtype, softcap, eps, zl=1e-3, t=300, v0=37, v=20011, pad=5, see
     zy64 = torch.where(has, zc.gather(1, yi[:, None])[:, 0], torch.zeros_like(m64))
     z64 = z[:, :V].double().requires_grad_()
     (_ce_of_logits(z64, y, -100, "none", eps, zl, softcap or None) * g.double()).sum().backward()
-    return dict(z=z, y=y, g=g, V=V, v0=v0, zl=zl, ref=(m64, s64, sx64, zy64, zc.sum(1)), dz64=z64.grad)
+    dz64 = z64.grad
 
-
-def _check_state(st, c, softcap):
-    m64, s64, sx64, zy64, zs64 = c["ref"]
-    m, s, zy, zs, sx = (a.cpu().double() for a in st)
-    rt = 1e-5 if not softcap else 3e-5
-    torch.testing.assert_close(m, m64, rtol=1e-6 if softcap else 0, atol=0)
-    torch.testing.assert_close(s, s64, rtol=rt, atol=0)
-    torch.testing.assert_close(sx, sx64, rtol=rt, atol=0)
-    torch.testing.assert_close(zy, zy64, rtol=1e-6 if softcap else 0, atol=0)
-    zc_abs = c["z"][:, :c["V"]].double().abs().sum(1)  # softcap only shrinks |z|
-    assert ((zs - zs64).abs() <= 4e-6 * zc_abs).all()  # one column is ~5e-5 of it
-
-
-def _check_dz(dz, odt, c, softcap):
-    y, g, V, dz64 = c["y"], c["g"], c["V"], c["dz64"]
-    has, yi = y >= 0, y.clamp_min(0)
-    dz = dz.cpu().double()
-    assert torch.all(dz[:, V:] == 0), "padding columns"
-    dead = (y < 0) | (g == 0)
-    assert torch.all(dz[dead] == 0), "ignored / zero-weight rows"
-    unit = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[odt]
-    tol = (unit + (1e-5 if not softcap else 5e-5)) * dz64.abs()
-    tol += 2.0 ** -25 + 1e-9 * g.double()[:, None]           # fp16 subnormal steps; fp32 floor
-    tol[has, yi[has]] += 2e-7 * g.double()[has]              # target: -(1-eps) q + (eps + 2 zl lse) p - uni
-    err = (dz[:, :V] - dz64).abs()
-    assert (err <= tol).all(), (odt, (err / tol).max().item(), divmod((err / tol).argmax().item(), V))
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("eps", [0.0, 0.1])
-@pytest.mark.parametrize("softcap", [0.0, 15.0])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_cuda_kernels_vs_fp64(dtype, softcap, eps):
-    """The fold and gradient kernels on two blocks vs fp64: block rows not 16-byte aligned
-    (ld = v + 3), a block not starting at column 0, targets in the head, body, tail and the
-    other block (the case: _kernel_case)."""
-    c = _kernel_case(dtype, softcap, eps)
-    z, y, g, V, v0, zl = c["z"], c["y"], c["g"], c["V"], c["v0"], c["zl"]
-    t, v = z.shape[0], z.shape[1] - v0
     cu = torch.device("cuda")
     za = z[:, :v0].to(dtype).to(cu).contiguous()           # block A: columns [0, v0)
     zb_buf = torch.zeros(t, v + 3, dtype=dtype, device=cu)  # block B: [t, v] in rows of v + 3
@@ -417,7 +383,13 @@ def test_cuda_kernels_vs_fp64(dtype, softcap, eps):
     st = B.new_state(t, cu)
     B.fold(za, 0, V, yc, -100, softcap, *st)
     B.fold(zb, v0, V, yc, -100, softcap, *st)
-    _check_state(st, c, softcap)
+    m, s, zy, zs, sx = (a.cpu().double() for a in st)
+    rt = 1e-5 if not softcap else 3e-5
+    torch.testing.assert_close(m, m64, rtol=1e-6 if softcap else 0, atol=0)
+    torch.testing.assert_close(s, s64, rtol=rt, atol=0)
+    torch.testing.assert_close(sx, sx64, rtol=rt, atol=0)
+    torch.testing.assert_close(zy, zy64, rtol=1e-6 if softcap else 0, atol=0)
+    assert ((zs - zc.sum(1)).abs() <= 4e-6 * zc.abs().sum(1)).all()  # one column is ~5e-5 of it
 
     mm_, ls, q = B.fin(st)
     outs = [(dtype, torch.cat([B.grad_block(za, 0, V, yc, -100, softcap, mm_, ls, q, gc, eps, V, zl, dtype),
@@ -428,57 +400,16 @@ def test_cuda_kernels_vs_fp64(dtype, softcap, eps):
             B.grad_block(za2, 0, V, yc, -100, softcap, mm_, ls, q, gc, eps, V, zl, torch.bfloat16),
             B.grad_block(zb2, v0, V, yc, -100, softcap, mm_, ls, q, gc, eps, V, zl, torch.bfloat16)], 1)))
     for odt, dz in outs:
-        _check_dz(dz, odt, c, softcap)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("ld_pad", [0, 3])
-@pytest.mark.parametrize("eps", [0.0, 0.1])
-@pytest.mark.parametrize("softcap", [0.0, 15.0])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_cuda_fold_grad_kernel_vs_fp64(dtype, softcap, eps, ld_pad):
-    """ce_fold_grad (fold + fin + grad of whole rows in one kernel, rows shared by a CTA
-    cluster) vs fp64, and vs the separate fold and grad kernels: the same state and dZ up
-    to summation order. Rows of v + ld_pad (unaligned rows when 3), in place in the logits'
-    dtype, and fp32 logits into a separate bf16 dZ."""
-    c = _kernel_case(dtype, softcap, eps)
-    z, y, g, V, zl = c["z"], c["y"], c["g"], c["V"], c["zl"]
-    t, v = z.shape
-    cu = torch.device("cuda")
-    yc, gc = y.to(cu), g.to(cu)
-
-    def run(fused, out_dtype, g_dev):
-        buf = torch.zeros(t, v + ld_pad, dtype=dtype, device=cu)
-        zz = buf[:, :v]
-        zz.copy_(z)
-        st = B.new_state(t, cu)
-        old = B.FUSED_FOLD_GRAD
-        B.FUSED_FOLD_GRAD = fused
-        try:
-            dz = B.fold_grad(zz, V, yc, -100, softcap, st, g_dev, eps, V, zl, out_dtype)
-        finally:
-            B.FUSED_FOLD_GRAD = old
-        if dtype != torch.float32 or out_dtype == torch.float32:
-            assert dz.data_ptr() == zz.data_ptr(), "dZ in place"
-        return st, dz.clone()
-
-    outs = [dtype] + ([torch.bfloat16] if dtype == torch.float32 else [])
-    for odt in outs:
-        st, dz = run(True, odt, gc)
-        _check_state(st, c, softcap)
-        _check_dz(dz, odt, c, softcap)
-        st2, dz2 = run(False, odt, gc)
-        assert torch.equal(st[0], st2[0]) and torch.equal(st[2], st2[2]), "m and zy: same bits"
-        for a, b_ in zip((st[1], st[4]), (st2[1], st2[4])):  # s, sx: positive sums (zsum: _check_state)
-            torch.testing.assert_close(a, b_, rtol=2e-6, atol=0)
-        unit = {torch.float32: 2e-6, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[odt]
-        torch.testing.assert_close(dz.float(), dz2.float(), rtol=unit, atol=2.0 ** -24)
-    # one weight for every row (the fused modes' g: [1] on the device): fused vs separate kernels
-    st, dz = run(True, dtype, torch.tensor([0.25], device=cu))
-    st_ref, dz_ref = run(False, dtype, torch.tensor([0.25], device=cu))
-    unit = {torch.float32: 2e-6, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[dtype]
-    torch.testing.assert_close(dz.float(), dz_ref.float(), rtol=unit, atol=2.0 ** -24)
-    assert torch.all(dz[y.to(cu) < 0] == 0)
+        dz = dz.cpu().double()
+        assert torch.all(dz[:, V:] == 0), "padding columns"
+        dead = (y < 0) | (g == 0)
+        assert torch.all(dz[dead] == 0), "ignored / zero-weight rows"
+        unit = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[odt]
+        tol = (unit + (1e-5 if not softcap else 5e-5)) * dz64.abs()
+        tol += 2.0 ** -25 + 1e-9 * g.double()[:, None]           # fp16 subnormal steps; fp32 floor
+        tol[has, yi[has]] += 2e-7 * g.double()[has]              # target: -(1-eps) q + (eps + 2 zl lse) p - uni
+        err = (dz[:, :V] - dz64).abs()
+        assert (err <= tol).all(), (odt, (err / tol).max().item(), divmod((err / tol).argmax().item(), V))
 
 
 @pytest.mark.cuda
