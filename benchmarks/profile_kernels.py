@@ -38,11 +38,12 @@ def _time(fn, iters=5, warmup=2):
     return statistics.median(ts)
 
 
-def profile(name, fn, log, top=14):
+def profile(name, fn, log, top=14, cpu_table=False):
     ms = _time(fn)
-    from torch.profiler import ProfilerActivity, profile as tprof
+    from torch.profiler import ProfilerActivity, profile as tprof, record_function
     with tprof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
+        with record_function("mp_step"):
+            fn()
         torch.cuda.synchronize()
     kern = {}
     for ev in prof.events():
@@ -57,7 +58,40 @@ def profile(name, fn, log, top=14):
     log(f"\n== {name}: wall {ms:.2f} ms, kernels {busy:.2f} ms, busy {busy / ms:.3f}")
     for k, (c, s) in sorted(kern.items(), key=lambda kv: -kv[1][1])[:top]:
         log(f"  {s:9.2f} ms {c:6d}x  {k}")
+    _gaps(prof, log)
+    if cpu_table:
+        log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
     return ms, busy
+
+
+def _gaps(prof, log, top=4):
+    """Where the GPU sat idle inside the profiled call: the largest gaps between
+    consecutive kernels (one stream), with the kernels on either side."""
+    ks = []
+    for ev in prof.events():
+        if str(getattr(ev, "device_type", "")).endswith("CUDA") and getattr(ev, "time_range", None) is not None:
+            ks.append((ev.time_range.start, ev.time_range.end, ev.name[:50]))
+    ks.sort()
+    if len(ks) < 2:
+        return
+    step = [ev for ev in prof.events() if ev.name == "mp_step"]
+    if step:
+        c0, c1 = step[0].time_range.start, step[0].time_range.end
+        log(f"  host: the call took {(c1 - c0) / 1000.0:.2f} ms of CPU; first kernel began "
+            f"{(ks[0][0] - c0) / 1000.0:.2f} ms after the call, last kernel ended "
+            f"{(max(b for _, b, _ in ks) - c1) / 1000.0:.2f} ms after it returned")
+    gaps = []
+    end, prev = ks[0][1], ks[0][2]
+    for a, b, n in ks[1:]:
+        if a > end:
+            gaps.append((a - end, prev, n))
+        if b > end:
+            end, prev = b, n
+    total = sum(g for g, _, _ in gaps) / 1000.0
+    span = (end - ks[0][0]) / 1000.0
+    log(f"  idle between the first and last kernel: {total:.2f} ms of {span:.2f} ms, {len(gaps)} gaps; largest:")
+    for g, a, b in sorted(gaps, reverse=True)[:top]:
+        log(f"    {g / 1000.0:7.3f} ms  after {a}  before {b}")
 
 
 def ring_cases(log):
@@ -74,9 +108,8 @@ def ring_cases(log):
         return f
     comp = torch.compile(lambda a, b, c: F.cross_entropy(F.linear(a, b).float(), c))
     profile("ring: naive + torch.compile", step(lambda: comp(x, w, y)), log)
-    for ct in (None, 1920, 2048, 3456):
-        profile(f"ring: moepeak fused_lowp ct={ct}",
-                step(lambda ct=ct: moepeak.linear_cross_entropy(x, w, y, mode="fused_lowp", chunk_tokens=ct)), log)
+    profile("ring: moepeak default (fused_lowp)", step(lambda: moepeak.linear_cross_entropy(x, w, y)), log,
+            cpu_table=True)
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
         lg = LigerFusedLinearCrossEntropyLoss(accum_dtype=torch.float32)
