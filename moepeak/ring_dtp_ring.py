@@ -27,11 +27,14 @@ The backward's fp32 accumulators travel in pieces (_AccRing): piece i (cv
 vocab rows of dW, or ct token rows of dX) is sent as soon as this rank has
 added its last block to it, and step k+1 waits only for piece i before adding
 to it, so by the schedule only the last piece's hop waits. Measured on 2
-H200s (T = 32k per rank, V = 151936), this did not shrink the exposed time:
-10.4 / 13.0 ms (activations / weights) against 11.6 / 12.0 ms with the whole
-accumulator hopping at once, while the transfers alone take 6.3 / 13.3 ms;
-the cause left is likely NCCL's kernels competing with the GEMMs for SMs
-(not profiled). Buffers: two payload buffers, two
+H200s (T = 32k per rank, V = 151936): 10.4 / 13.0 ms (activations / weights)
+of the call are exposed against 6.3 / 13.3 ms of transfers alone. A trace of
+both streams (benchmarks/profile_ring_dist.py) shows the transfers do overlap
+the compute (weights: 0.78 of 17.4 ms of NCCL kernels ran beside no compute
+kernel); what is exposed is contention: a GEMM running beside an NCCL kernel
+takes 1.4-1.7x as long, NCCL's CTAs holding SMs. Fewer NCCL channels made it
+slower still; a transport on the copy engines would avoid it (not built).
+Buffers: two payload buffers, two
 accumulator buffers, the block workspace. Shards of unequal size (V % P != 0,
 e.g. FSDP2's ceil-split) are padded to V_max rows of zeros in the travelling
 buffers, and the columns past a shard's real rows are masked (-inf logits,
