@@ -15,6 +15,11 @@ An OOM is a result (status "oom"), never a crash.
 
   python benchmarks/bench_ring_dtp.py --quick --out benchmarks/results
   python benchmarks/bench_ring_dtp.py --out benchmarks/results          # full grid
+  python benchmarks/bench_ring_dtp.py --quick --only-interleave --interleave naive_compile,moepeak_auto
+
+--interleave times the named arms round-robin (and the GEMM rate between
+rounds): the per-arm runs time one arm after another, so an arm late in the
+run meets a hotter GPU than the GEMM-rate probe at the start did.
 """
 from __future__ import annotations
 
@@ -181,6 +186,37 @@ def measure(fn, T, H, V, iters):
         torch.cuda.empty_cache()
 
 
+def interleaved(arms, T, H, V, rounds):
+    """Round-robin timing of the named arms on one set of inputs: each round times
+    every arm once (the order rotating by one each round) and then the 8192^3 bf16
+    GEMM, so clock and thermal drift fall on every arm alike and the 3-GEMM time is
+    taken at the GEMM rate of the same minutes. Returns ({arm: [s]}, [TFLOP/s])."""
+    x, w, y = inputs(T, H, V)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    names = list(arms)
+    for n in names:  # warm-up (compiles, autotunes)
+        step(arms[n], x, w, y)
+    ts, rates = {n: [] for n in names}, []
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            x.grad = w.grad = None
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            step(arms[n], x, w, y)
+            e.record()
+            e.synchronize()
+            ts[n].append(s.elapsed_time(e) / 1e3)
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        a @ b
+        e.record()
+        e.synchronize()
+        rates.append(2 * 8192 ** 3 / (s.elapsed_time(e) / 1e3) / 1e12)
+    x.grad = w.grad = None
+    return ts, rates
+
+
 def rel(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm()).item()
@@ -240,6 +276,11 @@ def main():
     ap.add_argument("--quick", action="store_true", help="T=32k,H=4096,V=151936 all arms + T=128k peaks")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--err-T", type=int, default=8192, help="tokens for the fp64 error measurement")
+    ap.add_argument("--interleave", default=None, metavar="ARM,ARM,...",
+                    help="after the per-arm runs, time these arms round-robin at the first shape "
+                         "(rows get the arm name + '@rr'); e.g. naive_compile,liger_flce_fp32acc,moepeak_auto")
+    ap.add_argument("--rounds", type=int, default=10, help="rounds of --interleave")
+    ap.add_argument("--only-interleave", action="store_true", help="skip the per-arm runs")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_ring_dtp: needs a CUDA GPU")
@@ -253,7 +294,7 @@ def main():
     print(f"{gpu}  torch {torch.__version__}  moepeak {moepeak.__version__}  bf16 GEMM {rate:.0f} TFLOP/s")
     rows = []
     err_cache = {}
-    for T, H, V, big in shapes:
+    for T, H, V, big in ([] if args.only_interleave else shapes):
         arms = make_arms(quick_big=big)
         flop = 6.0 * T * V * H
         t3 = flop / (rate * 1e12)
@@ -287,6 +328,32 @@ def main():
                              tflops=f"{flop / med / 1e12:.1f}", err_T=args.err_T, err_loss=f"{e[0]:.3e}",
                              err_dx=f"{e[1]:.3e}", err_dw=f"{e[2]:.3e}"))
         verdicts(results, t3, errs)
+    if args.interleave:
+        T, H, V, _ = shapes[0]
+        MoepeakArm.timed_T = T
+        every = make_arms()
+        pick = [n.strip() for n in args.interleave.split(",")]
+        unknown = [n for n in pick if n not in every or isinstance(every[n], str)]
+        if unknown:
+            sys.exit(f"bench_ring_dtp: --interleave: unknown or unavailable arms {unknown}; "
+                     f"choose from {[n for n, f in every.items() if not isinstance(f, str)]}")
+        ts, rates = interleaved({n: every[n] for n in pick}, T, H, V, args.rounds)
+        rate_rr = statistics.median(rates)
+        flop = 6.0 * T * V * H
+        t3 = flop / (rate_rr * 1e12)
+        print(f"\nround-robin, T={T} H={H} V={V}, {args.rounds} rounds: GEMM rate {min(rates):.0f}-{max(rates):.0f} "
+              f"(median {rate_rr:.0f}) TFLOP/s, 3-GEMM time {t3 * 1e3:.1f} ms")
+        for n in pick:
+            med = statistics.median(ts[n])
+            srt = sorted(ts[n])
+            p10, p90 = srt[len(srt) // 10], srt[min(len(srt) - 1, (9 * len(srt)) // 10)]
+            print(f"  {n:24s} {med * 1e3:8.1f} ms (p10 {p10 * 1e3:.1f}, p90 {p90 * 1e3:.1f})  {med / t3:5.3f}x 3-GEMM")
+            rows.append(dict(gpu=gpu, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                             torch=torch.__version__, moepeak=moepeak.__version__, T=T, H=H, V=V, arm=n + "@rr",
+                             status="ok", peak_gib="nan", median_ms=f"{med * 1e3:.2f}", p10_ms=f"{p10 * 1e3:.2f}",
+                             p90_ms=f"{p90 * 1e3:.2f}", iters=len(ts[n]), gemm_tflops=f"{rate_rr:.0f}",
+                             x_3gemm=f"{med / t3:.3f}", tflops=f"{flop / med / 1e12:.1f}", err_T=0,
+                             err_loss="nan", err_dx="nan", err_dw="nan"))
     if args.out:
         path = os.path.join(args.out, "ring_dtp.csv")
         append_rows(path, rows)
