@@ -11,9 +11,10 @@ Arms, in one process per rank, on the same inputs:
       moepeak.linear_cross_entropy(X_r, W_r, y_r, group=WORLD, ring=...), over
       the default transport (torch.distributed on the nccl group) and, for the
       two variants, moepeak's NCCL-from-C transport (transport column "nccl").
-      The schedules take their transport from get_transport(group), which has
-      no switch for the C transport yet: the bench swaps the module's
-      get_transport for the duration of those arms (_use_transport).
+      The bench hands the ring its own NcclTransport by swapping the module's
+      get_transport for the duration of those arms (_use_transport; written
+      before linear_cross_entropy had transport="nccl", which selects the same
+      transport class through a shared communicator).
   megatron_vp
       Megatron-style vocab-parallel cross-entropy, plain PyTorch autograd
       (_VocabParallelCE below): all-gather the hidden (every rank sees all

@@ -100,6 +100,7 @@ from torch import Tensor
 
 from . import _C
 from ._ext import check_tensor, current_stream_handle, require_cuda_build
+from .transport import check_transport_choice
 from . import ring_dtp_blocks as B
 
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
@@ -554,7 +555,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
                          ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                          z_loss: float = 0.0, softcap: Optional[float] = None, return_lse: bool = False,
                          group=None, ring: str = "auto", chunk_tokens: Optional[int] = None,
-                         chunk_vocab: Optional[int] = None, mode: str = "auto"):
+                         chunk_vocab: Optional[int] = None, mode: str = "auto", transport="auto"):
     """F.cross_entropy(F.linear(hidden, weight, bias).float(), labels, ...) without the logits.
 
     hidden [..., H], weight [V, H] (with `group`: this rank's dim-0 vocab shard),
@@ -566,9 +567,14 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
     (vocab_outer is the exact choice). chunk_tokens / chunk_vocab override the
     block sizes the workspace budget picks. With `group`, the ring runs its own
     exact 4-GEMM order and `mode` is not used.
+    transport (with `group`): "auto" / "torch" (torch.distributed on the group), "nccl"
+    (moepeak's NCCL-from-C transport, CUDA tensors; one communicator per group and
+    device, created collectively on the first call and kept), or a moepeak Transport.
+    On two H200s the two measure the same inside the ring (benchmarks/RESULTS.md).
     """
     _check(hidden, weight, labels, bias, reduction, mode, label_smoothing, z_loss, softcap, chunk_tokens,
            chunk_vocab)
+    check_transport_choice(transport)
     lead = tuple(labels.shape)
     x = hidden.reshape(-1, hidden.shape[-1])
     x = x if x.is_contiguous() else x.contiguous()
@@ -576,7 +582,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
     if group is not None:
         from .ring_dtp_ring import ring_linear_cross_entropy
         loss, lse = ring_linear_cross_entropy(x, weight, y, bias, group, ring, ignore_index, reduction,
-                                              label_smoothing, z_loss, softcap or 0.0, chunk_tokens, chunk_vocab)
+                                              label_smoothing, z_loss, softcap or 0.0, chunk_tokens, chunk_vocab,
+                                              transport)
     else:
         w = weight if weight.is_contiguous() else weight.contiguous()
         grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
@@ -618,13 +625,14 @@ class RingDTPLinearCrossEntropy(torch.nn.Module):
     before forward; the result is still right, through the single-device op).
     With grad_average=True (default) the shard's gradient is the mean over the
     group's ranks, as FSDP2/DDP reduce gradients; False gives the sum.
-    Tied embeddings: assign `module.weight = emb.weight` (unsharded)."""
+    Tied embeddings: assign `module.weight = emb.weight` (unsharded).
+    transport: the ring's transport, as linear_cross_entropy's."""
 
     def __init__(self, hidden_size: int, vocab_size: int, *, bias: bool = False, ignore_index: int = -100,
                  reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0,
                  softcap: Optional[float] = None, group=None, ring: str = "auto",
                  chunk_tokens: Optional[int] = None, chunk_vocab: Optional[int] = None, mode: str = "auto",
-                 grad_average: bool = True, device=None, dtype=None):
+                 grad_average: bool = True, transport="auto", device=None, dtype=None):
         super().__init__()
         fk = {"device": device, "dtype": dtype}
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
@@ -632,7 +640,8 @@ class RingDTPLinearCrossEntropy(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.empty(vocab_size, **fk)) if bias else None
         self.opts = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                          z_loss=z_loss, softcap=softcap, ring=ring, chunk_tokens=chunk_tokens,
-                         chunk_vocab=chunk_vocab, mode=mode)
+                         chunk_vocab=chunk_vocab, mode=mode, transport=transport)
+        check_transport_choice(transport)
         self.group = group
         self.grad_average = grad_average
         self.reset_parameters()

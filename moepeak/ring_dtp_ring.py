@@ -50,7 +50,7 @@ from typing import Optional
 import torch
 
 from . import ring_dtp_blocks as B
-from .transport import get_transport
+from .transport import Transport, check_transport_choice, get_transport, shared_nccl_transport
 
 RINGS = ("auto", "weights", "activations")
 
@@ -278,8 +278,25 @@ class _RingCE(torch.autograd.Function):
         return dx, dw, None, None, None, None, None, None, None, None, None, None, None, None
 
 
+def _ring_transport(transport, group, device):
+    """The ring's transport: "auto" and "torch": torch.distributed on `group`; "nccl":
+    moepeak's C NCCL transport, one communicator per (group, device) kept for the
+    process; or a Transport instance, which must span the group."""
+    check_transport_choice(transport)
+    if isinstance(transport, Transport):
+        import torch.distributed as dist  # noqa: WPS433
+        if (transport.world_size, transport.rank) != (dist.get_world_size(group), dist.get_rank(group)):
+            raise ValueError(f"moepeak: the transport instance is rank {transport.rank} of "
+                             f"{transport.world_size}, but this process is rank {dist.get_rank(group)} of the "
+                             f"group's {dist.get_world_size(group)}")
+        return transport
+    if transport == "nccl":
+        return shared_nccl_transport(group, device)
+    return get_transport(group)
+
+
 def ring_linear_cross_entropy(x, w, y, bias, group, ring, ignore_index, reduction, eps, zloss, softcap,
-                              chunk_tokens: Optional[int], chunk_vocab: Optional[int]):
+                              chunk_tokens: Optional[int], chunk_vocab: Optional[int], transport="auto"):
     """x: [T, H] (contiguous), w: [V_r, H] this rank's vocab shard, y: [T] int64."""
     from .ring_dtp import REDUCTIONS, _LabelGuard, _sanitize_labels  # noqa: WPS433 (circular at import time)
     if ring not in RINGS:
@@ -287,7 +304,7 @@ def ring_linear_cross_entropy(x, w, y, bias, group, ring, ignore_index, reductio
     if bias is not None:
         raise ValueError("moepeak: bias is not supported with group (vocab-sharded ring); fold it into "
                          "the weight (an extra hidden column of ones) or use group=None")
-    tr = get_transport(group)
+    tr = _ring_transport(transport, group, x.device)
     w = w if w.is_contiguous() else w.contiguous()
     geo = _Geometry(tr, x.shape[0], w.shape[0], x.device)
     if geo.V < 1:

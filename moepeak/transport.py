@@ -13,7 +13,8 @@ Ranks here are ranks *within the group* (0..world_size-1).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import threading
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -114,3 +115,37 @@ def get_transport(group=None, device: Optional[torch.device] = None, backend: st
         from .nccl import NcclTransport  # noqa: WPS433 (optional, CUDA only)
         return NcclTransport(group, device)
     return TorchDistTransport(group)
+
+
+# One NcclTransport per (group, device), made on first use and kept for the process
+# (a communicator costs a collective to create; the schedules call this per step).
+_SHARED_NCCL = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_nccl_transport(group, device: torch.device) -> Transport:
+    """moepeak's C NCCL transport for `group` on `device`, created once (a collective:
+    every rank of the group must make its first call together) and reused."""
+    from .nccl import NcclTransport  # noqa: WPS433 (optional, CUDA only)
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"moepeak: transport='nccl' moves CUDA tensors only, got tensors on {device}; "
+                         "use transport='torch' (torch.distributed, e.g. gloo) for CPU tensors")
+    key = (group if group is not None else dist.group.WORLD,
+           device.index if device.index is not None else torch.cuda.current_device())
+    with _SHARED_LOCK:
+        t = _SHARED_NCCL.get(key)
+        if t is None or t._comm is None:  # closed by the user: make a new one
+            t = NcclTransport(key[0], torch.device("cuda", key[1]))
+            _SHARED_NCCL[key] = t
+        return t
+
+
+TRANSPORTS = ("auto", "torch", "nccl")
+
+
+def check_transport_choice(transport: Union[str, Transport]) -> None:
+    """Raise ValueError unless `transport` is one of TRANSPORTS or a Transport."""
+    if not isinstance(transport, Transport) and transport not in TRANSPORTS:
+        raise ValueError(f"moepeak: transport must be one of {TRANSPORTS} or a moepeak Transport instance, "
+                         f"got {transport!r}")

@@ -213,6 +213,14 @@ def _ring_rank(rank, P, device="cuda"):
                         f"rank {rank} {dtype} ring={variant}: {name} differs between the NCCL C transport " \
                         f"and torch.distributed (max diff " \
                         f"{(got_by_tp['torch'][i].double() - got_by_tp['nccl'][i].double()).abs().max():.3e})"
+        if dtype == torch.float32 and not opts and "nccl" in got_by_tp:
+            # the public switch (no monkeypatch): transport="nccl" makes its own shared communicator
+            # and must give the NCCL results above bitwise (got_by_tp holds the last variant's)
+            got = _loss_grads(lambda x, ws, y: moepeak.linear_cross_entropy(
+                x, ws, y, group=group, ring=variant, chunk_tokens=CT, chunk_vocab=CV, transport="nccl"),
+                xs[rank], w[a:b], ys[rank])
+            for i, name in enumerate(names):
+                assert torch.equal(got[i], got_by_tp["nccl"][i]), f"rank {rank}: transport='nccl' {name} differs"
     _close(tps)
 
 

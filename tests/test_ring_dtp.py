@@ -335,6 +335,17 @@ def test_cuda_all_options(dtype, mode, shape):
         check(x, w, y, b, mode=mode, gout=torch.tensor(0.37, device="cuda"), chunk_tokens=ct, label_smoothing=0.05)
 
 
+def test_transport_choice_is_checked():
+    x, w, y, _ = make(4, 8, 30, torch.float32)
+    with pytest.raises(ValueError, match="transport must be one of"):
+        moepeak.linear_cross_entropy(x, w, y, transport="mpi")
+    with pytest.raises(ValueError, match="transport must be one of"):
+        moepeak.RingDTPLinearCrossEntropy(8, 30, transport=None)
+    # without a group there is no ring: any valid choice gives the single-device op's result
+    torch.testing.assert_close(moepeak.linear_cross_entropy(x, w, y, transport="nccl"),
+                               moepeak.linear_cross_entropy(x, w, y), rtol=0, atol=0)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 @pytest.mark.parametrize("softcap", [0.0, 15.0])

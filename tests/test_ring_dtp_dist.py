@@ -77,6 +77,7 @@ def _rank_fn_all(rank, world):
             if P == 2:
                 _rank_fn(rank, P, ("weights", "activations"), torch.float32, dict(reduction="sum"), group)
                 _bad_fn(rank, P, group)
+                _transport_fn(rank, P, group)
         dist.barrier()
     _dtensor_lm_fn(rank, world)
 
@@ -146,3 +147,52 @@ def _bad_fn(rank, P, group):
         moepeak.linear_cross_entropy(xs[rank], w[a:b], y, group=group)
     with pytest.raises(ValueError, match="ring must be"):
         moepeak.linear_cross_entropy(xs[rank], w[a:b], ys[rank], group=group, ring="tokens")
+
+
+def _transport_fn(rank, P, group):
+    """The `transport` argument: "torch" and a Transport instance give the default's
+    results (the instance is the one used: it counts the ring's exchanges); a bad
+    choice, "nccl" on CPU tensors and an instance of another size fail clearly."""
+    import moepeak
+    from moepeak.transport import Transport, TorchDistTransport
+
+    class Counting(Transport):
+        def __init__(self, inner):
+            self.inner, self.rank, self.world_size, self.calls = inner, inner.rank, inner.world_size, 0
+
+        def send_recv(self, send, dst, recv, src):
+            self.calls += 1
+            return self.inner.send_recv(send, dst, recv, src)
+
+        def all_gather(self, out, inp):
+            return self.inner.all_gather(out, inp)
+
+        def all_reduce_(self, t, op="sum"):
+            return self.inner.all_reduce_(t, op)
+
+    w, xs, ys = _data(P, torch.float32)
+    a, b = _shard_rows(P)[rank]
+
+    def run(**kw):
+        x = xs[rank].clone().requires_grad_()
+        ws = w[a:b].clone().requires_grad_()
+        loss = moepeak.linear_cross_entropy(x, ws, ys[rank], group=group, ring="weights", chunk_tokens=4,
+                                            chunk_vocab=5, **kw)
+        loss.backward()
+        return loss.detach(), x.grad, ws.grad
+
+    ref = run()
+    counting = Counting(TorchDistTransport(group))
+    for kw in (dict(transport="torch"), dict(transport=counting)):
+        got = run(**kw)
+        for g, r in zip(got, ref):
+            assert torch.equal(g, r), kw
+    assert counting.calls > 0, "the given transport was not used"
+    with pytest.raises(ValueError, match="transport must be one of"):
+        run(transport="gloo")
+    with pytest.raises(ValueError, match="CUDA tensors only"):
+        run(transport="nccl")
+    wrong = Counting(TorchDistTransport(group))
+    wrong.world_size = P + 1
+    with pytest.raises(ValueError, match="transport instance is rank"):
+        run(transport=wrong)
