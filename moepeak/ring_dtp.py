@@ -42,28 +42,23 @@ every GEMM is torch's. Schedules ("mode"):
                its fp32 [T, H] dX accumulator is at most the 512 MiB workspace
                (T*H <= 128M), vocab_outer_lowp beyond that.
 
-Measured on one H200 (torch 2.11, 2026-11-29; benchmarks/bench_ring_dtp.py --quick),
-T = 32k, H = 4096, V = 151936, bf16, fwd+bwd; 3-GEMM time 155.9 ms at the measured
-785 TFLOP/s; peak above the inputs incl. dX + dW; dW error vs fp64 at T = 8192 with
-the same chunk count, relative to naive bf16 (1.02e-3):
-  arm                         ms     peak GiB   dW err
-  naive                       244.9  55.6       1.00x
-  naive + torch.compile       193.9  10.7       1.00x
-  Liger FLCE (fp32 acc)       212.1   3.73      1.00x
-  fused_lowp, 1728 rows (19)  209.2   2.88*     1.17x
-  fused_lowp, 3456 rows (10)  202.4   2.88*     1.16x
-  fused, 576 rows (57)        233.2   2.88*     1.18x
-  vocab_outer (old auto)      310.9   2.04      1.00x
-  token_outer                 315.7   1.58      1.04x
-  CCE                         358.6   1.41      4.1x (dX 8.2x)
-  * that run's fused peaks were dX + dW twice: autograd handed backward zero-filled
-    gradients [T, H] and [V, H] for the op's dX/dW outputs (fixed since: they are
-    marked non-differentiable, grads not materialized). Expected now: dX 0.25 +
-    dW 1.16 + workspace 0.49 + [T] state = ~1.92 GiB for fused_lowp at 1728 rows
-    (backward adds no buffer: dX and dW are scaled in place by the upstream gradient).
-  T = 128k: fused_lowp 822 ms (Liger 772 ms), same double-count (4.38 GiB; expected
-    now ~2.67: dX 1.0 + dW 1.16 + 0.49). auto then picked vocab_outer (76 chunks; now vocab_outer_lowp):
-    1242 ms, 4.29 GiB (fp32 dX accumulator 2 GiB).
+Measured on one H200 (torch 2.11, 2026-11-29 20:03 UTC; benchmarks/bench_ring_dtp.py
+--quick), T = 32k, H = 4096, V = 151936, bf16, fwd+bwd; 3-GEMM time 156.6 ms at the
+measured 781 TFLOP/s; peak above the inputs incl. dX + dW; dW error vs fp64 at T = 8192
+with the same chunk count, relative to naive bf16 (1.02e-3):
+  arm                          ms     peak GiB   dW err
+  naive                        244.4  55.6       1.00x
+  naive + torch.compile        197.7  10.7       1.00x
+  Liger FLCE (fp32 acc)        214.1   3.73      1.00x
+  fused_lowp, 2048 rows (16)   192.9   1.99      1.16x   <- auto
+  fused_lowp, 1728 rows (19)   200.1   1.90      1.17x
+  fused_lowp, 3456 rows (10)   193.0   2.39      1.16x
+  fused (fp32 logits)          223.9   1.90      1.18x
+  vocab_outer                  318.3   2.04      1.00x
+  token_outer                  323.7   1.58      1.04x
+  CCE                          360.1   1.41      4.1x (dX 8.2x)
+  T = 128k: fused_lowp 770 ms / 2.74 GiB, auto (vocab_outer_lowp) 1093 ms / 2.70 GiB,
+  Liger 778 ms / 4.48 GiB. Where the 32k time goes: benchmarks/RESULTS.md.
 Error growth with the chunk count. fused* round the bf16 dW accumulator once per
 chunk. On the H200 data above (uniform random labels over 152k classes, logits of
 std 1) a dW row gets its large label term from one chunk and the other chunks add
