@@ -39,8 +39,8 @@ namespace {
 
 // Row blocks: 512 threads (16 warps), 2 resident per SM (ptxas keeps <= 64 registers), 4 16-byte
 // loads in flight per thread: 64 KB per SM, above the ~30 KB that 4 TB/s needs at ~1 us latency.
-// Why 512 x 2 and not 256 x 4 (same bytes in flight): the fused_lowp chunk is t = 1728 rows on
-// 132 SMs, 13 or 14 rows per SM; the last row of an SM often runs alone, and one 16-warp block
+// Why 512 x 2 and not 256 x 4 (same bytes in flight): the fused_lowp chunk is t = 2048 rows on
+// 132 SMs, 15 or 16 rows per SM; the last row of an SM often runs alone, and one 16-warp block
 // keeps twice the loads in flight that an 8-warp one would.
 constexpr int kThreads = 512;
 constexpr int kMinBlocks = 2;
