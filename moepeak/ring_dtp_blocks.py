@@ -229,6 +229,11 @@ def round_down(x: int, q: int) -> int:
     return max(q, (x // q) * q)
 
 
+def _rows(ct: int, q: int = 64) -> int:
+    """Rows per block: ct rounded down to a multiple of q, or ct itself (at least 1) below q."""
+    return round_down(int(ct), q) if ct >= q else max(1, int(ct))
+
+
 def round_up(x: int, q: int) -> int:
     return -(-x // q) * q
 
@@ -240,7 +245,7 @@ def lowp_dx_chunk_tokens(cv: int, dtype: torch.dtype, budget: int = BLOCKED_WORK
     Worked once: V = 151936 in 8 blocks: cv = 18992 rounded up to 128 = 19072; bf16,
     256 MiB: 268435456 / (19072 * 6) = 2345.8 -> ct = 2304 (Z 168 MiB + dZ 84 MiB)."""
     ct = budget // (cv * (4 + lowp_bytes(dtype)))
-    return round_down(int(ct), 64) if ct >= 64 else max(1, int(ct))
+    return _rows(ct)
 
 
 def fused_chunk_tokens(V: int, dtype: torch.dtype, budget: Optional[int] = None,
@@ -266,9 +271,9 @@ def fused_chunk_tokens(V: int, dtype: torch.dtype, budget: Optional[int] = None,
         ct = (budget or LOWP_WORKSPACE_BYTES) // (V * b)
         if ct >= 256:
             return min(LOWP_MAX_ROWS, round_down(int(ct), 256))
-        return round_down(int(ct), 64) if ct >= 64 else max(1, int(ct))
+        return _rows(ct)
     ct = (budget or DEFAULT_WORKSPACE_BYTES) // (V * (4 + b))
-    return round_down(int(ct), 64) if ct >= 64 else max(1, int(ct))
+    return _rows(ct)
 
 
 def blocked_chunks(T: int, H: int, dtype: torch.dtype, budget: int = BLOCKED_WORKSPACE_BYTES,

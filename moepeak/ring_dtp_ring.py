@@ -50,7 +50,7 @@ from typing import Optional
 import torch
 
 from . import ring_dtp_blocks as B
-from .transport import Transport, check_transport_choice, get_transport, shared_nccl_transport
+from .transport import Transport, get_transport, shared_nccl_transport
 
 RINGS = ("auto", "weights", "activations")
 
@@ -281,8 +281,8 @@ class _RingCE(torch.autograd.Function):
 def _ring_transport(transport, group, device):
     """The ring's transport: "auto" and "torch": torch.distributed on `group`; "nccl":
     moepeak's C NCCL transport, one communicator per (group, device) kept for the
-    process; or a Transport instance, which must span the group."""
-    check_transport_choice(transport)
+    process; or a Transport instance, which must span the group. (The choice was
+    checked by linear_cross_entropy, the only caller.)"""
     if isinstance(transport, Transport):
         import torch.distributed as dist  # noqa: WPS433
         if (transport.world_size, transport.rank) != (dist.get_world_size(group), dist.get_rank(group)):

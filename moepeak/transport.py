@@ -57,6 +57,8 @@ class Transport:
         raise NotImplementedError
 
 
+TRANSPORTS = ("auto", "torch", "nccl")  # get_transport's backends; the schedules' `transport` choices
+
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -109,7 +111,7 @@ def get_transport(group=None, device: Optional[torch.device] = None, backend: st
     """
     if group is None:
         return None
-    if backend not in ("auto", "torch", "nccl"):
+    if backend not in TRANSPORTS:
         raise ValueError(f"moepeak: transport backend must be 'auto', 'torch' or 'nccl', got {backend!r}")
     if backend == "nccl":
         from .nccl import NcclTransport  # noqa: WPS433 (optional, CUDA only)
@@ -140,8 +142,6 @@ def shared_nccl_transport(group, device: torch.device) -> Transport:
             _SHARED_NCCL[key] = t
         return t
 
-
-TRANSPORTS = ("auto", "torch", "nccl")
 
 
 def check_transport_choice(transport: Union[str, Transport]) -> None:
