@@ -88,6 +88,10 @@ def make_arms(quick_big=False):
                                                                  "token_outer"]
     for m in modes:
         arms[f"moepeak_{m}"] = MoepeakArm(m)
+    # fused_lowp's chunk cut into row parts whose fold + gradient run on a side stream
+    # beside the other parts' GEMMs (ring_dtp._OVERLAP_PARTS; 1 = serial, the default 2)
+    for parts in (() if quick_big else (1, 4)):
+        arms[f"moepeak_fused_lowp_parts{parts}"] = MoepeakArm("fused_lowp", parts=parts)
     if not quick_big:  # chunk-size / logits-dtype sweep that settles the defaults (rows per chunk at this T)
         for m, ct in (("fused_lowp", 1728), ("fused_lowp", 3456), ("fused", 1152)):
             arms[f"moepeak_{m}_ct{ct}"] = MoepeakArm(m, ct)
@@ -100,8 +104,8 @@ class MoepeakArm:
     'auto' resolves to at the timed T) is used, since the dW error depends on it."""
     timed_T = None  # set per shape by main()
 
-    def __init__(self, mode, ct=None):
-        self.mode, self.ct = mode, ct
+    def __init__(self, mode, ct=None, parts=None):
+        self.mode, self.ct, self.parts = mode, ct, parts
 
     def resolve(self, T, H, V):
         from moepeak.ring_dtp import MODES, _pick_mode, _sizes
@@ -116,7 +120,14 @@ class MoepeakArm:
 
     def __call__(self, x, w, y):
         mode, ct = self.resolve(x.shape[0], x.shape[1], w.shape[0])
-        return moepeak.linear_cross_entropy(x, w, y, mode=mode, chunk_tokens=ct)
+        if self.parts is None:
+            return moepeak.linear_cross_entropy(x, w, y, mode=mode, chunk_tokens=ct)
+        from moepeak import ring_dtp
+        keep, ring_dtp._OVERLAP_PARTS = ring_dtp._OVERLAP_PARTS, self.parts
+        try:  # the op's forward (where the fused chunks run) happens inside this call
+            return moepeak.linear_cross_entropy(x, w, y, mode=mode, chunk_tokens=ct)
+        finally:
+            ring_dtp._OVERLAP_PARTS = keep
 
 
 # ---------------------------------------------------------------------------
@@ -274,6 +285,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="directory for ring_dtp.csv (rows appended)")
     ap.add_argument("--quick", action="store_true", help="T=32k,H=4096,V=151936 all arms + T=128k peaks")
+    ap.add_argument("--tokens", default=None, metavar="T,T,...",
+                    help="full grid only at these T (e.g. 8192,32768); default all of 8k, 32k, 128k")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--err-T", type=int, default=8192, help="tokens for the fp64 error measurement")
     ap.add_argument("--interleave", default=None, metavar="ARM,ARM,...",
@@ -287,8 +300,8 @@ def main():
     if args.quick:
         shapes = [(32768, 4096, 151936, False), (131072, 4096, 151936, True)]
     else:
-        shapes = [(T, H, V, False) for T in (8192, 32768, 131072) for H in (4096, 7168)
-                  for V in (128256, 151936, 256000)]
+        tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else (8192, 32768, 131072)
+        shapes = [(T, H, V, False) for T in tokens for H in (4096, 7168) for V in (128256, 151936, 256000)]
     rate = gemm_rate()
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}  torch {torch.__version__}  moepeak {moepeak.__version__}  bf16 GEMM {rate:.0f} TFLOP/s")
