@@ -88,10 +88,6 @@ def make_arms(quick_big=False):
                                                                  "token_outer"]
     for m in modes:
         arms[f"moepeak_{m}"] = MoepeakArm(m)
-    # fused_lowp's chunk cut into row parts whose fold + gradient run on a side stream
-    # beside the other parts' GEMMs (ring_dtp._OVERLAP_PARTS; 1 = serial, the default 2)
-    for parts in (() if quick_big else (1, 4)):
-        arms[f"moepeak_fused_lowp_parts{parts}"] = MoepeakArm("fused_lowp", parts=parts)
     if not quick_big:  # chunk-size / logits-dtype sweep that settles the defaults (rows per chunk at this T)
         for m, ct in (("fused_lowp", 1728), ("fused_lowp", 3456), ("fused", 1152)):
             arms[f"moepeak_{m}_ct{ct}"] = MoepeakArm(m, ct)
@@ -104,8 +100,8 @@ class MoepeakArm:
     'auto' resolves to at the timed T) is used, since the dW error depends on it."""
     timed_T = None  # set per shape by main()
 
-    def __init__(self, mode, ct=None, parts=None):
-        self.mode, self.ct, self.parts = mode, ct, parts
+    def __init__(self, mode, ct=None):
+        self.mode, self.ct = mode, ct
 
     def resolve(self, T, H, V):
         from moepeak.ring_dtp import MODES, _pick_mode, _sizes
@@ -120,14 +116,7 @@ class MoepeakArm:
 
     def __call__(self, x, w, y):
         mode, ct = self.resolve(x.shape[0], x.shape[1], w.shape[0])
-        if self.parts is None:
-            return moepeak.linear_cross_entropy(x, w, y, mode=mode, chunk_tokens=ct)
-        from moepeak import ring_dtp
-        keep, ring_dtp._OVERLAP_PARTS = ring_dtp._OVERLAP_PARTS, self.parts
-        try:  # the op's forward (where the fused chunks run) happens inside this call
-            return moepeak.linear_cross_entropy(x, w, y, mode=mode, chunk_tokens=ct)
-        finally:
-            ring_dtp._OVERLAP_PARTS = keep
+        return moepeak.linear_cross_entropy(x, w, y, mode=mode, chunk_tokens=ct)
 
 
 # ---------------------------------------------------------------------------

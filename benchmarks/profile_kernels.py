@@ -110,13 +110,6 @@ def ring_cases(log):
     profile("ring: naive + torch.compile", step(lambda: comp(x, w, y)), log)
     profile("ring: moepeak default (fused_lowp)", step(lambda: moepeak.linear_cross_entropy(x, w, y)), log,
             cpu_table=True)
-    from moepeak import ring_dtp
-    keep, ring_dtp._OVERLAP_PARTS = ring_dtp._OVERLAP_PARTS, 1
-    try:  # the chunk's fold + gradient serial with its GEMMs (no side stream)
-        profile("ring: moepeak fused_lowp, serial (_OVERLAP_PARTS = 1)",
-                step(lambda: moepeak.linear_cross_entropy(x, w, y)), log)
-    finally:
-        ring_dtp._OVERLAP_PARTS = keep
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
         lg = LigerFusedLinearCrossEntropyLoss(accum_dtype=torch.float32)

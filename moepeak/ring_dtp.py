@@ -103,13 +103,6 @@ MODES = {"auto": 0, "fused": 1, "vocab_outer": 2, "token_outer": 3, "fused_lowp"
 _FUSED = (MODES["fused"], MODES["fused_lowp"])
 _FUSED_MAX_CHUNKS = 20  # fused_lowp: 19 chunks measured at 1.17x naive's dW error on the H200 (see above)
 _LOWP_DX_BLOCKS = 8     # vocab_outer_lowp: vocab blocks dX is rounded over (n = 8: <= 1.63x naive above)
-# fused_lowp on CUDA: a chunk is cut into this many row parts so that the fold and
-# gradient kernels of one part (memory-bound) run on a side stream beside the GEMMs
-# of the others (compute-bound); 1 = serial. Parts of fewer than _OVERLAP_MIN_ROWS
-# rows are not made (the chunk then runs serially).
-_OVERLAP_PARTS = 2
-_OVERLAP_MIN_ROWS = 256
-_SIDE_STREAMS = {}  # device index -> the side stream of _fused_chunk_overlapped
 
 
 # ---------------------------------------------------------------------------
@@ -216,17 +209,6 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
         n = t1 - t0
         m, s, zy, zs, sx = (a[t0:t1] for a in st)
         xc = x[t0:t1]
-        parts = _overlap_parts(n) if direct else None
-        if parts:
-            _fused_chunk_overlapped(x, w, bias, y, ignore_index, softcap, eps, zloss, g, st, dx, zbuf, t0, parts)
-            dz = zbuf[:n]
-            if t0 == 0:
-                torch.mm(dz.t(), xc, out=dw)
-            else:
-                dw.addmm_(dz.t(), xc)                         # one rounding per chunk
-            if db is not None:
-                db.add_(dz.float().sum(0))
-            continue
         if direct:
             z = torch.mm(xc, w.t(), out=zbuf[:n])                # [n, V] x dtype, fp32-accumulated
             if bias is not None:
@@ -259,67 +241,6 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
             db.add_(dz.float().sum(0))
         del dz  # the previous chunk's dZ must not live while the next one is made
     return st, dx, dw, db
-
-
-def _overlap_parts(n: int):
-    """Row ranges [(a, b), ...] a fused_lowp CUDA chunk of n rows is cut into for
-    _fused_chunk_overlapped, or None (serial) when the chunk is too small to gain."""
-    k = _OVERLAP_PARTS
-    if k <= 1 or n < k * _OVERLAP_MIN_ROWS:
-        return None
-    step = B.round_up(-(-n // k), 256)
-    return [(a, min(n, a + step)) for a in range(0, n, step)]
-
-
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SIDE_STREAMS:
-        _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
-    return _SIDE_STREAMS[idx]
-
-
-def _fused_chunk_overlapped(x, w, bias, y, ignore_index, softcap, eps, zloss, g, st, dx, zbuf, t0, parts):
-    """Logits, fold, gradient and dX of one fused_lowp chunk (CUDA, low precision), with
-    the memory-bound fold + gradient kernels of part k on a side stream beside the
-    compute-bound GEMMs of the other parts on the current stream:
-
-        current: Z_0  Z_1 ... | wait grad_0: dX_0 | wait grad_1: dX_1 ...
-        side:    wait Z_0: fold_0, grad_0 | wait Z_1: fold_1, grad_1 ...
-
-    Same arithmetic as the serial chunk: every kernel sees the same rows (the fold
-    and gradient are row-local; dX rows are independent GEMM rows). Invariants:
-    part k's rows of zbuf are written by Z_k on the current stream, then only
-    touched by the side stream until the current stream waits on grad_k's event;
-    the caller's dW GEMM over the whole chunk is ordered after every such wait, so
-    every side-stream kernel is joined before the current stream goes on. Tensors
-    made on the side stream (the fin() rows) are used and freed there only."""
-    main = torch.cuda.current_stream(x.device)
-    side = _side_stream(x.device)
-    z_done = []
-    for a, b in parts:
-        torch.mm(x[t0 + a:t0 + b], w.t(), out=zbuf[a:b])          # [rows, V] x dtype, fp32-accumulated
-        if bias is not None:
-            zbuf[a:b].add_(bias)
-        e = torch.cuda.Event()
-        e.record(main)
-        z_done.append(e)
-    g_done = []
-    with torch.cuda.stream(side):
-        for (a, b), e in zip(parts, z_done):
-            side.wait_event(e)
-            r0, r1 = t0 + a, t0 + b
-            m, s, zy, zs, sx = (t[r0:r1] for t in st)
-            z = zbuf[a:b]
-            B.fold(z, 0, w.shape[0], y[r0:r1], ignore_index, softcap, m, s, zy, zs, sx)
-            mm_, ls, q = B.fin((m, s, zy, zs, sx))
-            B.grad_block(z, 0, w.shape[0], y[r0:r1], ignore_index, softcap, mm_, ls, q, g, eps, w.shape[0], zloss,
-                         x.dtype)                                 # dZ in place
-            e = torch.cuda.Event()
-            e.record(side)
-            g_done.append(e)
-    for (a, b), e in zip(parts, g_done):
-        main.wait_event(e)
-        torch.mm(zbuf[a:b], w, out=dx[t0 + a:t0 + b])             # exact: one GEMM over the whole row
 
 
 def _backward_blocked(x, w, bias, y, m, ls, q, g, ignore_index, softcap, eps, zloss, ct, cv, order):

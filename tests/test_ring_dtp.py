@@ -335,35 +335,6 @@ def test_cuda_all_options(dtype, mode, shape):
         check(x, w, y, b, mode=mode, gout=torch.tensor(0.37, device="cuda"), chunk_tokens=ct, label_smoothing=0.05)
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("parts", [2, 3, 4])
-def test_cuda_fused_lowp_overlapped_parts(parts, monkeypatch):
-    """fused_lowp's CUDA chunks cut into row parts (fold + gradient on a side stream beside
-    the GEMMs): the path is taken, every option stays within the fp64 rule, and the results
-    match the serial schedule's to GEMM rounding. The last chunk (100 rows) runs serially."""
-    from moepeak import ring_dtp
-    T, H, V, ct = 2 * 2048 + 100, 128, 32771, 2048
-    x, w, y, b = make(T, H, V, torch.bfloat16, seed=21, bias=True, ignore_frac=0.1)
-    x, w, y, b = x.cuda(), w.cuda(), y.cuda(), b.cuda()
-    kw = dict(mode="fused_lowp", chunk_tokens=ct, label_smoothing=0.05, z_loss=1e-4, softcap=20.0)
-    seen = []
-    orig = ring_dtp._fused_chunk_overlapped
-
-    def spy(*a):
-        seen.append([q - p for p, q in a[-1]])
-        return orig(*a)
-    monkeypatch.setattr(ring_dtp, "_fused_chunk_overlapped", spy)
-    monkeypatch.setattr(ring_dtp, "_OVERLAP_PARTS", parts)
-    ours, _ = check(x, w, y, b, **kw)
-    assert len(seen) == 2 and all(len(r) == parts and sum(r) == ct for r in seen), seen
-    monkeypatch.setattr(ring_dtp, "_OVERLAP_PARTS", 1)
-    seen.clear()
-    serial = grads(moepeak.linear_cross_entropy, x, w, y, b, None, **kw)
-    assert not seen
-    for name, o, s_ in zip(("loss", "dX", "dW", "dbias"), ours, serial):
-        torch.testing.assert_close(o.float(), s_.float(), rtol=2 ** -7, atol=1e-6, msg=name)
-
-
 def test_transport_choice_is_checked():
     x, w, y, _ = make(4, 8, 30, torch.float32)
     with pytest.raises(ValueError, match="transport must be one of"):
