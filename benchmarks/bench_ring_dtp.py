@@ -2,7 +2,8 @@
 
 Arms (same process, same inputs): naive F.linear + F.cross_entropy(.float()),
 the same under torch.compile, chunked plain PyTorch (checkpointed token
-chunks), Cut Cross-Entropy ("cce", "cce_exact"; optional import), Liger FLCE
+chunks), Cut Cross-Entropy ("cce"; "cce_exact", or in versions without that impl
+"cce_nofilter" = cce with filter_eps=None; optional import), Liger FLCE
 (fp32 accumulation when the installed version has accum_dtype; optional),
 moepeak.linear_cross_entropy in each mode.
 
@@ -15,6 +16,7 @@ An OOM is a result (status "oom"), never a crash.
 
   python benchmarks/bench_ring_dtp.py --quick --out benchmarks/results
   python benchmarks/bench_ring_dtp.py --out benchmarks/results          # full grid
+  python benchmarks/bench_ring_dtp.py --tokens 32768 --hidden 4096 --out benchmarks/results  # part of it
   python benchmarks/bench_ring_dtp.py --quick --only-interleave --interleave naive_compile,moepeak_auto
 
 --interleave times the named arms round-robin (and the GEMM rate between
@@ -67,7 +69,11 @@ def make_arms(quick_big=False):
         from cut_cross_entropy import linear_cross_entropy as cce_lce
         arms["cce"] = lambda x, w, y: cce_lce(x, w, y, impl="cce")
         if not quick_big:
-            arms["cce_exact"] = lambda x, w, y: cce_lce(x, w, y, impl="cce_exact")
+            import cut_cross_entropy.linear_cross_entropy as cce_mod
+            if "CCE_EXACT" in getattr(cce_mod.LinearCrossEntropyImpl, "__members__", {}):
+                arms["cce_exact"] = lambda x, w, y: cce_lce(x, w, y, impl="cce_exact")
+            else:  # 25.1.1 has no cce_exact impl: its exact variant is cce without gradient filtering
+                arms["cce_nofilter"] = lambda x, w, y: cce_lce(x, w, y, impl="cce", filter_eps=None)
     except Exception as e:  # optional baseline
         arms["cce"] = f"unavailable: {type(e).__name__}"
     try:
@@ -246,22 +252,38 @@ def errors(arms, T, H, V):
     return out
 
 
-def verdicts(results, t3, errs):
-    """Per moepeak arm: pass/fail against the three targets of the issue: peak <= 2.0 GiB above
-    the inputs, time <= 1.2x the 3-GEMM time (and faster than every non-moepeak arm), and the
-    error of loss, dX, dW <= 2x naive's (nan: not measured at this shape)."""
+def grads_gib(T, H, V):
+    """dX + dW in bf16 (GiB): part of every arm's peak."""
+    return 2.0 * (T * H + V * H) / GiB
+
+
+# The issue's peak target is 2.0 GiB at T = 32k, H = 4096, V = 151936, where dX + dW are
+# 1.41 GiB; at T = 128k "the same 2 GiB-plus-gradients budget". Elsewhere the same rule:
+# dX + dW of the shape plus the 0.59 GiB the target leaves beside them.
+TARGET_SHAPE = (32768, 4096, 151936)
+WORKSPACE_GIB = 2.0 - grads_gib(*TARGET_SHAPE)
+
+
+def verdicts(results, t3, errs, shape):
+    """Per moepeak arm: pass/fail against the three targets of the issue: peak <= the budget
+    above the inputs (2.0 GiB at the target shape, see WORKSPACE_GIB), time <= 1.2x the
+    3-GEMM time (and faster than every non-moepeak arm), and the error of loss, dX, dW <= 2x
+    naive's (nan: not measured at this shape). The issue sets these at the target shape; at
+    the other shapes of the grid they are printed as the same rules, for information."""
     others = [r[2] for n, r in results.items() if not n.startswith("moepeak") and r[0] == "ok"]
     best_other = min(others) if others else float("inf")
     ne = errs.get("naive")
-    print("targets: peak <= 2.0 GiB | time <= 1.2x 3-GEMM and < every other arm "
-          f"(best other {best_other * 1e3:.1f} ms) | error <= 2x naive")
+    budget = grads_gib(*shape) + WORKSPACE_GIB
+    where = "the issue's target shape" if tuple(shape) == TARGET_SHAPE else "the target rules at this shape"
+    print(f"targets ({where}): peak <= {budget:.2f} GiB (dX + dW {grads_gib(*shape):.2f} + {WORKSPACE_GIB:.2f}) "
+          f"| time <= 1.2x 3-GEMM and < every other arm (best other {best_other * 1e3:.1f} ms) | error <= 2x naive")
     for name, (st, peak, med, e) in results.items():
         if not name.startswith("moepeak"):
             continue
         if st != "ok":
             print(f"  {name:24s} {st}")
             continue
-        mem = "pass" if peak <= 2.0 else "FAIL"
+        mem = "pass" if peak <= budget else "FAIL"
         spd = "pass" if (med <= 1.2 * t3 and med < best_other) else "FAIL"
         if ne is None or e[0] != e[0]:
             acc = "n/a"
@@ -276,6 +298,9 @@ def main():
     ap.add_argument("--quick", action="store_true", help="T=32k,H=4096,V=151936 all arms + T=128k peaks")
     ap.add_argument("--tokens", default=None, metavar="T,T,...",
                     help="full grid only at these T (e.g. 8192,32768); default all of 8k, 32k, 128k")
+    ap.add_argument("--hidden", default=None, metavar="H,H", help="full grid only at these H (4096, 7168)")
+    ap.add_argument("--vocab", default=None, metavar="V,V,...",
+                    help="full grid only at these V (128256, 151936, 256000)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--err-T", type=int, default=8192, help="tokens for the fp64 error measurement")
     ap.add_argument("--interleave", default=None, metavar="ARM,ARM,...",
@@ -289,8 +314,10 @@ def main():
     if args.quick:
         shapes = [(32768, 4096, 151936, False), (131072, 4096, 151936, True)]
     else:
-        tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else (8192, 32768, 131072)
-        shapes = [(T, H, V, False) for T in tokens for H in (4096, 7168) for V in (128256, 151936, 256000)]
+        def pick(arg, default):
+            return [int(a) for a in arg.split(",")] if arg else default
+        shapes = [(T, H, V, False) for T in pick(args.tokens, (8192, 32768, 131072))
+                  for H in pick(args.hidden, (4096, 7168)) for V in pick(args.vocab, (128256, 151936, 256000))]
     rate = gemm_rate()
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}  torch {torch.__version__}  moepeak {moepeak.__version__}  bf16 GEMM {rate:.0f} TFLOP/s")
@@ -329,7 +356,7 @@ def main():
                              gemm_tflops=f"{rate:.0f}", x_3gemm=f"{med / t3:.3f}",
                              tflops=f"{flop / med / 1e12:.1f}", err_T=args.err_T, err_loss=f"{e[0]:.3e}",
                              err_dx=f"{e[1]:.3e}", err_dw=f"{e[2]:.3e}"))
-        verdicts(results, t3, errs)
+        verdicts(results, t3, errs, (T, H, V))
     if args.interleave:
         T, H, V, _ = shapes[0]
         MoepeakArm.timed_T = T
