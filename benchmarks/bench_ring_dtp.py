@@ -357,6 +357,7 @@ def main():
                              tflops=f"{flop / med / 1e12:.1f}", err_T=args.err_T, err_loss=f"{e[0]:.3e}",
                              err_dx=f"{e[1]:.3e}", err_dw=f"{e[2]:.3e}"))
         verdicts(results, t3, errs, (T, H, V))
+        flush_rows(args.out, rows)  # per shape: a run cut short keeps the shapes it finished
     if args.interleave:
         T, H, V, _ = shapes[0]
         MoepeakArm.timed_T = T
@@ -383,10 +384,16 @@ def main():
                              p90_ms=f"{p90 * 1e3:.2f}", iters=len(ts[n]), gemm_tflops=f"{rate_rr:.0f}",
                              x_3gemm=f"{med / t3:.3f}", tflops=f"{flop / med / 1e12:.1f}", err_T=0,
                              err_loss="nan", err_dx="nan", err_dw="nan"))
-    if args.out:
-        path = os.path.join(args.out, "ring_dtp.csv")
+    flush_rows(args.out, rows)
+
+
+def flush_rows(out, rows):
+    """Append rows to out/ring_dtp.csv (if out) and empty the list."""
+    if out and rows:
+        path = os.path.join(out, "ring_dtp.csv")
         append_rows(path, rows)
         print(f"\nappended {len(rows)} rows to {path}")
+    rows.clear()
 
 
 if __name__ == "__main__":
