@@ -69,8 +69,8 @@ def make_arms(quick_big=False):
         from cut_cross_entropy import linear_cross_entropy as cce_lce
         arms["cce"] = lambda x, w, y: cce_lce(x, w, y, impl="cce")
         if not quick_big:
-            import cut_cross_entropy.linear_cross_entropy as cce_mod
-            if "CCE_EXACT" in getattr(cce_mod.LinearCrossEntropyImpl, "__members__", {}):
+            from cut_cross_entropy import LinearCrossEntropyImpl as cce_impls
+            if "CCE_EXACT" in cce_impls.__members__:
                 arms["cce_exact"] = lambda x, w, y: cce_lce(x, w, y, impl="cce_exact")
             else:  # 25.1.1 has no cce_exact impl: its exact variant is cce without gradient filtering
                 arms["cce_nofilter"] = lambda x, w, y: cce_lce(x, w, y, impl="cce", filter_eps=None)
