@@ -252,6 +252,32 @@ def errors(arms, T, H, V):
     return out
 
 
+def chunk_errors(args):
+    """Errors vs fp64 of fused_lowp at n token chunks (bf16 dW rounded once per chunk) and
+    of vocab_outer_lowp (dX rounded once per vocab block), relative to naive's; rows -> csv."""
+    def pick(arg, default):
+        return [int(a) for a in arg.split(",")] if arg else default
+    T = args.err_T
+    rows = []
+    for H in pick(args.hidden, (4096, 7168)):
+        for V in pick(args.vocab, (128256, 151936, 256000)):
+            MoepeakArm.timed_T = None
+            arms = {"naive": naive, "moepeak_vocab_outer_lowp": MoepeakArm("vocab_outer_lowp")}
+            for n in pick(args.err_chunks, ()):
+                arms[f"moepeak_fused_lowp_n{n}"] = MoepeakArm("fused_lowp", -(-T // n))
+            errs = errors(arms, T, H, V)
+            ne = errs["naive"]
+            print(f"T={T} H={H} V={V}: error / naive's (loss, dX, dW); naive {ne[0]:.2e} {ne[1]:.2e} {ne[2]:.2e}")
+            for name, e in errs.items():
+                print(f"  {name:28s} " + "  ".join(f"{a / b:5.2f}x" for a, b in zip(e, ne)))
+                rows.append(dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(
+                    datetime.timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__,
+                    moepeak=moepeak.__version__, T=T, H=H, V=V, arm=name + "@err", status="ok", peak_gib="nan",
+                    median_ms="nan", p10_ms="nan", p90_ms="nan", iters=0, gemm_tflops="nan", x_3gemm="nan",
+                    tflops="nan", err_T=T, err_loss=f"{e[0]:.3e}", err_dx=f"{e[1]:.3e}", err_dw=f"{e[2]:.3e}"))
+    flush_rows(args.out, rows)
+
+
 def grads_gib(T, H, V):
     """dX + dW in bf16 (GiB): part of every arm's peak."""
     return 2.0 * (T * H + V * H) / GiB
@@ -308,9 +334,14 @@ def main():
                          "(rows get the arm name + '@rr'); e.g. naive_compile,liger_flce_fp32acc,moepeak_auto")
     ap.add_argument("--rounds", type=int, default=10, help="rounds of --interleave")
     ap.add_argument("--only-interleave", action="store_true", help="skip the per-arm runs")
+    ap.add_argument("--err-chunks", default=None, metavar="N,N,...",
+                    help="only: the fp64 errors at --err-T of fused_lowp with N token chunks and of "
+                         "vocab_outer_lowp, per shape of the grid selection (what auto's chunk cap rests on)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_ring_dtp: needs a CUDA GPU")
+    if args.err_chunks:
+        return chunk_errors(args)
     if args.quick:
         shapes = [(32768, 4096, 151936, False), (131072, 4096, 151936, True)]
     else:

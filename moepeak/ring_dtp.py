@@ -37,7 +37,7 @@ every GEMM is torch's. Schedules ("mode"):
                1 GiB bf16 copy).
   auto         fp32 inputs: fused. Low precision: fused_lowp when backward is
                certain (grad enabled, reduction mean/sum) and it needs at most
-               20 token chunks (T <= 40960 at V = 151936 with 2048-row
+               64 token chunks (T <= 131072 at V = 151936 with 2048-row
                chunks); otherwise vocab_outer (exact dW and dX, 4 GEMMs) while
                its fp32 [T, H] dX accumulator is at most the 512 MiB workspace
                (T*H <= 128M), vocab_outer_lowp beyond that.
@@ -60,18 +60,23 @@ with the same chunk count, relative to naive bf16 (1.02e-3):
   T = 128k: fused_lowp 770 ms / 2.74 GiB, auto (vocab_outer_lowp) 1093 ms / 2.70 GiB,
   Liger 778 ms / 4.48 GiB. Where the 32k time goes: benchmarks/RESULTS.md.
 Error growth with the chunk count. fused* round the bf16 dW accumulator once per
-chunk. On the H200 data above (uniform random labels over 152k classes, logits of
-std 1) a dW row gets its large label term from one chunk and the other chunks add
-less than half an ulp, so 19 chunks cost only 1.17x. With peaked softmax (logits of
-std 2) every chunk moves every row and the error grows ~sqrt(n): this op on CPU
-(bf16 rounding of the GEMM output applied to an fp32 block, as CUDA does):
+chunk. On the H200 with the benchmark's data (uniform random labels, logits of std
+1; benchmarks/results/ring_dtp_err_chunks.log, T = 8192, all six H x V of the grid)
+fused_lowp's dW error is 1.07-1.22x naive's at 8 chunks and still 1.09-1.22x at 64:
+a dW row gets its large label term from one chunk, and the others add less than half
+an ulp. vocab_outer_lowp, on the same data, has dX at 2.41-2.79x naive's (8 roundings
+of every dX row), so auto prefers fused_lowp up to 64 chunks (the most measured):
+it is also the faster (T = 128k: 764-770 vs 1088-1093 ms) at the same 2.7 GiB.
+When labels repeat in every chunk (frequent tokens of real text; here: logits of
+std 2, which make the softmax peaked) every chunk moves those rows and the error
+grows ~sqrt(n) (this op on CPU, bf16 rounding of the GEMM output applied as CUDA does):
   T=512,  H=64,  V=1024:  n = 1 / 2 / 4 / 8 / 16 / 32 -> fused_lowp 1.00 / 1.11 /
                           1.31 / 1.63 / 2.13 / 2.87x (fused 0.75x at n = 1)
   T=2048, H=128, V=32768: n = 1 / 8 / 19 / 38 -> 1.00 / 1.82 / 2.25 / 2.53x (2 seeds)
+  T=4096, H=128, V=32768: n = 8 / 20 / 32 / 64 -> 2.0 / 2.9 / 3.4 / 4.1x (std 2; std 1: 2.2 / 2.9 / 3.2 / 3.5x)
   vocab_outer 0.75x at any T (dW summed in fp32 per vocab block); dX 1.00x always.
-auto's cap of 20 chunks follows the H200 evidence (the benchmark's data, the
-issue's target); for peaked real-label distributions above ~8 chunks dW may reach
-~2.3x naive's error: use mode="vocab_outer" (exact) or chunk_tokens (fewer chunks).
+For exact dW whatever the labels: mode="vocab_outer" (4 GEMMs, fp32 dX accumulator),
+or fewer chunks with chunk_tokens (more workspace).
 GEMMs: fp32 logits straight from cuBLAS via torch.mm(out_dtype=fp32, out=)
 where torch has it (>= 2.8), else bf16 logits upcast in 256-row pieces.
 
@@ -101,7 +106,7 @@ from . import ring_dtp_blocks as B
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 MODES = {"auto": 0, "fused": 1, "vocab_outer": 2, "token_outer": 3, "fused_lowp": 4, "vocab_outer_lowp": 5}
 _FUSED = (MODES["fused"], MODES["fused_lowp"])
-_FUSED_MAX_CHUNKS = 20  # fused_lowp: 19 chunks measured at 1.17x naive's dW error on the H200 (see above)
+_FUSED_MAX_CHUNKS = 64  # fused_lowp: up to 64 chunks measured at <= 1.22x naive's dW error on the H200 (see above)
 _LOWP_DX_BLOCKS = 8     # vocab_outer_lowp: vocab blocks dX is rounded over (n = 8: <= 1.63x naive above)
 
 
