@@ -42,23 +42,24 @@ every GEMM is torch's. Schedules ("mode"):
                its fp32 [T, H] dX accumulator is at most the 512 MiB workspace
                (T*H <= 128M), vocab_outer_lowp beyond that.
 
-Measured on one H200 (torch 2.11, 2026-11-29 20:03 UTC; benchmarks/bench_ring_dtp.py
---quick), T = 32k, H = 4096, V = 151936, bf16, fwd+bwd; 3-GEMM time 156.6 ms at the
-measured 781 TFLOP/s; peak above the inputs incl. dX + dW; dW error vs fp64 at T = 8192
+Measured on one H200 (torch 2.11, 2026-11-29 21:09 UTC; benchmarks/bench_ring_dtp.py
+--quick), T = 32k, H = 4096, V = 151936, bf16, fwd+bwd; 3-GEMM time 154.6 ms at the
+measured 792 TFLOP/s; peak above the inputs incl. dX + dW; dW error vs fp64 at T = 8192
 with the same chunk count, relative to naive bf16 (1.02e-3):
   arm                          ms     peak GiB   dW err
-  naive                        244.4  55.6       1.00x
-  naive + torch.compile        197.7  10.7       1.00x
-  Liger FLCE (fp32 acc)        214.1   3.73      1.00x
-  fused_lowp, 2048 rows (16)   192.9   1.99      1.16x   <- auto
-  fused_lowp, 1728 rows (19)   200.1   1.90      1.17x
-  fused_lowp, 3456 rows (10)   193.0   2.39      1.16x
-  fused (fp32 logits)          223.9   1.90      1.18x
-  vocab_outer                  318.3   2.04      1.00x
-  token_outer                  323.7   1.58      1.04x
-  CCE                          360.1   1.41      4.1x (dX 8.2x)
-  T = 128k: fused_lowp 770 ms / 2.74 GiB, auto (vocab_outer_lowp) 1093 ms / 2.70 GiB,
-  Liger 778 ms / 4.48 GiB. Where the 32k time goes: benchmarks/RESULTS.md.
+  naive                        242.7  55.6       1.00x
+  naive + torch.compile        194.5  10.7       1.00x
+  Liger FLCE (fp32 acc)        208.0   3.73      1.00x
+  fused_lowp, 2048 rows (16)   189.0   1.99      1.16x   <- auto
+  fused_lowp, 1728 rows (19)   197.6   1.90      1.17x
+  fused_lowp, 3456 rows (10)   190.7   2.39      1.16x
+  fused (fp32 logits)          221.4   1.90      1.18x
+  vocab_outer                  312.9   2.04      1.00x
+  token_outer                  318.1   1.58      1.04x
+  CCE                          356.3   1.41      4.1x (dX 8.2x)
+  T = 128k: auto (fused_lowp, 64 chunks) 757 ms / 2.74 GiB, Liger 767 ms / 4.48 GiB,
+  CCE 1409 ms / 2.16 GiB; vocab_outer_lowp 1093 ms / 2.70 GiB (20:03 UTC).
+  Where the 32k time goes, and the grid over T, H, V: benchmarks/RESULTS.md.
 Error growth with the chunk count. fused* round the bf16 dW accumulator once per
 chunk. On the H200 with the benchmark's data (uniform random labels, logits of std
 1; benchmarks/results/ring_dtp_err_chunks.log, T = 8192, all six H x V of the grid)
