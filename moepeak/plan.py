@@ -144,14 +144,14 @@ RING_FUSED_WORKSPACE = 512 << 20     # DEFAULT_WORKSPACE_BYTES: fp32 fused's [ct
 RING_LOWP_WORKSPACE = 640 << 20      # LOWP_WORKSPACE_BYTES: fused_lowp's [ct, V] block ...
 RING_LOWP_MAX_ROWS = 2048            # LOWP_MAX_ROWS: ... of at most 2048 rows, multiples of 256
 RING_BLOCKED_WORKSPACE = 256 << 20   # BLOCKED_WORKSPACE_BYTES: the 4-GEMM orders' block workspace
-RING_FUSED_MAX_CHUNKS = 64           # _FUSED_MAX_CHUNKS: bf16 fused_lowp only up to 64 token chunks
+RING_FUSED_MAX_CHUNKS = 20           # _FUSED_MAX_CHUNKS: bf16 fused_lowp only up to 20 token chunks
 RING_LOWP_DX_BLOCKS = 8              # _LOWP_DX_BLOCKS: vocab_outer_lowp's vocab blocks
 
 
 def ring_dtp_vocab_bytes(T: int, H: int, V: int, b: int, budget_mb: Optional[float] = None) -> float:
     """Ring-DTP's own bytes at its peak, for the mode `auto` picks (ring_dtp._pick_mode):
     fp32: fused (forward makes dX [T, H], kept to the backward, in [ct, V] blocks);
-    low precision within 64 token chunks: fused_lowp (one [ct, V] block + dX); else
+    low precision within 20 token chunks: fused_lowp (one [ct, V] block + dX); else
     vocab_outer while its fp32 [T, H] dX accumulator is <= 512 MiB (+ its cast to dtype +
     the 256 MiB block workspace), vocab_outer_lowp beyond (dX in dtype, an fp32 dW block
     [V/8, H], the block workspace). All: 5 fp32 [T] fold rows + 3 fp32 [T] saved (m, ls,

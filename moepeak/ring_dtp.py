@@ -37,7 +37,7 @@ every GEMM is torch's. Schedules ("mode"):
                1 GiB bf16 copy).
   auto         fp32 inputs: fused. Low precision: fused_lowp when backward is
                certain (grad enabled, reduction mean/sum) and it needs at most
-               64 token chunks (T <= 131072 at V = 151936 with 2048-row
+               20 token chunks (T <= 40960 at V = 151936 with 2048-row
                chunks); otherwise vocab_outer (exact dW and dX, 4 GEMMs) while
                its fp32 [T, H] dX accumulator is at most the 512 MiB workspace
                (T*H <= 128M), vocab_outer_lowp beyond that.
@@ -57,27 +57,33 @@ with the same chunk count, relative to naive bf16 (1.02e-3):
   vocab_outer                  312.9   2.04      1.00x
   token_outer                  318.1   1.58      1.04x
   CCE                          356.3   1.41      4.1x (dX 8.2x)
-  T = 128k: auto (fused_lowp, 64 chunks) 757 ms / 2.74 GiB, Liger 767 ms / 4.48 GiB,
-  CCE 1409 ms / 2.16 GiB; vocab_outer_lowp 1093 ms / 2.70 GiB (20:03 UTC).
+  T = 128k: auto (vocab_outer_lowp) 1088-1093 ms / 2.70 GiB (19:40, 20:03 UTC);
+  fused_lowp (64 chunks) 757 ms / 2.74 GiB, Liger 767 ms / 4.48 GiB, CCE 1409 ms / 2.16 GiB.
   Where the 32k time goes, and the grid over T, H, V: benchmarks/RESULTS.md.
 Error growth with the chunk count. fused* round the bf16 dW accumulator once per
-chunk. On the H200 with the benchmark's data (uniform random labels, logits of std
-1; benchmarks/results/ring_dtp_err_chunks.log, T = 8192, all six H x V of the grid)
-fused_lowp's dW error is 1.07-1.22x naive's at 8 chunks and still 1.09-1.22x at 64:
-a dW row gets its large label term from one chunk, and the others add less than half
-an ulp. vocab_outer_lowp, on the same data, has dX at 2.41-2.79x naive's (8 roundings
-of every dX row), so auto prefers fused_lowp up to 64 chunks (the most measured):
-it is also the faster (T = 128k: 764-770 vs 1088-1093 ms) at the same 2.7 GiB.
-When labels repeat in every chunk (frequent tokens of real text; here: logits of
-std 2, which make the softmax peaked) every chunk moves those rows and the error
-grows ~sqrt(n) (this op on CPU, bf16 rounding of the GEMM output applied as CUDA does):
-  T=512,  H=64,  V=1024:  n = 1 / 2 / 4 / 8 / 16 / 32 -> fused_lowp 1.00 / 1.11 /
-                          1.31 / 1.63 / 2.13 / 2.87x (fused 0.75x at n = 1)
-  T=2048, H=128, V=32768: n = 1 / 8 / 19 / 38 -> 1.00 / 1.82 / 2.25 / 2.53x (2 seeds)
-  T=4096, H=128, V=32768: n = 8 / 20 / 32 / 64 -> 2.0 / 2.9 / 3.4 / 4.1x (std 2; std 1: 2.2 / 2.9 / 3.2 / 3.5x)
-  vocab_outer 0.75x at any T (dW summed in fp32 per vocab block); dX 1.00x always.
-For exact dW whatever the labels: mode="vocab_outer" (4 GEMMs, fp32 dX accumulator),
-or fewer chunks with chunk_tokens (more workspace).
+chunk, vocab_outer_lowp rounds dX once per vocab block (8). Two regimes:
+- Labels that rarely repeat across chunks (the benchmark's uniform random labels
+  over V >> T): a dW row gets its large label term from one chunk and the others add
+  less than half an ulp. H200, T = 8192, all six H x V of the benchmark grid
+  (benchmarks/results/ring_dtp_err_chunks.log): fused_lowp's dW error is 1.07-1.22x
+  naive's at 8 chunks and still 1.09-1.22x at 64.
+- Labels that repeat in every chunk (frequent tokens of real text, a byte-level
+  vocabulary as in the demo): every chunk moves those rows and the error grows
+  ~sqrt(n) (this op on CPU, bf16 rounding of the GEMM output applied as CUDA does):
+    T=512,  H=64,  V=1024:  n = 1 / 2 / 4 / 8 / 16 / 32 -> fused_lowp 1.00 / 1.11 /
+                            1.31 / 1.63 / 2.13 / 2.87x (fused 0.75x at n = 1)
+    T=2048, H=128, V=32768: n = 1 / 8 / 19 / 38 -> 1.00 / 1.82 / 2.25 / 2.53x (2 seeds)
+    T=4096, H=128, V=32768: n = 8 / 20 / 32 / 64 -> 2.0 / 2.9 / 3.4 / 4.1x (logits std 2;
+                            std 1: 2.2 / 2.9 / 3.2 / 3.5x)
+vocab_outer_lowp's dX error does not depend on the labels: 2.41-2.79x naive's on
+the H200 (all six grid shapes, 8 blocks). vocab_outer is exact (dW 0.75-1.0x, dX 1.00x).
+auto therefore caps fused_lowp at 20 chunks (where the H200 data puts the 32k
+target shape, 16 chunks, at 1.16x) and past it prefers the exact vocab_outer while
+its fp32 [T, H] dX accumulator fits the 512 MiB workspace, then vocab_outer_lowp,
+whose 8 roundings beat fused_lowp's n > 20 in the repeated-label regime. Where speed
+matters more and labels rarely repeat, mode="fused_lowp" is 1.4-1.6x faster past 20
+chunks (T = 128k: 757-770 vs 1088-1093 ms; T = 32k, V = 256000, H = 4096: 326.5 vs
+526.4 ms). For exact dW whatever the labels: mode="vocab_outer".
 GEMMs: fp32 logits straight from cuBLAS via torch.mm(out_dtype=fp32, out=)
 where torch has it (>= 2.8), else bf16 logits upcast in 256-row pieces.
 
@@ -107,7 +113,7 @@ from . import ring_dtp_blocks as B
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 MODES = {"auto": 0, "fused": 1, "vocab_outer": 2, "token_outer": 3, "fused_lowp": 4, "vocab_outer_lowp": 5}
 _FUSED = (MODES["fused"], MODES["fused_lowp"])
-_FUSED_MAX_CHUNKS = 64  # fused_lowp: up to 64 chunks measured at <= 1.22x naive's dW error on the H200 (see above)
+_FUSED_MAX_CHUNKS = 20  # fused_lowp in auto: at most 20 bf16 roundings of a dW row (see "Error growth" above)
 _LOWP_DX_BLOCKS = 8     # vocab_outer_lowp: vocab blocks dX is rounded over (n = 8: <= 1.63x naive above)
 
 

@@ -194,18 +194,19 @@ def test_fused_lowp_error_at_auto_chunk_count():
 
 def test_auto_mode_choice():
     from moepeak.ring_dtp import MODES as M, _pick_mode
-    # bf16 logits, 2048 rows per chunk at V = 151936 (fused_chunk_tokens): at most 64 chunks
+    # bf16 logits, 2048 rows per chunk at V = 151936 (fused_chunk_tokens): at most 20 chunks
     from moepeak import ring_dtp_blocks as B
     assert B.fused_chunk_tokens(151936, torch.bfloat16, lowp_logits=True) == 2048
     assert B.fused_chunk_tokens(256000, torch.bfloat16, lowp_logits=True) == 1280
     assert B.fused_chunk_tokens(151936, torch.bfloat16) == 576
     assert _pick_mode(0, True, 1, 2000, 4096, 151936, torch.bfloat16) == M["fused_lowp"]
     assert _pick_mode(0, True, 1, 32768, 4096, 151936, torch.bfloat16) == M["fused_lowp"]  # 16 chunks
-    assert _pick_mode(0, True, 1, 64 * 2048, 4096, 151936, torch.bfloat16) == M["fused_lowp"]  # T = 128k
-    assert _pick_mode(0, True, 1, 64 * 2048 + 1, 4096, 151936, torch.bfloat16) == M["vocab_outer_lowp"]
-    assert _pick_mode(0, True, 1, 64 * 2048 + 1, 256, 151936, torch.bfloat16) == M["vocab_outer"]  # 128 MiB acc
-    assert _pick_mode(0, True, 1, 32768, 7168, 256000, torch.bfloat16) == M["fused_lowp"]  # 26 chunks of 1280
-    assert _pick_mode(0, True, 1, 262144, 4096, 151936, torch.bfloat16) == M["vocab_outer_lowp"]
+    assert _pick_mode(0, True, 1, 20 * 2048, 4096, 151936, torch.bfloat16) == M["fused_lowp"]
+    assert _pick_mode(0, True, 1, 20 * 2048 + 1, 4096, 151936, torch.bfloat16) == M["vocab_outer_lowp"]
+    assert _pick_mode(0, True, 1, 20 * 2048 + 1, 1024, 151936, torch.bfloat16) == M["vocab_outer"]  # 160 MiB acc
+    assert _pick_mode(0, True, 1, 32768, 4096, 256000, torch.bfloat16) == M["vocab_outer"]  # 26 chunks of 1280
+    assert _pick_mode(0, True, 1, 131072, 1024, 65536, torch.bfloat16) == M["vocab_outer"]  # the demo's head
+    assert _pick_mode(0, True, 1, 131072, 4096, 151936, torch.bfloat16) == M["vocab_outer_lowp"]
     assert _pick_mode(M["vocab_outer_lowp"], True, 1, 64, 4096, 100, torch.float32) == M["vocab_outer"]
     assert _pick_mode(0, True, 1, 32768, 4096, 151936, torch.bfloat16, 8192) == M["fused_lowp"]
     assert _pick_mode(0, True, 0, 100, 4096, 1000, torch.bfloat16) == M["vocab_outer"]
