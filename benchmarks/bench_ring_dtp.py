@@ -252,29 +252,50 @@ def errors(arms, T, H, V):
     return out
 
 
+def _ints(arg, default):
+    """'8192,32768' -> [8192, 32768]; None -> default."""
+    return [int(a) for a in arg.split(",")] if arg else list(default)
+
+
+def quantiles(ts):
+    """(median, p10, p90) of a list of seconds; nan for an empty list."""
+    if not ts:
+        return (float("nan"),) * 3
+    srt = sorted(ts)
+    return statistics.median(srt), srt[len(srt) // 10], srt[min(len(srt) - 1, (9 * len(srt)) // 10)]
+
+
+def csv_row(T, H, V, arm, status="ok", peak=float("nan"), ts=(), rate=float("nan"), err_T=0,
+            e=(float("nan"),) * 3):
+    """One row of ring_dtp.csv: times from ts (seconds), x_3gemm / tflops at `rate` TFLOP/s."""
+    med, p10, p90 = quantiles(list(ts))
+    flop = 6.0 * T * V * H
+    t3 = flop / (rate * 1e12)
+    return dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="seconds"), torch=torch.__version__, moepeak=moepeak.__version__, T=T, H=H, V=V, arm=arm,
+                status=status, peak_gib=f"{peak:.3f}", median_ms=f"{med * 1e3:.2f}", p10_ms=f"{p10 * 1e3:.2f}",
+                p90_ms=f"{p90 * 1e3:.2f}", iters=len(ts), gemm_tflops=f"{rate:.0f}", x_3gemm=f"{med / t3:.3f}",
+                tflops=f"{flop / med / 1e12:.1f}", err_T=err_T, err_loss=f"{e[0]:.3e}", err_dx=f"{e[1]:.3e}",
+                err_dw=f"{e[2]:.3e}")
+
+
 def chunk_errors(args):
     """Errors vs fp64 of fused_lowp at n token chunks (bf16 dW rounded once per chunk) and
     of vocab_outer_lowp (dX rounded once per vocab block), relative to naive's; rows -> csv."""
-    def pick(arg, default):
-        return [int(a) for a in arg.split(",")] if arg else default
     T = args.err_T
     rows = []
-    for H in pick(args.hidden, (4096, 7168)):
-        for V in pick(args.vocab, (128256, 151936, 256000)):
+    for H in _ints(args.hidden, (4096, 7168)):
+        for V in _ints(args.vocab, (128256, 151936, 256000)):
             MoepeakArm.timed_T = None
             arms = {"naive": naive, "moepeak_vocab_outer_lowp": MoepeakArm("vocab_outer_lowp")}
-            for n in pick(args.err_chunks, ()):
+            for n in _ints(args.err_chunks, ()):
                 arms[f"moepeak_fused_lowp_n{n}"] = MoepeakArm("fused_lowp", -(-T // n))
             errs = errors(arms, T, H, V)
             ne = errs["naive"]
             print(f"T={T} H={H} V={V}: error / naive's (loss, dX, dW); naive {ne[0]:.2e} {ne[1]:.2e} {ne[2]:.2e}")
             for name, e in errs.items():
                 print(f"  {name:28s} " + "  ".join(f"{a / b:5.2f}x" for a, b in zip(e, ne)))
-                rows.append(dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(
-                    datetime.timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__,
-                    moepeak=moepeak.__version__, T=T, H=H, V=V, arm=name + "@err", status="ok", peak_gib="nan",
-                    median_ms="nan", p10_ms="nan", p90_ms="nan", iters=0, gemm_tflops="nan", x_3gemm="nan",
-                    tflops="nan", err_T=T, err_loss=f"{e[0]:.3e}", err_dx=f"{e[1]:.3e}", err_dw=f"{e[2]:.3e}"))
+                rows.append(csv_row(T, H, V, name + "@err", err_T=T, e=e))
     flush_rows(args.out, rows)
 
 
@@ -345,10 +366,8 @@ def main():
     if args.quick:
         shapes = [(32768, 4096, 151936, False), (131072, 4096, 151936, True)]
     else:
-        def pick(arg, default):
-            return [int(a) for a in arg.split(",")] if arg else default
-        shapes = [(T, H, V, False) for T in pick(args.tokens, (8192, 32768, 131072))
-                  for H in pick(args.hidden, (4096, 7168)) for V in pick(args.vocab, (128256, 151936, 256000))]
+        shapes = [(T, H, V, False) for T in _ints(args.tokens, (8192, 32768, 131072))
+                  for H in _ints(args.hidden, (4096, 7168)) for V in _ints(args.vocab, (128256, 151936, 256000))]
     rate = gemm_rate()
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}  torch {torch.__version__}  moepeak {moepeak.__version__}  bf16 GEMM {rate:.0f} TFLOP/s")
@@ -373,20 +392,12 @@ def main():
                 st, peak, ts = fn, float("nan"), []
             else:
                 st, peak, ts = measure(fn, T, H, V, 3 if big else args.iters)
-            med = statistics.median(ts) if ts else float("nan")
-            p10 = sorted(ts)[len(ts) // 10] if ts else float("nan")
-            p90 = sorted(ts)[min(len(ts) - 1, (9 * len(ts)) // 10)] if ts else float("nan")
+            med = quantiles(ts)[0]
             e = errs.get(name, (float("nan"),) * 3)
             print(f"{name:24s} {st[:10]:10s} {peak:9.2f} {med * 1e3:8.1f} {med / t3:7.2f} {flop / med / 1e12:8.0f} "
                   f"{e[0]:9.2e} {e[1]:9.2e} {e[2]:9.2e}")
             results[name] = (st, peak, med, e)
-            rows.append(dict(gpu=gpu, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                             torch=torch.__version__, moepeak=moepeak.__version__, T=T, H=H, V=V, arm=name,
-                             status=st, peak_gib=f"{peak:.3f}", median_ms=f"{med * 1e3:.2f}",
-                             p10_ms=f"{p10 * 1e3:.2f}", p90_ms=f"{p90 * 1e3:.2f}", iters=len(ts),
-                             gemm_tflops=f"{rate:.0f}", x_3gemm=f"{med / t3:.3f}",
-                             tflops=f"{flop / med / 1e12:.1f}", err_T=args.err_T, err_loss=f"{e[0]:.3e}",
-                             err_dx=f"{e[1]:.3e}", err_dw=f"{e[2]:.3e}"))
+            rows.append(csv_row(T, H, V, name, st, peak, ts, rate, args.err_T, e))
         verdicts(results, t3, errs, (T, H, V))
         flush_rows(args.out, rows)  # per shape: a run cut short keeps the shapes it finished
     if args.interleave:
@@ -405,16 +416,9 @@ def main():
         print(f"\nround-robin, T={T} H={H} V={V}, {args.rounds} rounds: GEMM rate {min(rates):.0f}-{max(rates):.0f} "
               f"(median {rate_rr:.0f}) TFLOP/s, 3-GEMM time {t3 * 1e3:.1f} ms")
         for n in pick:
-            med = statistics.median(ts[n])
-            srt = sorted(ts[n])
-            p10, p90 = srt[len(srt) // 10], srt[min(len(srt) - 1, (9 * len(srt)) // 10)]
+            med, p10, p90 = quantiles(ts[n])
             print(f"  {n:24s} {med * 1e3:8.1f} ms (p10 {p10 * 1e3:.1f}, p90 {p90 * 1e3:.1f})  {med / t3:5.3f}x 3-GEMM")
-            rows.append(dict(gpu=gpu, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                             torch=torch.__version__, moepeak=moepeak.__version__, T=T, H=H, V=V, arm=n + "@rr",
-                             status="ok", peak_gib="nan", median_ms=f"{med * 1e3:.2f}", p10_ms=f"{p10 * 1e3:.2f}",
-                             p90_ms=f"{p90 * 1e3:.2f}", iters=len(ts[n]), gemm_tflops=f"{rate_rr:.0f}",
-                             x_3gemm=f"{med / t3:.3f}", tflops=f"{flop / med / 1e12:.1f}", err_T=0,
-                             err_loss="nan", err_dx="nan", err_dw="nan"))
+            rows.append(csv_row(T, H, V, n + "@rr", ts=ts[n], rate=rate_rr))
     flush_rows(args.out, rows)
 
 
