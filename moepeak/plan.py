@@ -10,9 +10,10 @@ Peaks (bytes per GPU; each term read off the code that allocates it, see peaks()
                  plain FSDP2 + AC                     moepeak
   dispatch   T*K*(b*H+4b*I+8H+20) saved rows          T*(b*H+4K) saved + b*C*(2H+3I) (P>1:
              + 4*T*H (fp32 combine accumulator)        4H+3I) + 4*T*H + 4*T*K (bwd dX, d(w))
-  vocab      12*T*V (fp32 log-softmax saved,          Ring-DTP: fused (<= 8 token chunks):
-             nll grad, log-softmax grad)               512 MiB [ct, V] block + b*T*H dX;
-                                                       else 256 MiB + (4+b)*T*H + 32*T
+  vocab      12*T*V (fp32 log-softmax saved,          Ring-DTP (ring_dtp_vocab_bytes): fused_lowp
+             nll grad, log-softmax grad)               (<= 20 token chunks): one <= 640 MiB
+                                                       [ct, V] block + b*T*H dX; else 256 MiB
+                                                       + (4+b)*T*H or + 4*(V/8)*H + b*T*H; + 32*T
   boundaries L*T*H*b (one checkpoint input/block)     max(W=2, 1+prefetch=2)*T*H*b (SCO)
   optimizer  12*N/P (fp32 master, m, v)               0 (host RAM + pinned slots)
 Also held: 'fixed' = params + grads (plain 4*N/P fp32 grads; moepeak bf16 params + grads
@@ -32,6 +33,8 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 from typing import Dict, Optional
+
+from . import ring_dtp_sizes as RS
 
 GiB = 2 ** 30
 
@@ -138,38 +141,28 @@ class Setup:
     plain_fixed_bytes: float = 4.0
 
 
-# Ring-DTP's defaults (moepeak/ring_dtp_blocks.py, moepeak/ring_dtp.py), mirrored here so
-# that `plan` runs without the compiled extension (tests/test_plan.py checks the mirror).
-RING_FUSED_WORKSPACE = 512 << 20     # DEFAULT_WORKSPACE_BYTES: fp32 fused's [ct, V] blocks
-RING_LOWP_WORKSPACE = 640 << 20      # LOWP_WORKSPACE_BYTES: fused_lowp's [ct, V] block ...
-RING_LOWP_MAX_ROWS = 2048            # LOWP_MAX_ROWS: ... of at most 2048 rows, multiples of 256
-RING_BLOCKED_WORKSPACE = 256 << 20   # BLOCKED_WORKSPACE_BYTES: the 4-GEMM orders' block workspace
-RING_FUSED_MAX_CHUNKS = 20           # _FUSED_MAX_CHUNKS: bf16 fused_lowp only up to 20 token chunks
-RING_LOWP_DX_BLOCKS = 8              # _LOWP_DX_BLOCKS: vocab_outer_lowp's vocab blocks
-
-
 def ring_dtp_vocab_bytes(T: int, H: int, V: int, b: int, budget_mb: Optional[float] = None) -> float:
-    """Ring-DTP's own bytes at its peak, for the mode `auto` picks (ring_dtp._pick_mode):
+    """Ring-DTP's own bytes at its peak, for the mode `auto` picks (ring_dtp_sizes, the
+    op's own sizing and choice):
     fp32: fused (forward makes dX [T, H], kept to the backward, in [ct, V] blocks);
-    low precision within 20 token chunks: fused_lowp (one [ct, V] block + dX); else
-    vocab_outer while its fp32 [T, H] dX accumulator is <= 512 MiB (+ its cast to dtype +
-    the 256 MiB block workspace), vocab_outer_lowp beyond (dX in dtype, an fp32 dW block
-    [V/8, H], the block workspace). All: 5 fp32 [T] fold rows + 3 fp32 [T] saved (m, ls,
-    q). (dW [V, H] is the parameter's gradient: counted in 'fixed'.) budget_mb overrides
-    the fused workspaces (Setup.ring_workspace_mb)."""
+    low precision within FUSED_MAX_CHUNKS token chunks: fused_lowp (one [ct, V] block
+    + dX); else vocab_outer while its fp32 [T, H] dX accumulator is <= 512 MiB (+ its
+    cast to dtype + the 256 MiB block workspace), vocab_outer_lowp beyond (dX in dtype,
+    an fp32 dW block [V/8, H], the block workspace). All: 5 fp32 [T] fold rows + 3 fp32
+    [T] saved (m, ls, q). (dW [V, H] is the parameter's gradient: counted in 'fixed'.)
+    budget_mb overrides the fused workspaces (Setup.ring_workspace_mb)."""
     rows = 32 * T
     if b >= 4:
-        ws = budget_mb * 2 ** 20 if budget_mb else RING_FUSED_WORKSPACE
+        ws = budget_mb * 2 ** 20 if budget_mb else RS.DEFAULT_WORKSPACE_BYTES
         return min(ws, T * V * 8) + 4 * T * H + rows
-    ws = budget_mb * 2 ** 20 if budget_mb else RING_LOWP_WORKSPACE
-    ct = int(ws // (V * b))
-    ct = min(RING_LOWP_MAX_ROWS, ct // 256 * 256) if ct >= 256 else (ct // 64 * 64 if ct >= 64 else max(1, ct))
-    if -(-T // ct) <= RING_FUSED_MAX_CHUNKS:
+    ct = RS.fused_chunk_tokens(V, b, int(budget_mb * 2 ** 20) if budget_mb else None, lowp_logits=True)
+    mode = RS.auto_lowp_schedule(True, T, H, V, b, ct)
+    if mode == "fused_lowp":
         return min(ct, T) * V * b + b * T * H + rows
-    if 4 * T * H <= RING_FUSED_WORKSPACE:
-        return RING_BLOCKED_WORKSPACE + (4 + b) * T * H + rows
-    cv = -(-V // RING_LOWP_DX_BLOCKS)
-    return RING_BLOCKED_WORKSPACE + 4 * cv * H + b * T * H + rows
+    if mode == "vocab_outer":
+        return RS.BLOCKED_WORKSPACE_BYTES + (4 + b) * T * H + rows
+    cv = -(-V // RS.LOWP_DX_BLOCKS)
+    return RS.BLOCKED_WORKSPACE_BYTES + 4 * cv * H + b * T * H + rows
 
 
 def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:

@@ -25,7 +25,7 @@ every GEMM is torch's. Schedules ("mode"):
                the fold, 2 B read + 2 B written by the gradient (fused with fp32
                logits: 4 + 4 + 4 + 2), and more rows per chunk (2048 in a
                594 MiB block vs 576 in 512 MiB at V = 151936; see
-               ring_dtp_blocks.fused_chunk_tokens for why 2048).
+               ring_dtp_sizes.fused_chunk_tokens for why 2048).
   vocab_outer_lowp
                vocab_outer with dX accumulated in the input dtype (bf16/fp16)
                over at most 8 vocab blocks (one rounding per block, like
@@ -109,12 +109,11 @@ from . import _C
 from ._ext import check_tensor, current_stream_handle, require_cuda_build
 from .transport import check_transport_choice
 from . import ring_dtp_blocks as B
+from . import ring_dtp_sizes as S
 
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 MODES = {"auto": 0, "fused": 1, "vocab_outer": 2, "token_outer": 3, "fused_lowp": 4, "vocab_outer_lowp": 5}
 _FUSED = (MODES["fused"], MODES["fused_lowp"])
-_FUSED_MAX_CHUNKS = 20  # fused_lowp in auto: at most 20 bf16 roundings of a dW row (see "Error growth" above)
-_LOWP_DX_BLOCKS = 8     # vocab_outer_lowp: vocab blocks dX is rounded over (n = 8: <= 1.63x naive above)
 
 
 # ---------------------------------------------------------------------------
@@ -341,19 +340,14 @@ def _pick_mode(mode: int, grads: bool, reduction: int, T: int, H: int, V: int, d
     fusable = grads and reduction != 0  # backward certain, upstream grad one scalar
     if dtype == torch.float32:
         return MODES["fused"] if fusable else MODES["vocab_outer"]  # fp32 accumulators: exact
-    ct = chunk_tokens or B.fused_chunk_tokens(V, dtype, lowp_logits=True)
-    if fusable and math.ceil(T / ct) <= _FUSED_MAX_CHUNKS:
-        return MODES["fused_lowp"]
-    if 4 * T * H <= B.DEFAULT_WORKSPACE_BYTES:
-        return MODES["vocab_outer"]
-    return MODES["vocab_outer_lowp"]
+    return MODES[S.auto_lowp_schedule(fusable, T, H, V, B.lowp_bytes(dtype), chunk_tokens)]
 
 
 def _sizes(T, H, V, dtype, mode, chunk_tokens, chunk_vocab):
     if mode in _FUSED:
         return chunk_tokens or B.fused_chunk_tokens(V, dtype, lowp_logits=mode == MODES["fused_lowp"]), V
     if mode == MODES["vocab_outer_lowp"]:
-        cv = chunk_vocab or B.round_up(-(-V // _LOWP_DX_BLOCKS), 128)
+        cv = chunk_vocab or S.lowp_dx_block_cols(V)
         return chunk_tokens or B.lowp_dx_chunk_tokens(cv, dtype), cv
     ct, cv = B.blocked_chunks(T, H, dtype, chunk_tokens=chunk_tokens)
     return ct, (chunk_vocab or cv)

@@ -1,6 +1,7 @@
 """Ring-DTP building blocks shared by the single-device op (ring_dtp.py) and
 the ring schedules (ring_dtp_ring.py): the logits-block GEMM (torch), the fold
-and gradient kernels (moepeak._C), chunk sizing, and the per-row loss.
+and gradient kernels (moepeak._C), chunk sizing for torch dtypes (the arithmetic
+is ring_dtp_sizes'), and the per-row loss.
 
 Per-token state of the online log-sum-exp, all [T] x fp32:
   m     running max of the (softcapped) logits folded so far (-inf at start)
@@ -20,16 +21,9 @@ import torch
 from . import _C
 from ._ext import current_stream_handle
 
-# Workspace the block loops may hold at once (bytes), unless chunk sizes are
-# given. 512 MiB keeps Ring-DTP's working set a small fraction of the 2 GiB
-# target at T = 32k, H = 4096, V = 151936 (DESIGN.md section 2).
-DEFAULT_WORKSPACE_BYTES = 512 << 20
-# fused_lowp's single [ct, V] block (see fused_chunk_tokens).
-LOWP_WORKSPACE_BYTES = 640 << 20
-LOWP_MAX_ROWS = 2048
-# The 4-GEMM orders also hold an fp32 [T, H] dX accumulator (vocab_outer:
-# 512 MiB at T = 32k, H = 4096), so their block workspace gets half as much.
-BLOCKED_WORKSPACE_BYTES = 256 << 20
+# Chunk sizes and auto's choice are torch-free integer arithmetic (shared with `moepeak plan`).
+from .ring_dtp_sizes import BLOCKED_WORKSPACE_BYTES
+from . import ring_dtp_sizes as S
 
 _OUT_DTYPE_OK = {"cuda": None}  # torch.mm(..., out_dtype=fp32) usable on CUDA? (probed once)
 
@@ -225,71 +219,18 @@ def row_losses(m, ls, zy, zsum, sx, valid, bad, eps: float, n_classes: int, zlos
     return torch.where(bad, torch.full_like(loss, math.nan), loss)
 
 
-def round_down(x: int, q: int) -> int:
-    return max(q, (x // q) * q)
-
-
-def _rows(ct: int, q: int = 64) -> int:
-    """Rows per block: ct rounded down to a multiple of q, or ct itself (at least 1) below q."""
-    return round_down(int(ct), q) if ct >= q else max(1, int(ct))
-
-
-def round_up(x: int, q: int) -> int:
-    return -(-x // q) * q
-
-
 def lowp_dx_chunk_tokens(cv: int, dtype: torch.dtype, budget: int = BLOCKED_WORKSPACE_BYTES) -> int:
-    """Token rows per block for vocab_outer_lowp: Z [ct, cv] x fp32 and dZ [ct, cv]
-    x dtype within the budget (the dX and dW partials go straight into dX and the
-    fp32 dW block: no [ct, H] or second [cv, H] buffer on CUDA), multiple of 64.
-    Worked once: V = 151936 in 8 blocks: cv = 18992 rounded up to 128 = 19072; bf16,
-    256 MiB: 268435456 / (19072 * 6) = 2345.8 -> ct = 2304 (Z 168 MiB + dZ 84 MiB)."""
-    ct = budget // (cv * (4 + lowp_bytes(dtype)))
-    return _rows(ct)
+    """ring_dtp_sizes.lowp_dx_chunk_tokens for a torch dtype."""
+    return S.lowp_dx_chunk_tokens(cv, lowp_bytes(dtype), budget)
 
 
 def fused_chunk_tokens(V: int, dtype: torch.dtype, budget: Optional[int] = None,
                        lowp_logits: bool = False) -> int:
-    """Token rows per chunk when a chunk holds whole vocab rows (modes 'fused*').
-
-    fp32 logits: Z [ct, V] x fp32 and dZ [ct, V] x dtype: ct = budget / (V * (4 + b)),
-                 budget 512 MiB, rounded down to a multiple of 64;
-    lowp logits: Z [ct, V] x dtype with dZ in place:     ct = budget / (V * b),
-                 budget 640 MiB, rounded down to a multiple of 256 and at most
-                 LOWP_MAX_ROWS = 2048: the dX GEMM [ct, V] @ [V, H] runs 256-row
-                 tiles, and a whole number of them is what kept it at the GEMM
-                 rate on the H200 (ct = 1728: 7 x 32 tiles = 1.7 waves on 132
-                 SMs, 627 TFLOP/s; 2048: 1.94 waves, 726), while more rows bought
-                 nothing (3456 rows: 193.6 vs 190.7 ms for the whole op).
-    Worked once: V = 151936, bf16 (b = 2):
-      fp32 logits 536870912 / (151936 * 6) = 588.9 -> ct = 576 (Z 334 MiB + dZ 167 MiB);
-      lowp logits 671088640 / (151936 * 2) = 2208.3 -> ct = 2048 (Z/dZ 594 MiB; with
-      dX + dW 1.41 GiB at T = 32k, H = 4096 the op peaks at 1.99 GiB).
-    """
-    b = lowp_bytes(dtype)
-    if lowp_logits and b:
-        ct = (budget or LOWP_WORKSPACE_BYTES) // (V * b)
-        if ct >= 256:
-            return min(LOWP_MAX_ROWS, round_down(int(ct), 256))
-        return _rows(ct)
-    ct = (budget or DEFAULT_WORKSPACE_BYTES) // (V * (4 + b))
-    return _rows(ct)
+    """ring_dtp_sizes.fused_chunk_tokens for a torch dtype (the sizes, worked once, are there)."""
+    return S.fused_chunk_tokens(V, lowp_bytes(dtype), budget, lowp_logits)
 
 
 def blocked_chunks(T: int, H: int, dtype: torch.dtype, budget: int = BLOCKED_WORKSPACE_BYTES,
                    chunk_tokens: Optional[int] = None) -> Tuple[int, int]:
-    """(ct, cv) for the 4-GEMM orders (a [ct, cv] block at a time).
-
-    Per block: Z [ct, cv] x fp32, dZ [ct, cv] x dtype, the dX partial
-    [ct, H] x fp32, and the dW partial and its accumulator [cv, H] x fp32:
-      ct*cv*(4+b) + 8*cv*H + 4*ct*H <= budget
-      cv = (budget - 4*ct*H) / (ct*(4+b) + 8*H), rounded down to 128.
-    Worked once: ct = 4096, H = 4096, bf16, budget 256 MiB:
-      (268435456 - 67108864) / (4096*6 + 8*4096) = 3510.9 -> cv = 3456
-      (Z 54 MiB + dZ 27 MiB + dX partial 64 MiB + dW partial/accumulator 108 MiB).
-    ct is fixed (default 4096), never T-dependent, so the working set is too.
-    """
-    ct = chunk_tokens or 4096
-    per_col = ct * (4 + lowp_bytes(dtype)) + 8 * H
-    cv = (budget - 4 * ct * H) // per_col
-    return ct, round_down(int(max(cv, 128)), 128)
+    """ring_dtp_sizes.blocked_chunks for a torch dtype: (ct, cv) of the 4-GEMM orders."""
+    return S.blocked_chunks(T, H, lowp_bytes(dtype), budget, chunk_tokens)

@@ -1,0 +1,111 @@
+"""Ring-DTP's chunk sizes and `auto`'s schedule choice: integer arithmetic on
+(T, H, V, bytes per element), importing nothing, so that the op (ring_dtp.py,
+ring_dtp_blocks.py) and `moepeak plan`'s memory model read the same numbers from
+one place (plan used to restate them).
+
+b is the element size of the low-precision buffers: 2 for bf16/fp16 inputs, 0
+for fp32 inputs (the fp32 orders make dZ in place and need no second buffer).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+# Workspace the block loops may hold at once (bytes), unless chunk sizes are
+# given. 512 MiB keeps Ring-DTP's working set a small fraction of the 2 GiB
+# target at T = 32k, H = 4096, V = 151936 (DESIGN.md section 2).
+DEFAULT_WORKSPACE_BYTES = 512 << 20
+# fused_lowp's single [ct, V] block (see fused_chunk_tokens).
+LOWP_WORKSPACE_BYTES = 640 << 20
+LOWP_MAX_ROWS = 2048
+# The 4-GEMM orders also hold an fp32 [T, H] dX accumulator (vocab_outer:
+# 512 MiB at T = 32k, H = 4096), so their block workspace gets half as much.
+BLOCKED_WORKSPACE_BYTES = 256 << 20
+# auto: fused_lowp for at most this many token chunks, i.e. bf16 roundings of a
+# dW row (why 20: the "Error growth" part of ring_dtp's docstring).
+FUSED_MAX_CHUNKS = 20
+# vocab_outer_lowp: vocab blocks dX is rounded over (8: 2.4-2.8x naive's dX error on the H200).
+LOWP_DX_BLOCKS = 8
+
+
+def round_down(x: int, q: int) -> int:
+    return max(q, (x // q) * q)
+
+
+def round_up(x: int, q: int) -> int:
+    return -(-x // q) * q
+
+
+def rows_per_block(ct: int, q: int = 64) -> int:
+    """ct rounded down to a multiple of q, or ct itself (at least 1) below q."""
+    return round_down(int(ct), q) if ct >= q else max(1, int(ct))
+
+
+def fused_chunk_tokens(V: int, b: int, budget: Optional[int] = None, lowp_logits: bool = False) -> int:
+    """Token rows per chunk when a chunk holds whole vocab rows (modes 'fused*').
+
+    fp32 logits: Z [ct, V] x fp32 and dZ [ct, V] x b bytes: ct = budget / (V * (4 + b)),
+                 budget 512 MiB, rounded down to a multiple of 64;
+    lowp logits: Z [ct, V] x b bytes with dZ in place:     ct = budget / (V * b),
+                 budget 640 MiB, rounded down to a multiple of 256 and at most
+                 LOWP_MAX_ROWS = 2048: the dX GEMM [ct, V] @ [V, H] runs 256-row
+                 tiles, and a whole number of them is what kept it at the GEMM
+                 rate on the H200 (ct = 1728: 7 x 32 tiles = 1.7 waves on 132
+                 SMs, 627 TFLOP/s; 2048: 1.94 waves, 726), while more rows bought
+                 nothing (3456 rows: 193.6 vs 190.7 ms for the whole op).
+    Worked once: V = 151936, bf16 (b = 2):
+      fp32 logits 536870912 / (151936 * 6) = 588.9 -> ct = 576 (Z 334 MiB + dZ 167 MiB);
+      lowp logits 671088640 / (151936 * 2) = 2208.3 -> ct = 2048 (Z/dZ 594 MiB; with
+      dX + dW 1.41 GiB at T = 32k, H = 4096 the op peaks at 1.99 GiB).
+    """
+    if lowp_logits and b:
+        ct = (budget or LOWP_WORKSPACE_BYTES) // (V * b)
+        if ct >= 256:
+            return min(LOWP_MAX_ROWS, round_down(int(ct), 256))
+        return rows_per_block(ct)
+    return rows_per_block((budget or DEFAULT_WORKSPACE_BYTES) // (V * (4 + b)))
+
+
+def lowp_dx_chunk_tokens(cv: int, b: int, budget: int = BLOCKED_WORKSPACE_BYTES) -> int:
+    """Token rows per block for vocab_outer_lowp: Z [ct, cv] x fp32 and dZ [ct, cv]
+    x b bytes within the budget (the dX and dW partials go straight into dX and the
+    fp32 dW block: no [ct, H] or second [cv, H] buffer on CUDA), multiple of 64.
+    Worked once: V = 151936 in 8 blocks: cv = 18992 rounded up to 128 = 19072; bf16,
+    256 MiB: 268435456 / (19072 * 6) = 2345.8 -> ct = 2304 (Z 168 MiB + dZ 84 MiB)."""
+    return rows_per_block(budget // (cv * (4 + b)))
+
+
+def lowp_dx_block_cols(V: int) -> int:
+    """vocab_outer_lowp's vocab block: V / LOWP_DX_BLOCKS rounded up to 128 columns."""
+    return round_up(-(-V // LOWP_DX_BLOCKS), 128)
+
+
+def blocked_chunks(T: int, H: int, b: int, budget: int = BLOCKED_WORKSPACE_BYTES,
+                   chunk_tokens: Optional[int] = None) -> Tuple[int, int]:
+    """(ct, cv) for the 4-GEMM orders (a [ct, cv] block at a time).
+
+    Per block: Z [ct, cv] x fp32, dZ [ct, cv] x b bytes, the dX partial
+    [ct, H] x fp32, and the dW partial and its accumulator [cv, H] x fp32:
+      ct*cv*(4+b) + 8*cv*H + 4*ct*H <= budget
+      cv = (budget - 4*ct*H) / (ct*(4+b) + 8*H), rounded down to 128.
+    Worked once: ct = 4096, H = 4096, bf16, budget 256 MiB:
+      (268435456 - 67108864) / (4096*6 + 8*4096) = 3510.9 -> cv = 3456
+      (Z 54 MiB + dZ 27 MiB + dX partial 64 MiB + dW partial/accumulator 108 MiB).
+    ct is fixed (default 4096), never T-dependent, so the working set is too.
+    """
+    ct = chunk_tokens or 4096
+    per_col = ct * (4 + b) + 8 * H
+    cv = (budget - 4 * ct * H) // per_col
+    return ct, round_down(int(max(cv, 128)), 128)
+
+
+def auto_lowp_schedule(fusable: bool, T: int, H: int, V: int, b: int, chunk_tokens: int = 0) -> str:
+    """auto's schedule for bf16/fp16 inputs: 'fused_lowp' when backward is certain
+    (fusable) and it takes at most FUSED_MAX_CHUNKS token chunks; otherwise
+    'vocab_outer' (exact) while its fp32 [T, H] dX accumulator fits the 512 MiB
+    workspace, else 'vocab_outer_lowp'."""
+    ct = chunk_tokens or fused_chunk_tokens(V, b, lowp_logits=True)
+    if fusable and -(-T // ct) <= FUSED_MAX_CHUNKS:
+        return "fused_lowp"
+    if 4 * T * H <= DEFAULT_WORKSPACE_BYTES:
+        return "vocab_outer"
+    return "vocab_outer_lowp"
