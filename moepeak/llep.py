@@ -79,8 +79,7 @@ def _new_cache(x, w_down, chunk_rows, save_slots):
     the slot count (from the byte budget), never by the routing."""
     if save_slots < 0:
         raise ValueError(f"moepeak: save_slots must be >= 0, got {save_slots}")
-    H, I = w_down.shape[2], w_down.shape[1]
-    return x.new_empty(save_slots, sched.slot_elems(chunk_rows, I))
+    return x.new_empty(save_slots, sched.slot_elems(chunk_rows, w_down.shape[1]))  # w_down: [E, I, H]
 
 
 @llep_dispatch.register_fake
