@@ -75,7 +75,7 @@ def make_arms(quick_big=False):
             else:  # 25.1.1 has no cce_exact impl: its exact variant is cce without gradient filtering
                 arms["cce_nofilter"] = lambda x, w, y: cce_lce(x, w, y, impl="cce", filter_eps=None)
     except Exception as e:  # optional baseline
-        arms["cce"] = f"unavailable: {type(e).__name__}"
+        arms["cce"] = f"unavailable: {type(e).__name__}: {str(e)[:80]}"
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
         try:
@@ -89,7 +89,7 @@ def make_arms(quick_big=False):
             return out[0] if isinstance(out, tuple) else out
         arms[name] = liger
     except Exception as e:
-        arms["liger_flce"] = f"unavailable: {type(e).__name__}"
+        arms["liger_flce"] = f"unavailable: {type(e).__name__}: {str(e)[:80]}"
     modes = ["auto", "fused_lowp", "fused"] if quick_big else ["auto", "fused_lowp", "fused", "vocab_outer",
                                                                  "token_outer"]
     for m in modes:
