@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from _common import append_rows  # noqa: E402
+from _common import append_rows, cuda_time_ms, cuda_times_ms  # noqa: E402
 import moepeak  # noqa: E402
 
 GiB = 1 << 30
@@ -129,17 +129,7 @@ class MoepeakArm:
 def gemm_rate(n=8192, iters=10):
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        a @ b
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) / 1e3)
-    return 2 * n ** 3 / statistics.median(ts) / 1e12
+    return 2 * n ** 3 / (cuda_time_ms(lambda: a @ b, reps=iters, warmup=3) / 1e3) / 1e12
 
 
 def inputs(T, H, V, seed=0):
@@ -173,15 +163,7 @@ def measure(fn, T, H, V, iters):
         step(fn, x, w, y)
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base) / GiB
-        ts = []
-        for _ in range(iters):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            x.grad = w.grad = None
-            s.record()
-            step(fn, x, w, y)
-            e.record()
-            e.synchronize()
-            ts.append(s.elapsed_time(e) / 1e3)
+        ts = [ms / 1e3 for ms in cuda_times_ms(lambda: step(fn, x, w, y), reps=iters, warmup=0)]
         return "ok", peak, ts
     except torch.cuda.OutOfMemoryError:
         return "oom", float("nan"), []
@@ -206,19 +188,8 @@ def interleaved(arms, T, H, V, rounds):
     ts, rates = {n: [] for n in names}, []
     for r in range(rounds):
         for n in names[r % len(names):] + names[:r % len(names)]:
-            x.grad = w.grad = None
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            step(arms[n], x, w, y)
-            e.record()
-            e.synchronize()
-            ts[n].append(s.elapsed_time(e) / 1e3)
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        a @ b
-        e.record()
-        e.synchronize()
-        rates.append(2 * 8192 ** 3 / (s.elapsed_time(e) / 1e3) / 1e12)
+            ts[n].append(cuda_times_ms(lambda: step(arms[n], x, w, y), reps=1, warmup=0)[0] / 1e3)
+        rates.append(2 * 8192 ** 3 / (cuda_times_ms(lambda: a @ b, reps=1, warmup=0)[0] / 1e3) / 1e12)
     x.grad = w.grad = None
     return ts, rates
 

@@ -4,20 +4,13 @@
   3. Ring-DTP chunk GEMMs: dX and dW+= of one chunk issued on two streams vs one.
   python benchmarks/probe_gemm_paths.py
 """
-import statistics
 import torch
+
+from _common import cuda_time_ms
 
 
 def t(fn, iters=10):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record(); fn(); e.record(); torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts)
+    return cuda_time_ms(fn, reps=iters, warmup=3)
 
 
 def grouped():
