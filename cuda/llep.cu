@@ -66,7 +66,6 @@ __global__ void gather_kernel(const char *__restrict__ src, const int64_t *__res
 
 inline int row_blocks(int64_t rows) { return (int)(rows < kMaxBlocks ? (rows < 1 ? 1 : rows) : kMaxBlocks); }
 
-
 // acc[idx[i] / div, h] += w[idx[i]] * y[i, h] (w == nullptr: weight 1), fp32.
 // Rows of one chunk may hit the same token (its K picks), hence atomicAdd;
 // the add order of those <= K terms is not fixed (fp32 rounding level).

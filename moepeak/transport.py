@@ -112,7 +112,7 @@ def get_transport(group=None, device: Optional[torch.device] = None, backend: st
     if group is None:
         return None
     if backend not in TRANSPORTS:
-        raise ValueError(f"moepeak: transport backend must be 'auto', 'torch' or 'nccl', got {backend!r}")
+        raise ValueError(f"moepeak: transport backend must be one of {TRANSPORTS}, got {backend!r}")
     if backend == "nccl":
         from .nccl import NcclTransport  # noqa: WPS433 (optional, CUDA only)
         return NcclTransport(group, device)
@@ -141,7 +141,6 @@ def shared_nccl_transport(group, device: torch.device) -> Transport:
             t = NcclTransport(key[0], torch.device("cuda", key[1]))
             _SHARED_NCCL[key] = t
         return t
-
 
 
 def check_transport_choice(transport: Union[str, Transport]) -> None:

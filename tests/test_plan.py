@@ -227,7 +227,7 @@ def test_plan_within_15_percent_of_h200_measurements(context, plan):
 
 def test_ring_dtp_bytes_follow_the_ops_choice():
     """plan's Ring-DTP bytes are those of the mode the op's auto picks (both read
-    ring_dtp_sizes: plan without the extension, the op with it)."""
+    ring_dtp_sizes), with each mode's byte formula."""
     from moepeak import ring_dtp as R
     from moepeak import ring_dtp_blocks as B
     for T in (1, 2048, 32768, 40960, 40961, 131072):
