@@ -443,6 +443,72 @@ __global__ void __launch_bounds__(kScaleThreads) ce_scale_kernel(T *p, int64_t n
 
 inline unsigned grid_for(int64_t t) { return (unsigned)(t < kMaxGrid ? t : kMaxGrid); }
 
+// =============================================================================
+// dW's finish: dW[v] += c[v] * mu + sum over the tokens t labelled v of tc[t] * X[t]
+// =============================================================================
+// The fused modes add each token chunk's dZ^T X into dW with the GEMM, one bf16/fp16
+// rounding per chunk. Two kinds of terms would add up coherently over the chunks and
+// make those roundings grow with the chunk count: the label column's (dZ[t, y_t] = p - 1,
+// the largest, and a frequent label has one in every chunk) and, when the hidden states
+// share a mean direction mu, the rank-1 part colsum(dZ) mu^T. So the caller takes the
+// label column out of dZ into tc (fp32), GEMMs dZ against X - mu (mu rounded to the
+// dtype: X - mu is exact in fp32 before its one rounding), keeps c = colsum(dZ) in fp32,
+// and this kernel adds both once: per element acc = c[v] * mu[col], then the label terms
+// in the order of sy (labels sorted stably: deterministic), then one rounding of dW + acc.
+// One CTA per row (grid-stride), its label run found by binary search in sy; with c ==
+// nullptr, rows no token is labelled with are left untouched. Labels outside
+// [v0, v0 + nv) (ignore_index, other shards) are never rows.
+constexpr int kFinishThreads = 256;
+constexpr int kFinishCols = 8;
+
+__device__ __forceinline__ int64_t lower_bound(const int64_t *__restrict__ a, int64_t n, int64_t key) {
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) >> 1;
+    if (a[mid] < key) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kFinishThreads)
+    ce_dw_finish_kernel(T *dw, int64_t ldw, int64_t v0, int64_t nv, const T *__restrict__ x, int64_t ldx,
+                        int64_t h, const int64_t *__restrict__ sy, const int64_t *__restrict__ perm,
+                        const float *__restrict__ tc, int64_t t, const float *__restrict__ c,
+                        const float *__restrict__ mu) {
+  for (int64_t r = blockIdx.x; r < nv; r += gridDim.x) {
+    const int64_t v = v0 + r;
+    const int64_t lo = lower_bound(sy, t, v);
+    const int64_t hi = lower_bound(sy, t, v + 1);
+    if (lo == hi && c == nullptr) continue;  // uniform over the CTA
+    const float cv = c == nullptr ? 0.f : c[r];
+    T *row = dw + r * ldw;
+    for (int64_t c0 = 0; c0 < h; c0 += (int64_t)kFinishThreads * kFinishCols) {
+      float acc[kFinishCols];
+#pragma unroll
+      for (int i = 0; i < kFinishCols; ++i) {
+        const int64_t col = c0 + threadIdx.x + (int64_t)i * kFinishThreads;
+        acc[i] = (c != nullptr && col < h) ? cv * mu[col] : 0.f;
+      }
+      for (int64_t k = lo; k < hi; ++k) {
+        const int64_t p = perm[k];
+        const float w = tc[p];
+        const T *xr = x + p * ldx;
+#pragma unroll
+        for (int i = 0; i < kFinishCols; ++i) {
+          const int64_t col = c0 + threadIdx.x + (int64_t)i * kFinishThreads;
+          if (col < h) acc[i] = fmaf(w, ld(xr, col), acc[i]);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kFinishCols; ++i) {
+        const int64_t col = c0 + threadIdx.x + (int64_t)i * kFinishThreads;
+        if (col < h) row[col] = from_f32<T>(ld(row, col) + acc[i]);
+      }
+    }
+  }
+}
+
 inline int valid_cols(int64_t v, int64_t v0, int64_t v_valid) {
   int64_t n = v_valid - v0;
   return (int)(n < 0 ? 0 : (n > v ? v : n));
@@ -547,6 +613,38 @@ mp_status mp_ce_grad_cuda(const void *z, int z_dtype, int64_t ldz, int64_t t, in
         MP_FAIL(st, MP_ERR_INVALID,
                 "ce_grad: (z_dtype, out_dtype) must be (0, 0..2), (1, 1) or (2, 2), got (%d, %d)", z_dtype,
                 out_dtype);
+    }
+  }
+  MP_CUDA_CHECK_LAUNCH(st);
+fail:
+  return st;
+}
+
+// dw: [nv, ldw] rows for labels v0 .. v0 + nv - 1, x: [t, ldx], both dtype (0 fp32, 1 bf16, 2 fp16);
+// sy, perm: the labels sorted stably and their token indices; tc: [t] x fp32; c: [nv] and mu: [h]
+// x fp32, or both nullptr. All on the device.
+mp_status mp_ce_dw_finish_cuda(void *dw, int dtype, int64_t ldw, int64_t v0, int64_t nv, const void *x,
+                               int64_t ldx, int64_t h, const int64_t *sy, const int64_t *perm, const float *tc,
+                               int64_t t, const float *c, const float *mu, uintptr_t stream) {
+  mp_status st = MP_OK;
+  cudaStream_t sm = MP_STREAM(stream);
+  if (nv <= 0 || h <= 0 || (t <= 0 && c == nullptr)) return MP_OK;
+  {
+    const unsigned grid = grid_for(nv);
+    switch (dtype) {
+      case 0:
+        ce_dw_finish_kernel<float><<<grid, kFinishThreads, 0, sm>>>((float *)dw, ldw, v0, nv, (const float *)x, ldx,
+                                                                   h, sy, perm, tc, t, c, mu);
+        break;
+      case 1:
+        ce_dw_finish_kernel<__nv_bfloat16><<<grid, kFinishThreads, 0, sm>>>(
+            (__nv_bfloat16 *)dw, ldw, v0, nv, (const __nv_bfloat16 *)x, ldx, h, sy, perm, tc, t, c, mu);
+        break;
+      case 2:
+        ce_dw_finish_kernel<__half><<<grid, kFinishThreads, 0, sm>>>((__half *)dw, ldw, v0, nv, (const __half *)x,
+                                                                    ldx, h, sy, perm, tc, t, c, mu);
+        break;
+      default: MP_FAIL(st, MP_ERR_INVALID, "ce_dw_finish: dtype must be 0, 1 or 2, got %d", dtype);
     }
   }
   MP_CUDA_CHECK_LAUNCH(st);

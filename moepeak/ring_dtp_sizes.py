@@ -20,9 +20,10 @@ LOWP_MAX_ROWS = 2048
 # The 4-GEMM orders also hold an fp32 [T, H] dX accumulator (vocab_outer:
 # 512 MiB at T = 32k, H = 4096), so their block workspace gets half as much.
 BLOCKED_WORKSPACE_BYTES = 256 << 20
-# auto: fused_lowp for at most this many token chunks, i.e. bf16 roundings of a
-# dW row (why 20: the "Error growth" part of ring_dtp's docstring).
-FUSED_MAX_CHUNKS = 20
+# auto: fused_lowp for at most this many token chunks, i.e. bf16 roundings of the
+# part of a dW row the finish leaves in the GEMMs (why 64: the "Error growth" part
+# of ring_dtp's docstring).
+FUSED_MAX_CHUNKS = 64
 # vocab_outer_lowp: vocab blocks dX is rounded over (8: 2.4-2.8x naive's dX error on the H200).
 LOWP_DX_BLOCKS = 8
 

@@ -1,0 +1,108 @@
+"""Study: dW's error against fp64 when Ring-DTP's fused modes accumulate dW in
+bf16 over n token chunks, with and without the finish (ring_dtp._fused: the label
+column of every chunk's dZ and colsum(dZ) mu^T for the hidden states' mean mu
+taken out of the per-chunk GEMMs and added once in fp32, ring_dtp_blocks.finish_dw),
+beside vocab_outer_lowp's dX error. Errors are norm-wise relative, divided by
+naive bf16's (F.linear in bf16, then F.cross_entropy(.float())).
+
+Inputs are chosen to stress the accumulation: labels uniform over V (a dW row
+rarely gets its label in more than one chunk), Zipf(1.1) (frequent labels in
+every chunk, as in real text) or a 64-token vocabulary in use (byte-level, as the
+demo); hidden states randn plus `--x-mean` times one shared random direction (the
+anisotropy of real final hidden states makes the non-label terms of a dW row
+add up coherently over chunks).
+
+  python benchmarks/study_dw_error.py                      # CPU, small shapes
+  python benchmarks/study_dw_error.py --device cuda --T 8192 --H 4096 --V 151936
+
+CPU runs apply the bf16 rounding of the logits that CUDA's GEMM output has, so
+the same numerics are studied; they are not timings.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import moepeak  # noqa: E402
+
+
+def make_inputs(T, H, V, labels, x_mean, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g) + x_mean * torch.randn(1, H, generator=g)
+    w = torch.randn(V, H, generator=g) / H ** 0.5
+    if labels == "uniform":
+        y = torch.randint(0, V, (T,), generator=g)
+    elif labels == "zipf":
+        p = torch.arange(1, V + 1, dtype=torch.float64) ** -1.1
+        y = torch.multinomial(p / p.sum(), T, replacement=True, generator=g)
+    elif labels == "bytes":
+        y = torch.randint(0, min(64, V), (T,), generator=g)
+    else:
+        raise ValueError(f"labels must be uniform, zipf or bytes, got {labels!r}")
+    return (x.to(device, torch.bfloat16), w.to(device, torch.bfloat16), y.to(device))
+
+
+def grads(fn, x, w, y):
+    xl, wl = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    fn(xl, wl, y).backward()
+    return xl.grad, wl.grad
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@contextlib.contextmanager
+def no_finish():
+    """The fused modes as before the finish: every term of dW rounded once per chunk."""
+    from moepeak import ring_dtp
+    keep, ring_dtp.FUSED_DW_FINISH = ring_dtp.FUSED_DW_FINISH, False
+    try:
+        yield
+    finally:
+        ring_dtp.FUSED_DW_FINISH = keep
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--T", type=int, default=4096)
+    ap.add_argument("--H", type=int, default=128)
+    ap.add_argument("--V", type=int, default=32768)
+    ap.add_argument("--chunks", default="1,8,20,64")
+    ap.add_argument("--labels", default="uniform,zipf,bytes")
+    ap.add_argument("--x-mean", default="0,1,3")
+    args = ap.parse_args()
+    T, H, V = args.T, args.H, args.V
+    print(f"dW / dX error vs fp64 relative to naive bf16's; T={T} H={H} V={V} on {args.device}, torch "
+          f"{torch.__version__}")
+    print(f"{'labels':8s} {'x_mean':>6s} {'naive dW':>9s}  " + "  ".join(
+        f"n={n}: finish / none" for n in args.chunks.split(",")) + "  vocab_outer_lowp dX")
+    for labels in args.labels.split(","):
+        for xm in (float(a) for a in args.x_mean.split(",")):
+            x, w, y = make_inputs(T, H, V, labels, xm, args.device)
+            xd, wd = grads(lambda a, b, c: F.cross_entropy(a.double() @ b.double().T, c), x, w, y)
+            nx, nw = grads(lambda a, b, c: F.cross_entropy(F.linear(a, b).float(), c), x, w, y)
+            ex, ew = rel(nx, xd), rel(nw, wd)
+            cells = []
+            for n in (int(a) for a in args.chunks.split(",")):
+                op = lambda a, b, c: moepeak.linear_cross_entropy(a, b, c, mode="fused_lowp",  # noqa: E731
+                                                                   chunk_tokens=-(-T // n))
+                _, gw = grads(op, x, w, y)
+                with no_finish():
+                    _, gw0 = grads(op, x, w, y)
+                cells.append(f"{rel(gw, wd) / ew:5.2f} / {rel(gw0, wd) / ew:5.2f}")
+            gx, _ = grads(lambda a, b, c: moepeak.linear_cross_entropy(a, b, c, mode="vocab_outer_lowp"), x, w, y)
+            print(f"{labels:8s} {xm:6.1f} {ew:9.2e}  " + "  ".join(f"{c:>17s}" for c in cells)
+                  + f"  {rel(gx, xd) / ex:5.2f}")
+
+
+if __name__ == "__main__":
+    main()
