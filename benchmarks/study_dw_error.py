@@ -1,8 +1,7 @@
 """Study: dW's error against fp64 when Ring-DTP's fused modes accumulate dW in
 bf16 over n token chunks, with and without the finish (ring_dtp._fused: the label
-column of every chunk's dZ and colsum(dZ) mu^T for the hidden states' mean mu
-taken out of the per-chunk GEMMs and added once in fp32, ring_dtp_blocks.finish_dw),
-beside vocab_outer_lowp's dX error. Errors are norm-wise relative, divided by
+column of every chunk's dZ taken out of the per-chunk GEMMs and added once in fp32,
+ring_dtp_blocks.finish_dw), beside vocab_outer_lowp's dX error. Errors are norm-wise relative, divided by
 naive bf16's (F.linear in bf16, then F.cross_entropy(.float())).
 
 Inputs are chosen to stress the accumulation: labels uniform over V (a dW row
@@ -48,8 +47,11 @@ def make_inputs(T, H, V, labels, x_mean, device, seed=0):
     return (x.to(device, torch.bfloat16), w.to(device, torch.bfloat16), y.to(device))
 
 
-def grads(fn, x, w, y):
-    xl, wl = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+def grads(fn, x, w, y, dtype=None):
+    """(dX, dW) of fn at leaves of x's dtype, or of `dtype` (fp64 for the reference: its
+    gradients must not be rounded back to bf16)."""
+    xl = x.detach().to(dtype or x.dtype).requires_grad_()
+    wl = w.detach().to(dtype or w.dtype).requires_grad_()
     fn(xl, wl, y).backward()
     return xl.grad, wl.grad
 
@@ -60,10 +62,10 @@ def rel(a, b):
 
 
 @contextlib.contextmanager
-def no_finish():
-    """The fused modes as before the finish: every term of dW rounded once per chunk."""
+def finish(how):
+    """ring_dtp.FUSED_DW_FINISH = how inside (False: every term of dW rounded once per chunk)."""
     from moepeak import ring_dtp
-    keep, ring_dtp.FUSED_DW_FINISH = ring_dtp.FUSED_DW_FINISH, False
+    keep, ring_dtp.FUSED_DW_FINISH = ring_dtp.FUSED_DW_FINISH, how
     try:
         yield
     finally:
@@ -88,17 +90,18 @@ def main():
     for labels in args.labels.split(","):
         for xm in (float(a) for a in args.x_mean.split(",")):
             x, w, y = make_inputs(T, H, V, labels, xm, args.device)
-            xd, wd = grads(lambda a, b, c: F.cross_entropy(a.double() @ b.double().T, c), x, w, y)
+            xd, wd = grads(lambda a, b, c: F.cross_entropy(a @ b.T, c), x, w, y, torch.float64)
             nx, nw = grads(lambda a, b, c: F.cross_entropy(F.linear(a, b).float(), c), x, w, y)
             ex, ew = rel(nx, xd), rel(nw, wd)
             cells = []
             for n in (int(a) for a in args.chunks.split(",")):
                 op = lambda a, b, c: moepeak.linear_cross_entropy(a, b, c, mode="fused_lowp",  # noqa: E731
                                                                    chunk_tokens=-(-T // n))
-                _, gw = grads(op, x, w, y)
-                with no_finish():
-                    _, gw0 = grads(op, x, w, y)
-                cells.append(f"{rel(gw, wd) / ew:5.2f} / {rel(gw0, wd) / ew:5.2f}")
+                errs = []
+                for how in (True, False):
+                    with finish(how):
+                        errs.append(rel(grads(op, x, w, y)[1], wd) / ew)
+                cells.append(" / ".join(f"{e:5.2f}" for e in errs))
             gx, _ = grads(lambda a, b, c: moepeak.linear_cross_entropy(a, b, c, mode="vocab_outer_lowp"), x, w, y)
             print(f"{labels:8s} {xm:6.1f} {ew:9.2e}  " + "  ".join(f"{c:>17s}" for c in cells)
                   + f"  {rel(gx, xd) / ex:5.2f}")

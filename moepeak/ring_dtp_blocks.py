@@ -183,23 +183,17 @@ def take_label_column(dz: torch.Tensor, labels: torch.Tensor, tc: torch.Tensor) 
     dz.scatter_(1, col, 0)
 
 
-def finish_dw(dw: torch.Tensor, x: torch.Tensor, labels: torch.Tensor, tc: torch.Tensor,
-              c: Optional[torch.Tensor] = None, mu: Optional[torch.Tensor] = None, v0: int = 0) -> None:
-    """dw[r] += c[r] * mu + sum over the tokens t with labels[t] == v0 + r of tc[t] * x[t]:
-    summed in fp32 (c * mu first, then the label terms in token order: a stable sort of
-    the labels, so deterministic), one rounding per element (csrc/ce.c, cuda/ce.cu
-    ce_dw_finish). dw: [nv, H] rows for labels v0 .. v0 + nv - 1 (other labels,
-    ignore_index included, are no row), x: [t, H], same dtype, rows contiguous; tc: [t],
-    c: [nv], mu: [H] x fp32 (c and mu both given or both None: then rows without a
-    labelled token are untouched)."""
-    if (c is None) != (mu is None):
-        raise ValueError("finish_dw: c and mu must be given together")
+def finish_dw(dw: torch.Tensor, x: torch.Tensor, labels: torch.Tensor, tc: torch.Tensor, v0: int = 0) -> None:
+    """dw[r] += sum over the tokens t with labels[t] == v0 + r of tc[t] * x[t]: summed in
+    fp32 in token order (a stable sort of the labels, so deterministic), one rounding per
+    element (csrc/ce.c, cuda/ce.cu ce_dw_finish). dw: [nv, H] rows for labels
+    v0 .. v0 + nv - 1 (other labels, ignore_index included, are no row; rows no token is
+    labelled with are untouched), x: [t, H], same dtype, rows contiguous; tc: [t] x fp32."""
     sy, perm = torch.sort(labels, stable=True)
     tc = tc.contiguous()
     _C.ce_dw_finish(dw.data_ptr(), _ZCODE[dw.dtype], dw.stride(0), v0, dw.shape[0], x.data_ptr(), x.stride(0),
-                    x.shape[1], sy.data_ptr(), perm.data_ptr(), tc.data_ptr(), x.shape[0],
-                    0 if c is None else c.contiguous().data_ptr(), 0 if mu is None else mu.contiguous().data_ptr(),
-                    dw.device.type == "cuda", current_stream_handle(dw.device))
+                    x.shape[1], sy.data_ptr(), perm.data_ptr(), tc.data_ptr(), x.shape[0], dw.device.type == "cuda",
+                    current_stream_handle(dw.device))
 
 
 def merge_state(a, b) -> None:

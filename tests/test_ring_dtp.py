@@ -696,10 +696,10 @@ def test_cuda_auto_within_issue_budget():
 # ---------------------------------------------------------------------------
 # The fused modes' dW finish (B.take_label_column, B.finish_dw)
 # ---------------------------------------------------------------------------
-def _check_finish_dw(device, dtype, with_mean):
-    """dw[r] += c[r] mu + sum_{t: y_t = v0 + r} tc[t] x[t]: within half an ulp of the dtype (plus
-    the fp32 sum's rounding) of the fp64 result; without (c, mu), rows of labels outside
-    [v0, v0 + nv) and rows no token is labelled with are unchanged bitwise; deterministic."""
+def _check_finish_dw(device, dtype):
+    """dw[r] += sum_{t: y_t = v0 + r} tc[t] x[t]: within half an ulp of the dtype (plus the fp32
+    sum's rounding) of the fp64 result; rows of labels outside [v0, v0 + nv) and rows no token
+    is labelled with unchanged bitwise; deterministic (bitwise equal on a second call)."""
     g = torch.Generator().manual_seed(3)
     T, H, V, v0, nv = 300, 520, 50, 10, 30                     # H > 2 tiles of 256 columns
     x = torch.randn(T, H, generator=g).to(dtype)
@@ -707,44 +707,35 @@ def _check_finish_dw(device, dtype, with_mean):
     y[::7] = -100                                              # ignore_index: never a row
     y[:40] = 12                                                # one long run
     tc = torch.randn(T, generator=g)
-    c = torch.randn(nv, generator=g) if with_mean else None
-    mu = torch.randn(H, generator=g) if with_mean else None
     dw0 = torch.randn(nv, H, generator=g).to(dtype)
-    dev = lambda t: None if t is None else t.to(device)  # noqa: E731
-    x, y, tc, c, mu, dw = (dev(t) for t in (x, y, tc, c, mu, dw0.clone()))
-    B.finish_dw(dw, x, y, tc, c, mu, v0=v0)
+    x, y, tc, dw = (t.to(device) for t in (x, y, tc, dw0.clone()))
+    B.finish_dw(dw, x, y, tc, v0=v0)
     again = dw0.clone().to(device)
-    B.finish_dw(again, x, y, tc, c, mu, v0=v0)
+    B.finish_dw(again, x, y, tc, v0=v0)
     assert torch.equal(dw, again)
     xd, yc, tcd = x.double().cpu(), y.cpu(), tc.double().cpu()
     mine = (yc >= v0) & (yc < v0 + nv)
     terms = tcd[mine, None] * xd[mine]
     add = torch.zeros(nv, H, dtype=torch.float64).index_add_(0, yc[mine] - v0, terms)
     mag = torch.zeros(nv, H, dtype=torch.float64).index_add_(0, yc[mine] - v0, terms.abs())
-    if with_mean:
-        outer = c.double().cpu()[:, None] * mu.double().cpu()[None]
-        add, mag = add + outer, mag + outer.abs()
     truth = dw0.double() + add
     got = dw.cpu().double()
     ulp_half = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[dtype]
     assert ((got - truth).abs() <= ulp_half * truth.abs() + 1e-6 * mag + 1e-30).all()
-    if not with_mean:
-        untouched = torch.ones(nv, dtype=torch.bool)
-        untouched[(yc[mine] - v0).unique()] = False
-        assert untouched.any() and torch.equal(dw.cpu()[untouched], dw0[untouched])
+    untouched = torch.ones(nv, dtype=torch.bool)
+    untouched[(yc[mine] - v0).unique()] = False
+    assert untouched.any() and torch.equal(dw.cpu()[untouched], dw0[untouched])
 
 
-@pytest.mark.parametrize("with_mean", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_finish_dw_cpu(dtype, with_mean):
-    _check_finish_dw("cpu", dtype, with_mean)
+def test_finish_dw_cpu(dtype):
+    _check_finish_dw("cpu", dtype)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("with_mean", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_cuda_finish_dw(dtype, with_mean):
-    _check_finish_dw("cuda", dtype, with_mean)
+def test_cuda_finish_dw(dtype):
+    _check_finish_dw("cuda", dtype)
     torch.cuda.synchronize()
 
 
@@ -763,28 +754,23 @@ def test_take_label_column():
 def test_finish_dw_bad_input():
     from moepeak import _C
     with pytest.raises(ValueError, match="ldw >= h"):
-        _C.ce_dw_finish(0, 1, 4, 0, 3, 0, 8, 8, 0, 0, 0, 5, 0, 0, False, 0)
+        _C.ce_dw_finish(0, 1, 4, 0, 3, 0, 8, 8, 0, 0, 0, 5, False, 0)
     with pytest.raises(ValueError, match="dtype 0..2"):
-        _C.ce_dw_finish(0, 5, 8, 0, 3, 0, 8, 8, 0, 0, 0, 5, 0, 0, False, 0)
-    with pytest.raises(ValueError, match="c and mu both set or both 0"):
-        _C.ce_dw_finish(0, 1, 8, 0, 3, 0, 8, 8, 0, 0, 0, 5, 1, 0, False, 0)
-    dw = torch.zeros(3, 4)
-    with pytest.raises(ValueError, match="c and mu must be given together"):
-        B.finish_dw(dw, torch.zeros(2, 4), torch.zeros(2, dtype=torch.int64), torch.zeros(2), c=torch.zeros(3))
-    assert torch.equal(dw, torch.zeros(3, 4))
+        _C.ce_dw_finish(0, 5, 8, 0, 3, 0, 8, 8, 0, 0, 0, 5, False, 0)
+    with pytest.raises(ValueError, match="t, nv, h >= 0"):
+        _C.ce_dw_finish(0, 1, 8, 0, -1, 0, 8, 8, 0, 0, 0, 5, False, 0)
 
 
 @pytest.mark.parametrize("labels", ["zipf", "uniform"])
 def test_fused_lowp_dw_error_flat_in_chunk_count(labels, monkeypatch):
-    """fused_lowp at 64 token chunks on the inputs that make a bf16 dW accumulator drift
-    (labels repeating in every chunk; hidden states sharing a mean direction): with the
-    finish (label column and colsum(dZ) mu^T added once in fp32) dW stays within 2x naive
-    bf16's error; without it (FUSED_DW_FINISH = False) the same run is far outside, so the
-    check can fail (benchmarks/study_dw_error.py has the grid)."""
+    """fused_lowp at 64 token chunks: with the finish (each chunk's label column added to dW
+    once, in fp32) dW stays within 2x naive bf16's error, for labels that repeat in every
+    chunk (Zipf) as for uniform ones; without it (FUSED_DW_FINISH = False) the same run is
+    outside 2.5x, so the check can fail (benchmarks/study_dw_error.py has the grid)."""
     from moepeak import ring_dtp
     g = torch.Generator().manual_seed(5)
     T, H, V = 2048, 64, 4096
-    x = (torch.randn(T, H, generator=g) + torch.randn(1, H, generator=g)).to(torch.bfloat16)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     w = (torch.randn(V, H, generator=g) / math.sqrt(H)).to(torch.bfloat16)
     if labels == "zipf":
         p = torch.arange(1, V + 1, dtype=torch.float64) ** -1.1
@@ -799,4 +785,4 @@ def test_fused_lowp_dw_error_flat_in_chunk_count(labels, monkeypatch):
     assert relerr(ours[1], ref[1]) <= 2 * relerr(naive[1], ref[1])
     monkeypatch.setattr(ring_dtp, "FUSED_DW_FINISH", False)
     before = grads(moepeak.linear_cross_entropy, x, w, y, None, mode="fused_lowp", chunk_tokens=T // 64)
-    assert relerr(before[2], ref[2]) > 3 * base, (relerr(before[2], ref[2]), base)
+    assert relerr(before[2], ref[2]) > 2.5 * base, (relerr(before[2], ref[2]), base)
