@@ -11,7 +11,10 @@ every GEMM is torch's. Schedules ("mode"):
   fused        token-outer, gradients computed in forward (3 GEMMs: Z, dX, dW).
                A chunk holds whole vocab rows Z: [ct, V] x fp32, so dZ exists
                after one pass; dX of the chunk is one exact GEMM; dW (in the
-               weight's dtype) is accumulated with one rounding per chunk.
+               weight's dtype) is accumulated with one rounding per chunk, except
+               its label column (dZ[t, y_t], the largest terms), which is taken out
+               of each chunk's dZ after the dX GEMM and added once at the end,
+               summed in fp32 ("dW's finish", B.finish_dw).
   vocab_outer  4 GEMMs. Forward folds lse; backward, per vocab block, recomputes
                Z, makes dZ, and sums dW_b in fp32 over token chunks (exact),
                dX += dZ W_b into an fp32 [T, H] accumulator (exact).
@@ -37,53 +40,54 @@ every GEMM is torch's. Schedules ("mode"):
                1 GiB bf16 copy).
   auto         fp32 inputs: fused. Low precision: fused_lowp when backward is
                certain (grad enabled, reduction mean/sum) and it needs at most
-               20 token chunks (T <= 40960 at V = 151936 with 2048-row
+               64 token chunks (T <= 131072 at V = 151936 with 2048-row
                chunks); otherwise vocab_outer (exact dW and dX, 4 GEMMs) while
                its fp32 [T, H] dX accumulator is at most the 512 MiB workspace
                (T*H <= 128M), vocab_outer_lowp beyond that.
 
-Measured on one H200 (torch 2.11, 2026-11-29 21:09 UTC; benchmarks/bench_ring_dtp.py
---quick), T = 32k, H = 4096, V = 151936, bf16, fwd+bwd; 3-GEMM time 154.6 ms at the
-measured 792 TFLOP/s; peak above the inputs incl. dX + dW; dW error vs fp64 at T = 8192
-with the same chunk count, relative to naive bf16 (1.02e-3):
+Measured on one H200 (torch 2.11, 2026-11-29 23:05 UTC; benchmarks/bench_ring_dtp.py
+--quick), T = 32k, H = 4096, V = 151936, bf16, fwd+bwd; 3-GEMM time 160.7 ms at the
+761 TFLOP/s the 8192^3 probe measured in that run (792-809 in the day's other runs);
+peak above the inputs incl. dX + dW; dW error vs fp64 at T = 8192 with the same chunk
+count, relative to naive bf16 (1.02e-3):
   arm                          ms     peak GiB   dW err
-  naive                        242.7  55.6       1.00x
-  naive + torch.compile        194.5  10.7       1.00x
-  Liger FLCE (fp32 acc)        208.0   3.73      1.00x
-  fused_lowp, 2048 rows (16)   189.0   1.99      1.16x   <- auto
-  fused_lowp, 1728 rows (19)   197.6   1.90      1.17x
-  fused_lowp, 3456 rows (10)   190.7   2.39      1.16x
-  fused (fp32 logits)          221.4   1.90      1.18x
-  vocab_outer                  312.9   2.04      1.00x
-  token_outer                  318.1   1.58      1.04x
-  CCE                          356.3   1.41      4.1x (dX 8.2x)
-  T = 128k: auto (vocab_outer_lowp) 1088-1093 ms / 2.70 GiB (19:40, 20:03 UTC);
-  fused_lowp (64 chunks) 757 ms / 2.74 GiB, Liger 767 ms / 4.48 GiB, CCE 1409 ms / 2.16 GiB.
+  naive                        242.4  55.6       1.00x
+  naive + torch.compile        194.8  10.7       1.00x
+  Liger FLCE (fp32 acc)        208.2   3.73      1.00x
+  fused_lowp, 2048 rows (16)   192.8   1.99      1.00x   <- auto (1.16x before the finish)
+  fused_lowp, 1728 rows (19)   199.5   1.90      1.00x
+  fused (fp32 logits)          223.8   1.90      1.00x
+  vocab_outer                  314.7   2.04      1.00x
+  token_outer                  319.3   1.58      1.04x
+  CCE                          357.7   1.41      4.1x (dX 8.2x)
+  Round-robin, 10 rounds: auto 192.1 ms, naive + torch.compile 193.6 ms, the 3 GEMMs
+  alone at their own shapes 182.3 ms (auto 1.054x of them).
+  T = 128k: auto (fused_lowp, 64 chunks) 761.0 ms / 2.75 GiB, Liger 769.1 ms / 4.48 GiB,
+  CCE 1416.2 ms / 2.16 GiB, naive OOM (before the 64-chunk cap auto took vocab_outer_lowp:
+  1060.6 ms / 2.70 GiB with 2.4-2.8x naive's dX error).
   Where the 32k time goes, and the grid over T, H, V: benchmarks/RESULTS.md.
-Error growth with the chunk count. fused* round the bf16 dW accumulator once per
-chunk, vocab_outer_lowp rounds dX once per vocab block (8). Two regimes:
-- Labels that rarely repeat across chunks (the benchmark's uniform random labels
-  over V >> T): a dW row gets its large label term from one chunk and the others add
-  less than half an ulp. H200, T = 8192, all six H x V of the benchmark grid
-  (benchmarks/results/ring_dtp_err_chunks.log): fused_lowp's dW error is 1.07-1.22x
-  naive's at 8 chunks and still 1.09-1.22x at 64.
-- Labels that repeat in every chunk (frequent tokens of real text, a byte-level
-  vocabulary as in the demo): every chunk moves those rows and the error grows
-  ~sqrt(n) (this op on CPU, bf16 rounding of the GEMM output applied as CUDA does):
-    T=512,  H=64,  V=1024:  n = 1 / 2 / 4 / 8 / 16 / 32 -> fused_lowp 1.00 / 1.11 /
-                            1.31 / 1.63 / 2.13 / 2.87x (fused 0.75x at n = 1)
-    T=2048, H=128, V=32768: n = 1 / 8 / 19 / 38 -> 1.00 / 1.82 / 2.25 / 2.53x (2 seeds)
-    T=4096, H=128, V=32768: n = 8 / 20 / 32 / 64 -> 2.0 / 2.9 / 3.4 / 4.1x (logits std 2;
-                            std 1: 2.2 / 2.9 / 3.2 / 3.5x)
-vocab_outer_lowp's dX error does not depend on the labels: 2.41-2.79x naive's on
-the H200 (all six grid shapes, 8 blocks). vocab_outer is exact (dW 0.75-1.0x, dX 1.00x).
-auto therefore caps fused_lowp at 20 chunks (where the H200 data puts the 32k
-target shape, 16 chunks, at 1.16x) and past it prefers the exact vocab_outer while
-its fp32 [T, H] dX accumulator fits the 512 MiB workspace, then vocab_outer_lowp,
-whose 8 roundings beat fused_lowp's n > 20 in the repeated-label regime. Where speed
-matters more and labels rarely repeat, mode="fused_lowp" is 1.4-1.6x faster past 20
-chunks (T = 128k: 757-770 vs 1088-1093 ms; T = 32k, V = 256000, H = 4096: 326.5 vs
-526.4 ms). For exact dW whatever the labels: mode="vocab_outer".
+Error growth with the chunk count. fused* accumulate dW in bf16 over the token chunks
+(one rounding per chunk), vocab_outer_lowp dX over its 8 vocab blocks. A chunk's
+rounding error is relative to the running sum, so terms that add up over chunks make
+the error grow with their number: above all a dW row's label terms (p - 1) x_t, which
+for a frequent label (real text; a byte-level vocabulary) come in every chunk. The
+finish takes them out of the GEMMs and adds them once in fp32. H200, T = 8192, H =
+4096, V = 151936, bf16, dW error / naive's at n = 4 / 16 / 64 chunks, with / without
+the finish (benchmarks/study_dw_error.py; results/study_dw_error_h200.log):
+  uniform labels, randn hidden states        1.00 / 1.00 / 1.00   vs 1.13 / 1.16 / 1.18
+  Zipf(1.1) labels                           1.00 / 1.00 / 1.00   vs 1.74 / 2.65 / 4.29
+  Zipf, hidden states sharing a mean         1.00 / 1.00 / 1.01   vs 1.53 / 2.41 / 4.61
+  uniform, hidden states sharing a mean      1.05 / 1.16 / 1.56   vs 2.63 / 6.38 / 12.45
+What the finish leaves: colsum(dZ) mu^T, the non-label terms along a mean direction mu
+the hidden states share, which grows with n (the last row; CPU, T = 4096, H = 128,
+V = 32768: 1.33x at 16 chunks, 2.05x at 64). Taking it out too (GEMM
+against X - mu, colsum(dZ) kept in fp32) gave 1.01-1.02x everywhere on the CPU, but with
+torch.sum for the column sums it cost 6 ms and a 150 MiB staging buffer at T = 32k on
+the H200 (peak 2.14 GiB, over the 2 GiB target), so it is not in; a fused column sum
+would make it cheap. vocab_outer_lowp's dX error does not depend on the labels:
+2.41-2.79x naive's on the H200 grid (2.5-3.5x above), which is why auto prefers
+fused_lowp up to 64 chunks and vocab_outer (exact) where its accumulator fits. For
+exact dW whatever the inputs: mode="vocab_outer".
 GEMMs: fp32 logits straight from cuBLAS via torch.mm(out_dtype=fp32, out=)
 where torch has it (>= 2.8), else bf16 logits upcast in 256-row pieces.
 
