@@ -189,18 +189,6 @@ typedef struct {
   int64_t t;
 } ce_dw_finish_args;
 
-static inline float ce_ld(const void *p, int dtype, int64_t i) {
-  if (dtype == CE_F32) return ((const float *)p)[i];
-  if (dtype == CE_BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
-  return f16_to_f32(((const uint16_t *)p)[i]);
-}
-
-static inline void ce_st(void *p, int dtype, int64_t i, float v) {
-  if (dtype == CE_F32) ((float *)p)[i] = v;
-  else if (dtype == CE_BF16) ((uint16_t *)p)[i] = f32_to_bf16(v);
-  else ((uint16_t *)p)[i] = f32_to_f16(v);
-}
-
 static int64_t ce_lower_bound(const int64_t *a, int64_t n, int64_t key) {
   int64_t lo = 0, hi = n;
   while (lo < hi) {
@@ -231,10 +219,10 @@ static void ce_dw_finish_range(void *ctx, int64_t begin, int64_t end, int worker
         const int64_t p = a->perm[k];
         const float w = a->tc[p];
         const void *xr = (const char *)a->x + (size_t)(p * a->ldx + c0) * esz;
-        for (int64_t c = 0; c < nc; ++c) acc[c] = fmaf(w, ce_ld(xr, a->dtype, c), acc[c]);
+        for (int64_t c = 0; c < nc; ++c) acc[c] = fmaf(w, mp_ld_el(xr, a->dtype, c), acc[c]);
       }
       void *seg = (char *)row + (size_t)c0 * esz;
-      for (int64_t c = 0; c < nc; ++c) ce_st(seg, a->dtype, c, ce_ld(seg, a->dtype, c) + acc[c]);
+      for (int64_t c = 0; c < nc; ++c) mp_st_el(seg, a->dtype, c, mp_ld_el(seg, a->dtype, c) + acc[c]);
     }
   }
 }

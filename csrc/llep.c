@@ -101,31 +101,19 @@ typedef struct {
   int64_t I;
 } down_bwd_ctx;
 
-static inline float ld_el(const void *p, int dt, int64_t i) {
-  if (dt == MP_LLEP_F32) return ((const float *)p)[i];
-  if (dt == MP_LLEP_BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
-  return f16_to_f32(((const uint16_t *)p)[i]);
-}
-
-static inline void st_el(void *p, int dt, int64_t i, float x) {
-  if (dt == MP_LLEP_F32) ((float *)p)[i] = x;
-  else if (dt == MP_LLEP_BF16) ((uint16_t *)p)[i] = f32_to_bf16(x);
-  else ((uint16_t *)p)[i] = f32_to_f16(x);
-}
-
 static void down_bwd_range(void *c, int64_t b, int64_t e, int wk) {
   (void)wk;
   const down_bwd_ctx *k = (const down_bwd_ctx *)c;
   for (int64_t r = b; r < e; r++) {
     const int64_t o = r * k->I;
     float dot = 0.f;
-    for (int64_t i = 0; i < k->I; i++) dot += ld_el(k->D, k->dtype, o + i) * ld_el(k->a, k->dtype, o + i);
+    for (int64_t i = 0; i < k->I; i++) dot += mp_ld_el(k->D, k->dtype, o + i) * mp_ld_el(k->a, k->dtype, o + i);
     k->dwr[r] = dot / k->wp[r];
     const float sc = k->w[r] / k->wp[r];
     if (sc != 1.0f) /* only rows whose weight was replaced by 1 (|w| tiny or 0) */
       for (int64_t i = 0; i < k->I; i++) {
-        st_el(k->D, k->dtype, o + i, sc * ld_el(k->D, k->dtype, o + i));
-        st_el(k->a, k->dtype, o + i, sc * ld_el(k->a, k->dtype, o + i));
+        mp_st_el(k->D, k->dtype, o + i, sc * mp_ld_el(k->D, k->dtype, o + i));
+        mp_st_el(k->a, k->dtype, o + i, sc * mp_ld_el(k->a, k->dtype, o + i));
       }
   }
 }
