@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import _C
-from ._ext import current_stream_handle
+from ._ext import check_tensor, current_stream_handle
 
 # Chunk sizes and auto's choice are torch-free integer arithmetic (shared with `moepeak plan`).
 from .ring_dtp_sizes import BLOCKED_WORKSPACE_BYTES
@@ -189,6 +189,13 @@ def finish_dw(dw: torch.Tensor, x: torch.Tensor, labels: torch.Tensor, tc: torch
     element (csrc/ce.c, cuda/ce.cu ce_dw_finish). dw: [nv, H] rows for labels
     v0 .. v0 + nv - 1 (other labels, ignore_index included, are no row; rows no token is
     labelled with are untouched), x: [t, H], same dtype, rows contiguous; tc: [t] x fp32."""
+    check_tensor("dw", dw, dtypes=tuple(_ZCODE), ndim=2, contiguous=True)
+    check_tensor("x", x, dtypes=(dw.dtype,), ndim=2, device=dw.device, contiguous=True)
+    check_tensor("labels", labels, dtypes=(torch.int64,), ndim=1, device=dw.device)
+    check_tensor("tc", tc, dtypes=(torch.float32,), ndim=1, device=dw.device)
+    if x.shape[1] != dw.shape[1] or labels.shape[0] != x.shape[0] or tc.shape[0] != x.shape[0]:
+        raise ValueError(f"moepeak: finish_dw needs dw [nv, H], x [t, H], labels [t], tc [t]; got dw "
+                         f"{tuple(dw.shape)}, x {tuple(x.shape)}, labels {tuple(labels.shape)}, tc {tuple(tc.shape)}")
     sy, perm = torch.sort(labels, stable=True)
     tc = tc.contiguous()
     _C.ce_dw_finish(dw.data_ptr(), _ZCODE[dw.dtype], dw.stride(0), v0, dw.shape[0], x.data_ptr(), x.stride(0),

@@ -759,6 +759,21 @@ def test_finish_dw_bad_input():
         _C.ce_dw_finish(0, 5, 8, 0, 3, 0, 8, 8, 0, 0, 0, 5, False, 0)
     with pytest.raises(ValueError, match="t, nv, h >= 0"):
         _C.ce_dw_finish(0, 1, 8, 0, -1, 0, 8, 8, 0, 0, 0, 5, False, 0)
+    dw, x = torch.zeros(3, 4, dtype=torch.bfloat16), torch.ones(2, 4, dtype=torch.bfloat16)
+    y, tc = torch.zeros(2, dtype=torch.int64), torch.ones(2)
+    with pytest.raises(TypeError, match="x must have dtype in \\(bfloat16\\)"):
+        B.finish_dw(dw, x.float(), y, tc)
+    with pytest.raises(TypeError, match="labels must have dtype"):
+        B.finish_dw(dw, x, y.int(), tc)
+    with pytest.raises(TypeError, match="tc must have dtype"):
+        B.finish_dw(dw, x, y, tc.double())
+    with pytest.raises(ValueError, match="dw must be contiguous"):
+        B.finish_dw(torch.zeros(4, 3, dtype=torch.bfloat16).t(), x, y, tc)
+    with pytest.raises(ValueError, match="finish_dw needs dw"):
+        B.finish_dw(dw, torch.ones(2, 3, dtype=torch.bfloat16), y, tc)
+    with pytest.raises(ValueError, match="finish_dw needs dw"):
+        B.finish_dw(dw, x, y[:1], tc)
+    assert torch.equal(dw, torch.zeros(3, 4, dtype=torch.bfloat16))  # nothing half-done
 
 
 @pytest.mark.parametrize("labels", ["zipf", "uniform"])
