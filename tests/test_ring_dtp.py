@@ -13,7 +13,7 @@ import torch
 import moepeak
 from moepeak.ring_dtp import ring_dtp_ce  # noqa: F401  (registers the ops)
 from moepeak import ring_dtp_blocks as B
-from tests.refs import naive_linear_cross_entropy, ref_linear_cross_entropy
+from tests.refs import label_rows_ref, naive_linear_cross_entropy, ref_linear_cross_entropy
 
 FLOOR = {torch.float32: 2e-6, torch.bfloat16: 1e-3, torch.float16: 2e-4}
 
@@ -713,17 +713,14 @@ def _check_finish_dw(device, dtype):
     again = dw0.clone().to(device)
     B.finish_dw(again, x, y, tc, v0=v0)
     assert torch.equal(dw, again)
-    xd, yc, tcd = x.double().cpu(), y.cpu(), tc.double().cpu()
-    mine = (yc >= v0) & (yc < v0 + nv)
-    terms = tcd[mine, None] * xd[mine]
-    add = torch.zeros(nv, H, dtype=torch.float64).index_add_(0, yc[mine] - v0, terms)
-    mag = torch.zeros(nv, H, dtype=torch.float64).index_add_(0, yc[mine] - v0, terms.abs())
-    truth = dw0.double() + add
+    truth, mag = label_rows_ref(dw0, x, y, tc, v0)
     got = dw.cpu().double()
     ulp_half = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[dtype]
     assert ((got - truth).abs() <= ulp_half * truth.abs() + 1e-6 * mag + 1e-30).all()
+    yc = y.cpu()
+    labelled = yc[(yc >= v0) & (yc < v0 + nv)] - v0
     untouched = torch.ones(nv, dtype=torch.bool)
-    untouched[(yc[mine] - v0).unique()] = False
+    untouched[labelled.unique()] = False
     assert untouched.any() and torch.equal(dw.cpu()[untouched], dw0[untouched])
 
 
