@@ -2,8 +2,12 @@
   1. torch._grouped_mm bf16 x bf16 with out_dtype=fp32 (2D x 3D, MoE shapes) vs bf16 out.
   2. torch._grouped_mm 2D x 2D (weight-gradient form) with empty groups: what lands there.
   3. Ring-DTP chunk GEMMs: dX and dW+= of one chunk issued on two streams vs one.
-  python benchmarks/probe_gemm_paths.py
+  4. The BLAS library torch dispatches plain bf16 GEMMs to (cuBLAS vs cuBLASLt): Ring-DTP's
+     three chunk GEMMs and the whole fused_lowp op at T = 32k, H = 4096, V = 151936.
+  python benchmarks/probe_gemm_paths.py [grouped] [streams] [blas]   (default: all)
 """
+import sys
+
 import torch
 
 from _common import cuda_time_ms
@@ -74,7 +78,42 @@ def ring_streams():
               f"side stream serialised {t(conc2):.3f} ms")
 
 
+def blas_library():
+    """Each of fused_lowp's chunk GEMMs (ct = 2048 rows) and the whole op, with torch's
+    preferred BLAS library set to cuBLAS, then cuBLASLt, then cuBLAS again (drift check)."""
+    import moepeak
+    H, V, ct, T = 4096, 151936, 2048, 32768
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(V, H, device="cuda", generator=g) / H ** 0.5).to(torch.bfloat16)
+    x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+    y = torch.randint(0, V, (T,), device="cuda", generator=g)
+    z = torch.empty(ct, V, device="cuda", dtype=torch.bfloat16)
+    dx = torch.empty(ct, H, device="cuda", dtype=torch.bfloat16)
+    dw = torch.zeros(V, H, device="cuda", dtype=torch.bfloat16)
+    xc = x[:ct]
+    fl = 2.0 * ct * V * H / 1e9
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def op():
+        xl.grad = wl.grad = None
+        moepeak.linear_cross_entropy(xl, wl, y, mode="fused_lowp").backward()
+
+    keep = torch.backends.cuda.preferred_blas_library()
+    try:
+        for lib in ("cublas", "cublaslt", "cublas"):
+            torch.backends.cuda.preferred_blas_library(lib)
+            tz = t(lambda: torch.mm(xc, w.t(), out=z))
+            tx = t(lambda: torch.mm(z, w, out=dx))
+            tw = t(lambda: dw.addmm_(z.t(), xc))
+            top = cuda_time_ms(op, reps=5, warmup=2)
+            print(f"{lib:9s} Z {tz:.3f} ms ({fl / tz:.0f} TF/s)  dX {tx:.3f} ({fl / tx:.0f})  dW+= {tw:.3f} "
+                  f"({fl / tw:.0f})  3 chunk GEMMs x 16 = {16 * (tz + tx + tw):.1f} ms;  op fwd+bwd {top:.1f} ms")
+    finally:
+        torch.backends.cuda.preferred_blas_library(keep)
+
+
 if __name__ == "__main__":
     print(torch.cuda.get_device_name(), torch.__version__)
-    grouped()
-    ring_streams()
+    which = sys.argv[1:] or ["grouped", "streams", "blas"]
+    for name in which:
+        {"grouped": grouped, "streams": ring_streams, "blas": blas_library}[name]()

@@ -1,8 +1,10 @@
 """Study: dW's error against fp64 when Ring-DTP's fused modes accumulate dW in
 bf16 over n token chunks, with and without the finish (ring_dtp._fused: the label
 column of every chunk's dZ taken out of the per-chunk GEMMs and added once in fp32,
-ring_dtp_blocks.finish_dw), beside vocab_outer_lowp's dX error. Errors are norm-wise relative, divided by
-naive bf16's (F.linear in bf16, then F.cross_entropy(.float())).
+ring_dtp_blocks.finish_dw), beside vocab_outer_lowp's dX error with and without its
+mirror, dX's finish (each token's label term tc[t] * W[y_t] taken out of the per-vocab-block
+dX GEMMs and added once in fp32, ring_dtp_blocks.finish_dx). Errors are norm-wise relative,
+divided by naive bf16's (F.linear in bf16, then F.cross_entropy(.float())).
 
 Inputs are chosen to stress the accumulation: labels uniform over V (a dW row
 rarely gets its label in more than one chunk), Zipf(1.1) (frequent labels in
@@ -62,14 +64,17 @@ def rel(a, b):
 
 
 @contextlib.contextmanager
-def finish(how):
-    """ring_dtp.FUSED_DW_FINISH = how inside (False: every term of dW rounded once per chunk)."""
+def finish(how, flag="FUSED_DW_FINISH"):
+    """ring_dtp.<flag> = how inside. FUSED_DW_FINISH = False: every term of the fused modes'
+    dW rounded once per token chunk; LOWP_DX_FINISH = False: every term of vocab_outer_lowp's
+    dX rounded once per vocab block."""
     from moepeak import ring_dtp
-    keep, ring_dtp.FUSED_DW_FINISH = ring_dtp.FUSED_DW_FINISH, how
+    keep = getattr(ring_dtp, flag)
+    setattr(ring_dtp, flag, how)
     try:
         yield
     finally:
-        ring_dtp.FUSED_DW_FINISH = keep
+        setattr(ring_dtp, flag, keep)
 
 
 def main():
@@ -86,7 +91,7 @@ def main():
     print(f"dW / dX error vs fp64 relative to naive bf16's; T={T} H={H} V={V} on {args.device}, torch "
           f"{torch.__version__}")
     print(f"{'labels':8s} {'x_mean':>6s} {'naive dW':>9s}  " + "  ".join(
-        f"n={n}: finish / none" for n in args.chunks.split(",")) + "  vocab_outer_lowp dX")
+        f"n={n}: finish / none" for n in args.chunks.split(",")) + "  vocab_outer_lowp dX: finish / none")
     for labels in args.labels.split(","):
         for xm in (float(a) for a in args.x_mean.split(",")):
             x, w, y = make_inputs(T, H, V, labels, xm, args.device)
@@ -102,9 +107,13 @@ def main():
                     with finish(how):
                         errs.append(rel(grads(op, x, w, y)[1], wd) / ew)
                 cells.append(" / ".join(f"{e:5.2f}" for e in errs))
-            gx, _ = grads(lambda a, b, c: moepeak.linear_cross_entropy(a, b, c, mode="vocab_outer_lowp"), x, w, y)
+            vo = lambda a, b, c: moepeak.linear_cross_entropy(a, b, c, mode="vocab_outer_lowp")  # noqa: E731
+            dx_errs = []
+            for how in (True, False):
+                with finish(how, "LOWP_DX_FINISH"):
+                    dx_errs.append(rel(grads(vo, x, w, y)[0], xd) / ex)
             print(f"{labels:8s} {xm:6.1f} {ew:9.2e}  " + "  ".join(f"{c:>17s}" for c in cells)
-                  + f"  {rel(gx, xd) / ex:5.2f}")
+                  + "  " + " / ".join(f"{e:5.2f}" for e in dx_errs))
 
 
 if __name__ == "__main__":

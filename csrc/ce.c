@@ -228,6 +228,40 @@ static void ce_dw_finish_range(void *ctx, int64_t begin, int64_t end, int worker
 }
 
 /* ------------------------------------------------------------------------- */
+/* dX's finish: dx[t] += tc[t] * w[labels[t] - v0] for the tokens whose label  */
+/* is one of w's rows [v0, v0 + nv), per element one fmaf in fp32 and one     */
+/* rounding; other rows (ignore_index, labels of other shards) untouched. The */
+/* label column vocab_outer_lowp took out of its per-vocab-block dX GEMMs     */
+/* (ring_dtp._backward_blocked; cuda/ce.cu ce_dx_finish_kernel, the same      */
+/* arithmetic). A token has one label, so no sum and no order to fix.         */
+/* ------------------------------------------------------------------------- */
+typedef struct {
+  void *dx;
+  int dtype;
+  int64_t ldx;
+  const void *w;
+  int64_t ldw, v0, nv, h;
+  const int64_t *labels;
+  const float *tc;
+} ce_dx_finish_args;
+
+/* [begin, end): token rows t of dx. */
+static void ce_dx_finish_range(void *ctx, int64_t begin, int64_t end, int worker) {
+  (void)worker;
+  const ce_dx_finish_args *a = (const ce_dx_finish_args *)ctx;
+  const size_t esz = a->dtype == CE_F32 ? 4 : 2;
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t r = a->labels[t] - a->v0;
+    if (r < 0 || r >= a->nv) continue;
+    const float c = a->tc[t];
+    void *row = (char *)a->dx + (size_t)(t * a->ldx) * esz;
+    const void *wr = (const char *)a->w + (size_t)(r * a->ldw) * esz;
+    for (int64_t j = 0; j < a->h; ++j)
+      mp_st_el(row, a->dtype, j, fmaf(c, mp_ld_el(wr, a->dtype, j), mp_ld_el(row, a->dtype, j)));
+  }
+}
+
+/* ------------------------------------------------------------------------- */
 /* CUDA launchers (cuda/ce.cu).                                              */
 /* ------------------------------------------------------------------------- */
 #if MP_WITH_CUDA
@@ -246,6 +280,10 @@ mp_status mp_ce_scale_cuda(void *p, int dtype, int64_t n, const float *g, uintpt
 mp_status mp_ce_dw_finish_cuda(void *dw, int dtype, int64_t ldw, int64_t v0, int64_t nv, const void *x,
                                int64_t ldx, int64_t h, const int64_t *sy, const int64_t *perm, const float *tc,
                                int64_t t, uintptr_t stream);
+/* dx: [t, ldx], w: [nv, ldw] x dtype; labels: [t] int64; tc: [t] fp32; all on the device. */
+mp_status mp_ce_dx_finish_cuda(void *dx, int dtype, int64_t ldx, const void *w, int64_t ldw, int64_t v0,
+                               int64_t nv, int64_t h, const int64_t *labels, const float *tc, int64_t t,
+                               uintptr_t stream);
 #endif
 
 /* ------------------------------------------------------------------------- */
@@ -444,6 +482,44 @@ static PyObject *py_ce_dw_finish(PyObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+/* ce_dx_finish(dx, dtype, ldx, w, ldw, v0, nv, h, labels, tc, t, cuda, stream): dx: [t, ldx] and
+ * w: [nv, ldw] x dtype (0 fp32, 1 bf16, 2 fp16), w's rows the labels v0 .. v0 + nv - 1; labels: [t]
+ * int64; tc: [t] x fp32. dx[t, :h] += tc[t] * w[labels[t] - v0, :h] (fmaf, one rounding) where that
+ * row exists. */
+static PyObject *py_ce_dx_finish(PyObject *self, PyObject *args) {
+  (void)self;
+  unsigned long long dx, w, labels, tc, stream;
+  long long ldx, ldw, v0, nv, h, t;
+  int dtype, cuda;
+  if (!PyArg_ParseTuple(args, "KiLKLLLLKKLpK:ce_dx_finish", &dx, &dtype, &ldx, &w, &ldw, &v0, &nv, &h, &labels,
+                        &tc, &t, &cuda, &stream))
+    return NULL;
+  if (dtype < CE_F32 || dtype > CE_F16 || t < 0 || nv < 0 || h < 0 || ldx < h || ldw < h) {
+    PyErr_Format(PyExc_ValueError, "moepeak._C.ce_dx_finish: need dtype 0..2, t, nv, h >= 0, ldx >= h, ldw >= h "
+                 "(got dtype=%d t=%lld nv=%lld h=%lld ldx=%lld ldw=%lld)", dtype, t, nv, h, ldx, ldw);
+    return NULL;
+  }
+  if (nv == 0 || h == 0 || t == 0) Py_RETURN_NONE;
+  mp_status st = MP_OK;
+  if (cuda) {
+#if MP_WITH_CUDA
+    st = mp_ce_dx_finish_cuda((void *)(uintptr_t)dx, dtype, ldx, (const void *)(uintptr_t)w, ldw, v0, nv, h,
+                              (const int64_t *)(uintptr_t)labels, (const float *)(uintptr_t)tc, t,
+                              (uintptr_t)stream);
+#else
+    return mp_raise_no_cuda("ce_dx_finish");
+#endif
+  } else {
+    ce_dx_finish_args a = {(void *)(uintptr_t)dx, dtype, ldx, (const void *)(uintptr_t)w, ldw, v0, nv, h,
+                           (const int64_t *)(uintptr_t)labels, (const float *)(uintptr_t)tc};
+    Py_BEGIN_ALLOW_THREADS
+    st = mp_parallel_for(t, 16, 0, ce_dx_finish_range, &a);
+    Py_END_ALLOW_THREADS
+  }
+  if (st != MP_OK) return mp_raise_status(st);
+  Py_RETURN_NONE;
+}
+
 PyMethodDef mp_ce_methods[] = {
     {"ce_fold", py_ce_fold, METH_VARARGS,
      "ce_fold(z, z_dtype, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, s, zy, zsum, sx, cuda, stream): "
@@ -454,6 +530,9 @@ PyMethodDef mp_ce_methods[] = {
     {"ce_dw_finish", py_ce_dw_finish, METH_VARARGS,
      "ce_dw_finish(dw, dtype, ldw, v0, nv, x, ldx, h, sy, perm, tc, t, cuda, stream): dw[r] += "
      "sum over tokens labelled v0 + r of tc[t] * x[t] (fp32 sum, one rounding)."},
+    {"ce_dx_finish", py_ce_dx_finish, METH_VARARGS,
+     "ce_dx_finish(dx, dtype, ldx, w, ldw, v0, nv, h, labels, tc, t, cuda, stream): dx[t] += "
+     "tc[t] * w[labels[t] - v0] where that row exists (fmaf, one rounding)."},
     {"ce_scale", py_ce_scale, METH_VARARGS,
      "ce_scale(t, dtype, n, g, cuda, stream): t[0:n] *= g[0] in fp32 with one rounding (nothing when g == 1)."},
     {NULL, NULL, 0, NULL},

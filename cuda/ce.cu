@@ -501,6 +501,24 @@ __global__ void __launch_bounds__(kFinishThreads)
   }
 }
 
+// dX's finish (vocab_outer_lowp): dx[t] += tc[t] * w[labels[t] - v0], fmaf in fp32 then one
+// rounding, for the tokens whose label is one of w's rows [v0, v0 + nv); other rows untouched.
+// One CTA per token row (grid-stride); the condition is uniform over the CTA. The same
+// arithmetic as csrc/ce.c ce_dx_finish_range.
+template <typename T>
+__global__ void __launch_bounds__(kFinishThreads)
+    ce_dx_finish_kernel(T *dx, int64_t ldx, const T *__restrict__ w, int64_t ldw, int64_t v0, int64_t nv, int64_t h,
+                        const int64_t *__restrict__ labels, const float *__restrict__ tc, int64_t t) {
+  for (int64_t i = blockIdx.x; i < t; i += gridDim.x) {
+    const int64_t r = labels[i] - v0;
+    if (r < 0 || r >= nv) continue;
+    const float c = tc[i];
+    T *row = dx + i * ldx;
+    const T *wr = w + r * ldw;
+    for (int64_t j = threadIdx.x; j < h; j += kFinishThreads) row[j] = from_f32<T>(fmaf(c, ld(wr, j), ld(row, j)));
+  }
+}
+
 inline int valid_cols(int64_t v, int64_t v0, int64_t v_valid) {
   int64_t n = v_valid - v0;
   return (int)(n < 0 ? 0 : (n > v ? v : n));
@@ -636,6 +654,37 @@ mp_status mp_ce_dw_finish_cuda(void *dw, int dtype, int64_t ldw, int64_t v0, int
                                                                     ldx, h, sy, perm, tc, t);
         break;
       default: MP_FAIL(st, MP_ERR_INVALID, "ce_dw_finish: dtype must be 0, 1 or 2, got %d", dtype);
+    }
+  }
+  MP_CUDA_CHECK_LAUNCH(st);
+fail:
+  return st;
+}
+
+// dx: [t, ldx], w: [nv, ldw] rows for labels v0 .. v0 + nv - 1, both dtype (0 fp32, 1 bf16, 2 fp16);
+// labels: [t] int64; tc: [t] x fp32. All on the device.
+mp_status mp_ce_dx_finish_cuda(void *dx, int dtype, int64_t ldx, const void *w, int64_t ldw, int64_t v0,
+                               int64_t nv, int64_t h, const int64_t *labels, const float *tc, int64_t t,
+                               uintptr_t stream) {
+  mp_status st = MP_OK;
+  cudaStream_t sm = MP_STREAM(stream);
+  if (nv <= 0 || h <= 0 || t <= 0) return MP_OK;
+  {
+    const unsigned grid = grid_for(t);
+    switch (dtype) {
+      case 0:
+        ce_dx_finish_kernel<float><<<grid, kFinishThreads, 0, sm>>>((float *)dx, ldx, (const float *)w, ldw, v0, nv,
+                                                                   h, labels, tc, t);
+        break;
+      case 1:
+        ce_dx_finish_kernel<__nv_bfloat16><<<grid, kFinishThreads, 0, sm>>>(
+            (__nv_bfloat16 *)dx, ldx, (const __nv_bfloat16 *)w, ldw, v0, nv, h, labels, tc, t);
+        break;
+      case 2:
+        ce_dx_finish_kernel<__half><<<grid, kFinishThreads, 0, sm>>>((__half *)dx, ldx, (const __half *)w, ldw, v0,
+                                                                    nv, h, labels, tc, t);
+        break;
+      default: MP_FAIL(st, MP_ERR_INVALID, "ce_dx_finish: dtype must be 0, 1 or 2, got %d", dtype);
     }
   }
   MP_CUDA_CHECK_LAUNCH(st);

@@ -198,8 +198,10 @@ def _fold_all(x, w, bias, y, ignore_index, softcap, ct, cv):
     return st
 
 
-# The fused modes' dW finish (see _fused) on; False only for benchmarks/study_dw_error.py's A/B.
+# The fused modes' dW finish (see _fused) and vocab_outer_lowp's dX finish (see
+# _backward_blocked) on; False only for the A/B of tests and benchmarks/study_dw_error.py.
 FUSED_DW_FINISH = True
+LOWP_DX_FINISH = True
 
 
 def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=False):
@@ -305,21 +307,32 @@ def _backward_blocked(x, w, bias, y, m, ls, q, g, ignore_index, softcap, eps, zl
         # dX accumulates in x.dtype inside the output: the first vocab block writes
         # it, each later one adds with one rounding (GEMM accumulate, fp32 inside);
         # dW block [cv, H] summed in fp32 over the token chunks (exact), as above.
+        # dX's finish (the mirror of the fused modes' dW finish): a token's label
+        # column, its largest dZ term (p_y - 1), is taken out of its vocab block's
+        # dZ after the dW GEMM (which needs it) and before the dX GEMM, and
+        # tc[t] * W[y_t] is added once at the end in fp32, so the roundings over the
+        # vocab blocks are relative to the small sum of p_v W_v, not to W[y_t].
         if not T:
             return torch.zeros_like(x), torch.zeros_like(w), db
         dx = torch.empty_like(x)
         dw = torch.empty_like(w)
         dw_b = torch.empty((min(cv, V), H), dtype=torch.float32, device=x.device)
+        split = V > cv and LOWP_DX_FINISH
+        tc = torch.zeros(T, dtype=torch.float32, device=x.device) if split else None
         for v0 in range(0, V, cv):
             v1 = min(V, v0 + cv)
             blk = dw_b[:v1 - v0]
             for t0 in range(0, T, ct):
                 t1 = min(T, t0 + ct)
                 dz = grad(t0, t1, v0, v1)
-                B.mm_acc_(dx[t0:t1], dz, w[v0:v1], first=v0 == 0)
                 B.mm_f32_acc_(blk, dz.t(), x[t0:t1], first=t0 == 0)
+                if split:
+                    B.take_label_column_block(dz, y[t0:t1], tc[t0:t1], v0)
+                B.mm_acc_(dx[t0:t1], dz, w[v0:v1], first=v0 == 0)
                 del dz
             dw[v0:v1] = blk
+        if split:
+            B.finish_dx(dx, w, y, tc)
         return dx, dw, db
     # token_outer: dX exact per chunk, dW accumulates in the weight's dtype
     dx = torch.empty_like(x)

@@ -176,11 +176,23 @@ def grad_block(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ign
 
 def take_label_column(dz: torch.Tensor, labels: torch.Tensor, tc: torch.Tensor) -> None:
     """tc <- dZ's label column (dz[t, labels[t]] as fp32), then that column <- 0, in place,
-    for a block of whole vocab rows. An ignored row's dZ is all zero, so clamping its
-    label into [0, V) reads and writes a zero. No host sync."""
+    for a block of whole vocab rows (the fused modes). An ignored row's dZ is all zero, so
+    clamping its label into [0, V) reads and writes a zero. No host sync."""
     col = labels.clamp(0, dz.shape[1] - 1).unsqueeze(1)
     tc.copy_(dz.gather(1, col).squeeze(1))
     dz.scatter_(1, col, 0)
+
+
+def take_label_column_block(dz: torch.Tensor, labels: torch.Tensor, tc: torch.Tensor, v0: int) -> None:
+    """take_label_column for a block of vocab columns v0 .. v0 + nv - 1 (vocab_outer_lowp):
+    only the rows labelled inside the block give their element to tc and have it zeroed; the
+    others (labels of other blocks, ignore_index) keep their tc and dZ. No host sync."""
+    nv = dz.shape[1]
+    col = (labels - v0).clamp(0, nv - 1).unsqueeze(1)
+    val = dz.gather(1, col).squeeze(1)
+    inside = (labels >= v0) & (labels < v0 + nv)
+    tc.copy_(torch.where(inside, val.float(), tc))
+    dz.scatter_(1, col, torch.where(inside, torch.zeros_like(val), val).unsqueeze(1))
 
 
 def finish_dw(dw: torch.Tensor, x: torch.Tensor, labels: torch.Tensor, tc: torch.Tensor, v0: int = 0) -> None:
@@ -201,6 +213,24 @@ def finish_dw(dw: torch.Tensor, x: torch.Tensor, labels: torch.Tensor, tc: torch
     _C.ce_dw_finish(dw.data_ptr(), _ZCODE[dw.dtype], dw.stride(0), v0, dw.shape[0], x.data_ptr(), x.stride(0),
                     x.shape[1], sy.data_ptr(), perm.data_ptr(), tc.data_ptr(), x.shape[0], dw.device.type == "cuda",
                     current_stream_handle(dw.device))
+
+
+def finish_dx(dx: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, tc: torch.Tensor, v0: int = 0) -> None:
+    """dx[t] += tc[t] * w[labels[t] - v0] for the tokens whose label is one of w's rows
+    (v0 .. v0 + nv - 1), in fp32 (fmaf) with one rounding per element; other rows untouched
+    (csrc/ce.c, cuda/ce.cu ce_dx_finish). dx: [t, H], w: [nv, H], same dtype, rows
+    contiguous; labels: [t] int64; tc: [t] x fp32."""
+    check_tensor("dx", dx, dtypes=tuple(_ZCODE), ndim=2, contiguous=True)
+    check_tensor("w", w, dtypes=(dx.dtype,), ndim=2, device=dx.device)
+    check_tensor("labels", labels, dtypes=(torch.int64,), ndim=1, device=dx.device, contiguous=True)
+    check_tensor("tc", tc, dtypes=(torch.float32,), ndim=1, device=dx.device, contiguous=True)
+    if w.shape[1] != dx.shape[1] or w.stride(1) != 1 or labels.shape[0] != dx.shape[0] or tc.shape[0] != dx.shape[0]:
+        raise ValueError(f"moepeak: finish_dx needs dx [t, H], w [nv, H] (rows contiguous), labels [t], tc [t]; "
+                         f"got dx {tuple(dx.shape)}, w {tuple(w.shape)} stride {tuple(w.stride())}, labels "
+                         f"{tuple(labels.shape)}, tc {tuple(tc.shape)}")
+    _C.ce_dx_finish(dx.data_ptr(), _ZCODE[dx.dtype], dx.stride(0), w.data_ptr(), w.stride(0), v0, w.shape[0],
+                    dx.shape[1], labels.data_ptr(), tc.data_ptr(), dx.shape[0], dx.device.type == "cuda",
+                    current_stream_handle(dx.device))
 
 
 def merge_state(a, b) -> None:

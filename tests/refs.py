@@ -83,6 +83,16 @@ def label_rows_ref(dw, x, labels, tc, v0=0):
     return dw.double().cpu() + add, mag
 
 
+def label_rows_dx_ref(dx, w, labels, tc, v0=0):
+    """Ring-DTP's dX finish (vocab_outer_lowp) in fp64: dx[t] + tc[t] * w[labels[t] - v0] for
+    the tokens whose label is one of w's rows v0 .. v0 + nv - 1; other rows dx[t]."""
+    nv = w.shape[0]
+    out, yc = dx.double().cpu().clone(), labels.cpu()
+    mine = (yc >= v0) & (yc < v0 + nv)
+    out[mine] += tc.double().cpu()[mine, None] * w.double().cpu()[yc[mine] - v0]
+    return out
+
+
 # ---------------------------------------------------------------------------
 # SCO (checkpoint offload)
 # ---------------------------------------------------------------------------
