@@ -336,6 +336,9 @@ def main():
     ap.add_argument("--interleave", default=None, metavar="ARM,ARM,...",
                     help="after the per-arm runs, time these arms round-robin at the first shape "
                          "(rows get the arm name + '@rr'); e.g. naive_compile,liger_flce_fp32acc,moepeak_auto")
+    ap.add_argument("--arms", default=None, metavar="ARM,ARM,...",
+                    help="time only these arms of the grid (naive is always kept: the error baseline), "
+                         "e.g. liger_flce_fp32acc,moepeak_auto")
     ap.add_argument("--rounds", type=int, default=10, help="rounds of --interleave")
     ap.add_argument("--only-interleave", action="store_true", help="skip the per-arm runs")
     ap.add_argument("--err-chunks", default=None, metavar="N,N,...",
@@ -357,7 +360,7 @@ def main():
     rows = []
     err_cache = {}
     for T, H, V, big in ([] if args.only_interleave else shapes):
-        arms = make_arms(quick_big=big)
+        arms = select_arms(make_arms(quick_big=big), args.arms)
         flop = 6.0 * T * V * H
         t3 = flop / (rate * 1e12)
         MoepeakArm.timed_T = T
@@ -407,6 +410,17 @@ def main():
             rows.append(csv_row(T, H, V, n + "@rr", ts=ts[n], rate=rate_rr))
         rows.append(csv_row(T, H, V, "three_gemms@rr", ts=t3s, rate=rate_rr))
     flush_rows(args.out, rows)
+
+
+def select_arms(arms, names):
+    """arms restricted to the comma-separated names (and naive); unknown names exit."""
+    if not names:
+        return arms
+    pick = {n.strip() for n in names.split(",")} | {"naive"}
+    unknown = sorted(pick - set(arms))
+    if unknown:
+        sys.exit(f"bench_ring_dtp: --arms: unknown arms {unknown}; choose from {sorted(arms)}")
+    return {n: f for n, f in arms.items() if n in pick}
 
 
 def flush_rows(out, rows):

@@ -148,7 +148,8 @@ def ring_dtp_vocab_bytes(T: int, H: int, V: int, b: int, budget_mb: Optional[flo
     low precision within FUSED_MAX_CHUNKS token chunks: fused_lowp (one [ct, V] block
     + dX); else vocab_outer while its fp32 [T, H] dX accumulator is <= 512 MiB (+ its
     cast to dtype + the 256 MiB block workspace), vocab_outer_lowp beyond (dX in dtype,
-    an fp32 dW block [V/8, H], the block workspace). All: 5 fp32 [T] fold rows + 3 fp32
+    an fp32 dW block [cv, H] (ring_dtp_sizes.lowp_dx_block_cols), the block workspace,
+    dX finish's fp32 [T] label terms). All: 5 fp32 [T] fold rows + 3 fp32
     [T] saved (m, ls, q). (dW [V, H] is the parameter's gradient: counted in 'fixed'.)
     budget_mb overrides the fused workspaces (Setup.ring_workspace_mb)."""
     rows = 32 * T
@@ -161,8 +162,8 @@ def ring_dtp_vocab_bytes(T: int, H: int, V: int, b: int, budget_mb: Optional[flo
         return min(ct, T) * V * b + b * T * H + rows
     if mode == "vocab_outer":
         return RS.BLOCKED_WORKSPACE_BYTES + (4 + b) * T * H + rows
-    cv = -(-V // RS.LOWP_DX_BLOCKS)
-    return RS.BLOCKED_WORKSPACE_BYTES + 4 * cv * H + b * T * H + rows
+    cv = min(V, RS.lowp_dx_block_cols(V, H))
+    return RS.BLOCKED_WORKSPACE_BYTES + 4 * cv * H + b * T * H + rows + 4 * T  # + dX finish's tc
 
 
 def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:

@@ -377,7 +377,7 @@ def _sizes(T, H, V, dtype, mode, chunk_tokens, chunk_vocab):
     if mode in _FUSED:
         return chunk_tokens or B.fused_chunk_tokens(V, dtype, lowp_logits=mode == MODES["fused_lowp"]), V
     if mode == MODES["vocab_outer_lowp"]:
-        cv = chunk_vocab or S.lowp_dx_block_cols(V)
+        cv = chunk_vocab or S.lowp_dx_block_cols(V, H)
         return chunk_tokens or B.lowp_dx_chunk_tokens(cv, dtype), cv
     ct, cv = B.blocked_chunks(T, H, dtype, chunk_tokens=chunk_tokens)
     return ct, (chunk_vocab or cv)

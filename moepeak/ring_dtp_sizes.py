@@ -24,8 +24,13 @@ BLOCKED_WORKSPACE_BYTES = 256 << 20
 # part of a dW row the finish leaves in the GEMMs (why 64: the "Error growth" part
 # of ring_dtp's docstring).
 FUSED_MAX_CHUNKS = 64
-# vocab_outer_lowp: vocab blocks dX is rounded over (8: 2.4-2.8x naive's dX error on the H200).
+# vocab_outer_lowp: vocab blocks dX is accumulated over: at least 8, more where the
+# block's fp32 dW accumulator [cv, H] would pass LOWP_DW_BLOCK_BYTES (H = 7168,
+# V = 256000: 24 blocks, 298 MiB, where 8 took 875 MiB). The block count costs little
+# error since dX's finish (ring_dtp._backward_blocked): H200, T = 8192, dX 0.98-1.00x
+# naive's at 8 blocks on the grid's shapes (2.4-3.5x before it).
 LOWP_DX_BLOCKS = 8
+LOWP_DW_BLOCK_BYTES = 300 << 20
 
 
 def round_down(x: int, q: int) -> int:
@@ -75,9 +80,12 @@ def lowp_dx_chunk_tokens(cv: int, b: int, budget: int = BLOCKED_WORKSPACE_BYTES)
     return rows_per_block(budget // (cv * (4 + b)))
 
 
-def lowp_dx_block_cols(V: int) -> int:
-    """vocab_outer_lowp's vocab block: V / LOWP_DX_BLOCKS rounded up to 128 columns."""
-    return round_up(-(-V // LOWP_DX_BLOCKS), 128)
+def lowp_dx_block_cols(V: int, H: int) -> int:
+    """vocab_outer_lowp's vocab block: V / LOWP_DX_BLOCKS rounded up to 128 columns, or
+    fewer columns (a multiple of 128) so that the fp32 dW block [cv, H] stays within
+    LOWP_DW_BLOCK_BYTES. Worked once: V = 151936, H = 4096: 18992 -> 19072 (cap 19200):
+    8 blocks, dW block 298 MiB; V = 256000, H = 7168: 32000 (cap 10880): 24 blocks."""
+    return min(round_up(-(-V // LOWP_DX_BLOCKS), 128), round_down(LOWP_DW_BLOCK_BYTES // (4 * H), 128))
 
 
 def blocked_chunks(T: int, H: int, b: int, budget: int = BLOCKED_WORKSPACE_BYTES,

@@ -230,6 +230,7 @@ def test_ring_dtp_bytes_follow_the_ops_choice():
     ring_dtp_sizes), with each mode's byte formula."""
     from moepeak import ring_dtp as R
     from moepeak import ring_dtp_blocks as B
+    from moepeak import ring_dtp_sizes as S
     for T in (1, 2048, 32768, 40960, 40961, 131072):
         for H, V in ((4096, 151936), (1024, 65536), (2048, 256000), (64, 1000)):
             mode = R._pick_mode(0, True, 1, T, H, V, torch.bfloat16)
@@ -241,4 +242,5 @@ def test_ring_dtp_bytes_follow_the_ops_choice():
                 assert got == B.BLOCKED_WORKSPACE_BYTES + 6 * T * H + 32 * T, (T, H, V)
             else:
                 assert mode == R.MODES["vocab_outer_lowp"], (T, H, V, mode)
-                assert got == B.BLOCKED_WORKSPACE_BYTES + 4 * -(-V // 8) * H + 2 * T * H + 32 * T, (T, H, V)
+                cv = min(V, S.lowp_dx_block_cols(V, H))  # the fp32 dW block's rows (dw_b in the op)
+                assert got == B.BLOCKED_WORKSPACE_BYTES + 4 * cv * H + 2 * T * H + 32 * T + 4 * T, (T, H, V)

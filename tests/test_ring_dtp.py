@@ -219,6 +219,19 @@ def test_auto_mode_choice():
     assert _pick_mode(M["fused_lowp"], True, 0, 64, 4096, 100, torch.bfloat16) == M["vocab_outer"]
 
 
+def test_vocab_outer_lowp_block_sizes():
+    """vocab_outer_lowp's vocab blocks: V / 8 rounded up to 128 columns unless the fp32 dW
+    block [cv, H] would pass 300 MiB (then more, narrower blocks); its Z/dZ rows fit 256 MiB."""
+    from moepeak import ring_dtp_sizes as S
+    assert S.lowp_dx_block_cols(151936, 4096) == 19072                   # 8 blocks, 298 MiB
+    assert S.lowp_dx_block_cols(256000, 7168) == 10880                   # 24 blocks, 297.5 MiB
+    for V, H in ((151936, 4096), (256000, 7168), (128256, 7168), (256000, 4096), (65536, 1024)):
+        cv = S.lowp_dx_block_cols(V, H)
+        assert cv % 128 == 0 and -(-V // cv) >= 8 and 4 * cv * H <= S.LOWP_DW_BLOCK_BYTES, (V, H, cv)
+        ct = S.lowp_dx_chunk_tokens(cv, 2)
+        assert ct * cv * 6 <= S.BLOCKED_WORKSPACE_BYTES, (V, H, ct, cv)
+
+
 def test_return_lse_and_shapes():
     x, w, y, _ = make(12, 8, 40, torch.float32, seed=9)
     loss, lse = moepeak.linear_cross_entropy(x.view(3, 4, 8), w, y.view(3, 4), reduction="none", return_lse=True)
