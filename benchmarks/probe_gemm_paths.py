@@ -4,7 +4,10 @@
   3. Ring-DTP chunk GEMMs: dX and dW+= of one chunk issued on two streams vs one.
   4. The BLAS library torch dispatches plain bf16 GEMMs to (cuBLAS vs cuBLASLt): Ring-DTP's
      three chunk GEMMs and the whole fused_lowp op at T = 32k, H = 4096, V = 151936.
-  python benchmarks/probe_gemm_paths.py [grouped] [streams] [blas]   (default: all)
+  5. The cost of fused_lowp's centering (ring_dtp.FUSED_CENTER_CHUNKS): one chunk's column
+     sum of dZ as a [1, n] x [n, V] GEMM, and the whole op at T = 32k (16 chunks) with the
+     centering on and off, in alternating rounds.
+  python benchmarks/probe_gemm_paths.py [grouped] [streams] [blas] [center]   (default: all)
 """
 import sys
 
@@ -112,8 +115,52 @@ def blas_library():
         torch.backends.cuda.preferred_blas_library(keep)
 
 
+def centering(rounds=8):
+    import statistics
+    import moepeak
+    from moepeak import ring_dtp, ring_dtp_blocks as B
+    H, V, ct, T = 4096, 151936, 2048, 32768
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(V, H, device="cuda", generator=g) / H ** 0.5).to(torch.bfloat16)
+    x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+    y = torch.randint(0, V, (T,), device="cuda", generator=g)
+    dz = torch.randn(ct, V, device="cuda", generator=g).to(torch.bfloat16)
+    cs = torch.zeros(V, device="cuda")
+    ones = torch.ones(1, ct, device="cuda", dtype=torch.bfloat16)
+    tcs = t(lambda: B.colsum_acc_(cs, dz, ones, first=False))
+    tsum = t(lambda: cs.add_(dz.sum(0, dtype=torch.float32)))
+    gb = ct * V * 2 / 1e9
+    print(f"colsum of one [2048, {V}] bf16 dZ: ones-row GEMM {tcs:.3f} ms ({gb / tcs:.2f} TB/s), "
+          f"torch.sum(dim=0, fp32) {tsum:.3f} ms ({gb / tsum:.2f} TB/s)")
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def op():
+        xl.grad = wl.grad = None
+        moepeak.linear_cross_entropy(xl, wl, y, mode="fused_lowp").backward()
+
+    keep = ring_dtp.FUSED_CENTER_CHUNKS
+    ts = {"on": [], "off": []}
+    peaks = {}
+    try:
+        for r in range(rounds):
+            for name, k in (("on", 1), ("off", 1 << 30)) if r % 2 == 0 else (("off", 1 << 30), ("on", 1)):
+                ring_dtp.FUSED_CENTER_CHUNKS = k
+                xl.grad = wl.grad = None
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                ts[name].append(cuda_time_ms(op, reps=3, warmup=1))
+                peaks[name] = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+    finally:
+        ring_dtp.FUSED_CENTER_CHUNKS = keep
+    for name in ("off", "on"):
+        print(f"fused_lowp T={T} (16 chunks), centering {name:3s}: {statistics.median(ts[name]):.1f} ms "
+              f"(min {min(ts[name]):.1f}, max {max(ts[name]):.1f}; {rounds} rounds), peak above inputs incl. "
+              f"grads {peaks[name]:.3f} GiB")
+
+
 if __name__ == "__main__":
     print(torch.cuda.get_device_name(), torch.__version__)
-    which = sys.argv[1:] or ["grouped", "streams", "blas"]
+    which = sys.argv[1:] or ["grouped", "streams", "blas", "center"]
     for name in which:
-        {"grouped": grouped, "streams": ring_streams, "blas": blas_library}[name]()
+        {"grouped": grouped, "streams": ring_streams, "blas": blas_library, "center": centering}[name]()

@@ -1,7 +1,8 @@
 """Study: dW's error against fp64 when Ring-DTP's fused modes accumulate dW in
 bf16 over n token chunks, with and without the finish (ring_dtp._fused: the label
 column of every chunk's dZ taken out of the per-chunk GEMMs and added once in fp32,
-ring_dtp_blocks.finish_dw), beside vocab_outer_lowp's dX error with and without its
+ring_dtp_blocks.finish_dw) and with the centering too (the dW GEMMs on X - mu, colsum(dZ) mu^T
+added in the finish; ring_dtp.FUSED_CENTER_CHUNKS), beside vocab_outer_lowp's dX error with and without its
 mirror, dX's finish (each token's label term tc[t] * W[y_t] taken out of the per-vocab-block
 dX GEMMs and added once in fp32, ring_dtp_blocks.finish_dx). Errors are norm-wise relative,
 divided by naive bf16's (F.linear in bf16, then F.cross_entropy(.float())).
@@ -64,17 +65,25 @@ def rel(a, b):
 
 
 @contextlib.contextmanager
-def finish(how, flag="FUSED_DW_FINISH"):
-    """ring_dtp.<flag> = how inside. FUSED_DW_FINISH = False: every term of the fused modes'
-    dW rounded once per token chunk; LOWP_DX_FINISH = False: every term of vocab_outer_lowp's
-    dX rounded once per vocab block."""
+def flags(**values):
+    """Set ring_dtp's module flags inside: FUSED_DW_FINISH = False (every term of the fused
+    modes' dW rounded once per token chunk), FUSED_CENTER_CHUNKS (centering past that many
+    chunks; a huge number: off), LOWP_DX_FINISH = False (every term of vocab_outer_lowp's dX
+    rounded once per vocab block)."""
     from moepeak import ring_dtp
-    keep = getattr(ring_dtp, flag)
-    setattr(ring_dtp, flag, how)
+    keep = {k: getattr(ring_dtp, k) for k in values}
+    for k, v in values.items():
+        setattr(ring_dtp, k, v)
     try:
         yield
     finally:
-        setattr(ring_dtp, flag, keep)
+        for k, v in keep.items():
+            setattr(ring_dtp, k, v)
+
+
+# The fused_lowp variants of a cell: finish + centering, finish only, neither.
+VARIANTS = {"center": dict(FUSED_CENTER_CHUNKS=0), "finish": dict(FUSED_CENTER_CHUNKS=1 << 30),
+            "none": dict(FUSED_DW_FINISH=False, FUSED_CENTER_CHUNKS=1 << 30)}
 
 
 def main():
@@ -91,7 +100,7 @@ def main():
     print(f"dW / dX error vs fp64 relative to naive bf16's; T={T} H={H} V={V} on {args.device}, torch "
           f"{torch.__version__}")
     print(f"{'labels':8s} {'x_mean':>6s} {'naive dW':>9s}  " + "  ".join(
-        f"n={n}: finish / none" for n in args.chunks.split(",")) + "  vocab_outer_lowp dX: finish / none")
+        f"n={n}: center / finish / none" for n in args.chunks.split(",")) + "  vocab_outer_lowp dX: finish / none")
     for labels in args.labels.split(","):
         for xm in (float(a) for a in args.x_mean.split(",")):
             x, w, y = make_inputs(T, H, V, labels, xm, args.device)
@@ -103,16 +112,16 @@ def main():
                 op = lambda a, b, c: moepeak.linear_cross_entropy(a, b, c, mode="fused_lowp",  # noqa: E731
                                                                    chunk_tokens=-(-T // n))
                 errs = []
-                for how in (True, False):
-                    with finish(how):
+                for how in VARIANTS.values():
+                    with flags(**how):
                         errs.append(rel(grads(op, x, w, y)[1], wd) / ew)
                 cells.append(" / ".join(f"{e:5.2f}" for e in errs))
             vo = lambda a, b, c: moepeak.linear_cross_entropy(a, b, c, mode="vocab_outer_lowp")  # noqa: E731
             dx_errs = []
             for how in (True, False):
-                with finish(how, "LOWP_DX_FINISH"):
+                with flags(LOWP_DX_FINISH=how):
                     dx_errs.append(rel(grads(vo, x, w, y)[0], xd) / ex)
-            print(f"{labels:8s} {xm:6.1f} {ew:9.2e}  " + "  ".join(f"{c:>17s}" for c in cells)
+            print(f"{labels:8s} {xm:6.1f} {ew:9.2e}  " + "  ".join(f"{c:>26s}" for c in cells)
                   + "  " + " / ".join(f"{e:5.2f}" for e in dx_errs))
 
 

@@ -172,9 +172,10 @@ static void ce_scale_range(void *ctx, int64_t begin, int64_t end, int worker) {
 }
 
 /* ------------------------------------------------------------------------- */
-/* dW's finish: dw[v - v0] += sum over tokens t labelled v of tc[t] * x[t]:    */
-/* per element the label terms by fmaf in the order of sy (labels sorted      */
-/* stably), then one rounding of dw + sum. The label column the fused modes   */
+/* dW's finish: dw[v - v0] += [cs[v - v0] * mu +] sum over tokens t labelled  */
+/* v of tc[t] * x[t]: per element the optional rank-1 term, then the label    */
+/* terms by fmaf in the order of sy (labels sorted stably), then one rounding */
+/* of dw + sum. The rank-1 term is the centering's colsum(dZ) mu^T. The label column the fused modes   */
 /* took out of their per-chunk dW GEMMs (ring_dtp._fused; why: cuda/ce.cu     */
 /* ce_dw_finish_kernel, the same order and arithmetic).                       */
 /* ------------------------------------------------------------------------- */
@@ -187,6 +188,7 @@ typedef struct {
   const int64_t *sy, *perm;
   const float *tc;
   int64_t t;
+  const float *cs, *mu; /* optional rank-1 term cs[r] * mu[c] (both NULL or both set) */
 } ce_dw_finish_args;
 
 static int64_t ce_lower_bound(const int64_t *a, int64_t n, int64_t key) {
@@ -210,11 +212,11 @@ static void ce_dw_finish_range(void *ctx, int64_t begin, int64_t end, int worker
   for (int64_t r = begin; r < end; ++r) {
     const int64_t v = a->v0 + r;
     const int64_t lo = ce_lower_bound(a->sy, a->t, v), hi = ce_lower_bound(a->sy, a->t, v + 1);
-    if (lo == hi) continue; /* no token labelled v: the row is untouched */
+    if (lo == hi && !a->cs) continue; /* no token labelled v, no rank-1 term: the row is untouched */
     void *row = (char *)a->dw + (size_t)(r * a->ldw) * esz;
     for (int64_t c0 = 0; c0 < a->h; c0 += CE_FINISH_TILE) {
       const int64_t nc = a->h - c0 < CE_FINISH_TILE ? a->h - c0 : CE_FINISH_TILE;
-      for (int64_t c = 0; c < nc; ++c) acc[c] = 0.f;
+      for (int64_t c = 0; c < nc; ++c) acc[c] = a->cs ? a->cs[r] * a->mu[c0 + c] : 0.f;
       for (int64_t k = lo; k < hi; ++k) {
         const int64_t p = a->perm[k];
         const float w = a->tc[p];
@@ -279,7 +281,7 @@ mp_status mp_ce_scale_cuda(void *p, int dtype, int64_t n, const float *g, uintpt
 /* dw: [nv, ldw], x: [t, ldx] x dtype; sy, perm: [t] int64; tc: [t] fp32; all on the device. */
 mp_status mp_ce_dw_finish_cuda(void *dw, int dtype, int64_t ldw, int64_t v0, int64_t nv, const void *x,
                                int64_t ldx, int64_t h, const int64_t *sy, const int64_t *perm, const float *tc,
-                               int64_t t, uintptr_t stream);
+                               int64_t t, const float *cs, const float *mu, uintptr_t stream);
 /* dx: [t, ldx], w: [nv, ldw] x dtype; labels: [t] int64; tc: [t] fp32; all on the device. */
 mp_status mp_ce_dx_finish_cuda(void *dx, int dtype, int64_t ldx, const void *w, int64_t ldw, int64_t v0,
                                int64_t nv, int64_t h, const int64_t *labels, const float *tc, int64_t t,
@@ -443,37 +445,40 @@ static PyObject *py_ce_scale(PyObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
-/* ce_dw_finish(dw, dtype, ldw, v0, nv, x, ldx, h, sy, perm, tc, t, cuda, stream): dw: [nv, ldw] and
- * x: [t, ldx] x dtype (0 fp32, 1 bf16, 2 fp16); sy, perm: [t] int64 (labels sorted stably, their
- * token indices); tc: [t] x fp32. dw[r, :h] += sum_{t: label v0 + r} tc[t] * x[t, :h] in fp32,
- * one rounding. */
+/* ce_dw_finish(dw, dtype, ldw, v0, nv, x, ldx, h, sy, perm, tc, t, cs, mu, cuda, stream): dw: [nv, ldw]
+ * and x: [t, ldx] x dtype (0 fp32, 1 bf16, 2 fp16); sy, perm: [t] int64 (labels sorted stably, their
+ * token indices); tc: [t] x fp32; cs: [nv], mu: [h] x fp32, both 0 (no rank-1 term) or both set.
+ * dw[r, :h] += [cs[r] * mu +] sum_{t: label v0 + r} tc[t] * x[t, :h] in fp32, one rounding. */
 static PyObject *py_ce_dw_finish(PyObject *self, PyObject *args) {
   (void)self;
-  unsigned long long dw, x, sy, perm, tc, stream;
+  unsigned long long dw, x, sy, perm, tc, cs, mu, stream;
   long long ldw, v0, nv, ldx, h, t;
   int dtype, cuda;
-  if (!PyArg_ParseTuple(args, "KiLLLKLLKKKLpK:ce_dw_finish", &dw, &dtype, &ldw, &v0, &nv, &x, &ldx, &h, &sy,
-                        &perm, &tc, &t, &cuda, &stream))
+  if (!PyArg_ParseTuple(args, "KiLLLKLLKKKLKKpK:ce_dw_finish", &dw, &dtype, &ldw, &v0, &nv, &x, &ldx, &h, &sy,
+                        &perm, &tc, &t, &cs, &mu, &cuda, &stream))
     return NULL;
-  if (dtype < CE_F32 || dtype > CE_F16 || t < 0 || nv < 0 || h < 0 || ldw < h || ldx < h) {
-    PyErr_Format(PyExc_ValueError, "moepeak._C.ce_dw_finish: need dtype 0..2, t, nv, h >= 0, ldw >= h, ldx >= h "
-                 "(got dtype=%d t=%lld nv=%lld h=%lld ldw=%lld ldx=%lld)", dtype, t, nv, h, ldw, ldx);
+  if (dtype < CE_F32 || dtype > CE_F16 || t < 0 || nv < 0 || h < 0 || ldw < h || ldx < h || (!cs) != (!mu)) {
+    PyErr_Format(PyExc_ValueError, "moepeak._C.ce_dw_finish: need dtype 0..2, t, nv, h >= 0, ldw >= h, ldx >= h, "
+                 "cs and mu both set or both 0 (got dtype=%d t=%lld nv=%lld h=%lld ldw=%lld ldx=%lld cs=%s mu=%s)",
+                 dtype, t, nv, h, ldw, ldx, cs ? "set" : "0", mu ? "set" : "0");
     return NULL;
   }
-  if (nv == 0 || h == 0 || t == 0) Py_RETURN_NONE;
+  if (nv == 0 || h == 0 || (t == 0 && !cs)) Py_RETURN_NONE;
   mp_status st = MP_OK;
   if (cuda) {
 #if MP_WITH_CUDA
     st = mp_ce_dw_finish_cuda((void *)(uintptr_t)dw, dtype, ldw, v0, nv, (const void *)(uintptr_t)x, ldx, h,
                               (const int64_t *)(uintptr_t)sy, (const int64_t *)(uintptr_t)perm,
-                              (const float *)(uintptr_t)tc, t, (uintptr_t)stream);
+                              (const float *)(uintptr_t)tc, t, (const float *)(uintptr_t)cs,
+                              (const float *)(uintptr_t)mu, (uintptr_t)stream);
 #else
     return mp_raise_no_cuda("ce_dw_finish");
 #endif
   } else {
     ce_dw_finish_args a = {(void *)(uintptr_t)dw, dtype, ldw, v0, nv, (const void *)(uintptr_t)x, ldx, h,
                            (const int64_t *)(uintptr_t)sy, (const int64_t *)(uintptr_t)perm,
-                           (const float *)(uintptr_t)tc, t};
+                           (const float *)(uintptr_t)tc, t, (const float *)(uintptr_t)cs,
+                           (const float *)(uintptr_t)mu};
     Py_BEGIN_ALLOW_THREADS
     st = mp_parallel_for(nv, 16, 0, ce_dw_finish_range, &a);
     Py_END_ALLOW_THREADS
@@ -528,8 +533,8 @@ PyMethodDef mp_ce_methods[] = {
      "ce_grad(z, z_dtype, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, ls, q, g, g_stride, eps, n_classes, "
      "zloss, out, ldo, out_dtype, cuda, stream): turn a fp32 logits block into dZ."},
     {"ce_dw_finish", py_ce_dw_finish, METH_VARARGS,
-     "ce_dw_finish(dw, dtype, ldw, v0, nv, x, ldx, h, sy, perm, tc, t, cuda, stream): dw[r] += "
-     "sum over tokens labelled v0 + r of tc[t] * x[t] (fp32 sum, one rounding)."},
+     "ce_dw_finish(dw, dtype, ldw, v0, nv, x, ldx, h, sy, perm, tc, t, cs, mu, cuda, stream): dw[r] += "
+     "[cs[r] * mu +] sum over tokens labelled v0 + r of tc[t] * x[t] (fp32 sum, one rounding)."},
     {"ce_dx_finish", py_ce_dx_finish, METH_VARARGS,
      "ce_dx_finish(dx, dtype, ldx, w, ldw, v0, nv, h, labels, tc, t, cuda, stream): dx[t] += "
      "tc[t] * w[labels[t] - v0] where that row exists (fmaf, one rounding)."},

@@ -452,8 +452,10 @@ inline unsigned grid_for(int64_t t) { return (unsigned)(t < kMaxGrid ? t : kMaxG
 // roundings grow with the chunk count, so the caller takes that column out of dZ into
 // tc (fp32) before the dW GEMM and this kernel adds it once: per element the label terms
 // summed by fmaf in the order of sy (labels sorted stably: deterministic), then one
-// rounding of dW + sum. One CTA per row (grid-stride), its label run found by binary
-// search in sy; rows no token is labelled with are left untouched. Labels outside
+// rounding of dW + sum. Optionally a rank-1 term cs[r] * mu first in the same sum (the
+// centering of ring_dtp._fused: colsum(dZ) mu^T), which touches every row. One CTA per
+// row (grid-stride), its label run found by binary search in sy; without the rank-1
+// term, rows no token is labelled with are left untouched. Labels outside
 // [v0, v0 + nv) (ignore_index, other shards) are never rows.
 constexpr int kFinishThreads = 256;
 constexpr int kFinishCols = 8;
@@ -471,17 +473,22 @@ template <typename T>
 __global__ void __launch_bounds__(kFinishThreads)
     ce_dw_finish_kernel(T *dw, int64_t ldw, int64_t v0, int64_t nv, const T *__restrict__ x, int64_t ldx,
                         int64_t h, const int64_t *__restrict__ sy, const int64_t *__restrict__ perm,
-                        const float *__restrict__ tc, int64_t t) {
+                        const float *__restrict__ tc, int64_t t, const float *__restrict__ cs,
+                        const float *__restrict__ mu) {
   for (int64_t r = blockIdx.x; r < nv; r += gridDim.x) {
     const int64_t v = v0 + r;
     const int64_t lo = lower_bound(sy, t, v);
     const int64_t hi = lower_bound(sy, t, v + 1);
-    if (lo == hi) continue;  // uniform over the CTA
+    if (lo == hi && !cs) continue;  // uniform over the CTA
+    const float c_r = cs ? cs[r] : 0.f;
     T *row = dw + r * ldw;
     for (int64_t c0 = 0; c0 < h; c0 += (int64_t)kFinishThreads * kFinishCols) {
       float acc[kFinishCols];
 #pragma unroll
-      for (int i = 0; i < kFinishCols; ++i) acc[i] = 0.f;
+      for (int i = 0; i < kFinishCols; ++i) {
+        const int64_t col = c0 + threadIdx.x + (int64_t)i * kFinishThreads;
+        acc[i] = (cs && col < h) ? c_r * mu[col] : 0.f;
+      }
       for (int64_t k = lo; k < hi; ++k) {
         const int64_t p = perm[k];
         const float w = tc[p];
@@ -631,27 +638,28 @@ fail:
 }
 
 // dw: [nv, ldw] rows for labels v0 .. v0 + nv - 1, x: [t, ldx], both dtype (0 fp32, 1 bf16, 2 fp16);
-// sy, perm: the labels sorted stably and their token indices; tc: [t] x fp32. All on the device.
+// sy, perm: the labels sorted stably and their token indices; tc: [t] x fp32; cs: [nv], mu: [h] x fp32
+// (the rank-1 term cs[r] * mu, or both null). All on the device.
 mp_status mp_ce_dw_finish_cuda(void *dw, int dtype, int64_t ldw, int64_t v0, int64_t nv, const void *x,
                                int64_t ldx, int64_t h, const int64_t *sy, const int64_t *perm, const float *tc,
-                               int64_t t, uintptr_t stream) {
+                               int64_t t, const float *cs, const float *mu, uintptr_t stream) {
   mp_status st = MP_OK;
   cudaStream_t sm = MP_STREAM(stream);
-  if (nv <= 0 || h <= 0 || t <= 0) return MP_OK;
+  if (nv <= 0 || h <= 0 || (t <= 0 && !cs)) return MP_OK;
   {
     const unsigned grid = grid_for(nv);
     switch (dtype) {
       case 0:
         ce_dw_finish_kernel<float><<<grid, kFinishThreads, 0, sm>>>((float *)dw, ldw, v0, nv, (const float *)x, ldx,
-                                                                   h, sy, perm, tc, t);
+                                                                   h, sy, perm, tc, t, cs, mu);
         break;
       case 1:
         ce_dw_finish_kernel<__nv_bfloat16><<<grid, kFinishThreads, 0, sm>>>(
-            (__nv_bfloat16 *)dw, ldw, v0, nv, (const __nv_bfloat16 *)x, ldx, h, sy, perm, tc, t);
+            (__nv_bfloat16 *)dw, ldw, v0, nv, (const __nv_bfloat16 *)x, ldx, h, sy, perm, tc, t, cs, mu);
         break;
       case 2:
         ce_dw_finish_kernel<__half><<<grid, kFinishThreads, 0, sm>>>((__half *)dw, ldw, v0, nv, (const __half *)x,
-                                                                    ldx, h, sy, perm, tc, t);
+                                                                    ldx, h, sy, perm, tc, t, cs, mu);
         break;
       default: MP_FAIL(st, MP_ERR_INVALID, "ce_dw_finish: dtype must be 0, 1 or 2, got %d", dtype);
     }

@@ -202,6 +202,9 @@ def _fold_all(x, w, bias, y, ignore_index, softcap, ct, cv):
 # _backward_blocked) on; False only for the A/B of tests and benchmarks/study_dw_error.py.
 FUSED_DW_FINISH = True
 LOWP_DX_FINISH = True
+# The fused modes center X for their dW GEMMs past this many token chunks (see _fused);
+# a larger number turns the centering off (tests and the study's A/B).
+FUSED_CENTER_CHUNKS = 16
 
 
 def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=False):
@@ -230,6 +233,22 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
     # and into dW once, summed in fp32 (B.finish_dw), instead of once per chunk.
     split = lowp and T > ct and FUSED_DW_FINISH
     tc = torch.empty(T, dtype=torch.float32, device=x.device) if split else None
+    # Centering, past FUSED_CENTER_CHUNKS chunks: what the finish leaves in the GEMMs also
+    # adds up over chunks along a mean direction mu the hidden states share (colsum(dZ) mu^T
+    # in every chunk), so the dW GEMMs take X - mu (one rounding per element, relative to
+    # |x - mu|) and colsum(dZ) (fp32, a [1, n] x [n, V] GEMM per chunk) joins the finish as
+    # the rank-1 term cs mu^T: dZ^T X = dZ^T (X - mu) + colsum(dZ) mu^T exactly.
+    center = split and -(-T // ct) > FUSED_CENTER_CHUNKS
+    if center:
+        H = x.shape[1]
+        ones = torch.ones((1, ct), dtype=x.dtype, device=x.device)
+        mu32 = torch.empty(H, dtype=torch.float32, device=x.device)
+        for t0 in range(0, T, ct):
+            B.colsum_acc_(mu32, x[t0:t0 + ct], ones, first=t0 == 0)
+        mu = mu32.div_(T).to(x.dtype)                           # [H] in x.dtype: the GEMMs' operand
+        mu32.copy_(mu)                                          # and exactly it in fp32 for the finish
+        xcen = torch.empty((ct, H), dtype=x.dtype, device=x.device)
+        cs = torch.empty(V, dtype=torch.float32, device=x.device)
     for t0 in range(0, T, ct):
         t1 = min(T, t0 + ct)
         n = t1 - t0
@@ -258,18 +277,22 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
             db.add_(dz.float().sum(0))
         if split:                                             # after dX's GEMM, which needs the column
             B.take_label_column(dz, y[t0:t1], tc[t0:t1])
+        xg = xc
+        if center:
+            xg = torch.sub(xc, mu, out=xcen[:n])
+            B.colsum_acc_(cs, dz, ones, first=t0 == 0)
         if f32acc or x.device.type == "cuda":
             if t0 == 0:
-                torch.mm(dz.t(), xc, out=dw)
+                torch.mm(dz.t(), xg, out=dw)
             else:
-                dw.addmm_(dz.t(), xc)                         # one rounding per chunk
+                dw.addmm_(dz.t(), xg)                         # one rounding per chunk
         elif t0 == 0:
-            dw.copy_(B.mm(dz.t(), xc, True))
+            dw.copy_(B.mm(dz.t(), xg, True))
         else:
-            dw.add_(B.mm(dz.t(), xc, True))
+            dw.add_(B.mm(dz.t(), xg, True))
         del dz  # the previous chunk's dZ must not live while the next one is made
     if split:
-        B.finish_dw(dw, x, y, tc)
+        B.finish_dw(dw, x, y, tc, cs=cs if center else None, mu=mu32 if center else None)
     return st, dx, dw, db
 
 

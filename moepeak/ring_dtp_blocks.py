@@ -195,12 +195,15 @@ def take_label_column_block(dz: torch.Tensor, labels: torch.Tensor, tc: torch.Te
     dz.scatter_(1, col, torch.where(inside, torch.zeros_like(val), val).unsqueeze(1))
 
 
-def finish_dw(dw: torch.Tensor, x: torch.Tensor, labels: torch.Tensor, tc: torch.Tensor, v0: int = 0) -> None:
-    """dw[r] += sum over the tokens t with labels[t] == v0 + r of tc[t] * x[t]: summed in
-    fp32 in token order (a stable sort of the labels, so deterministic), one rounding per
-    element (csrc/ce.c, cuda/ce.cu ce_dw_finish). dw: [nv, H] rows for labels
-    v0 .. v0 + nv - 1 (other labels, ignore_index included, are no row; rows no token is
-    labelled with are untouched), x: [t, H], same dtype, rows contiguous; tc: [t] x fp32."""
+def finish_dw(dw: torch.Tensor, x: torch.Tensor, labels: torch.Tensor, tc: torch.Tensor, v0: int = 0,
+              cs: Optional[torch.Tensor] = None, mu: Optional[torch.Tensor] = None) -> None:
+    """dw[r] += [cs[r] * mu +] sum over the tokens t with labels[t] == v0 + r of tc[t] * x[t]:
+    summed in fp32 (the optional rank-1 term first, then the label terms in token order: a
+    stable sort of the labels, so deterministic), one rounding per element (csrc/ce.c,
+    cuda/ce.cu ce_dw_finish). dw: [nv, H] rows for labels v0 .. v0 + nv - 1 (other labels,
+    ignore_index included, are no row; without cs, rows no token is labelled with are
+    untouched), x: [t, H], same dtype, rows contiguous; tc: [t] x fp32; cs: [nv] and mu: [H]
+    x fp32, both or neither."""
     check_tensor("dw", dw, dtypes=tuple(_ZCODE), ndim=2, contiguous=True)
     check_tensor("x", x, dtypes=(dw.dtype,), ndim=2, device=dw.device, contiguous=True)
     check_tensor("labels", labels, dtypes=(torch.int64,), ndim=1, device=dw.device)
@@ -208,11 +211,26 @@ def finish_dw(dw: torch.Tensor, x: torch.Tensor, labels: torch.Tensor, tc: torch
     if x.shape[1] != dw.shape[1] or labels.shape[0] != x.shape[0] or tc.shape[0] != x.shape[0]:
         raise ValueError(f"moepeak: finish_dw needs dw [nv, H], x [t, H], labels [t], tc [t]; got dw "
                          f"{tuple(dw.shape)}, x {tuple(x.shape)}, labels {tuple(labels.shape)}, tc {tuple(tc.shape)}")
+    if (cs is None) != (mu is None):
+        raise ValueError("moepeak: finish_dw needs cs and mu both or neither")
+    if cs is not None:
+        check_tensor("cs", cs, dtypes=(torch.float32,), ndim=1, device=dw.device, contiguous=True)
+        check_tensor("mu", mu, dtypes=(torch.float32,), ndim=1, device=dw.device, contiguous=True)
+        if cs.shape[0] != dw.shape[0] or mu.shape[0] != dw.shape[1]:
+            raise ValueError(f"moepeak: finish_dw needs cs [nv], mu [H] for dw {tuple(dw.shape)}; got cs "
+                             f"{tuple(cs.shape)}, mu {tuple(mu.shape)}")
     sy, perm = torch.sort(labels, stable=True)
     tc = tc.contiguous()
     _C.ce_dw_finish(dw.data_ptr(), _ZCODE[dw.dtype], dw.stride(0), v0, dw.shape[0], x.data_ptr(), x.stride(0),
-                    x.shape[1], sy.data_ptr(), perm.data_ptr(), tc.data_ptr(), x.shape[0], dw.device.type == "cuda",
-                    current_stream_handle(dw.device))
+                    x.shape[1], sy.data_ptr(), perm.data_ptr(), tc.data_ptr(), x.shape[0],
+                    0 if cs is None else cs.data_ptr(), 0 if mu is None else mu.data_ptr(),
+                    dw.device.type == "cuda", current_stream_handle(dw.device))
+
+
+def colsum_acc_(cs: torch.Tensor, dz: torch.Tensor, ones: torch.Tensor, first: bool) -> None:
+    """cs (fp32 [V]) = (first) or += the column sums of dz [n, V], accumulated in fp32: a
+    [1, n] x [n, V] GEMM against ones ([1, >= n], dz's dtype), fp32 out. No [n, V] temporary."""
+    mm_f32_acc_(cs.view(1, -1), ones[:, :dz.shape[0]], dz, first)
 
 
 def finish_dx(dx: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, tc: torch.Tensor, v0: int = 0) -> None:

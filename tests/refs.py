@@ -70,16 +70,19 @@ def naive_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-
     return _ce_of_logits(z, labels, ignore_index, reduction, label_smoothing, z_loss, softcap)
 
 
-def label_rows_ref(dw, x, labels, tc, v0=0):
-    """Ring-DTP's dW finish in fp64: dw[r] + sum over the tokens t with labels[t] == v0 + r
-    of tc[t] * x[t] (labels outside [v0, v0 + nv) add nothing). Returns (result, the same
-    sum of |terms|: the scale of the fp32 summation's rounding)."""
+def label_rows_ref(dw, x, labels, tc, v0=0, cs=None, mu=None):
+    """Ring-DTP's dW finish in fp64: dw[r] [+ cs[r] * mu] + sum over the tokens t with
+    labels[t] == v0 + r of tc[t] * x[t] (labels outside [v0, v0 + nv) add nothing). Returns
+    (result, the sum of |terms|: the scale of the fp32 summation's rounding)."""
     nv, H = dw.shape
     xd, yc, tcd = x.double().cpu(), labels.cpu(), tc.double().cpu()
     mine = (yc >= v0) & (yc < v0 + nv)
     terms = tcd[mine, None] * xd[mine]
     add = torch.zeros(nv, H, dtype=torch.float64).index_add_(0, yc[mine] - v0, terms)
     mag = torch.zeros(nv, H, dtype=torch.float64).index_add_(0, yc[mine] - v0, terms.abs())
+    if cs is not None:
+        r1 = cs.double().cpu()[:, None] * mu.double().cpu()[None, :]
+        add, mag = add + r1, mag + r1.abs()
     return dw.double().cpu() + add, mag
 
 

@@ -711,10 +711,11 @@ def test_cuda_auto_within_issue_budget():
 # ---------------------------------------------------------------------------
 # The fused modes' dW finish (B.take_label_column, B.finish_dw)
 # ---------------------------------------------------------------------------
-def _check_finish_dw(device, dtype):
-    """dw[r] += sum_{t: y_t = v0 + r} tc[t] x[t]: within half an ulp of the dtype (plus the fp32
-    sum's rounding) of the fp64 result; rows of labels outside [v0, v0 + nv) and rows no token
-    is labelled with unchanged bitwise; deterministic (bitwise equal on a second call)."""
+def _check_finish_dw(device, dtype, rank1=False):
+    """dw[r] += [cs[r] mu +] sum_{t: y_t = v0 + r} tc[t] x[t]: within half an ulp of the dtype
+    (plus the fp32 sum's rounding) of the fp64 result; deterministic (bitwise equal on a
+    second call); without the rank-1 term, rows of labels outside [v0, v0 + nv) and rows no
+    token is labelled with unchanged bitwise."""
     g = torch.Generator().manual_seed(3)
     T, H, V, v0, nv = 300, 520, 50, 10, 30                     # H > 2 tiles of 256 columns
     x = torch.randn(T, H, generator=g).to(dtype)
@@ -723,20 +724,37 @@ def _check_finish_dw(device, dtype):
     y[:40] = 12                                                # one long run
     tc = torch.randn(T, generator=g)
     dw0 = torch.randn(nv, H, generator=g).to(dtype)
+    cs = torch.randn(nv, generator=g) * 3 if rank1 else None
+    mu = torch.randn(H, generator=g).to(dtype).float() if rank1 else None
     x, y, tc, dw = (t.to(device) for t in (x, y, tc, dw0.clone()))
-    B.finish_dw(dw, x, y, tc, v0=v0)
+    extra = dict(cs=cs.to(device), mu=mu.to(device)) if rank1 else {}
+    B.finish_dw(dw, x, y, tc, v0=v0, **extra)
     again = dw0.clone().to(device)
-    B.finish_dw(again, x, y, tc, v0=v0)
+    B.finish_dw(again, x, y, tc, v0=v0, **extra)
     assert torch.equal(dw, again)
-    truth, mag = label_rows_ref(dw0, x, y, tc, v0)
+    truth, mag = label_rows_ref(dw0, x, y, tc, v0, cs=cs, mu=mu)
     got = dw.cpu().double()
     ulp_half = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[dtype]
     assert ((got - truth).abs() <= ulp_half * truth.abs() + 1e-6 * mag + 1e-30).all()
+    if rank1:
+        return
     yc = y.cpu()
     labelled = yc[(yc >= v0) & (yc < v0 + nv)] - v0
     untouched = torch.ones(nv, dtype=torch.bool)
     untouched[labelled.unique()] = False
     assert untouched.any() and torch.equal(dw.cpu()[untouched], dw0[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_finish_dw_rank1_cpu(dtype):
+    _check_finish_dw("cpu", dtype, rank1=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_finish_dw_rank1(dtype):
+    _check_finish_dw("cuda", dtype, rank1=True)
+    torch.cuda.synchronize()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -779,11 +797,13 @@ def test_take_label_column_block():
 def test_finish_dw_bad_input():
     from moepeak import _C
     with pytest.raises(ValueError, match="ldw >= h"):
-        _C.ce_dw_finish(0, 1, 4, 0, 3, 0, 8, 8, 0, 0, 0, 5, False, 0)
+        _C.ce_dw_finish(0, 1, 4, 0, 3, 0, 8, 8, 0, 0, 0, 5, 0, 0, False, 0)
     with pytest.raises(ValueError, match="dtype 0..2"):
-        _C.ce_dw_finish(0, 5, 8, 0, 3, 0, 8, 8, 0, 0, 0, 5, False, 0)
+        _C.ce_dw_finish(0, 5, 8, 0, 3, 0, 8, 8, 0, 0, 0, 5, 0, 0, False, 0)
     with pytest.raises(ValueError, match="t, nv, h >= 0"):
-        _C.ce_dw_finish(0, 1, 8, 0, -1, 0, 8, 8, 0, 0, 0, 5, False, 0)
+        _C.ce_dw_finish(0, 1, 8, 0, -1, 0, 8, 8, 0, 0, 0, 5, 0, 0, False, 0)
+    with pytest.raises(ValueError, match="cs and mu both set or both 0"):
+        _C.ce_dw_finish(0, 1, 8, 0, 3, 0, 8, 8, 0, 0, 0, 5, 64, 0, False, 0)
     dw, x = torch.zeros(3, 4, dtype=torch.bfloat16), torch.ones(2, 4, dtype=torch.bfloat16)
     y, tc = torch.zeros(2, dtype=torch.int64), torch.ones(2)
     with pytest.raises(TypeError, match="x must have dtype in \\(bfloat16\\)"):
@@ -798,6 +818,12 @@ def test_finish_dw_bad_input():
         B.finish_dw(dw, torch.ones(2, 3, dtype=torch.bfloat16), y, tc)
     with pytest.raises(ValueError, match="finish_dw needs dw"):
         B.finish_dw(dw, x, y[:1], tc)
+    with pytest.raises(ValueError, match="cs and mu both or neither"):
+        B.finish_dw(dw, x, y, tc, cs=torch.zeros(3))
+    with pytest.raises(ValueError, match="needs cs \\[nv\\], mu \\[H\\]"):
+        B.finish_dw(dw, x, y, tc, cs=torch.zeros(4), mu=torch.zeros(4))
+    with pytest.raises(TypeError, match="mu must have dtype"):
+        B.finish_dw(dw, x, y, tc, cs=torch.zeros(3), mu=torch.zeros(4, dtype=torch.bfloat16))
     assert torch.equal(dw, torch.zeros(3, 4, dtype=torch.bfloat16))  # nothing half-done
 
 
