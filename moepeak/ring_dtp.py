@@ -237,7 +237,9 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
     # adds up over chunks along a mean direction mu the hidden states share (colsum(dZ) mu^T
     # in every chunk), so the dW GEMMs take X - mu (one rounding per element, relative to
     # |x - mu|) and colsum(dZ) (fp32, a [1, n] x [n, V] GEMM per chunk) joins the finish as
-    # the rank-1 term cs mu^T: dZ^T X = dZ^T (X - mu) + colsum(dZ) mu^T exactly.
+    # the rank-1 term cs mu^T: dZ^T X = dZ^T (X - mu) + colsum(dZ) mu^T exactly. No buffer for
+    # X - mu: it is written into the chunk's own dX rows, before dX's GEMM (so per chunk the
+    # dW GEMM comes first, with the label column taken out and then put back for dX's).
     center = split and -(-T // ct) > FUSED_CENTER_CHUNKS
     if center:
         H = x.shape[1]
@@ -247,7 +249,6 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
             B.colsum_acc_(mu32, x[t0:t0 + ct], ones, first=t0 == 0)
         mu = mu32.div_(T).to(x.dtype)                           # [H] in x.dtype: the GEMMs' operand
         mu32.copy_(mu)                                          # and exactly it in fp32 for the finish
-        xcen = torch.empty((ct, H), dtype=x.dtype, device=x.device)
         cs = torch.empty(V, dtype=torch.float32, device=x.device)
     for t0 in range(0, T, ct):
         t1 = min(T, t0 + ct)
@@ -269,17 +270,11 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
         dz = B.grad_block(z, 0, V, y[t0:t1], ignore_index, softcap, mm_, ls, q, g, eps, V, zloss, x.dtype,
                           out=None if dzbuf is None else dzbuf[:n])
         del z
-        if x.device.type == "cuda" or f32acc:
-            torch.mm(dz, w, out=dx[t0:t1])                    # exact: one GEMM over the whole row
-        else:
-            dx[t0:t1] = B.mm(dz, w, False)
-        if db is not None:
-            db.add_(dz.float().sum(0))
-        if split:                                             # after dX's GEMM, which needs the column
+        if split:                                             # dW's GEMM without the label column
             B.take_label_column(dz, y[t0:t1], tc[t0:t1])
         xg = xc
-        if center:
-            xg = torch.sub(xc, mu, out=xcen[:n])
+        if center:                                            # this chunk's dX rows as scratch for
+            xg = torch.sub(xc, mu, out=dx[t0:t1])             # X - mu: dX's GEMM below overwrites them
             B.colsum_acc_(cs, dz, ones, first=t0 == 0)
         if f32acc or x.device.type == "cuda":
             if t0 == 0:
@@ -290,6 +285,14 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
             dw.copy_(B.mm(dz.t(), xg, True))
         else:
             dw.add_(B.mm(dz.t(), xg, True))
+        if split:                                             # dX's GEMM with it: put it back, exactly
+            B.put_label_column(dz, y[t0:t1], tc[t0:t1])
+        if x.device.type == "cuda" or f32acc:
+            torch.mm(dz, w, out=dx[t0:t1])                    # exact: one GEMM over the whole row
+        else:
+            dx[t0:t1] = B.mm(dz, w, False)
+        if db is not None:
+            db.add_(dz.float().sum(0))
         del dz  # the previous chunk's dZ must not live while the next one is made
     if split:
         B.finish_dw(dw, x, y, tc, cs=cs if center else None, mu=mu32 if center else None)

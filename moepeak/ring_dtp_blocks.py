@@ -183,6 +183,13 @@ def take_label_column(dz: torch.Tensor, labels: torch.Tensor, tc: torch.Tensor) 
     dz.scatter_(1, col, 0)
 
 
+def put_label_column(dz: torch.Tensor, labels: torch.Tensor, tc: torch.Tensor) -> None:
+    """Undo take_label_column: dz[t, labels[t]] <- tc[t] in dz's dtype, bitwise the element
+    taken (tc holds it widened to fp32); an ignored row gets back its zero. No host sync."""
+    col = labels.clamp(0, dz.shape[1] - 1).unsqueeze(1)
+    dz.scatter_(1, col, tc.to(dz.dtype).unsqueeze(1))
+
+
 def take_label_column_block(dz: torch.Tensor, labels: torch.Tensor, tc: torch.Tensor, v0: int) -> None:
     """take_label_column for a block of vocab columns v0 .. v0 + nv - 1 (vocab_outer_lowp):
     only the rows labelled inside the block give their element to tc and have it zeroed; the

@@ -21,9 +21,9 @@ LOWP_MAX_ROWS = 2048
 # 512 MiB at T = 32k, H = 4096), so their block workspace gets half as much.
 BLOCKED_WORKSPACE_BYTES = 256 << 20
 # auto: fused_lowp for at most this many token chunks, i.e. bf16 roundings of the
-# part of a dW row the finish leaves in the GEMMs (why 64: the "Error growth" part
-# of ring_dtp's docstring).
-FUSED_MAX_CHUNKS = 64
+# part of a dW row the finish and the centering leave in the GEMMs (why 128: the
+# "Error growth" part of ring_dtp's docstring; measured flat to 128 on the H200).
+FUSED_MAX_CHUNKS = 128
 # vocab_outer_lowp: vocab blocks dX is accumulated over: at least 8, more where the
 # block's fp32 dW accumulator [cv, H] would pass LOWP_DW_BLOCK_BYTES (H = 7168,
 # V = 256000: 24 blocks, 298 MiB, where 8 took 875 MiB). The block count costs little
