@@ -11,9 +11,10 @@ Peaks (bytes per GPU; each term read off the code that allocates it, see peaks()
   dispatch   T*K*(b*H+4b*I+8H+20) saved rows          T*(b*H+4K) saved + b*C*(2H+3I) (P>1:
              + 4*T*H (fp32 combine accumulator)        4H+3I) + 4*T*H + 4*T*K (bwd dX, d(w))
   vocab      12*T*V (fp32 log-softmax saved,          Ring-DTP (ring_dtp_vocab_bytes): fused_lowp
-             nll grad, log-softmax grad)               (<= 64 token chunks): one <= 640 MiB
+             nll grad, log-softmax grad)               (<= 128 token chunks): one <= 640 MiB
                                                        [ct, V] block + b*T*H dX; else 256 MiB
-                                                       + (4+b)*T*H or + 4*(V/8)*H + b*T*H; + 32*T
+                                                       + (4+b)*T*H or + 4*cv*H + b*T*H + 4*T
+                                                       (cv: vocab_outer_lowp's block); + 32*T
   boundaries L*T*H*b (one checkpoint input/block)     max(W=2, 1+prefetch=2)*T*H*b (SCO)
   optimizer  12*N/P (fp32 master, m, v)               0 (host RAM + pinned slots)
 Also held: 'fixed' = params + grads (plain 4*N/P fp32 grads; moepeak bf16 params + grads

@@ -13,8 +13,9 @@ every GEMM is torch's. Schedules ("mode"):
                after one pass; dX of the chunk is one exact GEMM; dW (in the
                weight's dtype) is accumulated with one rounding per chunk, except
                its label column (dZ[t, y_t], the largest terms), which is taken out
-               of each chunk's dZ after the dX GEMM and added once at the end,
-               summed in fp32 ("dW's finish", B.finish_dw).
+               of each chunk's dZ for the dW GEMM and added once at the end, summed
+               in fp32 ("dW's finish", B.finish_dw); past FUSED_CENTER_CHUNKS chunks
+               also centered (the dW GEMMs on X - mu, colsum(dZ) mu^T in the finish).
   vocab_outer  4 GEMMs. Forward folds lse; backward, per vocab block, recomputes
                Z, makes dZ, and sums dW_b in fp32 over token chunks (exact),
                dX += dZ W_b into an fp32 [T, H] accumulator (exact).
@@ -31,63 +32,71 @@ every GEMM is torch's. Schedules ("mode"):
                ring_dtp_sizes.fused_chunk_tokens for why 2048).
   vocab_outer_lowp
                vocab_outer with dX accumulated in the input dtype (bf16/fp16)
-               over at most 8 vocab blocks (one rounding per block, like
-               fused's dW over its token chunks) instead of an fp32 [T, H]
-               accumulator; dW exact per block as in vocab_outer. At T = 128k,
-               H = 4096, V = 151936, bf16: 8 blocks of 18992 columns, dW block
-               [18992, 4096] x fp32 = 297 MiB, so 2.16 GiB of gradients + ~0.55
-               GiB, where vocab_outer needs a 2 GiB fp32 dX accumulator (+ its
-               1 GiB bf16 copy).
+               over its vocab blocks (one rounding per block) instead of an fp32
+               [T, H] accumulator, except each token's label term (p_y - 1) W[y],
+               taken out of its block's dZ and added once in fp32 at the end
+               ("dX's finish", B.finish_dx); dW exact per block as in vocab_outer.
+               At least 8 blocks, narrower where the fp32 dW block [cv, H] would
+               pass 300 MiB (ring_dtp_sizes.lowp_dx_block_cols). At T = 128k,
+               H = 4096, V = 151936, bf16: 8 blocks of 19072 columns, dW block
+               298 MiB, so 2.16 GiB of gradients + ~0.55 GiB, where vocab_outer
+               needs a 2 GiB fp32 dX accumulator (+ its 1 GiB bf16 copy).
   auto         fp32 inputs: fused. Low precision: fused_lowp when backward is
                certain (grad enabled, reduction mean/sum) and it needs at most
-               64 token chunks (T <= 131072 at V = 151936 with 2048-row
+               128 token chunks (T <= 262144 at V = 151936 with 2048-row
                chunks); otherwise vocab_outer (exact dW and dX, 4 GEMMs) while
                its fp32 [T, H] dX accumulator is at most the 512 MiB workspace
                (T*H <= 128M), vocab_outer_lowp beyond that.
 
-Measured on one H200 (torch 2.11, 2026-11-29 23:05 UTC; benchmarks/bench_ring_dtp.py
---quick), T = 32k, H = 4096, V = 151936, bf16, fwd+bwd; 3-GEMM time 160.7 ms at the
-761 TFLOP/s the 8192^3 probe measured in that run (792-809 in the day's other runs);
-peak above the inputs incl. dX + dW; dW error vs fp64 at T = 8192 with the same chunk
-count, relative to naive bf16 (1.02e-3):
-  arm                          ms     peak GiB   dW err
-  naive                        242.4  55.6       1.00x
-  naive + torch.compile        194.8  10.7       1.00x
-  Liger FLCE (fp32 acc)        208.2   3.73      1.00x
-  fused_lowp, 2048 rows (16)   192.8   1.99      1.00x   <- auto (1.16x before the finish)
-  fused_lowp, 1728 rows (19)   199.5   1.90      1.00x
-  fused (fp32 logits)          223.8   1.90      1.00x
-  vocab_outer                  314.7   2.04      1.00x
-  token_outer                  319.3   1.58      1.04x
-  CCE                          357.7   1.41      4.1x (dX 8.2x)
-  Round-robin, 10 rounds: auto 192.1 ms, naive + torch.compile 193.6 ms, the 3 GEMMs
-  alone at their own shapes 182.3 ms (auto 1.054x of them).
-  T = 128k: auto (fused_lowp, 64 chunks) 761.0 ms / 2.75 GiB, Liger 769.1 ms / 4.48 GiB,
-  CCE 1416.2 ms / 2.16 GiB, naive OOM (before the 64-chunk cap auto took vocab_outer_lowp:
-  1060.6 ms / 2.70 GiB with 2.4-2.8x naive's dX error).
+Measured on one H200 (torch 2.11, 2026-11-30 00:16 UTC; benchmarks/bench_ring_dtp.py
+--quick --interleave), T = 32k, H = 4096, V = 151936, bf16, fwd+bwd; 3-GEMM time 153.2
+ms at the 799 TFLOP/s the 8192^3 probe measured in that run (761-809 in other runs);
+peak above the inputs incl. dX + dW; errors vs fp64 at T = 8192 with the same chunk
+count (naive bf16: dX 1.67e-3, dW 1.02e-3):
+  arm                          ms     peak GiB   dX err  dW err
+  naive                        234.9  55.6       1.00x   1.00x
+  naive + torch.compile        191.6  10.7       1.00x   1.00x
+  Liger FLCE (fp32 acc)        205.5   3.73      0.99x   1.00x
+  fused_lowp, 2048 rows (16)   189.7   1.99      0.99x   1.00x   <- auto (1.24x the 3-GEMM time)
+  fused_lowp, 1728 rows (19)   200.0   1.90      0.99x   1.00x
+  fused (fp32 logits)          224.7   1.90      0.99x   1.00x
+  vocab_outer                  310.5   2.04      0.99x   1.00x
+  token_outer                  316.1   1.58      0.99x   1.04x
+  CCE                          356.4   1.41      8.2x    4.1x
+  Round-robin, 10 rounds: auto 189.4 ms, naive + torch.compile 191.3 ms, Liger 209.6 ms,
+  the 3 GEMMs alone at their own shapes 180.4 ms (auto 1.050x of them).
+  T = 128k (64 chunks, centered): auto 763.2 ms / 2.75 GiB, Liger 758.1 ms / 4.48 GiB,
+  CCE 1412.5 ms / 2.16 GiB, naive OOM. T = 128k, V = 256000 (103 chunks): auto (now
+  fused_lowp) 1314.5 ms / 3.57 GiB where vocab_outer_lowp took 1896.8 ms / 3.50 GiB.
   Where the 32k time goes, and the grid over T, H, V: benchmarks/RESULTS.md.
 Error growth with the chunk count. fused* accumulate dW in bf16 over the token chunks
-(one rounding per chunk), vocab_outer_lowp dX over its 8 vocab blocks. A chunk's
-rounding error is relative to the running sum, so terms that add up over chunks make
-the error grow with their number: above all a dW row's label terms (p - 1) x_t, which
-for a frequent label (real text; a byte-level vocabulary) come in every chunk. The
-finish takes them out of the GEMMs and adds them once in fp32. H200, T = 8192, H =
-4096, V = 151936, bf16, dW error / naive's at n = 4 / 16 / 64 chunks, with / without
-the finish (benchmarks/study_dw_error.py; results/study_dw_error_h200.log):
-  uniform labels, randn hidden states        1.00 / 1.00 / 1.00   vs 1.13 / 1.16 / 1.18
-  Zipf(1.1) labels                           1.00 / 1.00 / 1.00   vs 1.74 / 2.65 / 4.29
-  Zipf, hidden states sharing a mean         1.00 / 1.00 / 1.01   vs 1.53 / 2.41 / 4.61
-  uniform, hidden states sharing a mean      1.05 / 1.16 / 1.56   vs 2.63 / 6.38 / 12.45
-What the finish leaves: colsum(dZ) mu^T, the non-label terms along a mean direction mu
-the hidden states share, which grows with n (the last row; CPU, T = 4096, H = 128,
-V = 32768: 1.33x at 16 chunks, 2.05x at 64). Taking it out too (GEMM
-against X - mu, colsum(dZ) kept in fp32) gave 1.01-1.02x everywhere on the CPU, but with
-torch.sum for the column sums it cost 6 ms and a 150 MiB staging buffer at T = 32k on
-the H200 (peak 2.14 GiB, over the 2 GiB target), so it is not in; a fused column sum
-would make it cheap. vocab_outer_lowp's dX error does not depend on the labels:
-2.41-2.79x naive's on the H200 grid (2.5-3.5x above), which is why auto prefers
-fused_lowp up to 64 chunks and vocab_outer (exact) where its accumulator fits. For
-exact dW whatever the inputs: mode="vocab_outer".
+(one rounding per chunk), vocab_outer_lowp dX over its vocab blocks. A chunk's rounding
+error is relative to the running sum, so terms that add up over chunks make the error
+grow with their number: above all a dW row's label terms (p - 1) x_t, which for a
+frequent label (real text; a byte-level vocabulary) come in every chunk, and, for hidden
+states that share a mean direction mu (the anisotropy of real final hidden states), the
+non-label terms colsum(dZ) mu^T. The finish takes the label terms out of the GEMMs and
+adds them once in fp32; past FUSED_CENTER_CHUNKS (16) chunks the centering does the same
+for the mean direction: the dW GEMMs take X - mu (written into the chunk's own dX rows
+before its dX GEMM: no buffer) and colsum(dZ) (fp32, a ones-row GEMM per chunk, 0.17 ms
+per 2048-row chunk at V = 151936) joins the finish as a rank-1 term. H200, T = 8192,
+H = 4096, V = 151936, bf16, dW error / naive's, centered / finish only / neither
+(benchmarks/study_dw_error.py; results/study_dw_error_center_h200.log); x_mean = the
+shared direction's per-dimension std (1: cosine ~0.5 between tokens, 3: ~0.9):
+  inputs                      16 chunks             64 chunks             128 chunks
+  uniform labels, x_mean 0    1.01 / 1.00 / 1.16    1.01 / 1.00 / 1.18    1.01 / 1.00 / 1.18
+  uniform labels, x_mean 1    1.00 / 1.16 / 6.38    1.00 / 1.56 / 12.45   1.00 / 2.46 / 15.31
+  uniform labels, x_mean 3    1.00 / 2.39 / 2.47    1.00 / 4.98 / 5.21    1.00 / 10.57 / 10.79
+  Zipf(1.1) labels, x_mean 0  1.00 / 1.00 / 2.65    1.00 / 1.00 / 4.29    1.00 / 1.00 / 5.49
+  Zipf, x_mean 1              1.00 / 1.00 / 2.41    1.00 / 1.01 / 4.61    1.00 / 1.02 / 6.46
+  Zipf, x_mean 3              1.00 / 1.24 / 2.54    1.00 / 1.94 / 4.85    1.00 / 3.72 / 7.73
+At 16 chunks and fewer (the 32k target shape) the centering is off: on the H200 it cost
+3.2 ms (+1.7%) there (results/probe_centering_h200.log), and the finish alone holds dW
+within 2x naive's error except for hidden states as anisotropic as x_mean = 3 with
+labels spread over the vocabulary (2.39x above). Set ring_dtp.FUSED_CENTER_CHUNKS = 1
+to center at any chunk count; mode="vocab_outer" is exact whatever the inputs.
+vocab_outer_lowp's dX with its finish: 0.98-1.00x naive's on the H200 grid's six H x V
+at 8 blocks (2.4-3.5x without it), 0.76x for x_mean = 3.
 GEMMs: fp32 logits straight from cuBLAS via torch.mm(out_dtype=fp32, out=)
 where torch has it (>= 2.8), else bf16 logits upcast in 256-row pieces.
 
@@ -202,8 +211,9 @@ def _fold_all(x, w, bias, y, ignore_index, softcap, ct, cv):
 # _backward_blocked) on; False only for the A/B of tests and benchmarks/study_dw_error.py.
 FUSED_DW_FINISH = True
 LOWP_DX_FINISH = True
-# The fused modes center X for their dW GEMMs past this many token chunks (see _fused);
-# a larger number turns the centering off (tests and the study's A/B).
+# The fused modes center X for their dW GEMMs past this many token chunks (see _fused
+# and "Error growth" above): 1 centers whenever dW spans chunks; a huge number turns the
+# centering off (the A/B of tests and the study). 16 keeps the 32k target shape uncentered.
 FUSED_CENTER_CHUNKS = 16
 
 

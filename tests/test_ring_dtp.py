@@ -831,6 +831,28 @@ def test_finish_dw_bad_input():
     assert torch.equal(dw, torch.zeros(3, 4, dtype=torch.bfloat16))  # nothing half-done
 
 
+def _head_problem(T, H, V, labels, seed, x_mean=0.0, ignore_every=0):
+    """bf16 hidden states randn [T, H] (+ x_mean times one shared random direction), weight
+    randn / sqrt(H) [V, H], labels uniform or Zipf(1.1) over V (every ignore_every-th
+    ignored); with the fp64 reference's and naive bf16's (loss, dX, dW)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    if x_mean:
+        x = x + x_mean * torch.randn(1, H, generator=g)
+    x = x.to(torch.bfloat16)
+    w = (torch.randn(V, H, generator=g) / math.sqrt(H)).to(torch.bfloat16)
+    if labels == "zipf":
+        p = torch.arange(1, V + 1, dtype=torch.float64) ** -1.1
+        y = torch.multinomial(p / p.sum(), T, replacement=True, generator=g)
+    else:
+        y = torch.randint(0, V, (T,), generator=g)
+    if ignore_every:
+        y[::ignore_every] = -100
+    ref = grads(ref_linear_cross_entropy, x.double(), w.double(), y, None)
+    naive = grads(naive_linear_cross_entropy, x, w, y, None)
+    return x, w, y, ref, naive
+
+
 @pytest.mark.parametrize("labels", ["zipf", "uniform"])
 def test_fused_lowp_dw_error_flat_in_chunk_count(labels, monkeypatch):
     """fused_lowp at 64 token chunks: with the finish (each chunk's label column added to dW
@@ -838,17 +860,8 @@ def test_fused_lowp_dw_error_flat_in_chunk_count(labels, monkeypatch):
     chunk (Zipf) as for uniform ones; without it (FUSED_DW_FINISH = False) the same run is
     outside 2.5x, so the check can fail (benchmarks/study_dw_error.py has the grid)."""
     from moepeak import ring_dtp
-    g = torch.Generator().manual_seed(5)
     T, H, V = 2048, 64, 4096
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    w = (torch.randn(V, H, generator=g) / math.sqrt(H)).to(torch.bfloat16)
-    if labels == "zipf":
-        p = torch.arange(1, V + 1, dtype=torch.float64) ** -1.1
-        y = torch.multinomial(p / p.sum(), T, replacement=True, generator=g)
-    else:
-        y = torch.randint(0, V, (T,), generator=g)
-    ref = grads(ref_linear_cross_entropy, x.double(), w.double(), y, None)
-    naive = grads(naive_linear_cross_entropy, x, w, y, None)
+    x, w, y, ref, naive = _head_problem(T, H, V, labels, seed=5)
     base = relerr(naive[2], ref[2])
     ours = grads(moepeak.linear_cross_entropy, x, w, y, None, mode="fused_lowp", chunk_tokens=T // 64)
     assert relerr(ours[2], ref[2]) <= 2 * base, (relerr(ours[2], ref[2]), base)
@@ -930,18 +943,8 @@ def test_vocab_outer_lowp_dx_error_flat_in_block_count(labels, monkeypatch):
     (LOWP_DX_FINISH = False) the same run is outside 2.5x, so the check can fail. dW is
     exact per block either way."""
     from moepeak import ring_dtp
-    g = torch.Generator().manual_seed(5)
     T, H, V = 1024, 64, 8192
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    w = (torch.randn(V, H, generator=g) / math.sqrt(H)).to(torch.bfloat16)
-    if labels == "zipf":
-        p = torch.arange(1, V + 1, dtype=torch.float64) ** -1.1
-        y = torch.multinomial(p / p.sum(), T, replacement=True, generator=g)
-    else:
-        y = torch.randint(0, V, (T,), generator=g)
-    y[::17] = -100
-    ref = grads(ref_linear_cross_entropy, x.double(), w.double(), y, None)
-    naive = grads(naive_linear_cross_entropy, x, w, y, None)
+    x, w, y, ref, naive = _head_problem(T, H, V, labels, seed=5, ignore_every=17)
     base = relerr(naive[1], ref[1])
     ours = grads(moepeak.linear_cross_entropy, x, w, y, None, mode="vocab_outer_lowp", chunk_vocab=V // 32)
     assert relerr(ours[1], ref[1]) <= 1.5 * base, (relerr(ours[1], ref[1]), base)
@@ -959,18 +962,8 @@ def test_fused_lowp_centering_keeps_dw_error_flat(labels, monkeypatch):
     alone the same run is outside 2.5x. dX is bitwise the same either way (the reordered
     chunk puts dZ's label column back before dX's GEMM)."""
     from moepeak import ring_dtp
-    g = torch.Generator().manual_seed(6)
     T, H, V = 2048, 64, 4096
-    x = (torch.randn(T, H, generator=g) + 3.0 * torch.randn(1, H, generator=g)).to(torch.bfloat16)
-    w = (torch.randn(V, H, generator=g) / math.sqrt(H)).to(torch.bfloat16)
-    if labels == "zipf":
-        p = torch.arange(1, V + 1, dtype=torch.float64) ** -1.1
-        y = torch.multinomial(p / p.sum(), T, replacement=True, generator=g)
-    else:
-        y = torch.randint(0, V, (T,), generator=g)
-    y[::13] = -100
-    ref = grads(ref_linear_cross_entropy, x.double(), w.double(), y, None)
-    naive = grads(naive_linear_cross_entropy, x, w, y, None)
+    x, w, y, ref, naive = _head_problem(T, H, V, labels, seed=6, x_mean=3.0, ignore_every=13)
     base = relerr(naive[2], ref[2])
     assert 128 > ring_dtp.FUSED_CENTER_CHUNKS  # 128 chunks: past the threshold
     ours = grads(moepeak.linear_cross_entropy, x, w, y, None, mode="fused_lowp", chunk_tokens=T // 128)
