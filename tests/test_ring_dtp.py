@@ -114,6 +114,21 @@ def test_all_options_at_once(dtype, mode):
           softcap=4.0, reduction="sum")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", ["fused", "fused_lowp"])
+def test_all_options_centered(mode, dtype, device, monkeypatch):
+    """Every option with the fused modes' centering on (FUSED_CENTER_CHUNKS = 1; 5 chunks,
+    the last short): bias, ignored rows, smoothing, z-loss, softcap, sum, upstream grad."""
+    from moepeak import ring_dtp
+    monkeypatch.setattr(ring_dtp, "FUSED_CENTER_CHUNKS", 1)
+    x, w, y, b = make(33, 16, 157, dtype, seed=4, bias=True, ignore_frac=0.2)
+    x = (x.float() + 2.0).to(dtype)                               # a shared mean to take out
+    x, w, y, b = (t.to(device) for t in (x, w, y, b))
+    check(x, w, y, b, mode=mode, gout=torch.tensor(0.5, device=device), chunk_tokens=8, label_smoothing=0.05,
+          z_loss=1e-4, softcap=4.0, reduction="sum")
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("mode", MODES)
 def test_all_ignored(reduction, mode):
