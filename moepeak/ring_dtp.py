@@ -91,7 +91,8 @@ shared direction's per-dimension std (1: cosine ~0.5 between tokens, 3: ~0.9):
   Zipf, x_mean 1              1.00 / 1.00 / 2.41    1.00 / 1.01 / 4.61    1.00 / 1.02 / 6.46
   Zipf, x_mean 3              1.00 / 1.24 / 2.54    1.00 / 1.94 / 4.85    1.00 / 3.72 / 7.73
 At 16 chunks and fewer (the 32k target shape) the centering is off: on the H200 it cost
-3.2 ms (+1.7%) there (results/probe_centering_h200.log), and the finish alone holds dW
+3.2 ms (+1.7%) there (results/probe_centering_h200.log; its first version, with a [ct, H]
+buffer for X - mu), and the finish alone holds dW
 within 2x naive's error except for hidden states as anisotropic as x_mean = 3 with
 labels spread over the vocabulary (2.39x above). Set ring_dtp.FUSED_CENTER_CHUNKS = 1
 to center at any chunk count; mode="vocab_outer" is exact whatever the inputs.
