@@ -175,9 +175,10 @@ static void ce_scale_range(void *ctx, int64_t begin, int64_t end, int worker) {
 /* dW's finish: dw[v - v0] += [cs[v - v0] * mu +] sum over tokens t labelled  */
 /* v of tc[t] * x[t]: per element the optional rank-1 term, then the label    */
 /* terms by fmaf in the order of sy (labels sorted stably), then one rounding */
-/* of dw + sum. The rank-1 term is the centering's colsum(dZ) mu^T. The label column the fused modes   */
-/* took out of their per-chunk dW GEMMs (ring_dtp._fused; why: cuda/ce.cu     */
-/* ce_dw_finish_kernel, the same order and arithmetic).                       */
+/* of dw + sum. The label terms are the column the fused modes took out of    */
+/* their per-chunk dW GEMMs, the rank-1 term their centering's colsum(dZ)     */
+/* mu^T (ring_dtp._fused; why: cuda/ce.cu ce_dw_finish_kernel, the same order */
+/* and arithmetic).                                                           */
 /* ------------------------------------------------------------------------- */
 typedef struct {
   void *dw;

@@ -65,3 +65,12 @@ def test_csv_rows(monkeypatch):
     oom = bench.csv_row(131072, 4096, 151936, "naive", "oom", rate=781.0)
     assert (oom["status"], oom["median_ms"], oom["iters"], oom["peak_gib"]) == ("oom", "nan", 0, "nan")
     assert bench._ints("8192,32768", (1,)) == [8192, 32768] and bench._ints(None, (4096,)) == [4096]
+
+
+def test_select_arms():
+    arms = {"naive": 1, "liger_flce_fp32acc": 2, "moepeak_auto": 3, "cce": 4}
+    assert bench.select_arms(arms, None) is arms
+    assert bench.select_arms(arms, "moepeak_auto, liger_flce_fp32acc") == {
+        "naive": 1, "liger_flce_fp32acc": 2, "moepeak_auto": 3}          # naive kept, grid order
+    with pytest.raises(SystemExit, match="unknown arms \\['moepeak_nope'\\]"):
+        bench.select_arms(arms, "moepeak_auto,moepeak_nope")
