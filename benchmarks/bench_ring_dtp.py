@@ -413,10 +413,17 @@ def main():
 
 
 def select_arms(arms, names):
-    """arms restricted to the comma-separated names (and naive); unknown names exit."""
+    """arms restricted to the comma-separated names (and naive); unknown names exit. A name
+    moepeak_<mode>_ct<N> (e.g. moepeak_fused_lowp_ct1024) is made on demand: that mode at N
+    rows per token chunk."""
     if not names:
         return arms
     pick = {n.strip() for n in names.split(",")} | {"naive"}
+    from moepeak.ring_dtp import MODES
+    for n in pick - set(arms):
+        mode, sep, ct = n.removeprefix("moepeak_").rpartition("_ct")
+        if n.startswith("moepeak_") and sep and mode in MODES and ct.isdigit() and int(ct) > 0:
+            arms = {**arms, n: MoepeakArm(mode, int(ct))}
     unknown = sorted(pick - set(arms))
     if unknown:
         sys.exit(f"bench_ring_dtp: --arms: unknown arms {unknown}; choose from {sorted(arms)}")

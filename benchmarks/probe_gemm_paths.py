@@ -4,9 +4,10 @@
   3. Ring-DTP chunk GEMMs: dX and dW+= of one chunk issued on two streams vs one.
   4. The BLAS library torch dispatches plain bf16 GEMMs to (cuBLAS vs cuBLASLt): Ring-DTP's
      three chunk GEMMs and the whole fused_lowp op at T = 32k, H = 4096, V = 151936.
-  5. The cost of fused_lowp's centering (ring_dtp.FUSED_CENTER_CHUNKS): one chunk's column
-     sum of dZ as a [1, n] x [n, V] GEMM, and the whole op at T = 32k (16 chunks) with the
-     centering on and off, in alternating rounds.
+  5. The cost of fused_lowp's centering (ring_dtp.FUSED_CENTER_CHUNKS): one chunk's gradient
+     kernel alone, with the column sum of dZ as a [1, n] x [n, V] GEMM after it, and with the
+     sum made in the kernel (ring_dtp.FUSED_COLSUM); the whole op at T = 32k (16 chunks) with
+     the centering off and on both ways, in rotating rounds.
   python benchmarks/probe_gemm_paths.py [grouped] [streams] [blas] [center]   (default: all)
 """
 import sys
@@ -124,27 +125,42 @@ def centering(rounds=8):
     w = (torch.randn(V, H, device="cuda", generator=g) / H ** 0.5).to(torch.bfloat16)
     x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
     y = torch.randint(0, V, (T,), device="cuda", generator=g)
-    dz = torch.randn(ct, V, device="cuda", generator=g).to(torch.bfloat16)
+    # One chunk's gradient kernel alone, + the column sum as a ones-row GEMM, and fused into it.
+    z0 = (torch.randn(ct, V, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    z = z0.clone()
+    yc = y[:ct].clone()
+    m = z0.float().amax(1) + 1.0
+    ls = torch.full((ct,), 9.0, device="cuda")
+    q = torch.full((ct,), 0.5, device="cuda")
+    one = torch.ones(1, device="cuda")
     cs = torch.zeros(V, device="cuda")
+    part = torch.empty(B.COLSUM_GROUPS, V, device="cuda")
     ones = torch.ones(1, ct, device="cuda", dtype=torch.bfloat16)
-    tcs = t(lambda: B.colsum_acc_(cs, dz, ones, first=False))
-    tsum = t(lambda: cs.add_(dz.sum(0, dtype=torch.float32)))
-    gb = ct * V * 2 / 1e9
-    print(f"colsum of one [2048, {V}] bf16 dZ: ones-row GEMM {tcs:.3f} ms ({gb / tcs:.2f} TB/s), "
-          f"torch.sum(dim=0, fp32) {tsum:.3f} ms ({gb / tsum:.2f} TB/s)")
+
+    def grad(colsum=None):
+        z.copy_(z0)  # the kernel works in place: time the copy too and subtract it
+        B.grad_block(z, 0, V, yc, -100, 0.0, m, ls, q, one, 0.0, V, 0.0, torch.bfloat16, colsum=colsum)
+    tcopy = t(lambda: z.copy_(z0))
+    tg = t(grad) - tcopy
+    tgg = t(lambda: (grad(), B.colsum_acc_(cs, z, ones, first=False))) - tcopy
+    tgf = t(lambda: grad((cs, part, False))) - tcopy
+    gb = ct * V * 2 * 2 / 1e9  # read + write
+    print(f"gradient of one [{ct}, {V}] bf16 chunk (dZ in place): {tg:.3f} ms ({gb / tg:.2f} TB/s); "
+          f"+ ones-row GEMM colsum {tgg:.3f} ms; with the colsum in the kernel {tgf:.3f} ms ({gb / tgf:.2f} TB/s)")
     xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
 
     def op():
         xl.grad = wl.grad = None
         moepeak.linear_cross_entropy(xl, wl, y, mode="fused_lowp").backward()
 
-    keep = ring_dtp.FUSED_CENTER_CHUNKS
-    ts = {"on": [], "off": []}
+    keep = ring_dtp.FUSED_CENTER_CHUNKS, ring_dtp.FUSED_COLSUM
+    arms = (("off", 1 << 30, True), ("on, GEMM colsum", 1, False), ("on, fused colsum", 1, True))
+    ts = {a[0]: [] for a in arms}
     peaks = {}
     try:
         for r in range(rounds):
-            for name, k in (("on", 1), ("off", 1 << 30)) if r % 2 == 0 else (("off", 1 << 30), ("on", 1)):
-                ring_dtp.FUSED_CENTER_CHUNKS = k
+            for name, k, fused in arms[r % 3:] + arms[:r % 3]:
+                ring_dtp.FUSED_CENTER_CHUNKS, ring_dtp.FUSED_COLSUM = k, fused
                 xl.grad = wl.grad = None
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -152,9 +168,9 @@ def centering(rounds=8):
                 ts[name].append(cuda_time_ms(op, reps=3, warmup=1))
                 peaks[name] = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
     finally:
-        ring_dtp.FUSED_CENTER_CHUNKS = keep
-    for name in ("off", "on"):
-        print(f"fused_lowp T={T} (16 chunks), centering {name:3s}: {statistics.median(ts[name]):.1f} ms "
+        ring_dtp.FUSED_CENTER_CHUNKS, ring_dtp.FUSED_COLSUM = keep
+    for name, _, _ in arms:
+        print(f"fused_lowp T={T} (16 chunks), centering {name:16s}: {statistics.median(ts[name]):.1f} ms "
               f"(min {min(ts[name]):.1f}, max {max(ts[name]):.1f}; {rounds} rounds), peak above inputs incl. "
               f"grads {peaks[name]:.3f} GiB")
 

@@ -277,6 +277,14 @@ mp_status mp_ce_grad_cuda(const void *z, int z_dtype, int64_t ldz, int64_t t, in
                           const float *mrow, const float *ls, const float *q, const float *g, int64_t g_stride,
                           float eps, int64_t n_classes, float zloss, void *out, int64_t ldo, int out_dtype,
                           uintptr_t stream);
+/* ce_grad + column sums of the dZ written (target elements excluded) into cs [nv] x fp32 (= or +=),
+ * through part: [gmax, ldp] x fp32 scratch (cuda/ce.cu, ce_grad_colsum_kernel). */
+mp_status mp_ce_grad_colsum_cuda(const void *z, int z_dtype, int64_t ldz, int64_t t, int64_t v, int64_t v0,
+                                 int64_t v_valid, const int64_t *labels, int64_t ignore_index, float softcap,
+                                 const float *mrow, const float *ls, const float *q, const float *g,
+                                 int64_t g_stride, float eps, int64_t n_classes, float zloss, void *out, int64_t ldo,
+                                 int out_dtype, float *part, int64_t ldp, int64_t gmax, float *cs, int first,
+                                 uintptr_t stream);
 /* p: [n] x dtype (0 fp32, 1 bf16, 2 fp16), p *= *g (g: one fp32), all on the device; nothing when *g == 1. */
 mp_status mp_ce_scale_cuda(void *p, int dtype, int64_t n, const float *g, uintptr_t stream);
 /* dw: [nv, ldw], x: [t, ldx] x dtype; sy, perm: [t] int64; tc: [t] fp32; all on the device. */
@@ -357,7 +365,9 @@ static PyObject *py_ce_fold(PyObject *self, PyObject *args) {
 }
 
 /* ce_grad(z, z_dtype, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, ls, q, g, g_stride, eps, n_classes,
- *         zloss, out, ldo, out_dtype, cuda, stream)
+ *         zloss, out, ldo, out_dtype, cuda, stream[, part, ldp, gmax, cs, first])
+ * part != 0 (CUDA): also cs (=, or += unless first) the column sums of the dZ written without the target
+ * elements, through part: [gmax, ldp] x fp32 scratch (mp_ce_grad_colsum_cuda).
  * out_dtype: 0 fp32 in place (out must equal z; the only CPU choice), 1 bf16, 2 fp16 (CUDA).
  * z_dtype: 0 fp32; 1 bf16 / 2 fp16 logits (CUDA) need out_dtype == z_dtype, out == z, ldo == ldz. */
 static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
@@ -366,9 +376,12 @@ static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
   long long ldz, t, v, v0, v_valid, ignore, g_stride, n_classes, ldo;
   double softcap, eps, zloss;
   int out_dtype, cuda, z_dtype;
-  if (!PyArg_ParseTuple(args, "KiLLLLLKLdKKKKLdLdKLipK:ce_grad", &z, &z_dtype, &ldz, &t, &v, &v0, &v_valid, &labels,
-                        &ignore, &softcap, &mrow, &ls, &q, &g, &g_stride, &eps, &n_classes, &zloss, &out, &ldo,
-                        &out_dtype, &cuda, &stream))
+  unsigned long long part = 0, cs = 0;
+  long long ldp = 0, gmax = 0;
+  int first = 0;
+  if (!PyArg_ParseTuple(args, "KiLLLLLKLdKKKKLdLdKLipK|KLLKp:ce_grad", &z, &z_dtype, &ldz, &t, &v, &v0, &v_valid,
+                        &labels, &ignore, &softcap, &mrow, &ls, &q, &g, &g_stride, &eps, &n_classes, &zloss, &out,
+                        &ldo, &out_dtype, &cuda, &stream, &part, &ldp, &gmax, &cs, &first))
     return NULL;
   ce_args a = ce_block_args(z, ldz, t, v, v0, v_valid, labels, ignore, softcap);
   a.mrow = (const float *)(uintptr_t)mrow;
@@ -397,14 +410,27 @@ static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
       PyErr_Format(PyExc_ValueError, "moepeak._C.ce_grad: ldo=%lld < v=%lld", ldo, v);
       return NULL;
     }
-    st = mp_ce_grad_cuda(a.z, z_dtype, ldz, t, v, v0, v_valid, a.labels, ignore, a.softcap, a.mrow, a.ls, a.q, a.g, g_stride,
-                         a.eps, n_classes, a.zloss, (void *)(uintptr_t)out, ldo, out_dtype, (uintptr_t)stream);
+    if (part)
+      st = mp_ce_grad_colsum_cuda(a.z, z_dtype, ldz, t, v, v0, v_valid, a.labels, ignore, a.softcap, a.mrow, a.ls, a.q,
+                                  a.g, g_stride, a.eps, n_classes, a.zloss,
+                                  out_dtype == 0 ? (void *)a.z : (void *)(uintptr_t)out, out_dtype == 0 ? ldz : ldo,
+                                  out_dtype, (float *)(uintptr_t)part, ldp, gmax, (float *)(uintptr_t)cs, first,
+                                  (uintptr_t)stream);
+    else
+      st = mp_ce_grad_cuda(a.z, z_dtype, ldz, t, v, v0, v_valid, a.labels, ignore, a.softcap, a.mrow, a.ls, a.q, a.g,
+                           g_stride, a.eps, n_classes, a.zloss, (void *)(uintptr_t)out, ldo, out_dtype,
+                           (uintptr_t)stream);
 #else
     return mp_raise_no_cuda("ce_grad");
 #endif
   } else {
     if (out_dtype != 0 || out != z) {
       PyErr_SetString(PyExc_ValueError, "moepeak._C.ce_grad: on CPU the gradient is written in place (fp32)");
+      return NULL;
+    }
+    if (part) {
+      PyErr_SetString(PyExc_ValueError, "moepeak._C.ce_grad: the fused column sums (part, cs) are CUDA only "
+                      "(on CPU: ring_dtp_blocks.colsum_acc_ after the gradient)");
       return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
@@ -532,7 +558,8 @@ PyMethodDef mp_ce_methods[] = {
      "fold a fp32 logits block into per-row (m, s, zy, zsum, sx)."},
     {"ce_grad", py_ce_grad, METH_VARARGS,
      "ce_grad(z, z_dtype, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, ls, q, g, g_stride, eps, n_classes, "
-     "zloss, out, ldo, out_dtype, cuda, stream): turn a fp32 logits block into dZ."},
+     "zloss, out, ldo, out_dtype, cuda, stream[, part, ldp, gmax, cs, first]): turn a logits block into dZ "
+     "(and, on CUDA with part, sum its columns without the target elements into cs)."},
     {"ce_dw_finish", py_ce_dw_finish, METH_VARARGS,
      "ce_dw_finish(dw, dtype, ldw, v0, nv, x, ldx, h, sy, perm, tc, t, cs, mu, cuda, stream): dw[r] += "
      "[cs[r] * mu +] sum over tokens labelled v0 + r of tc[t] * x[t] (fp32 sum, one rounding)."},

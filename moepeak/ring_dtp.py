@@ -216,6 +216,9 @@ LOWP_DX_FINISH = True
 # and "Error growth" above): 1 centers whenever dW spans chunks; a huge number turns the
 # centering off (the A/B of tests and the study). 16 keeps the 32k target shape uncentered.
 FUSED_CENTER_CHUNKS = 16
+# The centering's colsum(dZ) from the gradient kernel (CUDA; see _fused); False: a GEMM per
+# chunk re-reads dZ (the A/B of tests and benchmarks).
+FUSED_COLSUM = True
 
 
 def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=False):
@@ -251,6 +254,8 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
     # the rank-1 term cs mu^T: dZ^T X = dZ^T (X - mu) + colsum(dZ) mu^T exactly. No buffer for
     # X - mu: it is written into the chunk's own dX rows, before dX's GEMM (so per chunk the
     # dW GEMM comes first, with the label column taken out and then put back for dX's).
+    # colsum(dZ) comes from the gradient kernel itself where it can (CUDA, 16-byte rows:
+    # B.colsum_fusable), through a [COLSUM_GROUPS, V] x fp32 scratch; else a GEMM re-reads dZ.
     center = split and -(-T // ct) > FUSED_CENTER_CHUNKS
     if center:
         H = x.shape[1]
@@ -261,6 +266,8 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
         mu = mu32.div_(T).to(x.dtype)                           # [H] in x.dtype: the GEMMs' operand
         mu32.copy_(mu)                                          # and exactly it in fp32 for the finish
         cs = torch.empty(V, dtype=torch.float32, device=x.device)
+        fuse_cs = FUSED_COLSUM and B.colsum_fusable(zbuf, dzbuf)
+        part = torch.empty((B.COLSUM_GROUPS, V), dtype=torch.float32, device=x.device) if fuse_cs else None
     for t0 in range(0, T, ct):
         t1 = min(T, t0 + ct)
         n = t1 - t0
@@ -279,14 +286,16 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
         B.fold(z, 0, V, y[t0:t1], ignore_index, softcap, m, s, zy, zs, sx)
         mm_, ls, q = B.fin((m, s, zy, zs, sx))
         dz = B.grad_block(z, 0, V, y[t0:t1], ignore_index, softcap, mm_, ls, q, g, eps, V, zloss, x.dtype,
-                          out=None if dzbuf is None else dzbuf[:n])
+                          out=None if dzbuf is None else dzbuf[:n],
+                          colsum=(cs, part, t0 == 0) if center and fuse_cs else None)
         del z
         if split:                                             # dW's GEMM without the label column
-            B.take_label_column(dz, y[t0:t1], tc[t0:t1])
+            col = B.take_label_column(dz, y[t0:t1], tc[t0:t1])
         xg = xc
         if center:                                            # this chunk's dX rows as scratch for
             xg = torch.sub(xc, mu, out=dx[t0:t1])             # X - mu: dX's GEMM below overwrites them
-            B.colsum_acc_(cs, dz, ones, first=t0 == 0)
+            if not fuse_cs:
+                B.colsum_acc_(cs, dz, ones, first=t0 == 0)
         if f32acc or x.device.type == "cuda":
             if t0 == 0:
                 torch.mm(dz.t(), xg, out=dw)
@@ -297,7 +306,7 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
         else:
             dw.add_(B.mm(dz.t(), xg, True))
         if split:                                             # dX's GEMM with it: put it back, exactly
-            B.put_label_column(dz, y[t0:t1], tc[t0:t1])
+            B.put_label_column(dz, y[t0:t1], tc[t0:t1], col)
         if x.device.type == "cuda" or f32acc:
             torch.mm(dz, w, out=dx[t0:t1])                    # exact: one GEMM over the whole row
         else:

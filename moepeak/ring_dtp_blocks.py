@@ -144,49 +144,86 @@ def fold(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ignore_in
                m.data_ptr(), s.data_ptr(), zy.data_ptr(), zsum.data_ptr(), sx.data_ptr(), cuda, current_stream_handle(z.device))
 
 
+# Rows of the scratch that the fused column sums go through (cuda/ce.cu ce_grad_colsum_kernel
+# uses at most this many row groups; 8 x V x fp32: 4.6 MiB at V = 151936).
+COLSUM_GROUPS = 8
+
+
+def colsum_fusable(z: torch.Tensor, out: Optional[torch.Tensor] = None) -> bool:
+    """Can grad_block sum dZ's columns in its gradient kernel (colsum=)? CUDA, and the rows of
+    the logits block (and of out) start on 16-byte boundaries (e.g. V % 8 == 0 for bf16)."""
+    if z.device.type != "cuda" or z.stride(1) != 1:
+        return False
+    for t in (z,) if out is None else (z, out):
+        if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            return False
+    return True
+
+
 def grad_block(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ignore_index: int, softcap: float,
                m: torch.Tensor, ls: torch.Tensor, q: torch.Tensor, g: torch.Tensor, eps: float, n_classes: int, zloss: float,
-               dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+               dtype: torch.dtype, out: Optional[torch.Tensor] = None,
+               colsum: Optional[Tuple[torch.Tensor, torch.Tensor, bool]] = None) -> torch.Tensor:
     """Turn the logits block z: [t, v] x fp32 into dZ, returned in `dtype` (the GEMM
     operand dtype). m, ls = log(s), q = 1 - p_y: [t] x fp32 (lse = m + ls); g: [t] (per row) or [1] (broadcast) x fp32.
-    out: optional preallocated [t, v] x dtype workspace (CUDA, dtype bf16/fp16) for dZ."""
+    out: optional preallocated [t, v] x dtype workspace (CUDA, dtype bf16/fp16) for dZ.
+    colsum = (cs, part, first) (CUDA, colsum_fusable): the same kernel also makes the column
+    sums of dZ as returned, each row's target element excluded (= colsum after
+    take_label_column), in fp32: cs ([v] x fp32) = them if first, else cs += them; part:
+    [COLSUM_GROUPS, >= v] x fp32 scratch. Deterministic (no atomics)."""
     t, v = z.shape
     g_stride = 0 if g.numel() == 1 else 1
     cuda = z.device.type == "cuda"
     stream = current_stream_handle(z.device)
+    extra = ()
+    if colsum is not None:
+        cs, part, first = colsum
+        if not cuda:
+            raise ValueError("moepeak: grad_block(colsum=...) is CUDA only; on CPU use colsum_acc_ after it")
+        check_tensor("cs", cs, dtypes=(torch.float32,), ndim=1, device=z.device, contiguous=True)
+        check_tensor("part", part, dtypes=(torch.float32,), ndim=2, device=z.device, contiguous=True)
+        if cs.shape[0] != v or part.shape[1] < v:
+            raise ValueError(f"moepeak: grad_block(colsum=) needs cs [{v}] and part [G, >= {v}]; got cs "
+                             f"{tuple(cs.shape)}, part {tuple(part.shape)}")
+        extra = (part.data_ptr(), part.stride(0), part.shape[0], cs.data_ptr(), bool(first))
     if z.dtype != torch.float32:  # low-precision logits (CUDA): dZ in place, in z's dtype
         code = _ZCODE[z.dtype]
         _C.ce_grad(z.data_ptr(), code, z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
                    m.data_ptr(), ls.data_ptr(), q.data_ptr(), g.data_ptr(), g_stride, eps, n_classes, zloss, z.data_ptr(),
-                   z.stride(0), code, cuda, stream)
+                   z.stride(0), code, cuda, stream, *extra)
         return z
     if cuda and dtype != torch.float32:
         if out is None:
             out = torch.empty((t, v), dtype=dtype, device=z.device)
         code = 1 if dtype == torch.bfloat16 else 2
         _C.ce_grad(z.data_ptr(), 0, z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
-                   m.data_ptr(), ls.data_ptr(), q.data_ptr(), g.data_ptr(), g_stride, eps, n_classes, zloss, out.data_ptr(), v, code, True,
-                   stream)
+                   m.data_ptr(), ls.data_ptr(), q.data_ptr(), g.data_ptr(), g_stride, eps, n_classes, zloss, out.data_ptr(),
+                   out.stride(0), code, True, stream, *extra)
         return out
     _C.ce_grad(z.data_ptr(), 0, z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
                m.data_ptr(), ls.data_ptr(), q.data_ptr(), g.data_ptr(), g_stride, eps, n_classes, zloss, z.data_ptr(), z.stride(0), 0, cuda,
-               stream)
+               stream, *extra)
     return z if dtype == torch.float32 else z.to(dtype)
 
 
-def take_label_column(dz: torch.Tensor, labels: torch.Tensor, tc: torch.Tensor) -> None:
+def take_label_column(dz: torch.Tensor, labels: torch.Tensor, tc: torch.Tensor) -> torch.Tensor:
     """tc <- dZ's label column (dz[t, labels[t]] as fp32), then that column <- 0, in place,
     for a block of whole vocab rows (the fused modes). An ignored row's dZ is all zero, so
-    clamping its label into [0, V) reads and writes a zero. No host sync."""
+    clamping its label into [0, V) reads and writes a zero. No host sync. Returns the
+    column index [t, 1] (the clamped labels) for put_label_column."""
     col = labels.clamp(0, dz.shape[1] - 1).unsqueeze(1)
     tc.copy_(dz.gather(1, col).squeeze(1))
     dz.scatter_(1, col, 0)
+    return col
 
 
-def put_label_column(dz: torch.Tensor, labels: torch.Tensor, tc: torch.Tensor) -> None:
+def put_label_column(dz: torch.Tensor, labels: torch.Tensor, tc: torch.Tensor,
+                     col: Optional[torch.Tensor] = None) -> None:
     """Undo take_label_column: dz[t, labels[t]] <- tc[t] in dz's dtype, bitwise the element
-    taken (tc holds it widened to fp32); an ignored row gets back its zero. No host sync."""
-    col = labels.clamp(0, dz.shape[1] - 1).unsqueeze(1)
+    taken (tc holds it widened to fp32); an ignored row gets back its zero. col: what
+    take_label_column returned (else the labels are clamped again). No host sync."""
+    if col is None:
+        col = labels.clamp(0, dz.shape[1] - 1).unsqueeze(1)
     dz.scatter_(1, col, tc.to(dz.dtype).unsqueeze(1))
 
 

@@ -74,3 +74,8 @@ def test_select_arms():
         "naive": 1, "liger_flce_fp32acc": 2, "moepeak_auto": 3}          # naive kept, grid order
     with pytest.raises(SystemExit, match="unknown arms \\['moepeak_nope'\\]"):
         bench.select_arms(arms, "moepeak_auto,moepeak_nope")
+    made = bench.select_arms(arms, "moepeak_fused_lowp_ct1024")                # made on demand
+    assert list(made) == ["naive", "moepeak_fused_lowp_ct1024"]
+    assert (made["moepeak_fused_lowp_ct1024"].mode, made["moepeak_fused_lowp_ct1024"].ct) == ("fused_lowp", 1024)
+    with pytest.raises(SystemExit, match="unknown arms"):
+        bench.select_arms(arms, "moepeak_nope_ct1024")

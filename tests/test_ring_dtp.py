@@ -114,15 +114,18 @@ def test_all_options_at_once(dtype, mode):
           softcap=4.0, reduction="sum")
 
 
+@pytest.mark.parametrize("V", [157, 160])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mode", ["fused", "fused_lowp"])
-def test_all_options_centered(mode, dtype, device, monkeypatch):
+def test_all_options_centered(mode, dtype, device, V, monkeypatch):
     """Every option with the fused modes' centering on (FUSED_CENTER_CHUNKS = 1; 5 chunks,
-    the last short): bias, ignored rows, smoothing, z-loss, softcap, sum, upstream grad."""
+    the last short): bias, ignored rows, smoothing, z-loss, softcap, sum, upstream grad.
+    On CUDA, V = 160 takes colsum(dZ) from the gradient kernel, V = 157 (rows not 16-byte
+    aligned) from a GEMM."""
     from moepeak import ring_dtp
     monkeypatch.setattr(ring_dtp, "FUSED_CENTER_CHUNKS", 1)
-    x, w, y, b = make(33, 16, 157, dtype, seed=4, bias=True, ignore_frac=0.2)
+    x, w, y, b = make(33, 16, V, dtype, seed=4, bias=True, ignore_frac=0.2)
     x = (x.float() + 2.0).to(dtype)                               # a shared mean to take out
     x, w, y, b = (t.to(device) for t in (x, w, y, b))
     check(x, w, y, b, mode=mode, gout=torch.tensor(0.5, device=device), chunk_tokens=8, label_smoothing=0.05,
@@ -459,6 +462,98 @@ def test_cuda_kernels_vs_fp64(dtype, softcap, eps):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("softcap", [0.0, 15.0])
+@pytest.mark.parametrize("zdt,odt", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                     (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+                                     (torch.float32, torch.float32)])
+def test_cuda_grad_colsum(zdt, odt, softcap):
+    """grad_block(colsum=) (the centering's column sums from the gradient kernel): dZ bitwise
+    the row kernel's; cs = the fp64 column sums of that dZ without each row's target element
+    (within fp32 summation error), first (=) and then accumulated (+=); the same bits on a
+    second call (no atomics). A block starting at column v0 > 0 with padding columns, t = 777
+    (uneven row groups and tiles), v = 20000 (the last column slab partly past the row),
+    ignored and zero-weight rows, targets in the first and last vectors and outside the block."""
+    cu = torch.device("cuda")
+    t, v0, v, pad, eps, zl = 777, 64, 20000, 40, 0.1, 1e-3
+    V = v0 + v - pad
+    gen = torch.Generator().manual_seed(31)
+    z = (torch.randn(t, v, generator=gen) * 3).to(zdt)
+    y = torch.randint(0, V, (t,), generator=gen)
+    y[::7] = -100
+    y[1:5] = torch.tensor([v0, v0 + 7, V - 1, 3])                # first vector, last real column, outside
+    g = torch.rand(t, generator=gen) + 0.5
+    g[::10] = 0.0
+    m = z.float().max(1).values + 1.0                          # any row state works: the kernels' arithmetic
+    ls = torch.rand(t, generator=gen) + 9.0                    # is compared with itself and with fp64 sums
+    q = torch.rand(t, generator=gen)
+    yc, gc, mc, lsc, qc = (a.to(cu) for a in (y, g, m, ls, q))
+
+    def run(colsum):
+        zz = z.to(cu)
+        out = None if zdt != torch.float32 or odt == torch.float32 else torch.empty(t, v, dtype=odt, device=cu)
+        return B.grad_block(zz, v0, V, yc, -100, softcap, mc, lsc, qc, gc, eps, V, zl, odt, out=out,
+                            colsum=colsum).clone()
+    plain = run(None)
+    part = torch.full((B.COLSUM_GROUPS, v + 8), float("nan"), device=cu)
+    cs = torch.full((v,), float("nan"), device=cu)
+    assert B.colsum_fusable(z.to(cu))
+    dz = run((cs, part, True))
+    assert torch.equal(dz, plain)
+    ref = dz.double().cpu()
+    inside = (y >= v0) & (y < v0 + v)
+    ref[inside.nonzero()[:, 0], (y - v0)[inside]] = 0.0         # target elements excluded
+    want, scale = ref.sum(0), ref.abs().sum(0)
+    assert torch.all(ref[:, V - v0:] == 0)                      # padding columns: zero dZ, zero sums
+    got = cs.double().cpu()
+    assert ((got - want).abs() <= 2e-6 * scale + 1e-30).all(), ((got - want).abs() / scale).max()
+    cs1 = cs.clone()
+    run((cs, part, True))
+    assert torch.equal(cs, cs1)                                 # deterministic
+    run((cs, part, False))                                      # cs += the same sums
+    got = cs.double().cpu()
+    assert ((got - 2 * want).abs() <= 4e-6 * scale + 1e-30).all()
+
+
+@pytest.mark.cuda
+def test_cuda_grad_colsum_bad_input():
+    cu = torch.device("cuda")
+    z = torch.zeros(4, 16, dtype=torch.bfloat16, device=cu)
+    y, f = torch.zeros(4, dtype=torch.int64, device=cu), torch.ones(4, device=cu)
+    cs, part = torch.zeros(16, device=cu), torch.zeros(B.COLSUM_GROUPS, 16, device=cu)
+    with pytest.raises(ValueError, match="cs \\[16\\] and part"):
+        B.grad_block(z, 0, 16, y, -100, 0.0, f, f, f, f, 0.0, 16, 0.0, z.dtype, colsum=(cs[:8], part, True))
+    with pytest.raises(TypeError, match="part must have dtype"):
+        B.grad_block(z, 0, 16, y, -100, 0.0, f, f, f, f, 0.0, 16, 0.0, z.dtype, colsum=(cs, part.half(), True))
+    odd = torch.zeros(4, 17, dtype=torch.bfloat16, device=cu)[:, :16]   # rows of 34 bytes
+    assert not B.colsum_fusable(odd)
+    with pytest.raises(ValueError, match="16-byte aligned logits rows"):
+        B.grad_block(odd, 0, 16, y, -100, 0.0, f, f, f, f, 0.0, 16, 0.0, z.dtype, colsum=(cs, part, True))
+    with pytest.raises(ValueError, match="CUDA only"):
+        B.grad_block(z.cpu().float(), 0, 16, y.cpu(), -100, 0.0, f.cpu(), f.cpu(), f.cpu(), f.cpu(), 0.0, 16, 0.0,
+                     torch.float32, colsum=(cs.cpu(), part.cpu(), True))
+    torch.cuda.synchronize()
+
+
+@pytest.mark.cuda
+def test_cuda_centering_colsum_fused_vs_gemm(monkeypatch):
+    """The centered fused_lowp with colsum(dZ) from the gradient kernel vs from the GEMM:
+    loss and dX bitwise equal, dW within a few bf16 roundings of each other (the two fp32
+    sums differ in order only), both within 1.5x naive bf16's dW error."""
+    from moepeak import ring_dtp
+    T, H, V = 2048, 64, 4096
+    x, w, y, ref, naive = _head_problem(T, H, V, "uniform", seed=6, x_mean=3.0, ignore_every=13)
+    x, w, y = (a.cuda() for a in (x, w, y))
+    base = relerr(naive[2], ref[2])
+    fused = grads(moepeak.linear_cross_entropy, x, w, y, None, mode="fused_lowp", chunk_tokens=T // 64)
+    monkeypatch.setattr(ring_dtp, "FUSED_COLSUM", False)
+    gemm = grads(moepeak.linear_cross_entropy, x, w, y, None, mode="fused_lowp", chunk_tokens=T // 64)
+    assert torch.equal(fused[0], gemm[0]) and torch.equal(fused[1], gemm[1])
+    assert relerr(fused[2], gemm[2]) < 0.1 * base, (relerr(fused[2], gemm[2]), base)
+    for r in (fused, gemm):
+        assert relerr(r[2].cpu(), ref[2]) <= 1.5 * base, (relerr(r[2].cpu(), ref[2]), base)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("mode", MODES)
 def test_cuda_v151936_confident_offset(mode):
     x, w, y, b = make(64, 32, 151936, torch.bfloat16, seed=13, bias=True)
@@ -792,12 +887,15 @@ def test_take_label_column():
     y = torch.tensor([3, 0, -100, 8, 3])
     tc = torch.full((5,), 7.0)
     want, dz0 = dz.clone(), dz.clone()
-    B.take_label_column(dz, y, tc)
+    col = B.take_label_column(dz, y, tc)
     assert torch.equal(tc, torch.tensor([want[0, 3], want[1, 0], 0.0, want[3, 8], want[4, 3]]).float())
     want[[0, 1, 3, 4], [3, 0, 8, 3]] = 0
     assert torch.equal(dz, want)
+    taken = dz.clone()
     B.put_label_column(dz, y, tc)                               # and back, bitwise
     assert torch.equal(dz, dz0)
+    B.put_label_column(taken, y, tc, col)                       # the same with the column handed over
+    assert torch.equal(taken, dz0)
 
 
 def test_take_label_column_block():
