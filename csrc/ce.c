@@ -277,7 +277,7 @@ mp_status mp_ce_grad_cuda(const void *z, int z_dtype, int64_t ldz, int64_t t, in
                           const float *mrow, const float *ls, const float *q, const float *g, int64_t g_stride,
                           float eps, int64_t n_classes, float zloss, void *out, int64_t ldo, int out_dtype,
                           uintptr_t stream);
-/* ce_grad + column sums of the dZ written (target elements excluded) into cs [nv] x fp32 (= or +=),
+/* ce_grad + column sums of the dZ written (target elements excluded) into cs [v] x fp32 (= or +=),
  * through part: [gmax, ldp] x fp32 scratch (cuda/ce.cu, ce_grad_colsum_kernel). */
 mp_status mp_ce_grad_colsum_cuda(const void *z, int z_dtype, int64_t ldz, int64_t t, int64_t v, int64_t v0,
                                  int64_t v_valid, const int64_t *labels, int64_t ignore_index, float softcap,

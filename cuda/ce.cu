@@ -539,12 +539,15 @@ __global__ void __launch_bounds__(kSlabThreads, kSlabMinBlocks)
     if (col + e < nv) prow[col + e] = acc[e];
 }
 
-// cs[j] = (first ? 0 : cs[j]) + part[0, j] + ... + part[G - 1, j], in that order, j < nv.
+// cs[j] = (first ? 0 : cs[j]) + part[0, j] + ... + part[G - 1, j], in that order, for the real
+// columns j < nv; the padding columns [nv, v) have zero dZ: cs[j] = 0 (first) or unchanged.
 __global__ void __launch_bounds__(kScaleThreads)
-    ce_colsum_reduce_kernel(const float *__restrict__ part, int64_t ldp, int groups, int nv, float *cs, int first) {
-  for (int j = blockIdx.x * kScaleThreads + threadIdx.x; j < nv; j += gridDim.x * kScaleThreads) {
+    ce_colsum_reduce_kernel(const float *__restrict__ part, int64_t ldp, int groups, int nv, int v, float *cs,
+                            int first) {
+  for (int j = blockIdx.x * kScaleThreads + threadIdx.x; j < v; j += gridDim.x * kScaleThreads) {
     float s = first ? 0.f : cs[j];
-    for (int gy = 0; gy < groups; ++gy) s += part[(int64_t)gy * ldp + j];
+    if (j < nv)
+      for (int gy = 0; gy < groups; ++gy) s += part[(int64_t)gy * ldp + j];
     cs[j] = s;
   }
 }
@@ -714,10 +717,10 @@ int launch_grad_colsum_t(const void *z, int64_t ldz, int64_t t, int v, int nv, i
   kernel<<<dim3((unsigned)slabs, (unsigned)groups), kSlabThreads, 0, stream>>>(
       (const In *)z, ldz, t, v, nv, v0, labels, ignore_index, softcap, mrow, ls, q, g, g_stride, eps, uni, zloss,
       (Out *)out, ldo, part, ldp, rows_per_group);
-  const int64_t rblocks = ((int64_t)nv + kScaleThreads - 1) / kScaleThreads;
-  if (nv > 0)
+  const int64_t rblocks = ((int64_t)v + kScaleThreads - 1) / kScaleThreads;
+  if (v > 0)
     ce_colsum_reduce_kernel<<<(unsigned)(rblocks < kScaleGrid ? rblocks : kScaleGrid), kScaleThreads, 0, stream>>>(
-        part, ldp, (int)groups, nv, cs, first);
+        part, ldp, (int)groups, nv, v, cs, first);
   return (int)groups;
 }
 
@@ -814,7 +817,7 @@ fail:
   return st;
 }
 
-// ce_grad + the column sums of the dZ written, target elements excluded, into cs: [nv] x fp32
+// ce_grad + the column sums of the dZ written, target elements excluded, into cs: [v] x fp32 (padding columns: 0)
 // (first: cs = sums, else cs += sums), through part: [gmax, ldp] x fp32 scratch (ldp >= nv).
 // Needs z 16-byte aligned rows (z and ldz * sizeof) and out aligned rows to its vector width.
 mp_status mp_ce_grad_colsum_cuda(const void *z, int z_dtype, int64_t ldz, int64_t t, int64_t v, int64_t v0,

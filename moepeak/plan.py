@@ -11,7 +11,7 @@ Peaks (bytes per GPU; each term read off the code that allocates it, see peaks()
   dispatch   T*K*(b*H+4b*I+8H+20) saved rows          T*(b*H+4K) saved + b*C*(2H+3I) (P>1:
              + 4*T*H (fp32 combine accumulator)        4H+3I) + 4*T*H + 4*T*K (bwd dX, d(w))
   vocab      12*T*V (fp32 log-softmax saved,          Ring-DTP (ring_dtp_vocab_bytes): fused_lowp
-             nll grad, log-softmax grad)               (<= 128 token chunks): one <= 640 MiB
+             nll grad, log-softmax grad)               (<= 128 token chunks): one <= 600 MiB
                                                        [ct, V] block + b*T*H dX; else 256 MiB
                                                        + (4+b)*T*H or + 4*cv*H + b*T*H + 4*T
                                                        (cv: vocab_outer_lowp's block); + 32*T
@@ -150,7 +150,8 @@ def ring_dtp_vocab_bytes(T: int, H: int, V: int, b: int, budget_mb: Optional[flo
     + dX); else vocab_outer while its fp32 [T, H] dX accumulator is <= 512 MiB (+ its
     cast to dtype + the 256 MiB block workspace), vocab_outer_lowp beyond (dX in dtype,
     an fp32 dW block [cv, H] (ring_dtp_sizes.lowp_dx_block_cols), the block workspace,
-    dX finish's fp32 [T] label terms). All: 5 fp32 [T] fold rows + 3 fp32
+    dX finish's fp32 [T] label terms); fused_lowp also the dW finish's and the centering's
+    small buffers (ring_dtp_sizes.fused_extra_bytes). All: 5 fp32 [T] fold rows + 3 fp32
     [T] saved (m, ls, q). (dW [V, H] is the parameter's gradient: counted in 'fixed'.)
     budget_mb overrides the fused workspaces (Setup.ring_workspace_mb)."""
     rows = 32 * T
@@ -160,7 +161,7 @@ def ring_dtp_vocab_bytes(T: int, H: int, V: int, b: int, budget_mb: Optional[flo
     ct = RS.fused_chunk_tokens(V, b, int(budget_mb * 2 ** 20) if budget_mb else None, lowp_logits=True)
     mode = RS.auto_lowp_schedule(True, T, H, V, b, ct)
     if mode == "fused_lowp":
-        return min(ct, T) * V * b + b * T * H + rows
+        return min(ct, T) * V * b + b * T * H + rows + RS.fused_extra_bytes(T, H, V, b, ct)
     if mode == "vocab_outer":
         return RS.BLOCKED_WORKSPACE_BYTES + (4 + b) * T * H + rows
     cv = min(V, RS.lowp_dx_block_cols(V, H))

@@ -215,7 +215,7 @@ LOWP_DX_FINISH = True
 # The fused modes center X for their dW GEMMs past this many token chunks (see _fused
 # and "Error growth" above): 1 centers whenever dW spans chunks; a huge number turns the
 # centering off (the A/B of tests and the study). 16 keeps the 32k target shape uncentered.
-FUSED_CENTER_CHUNKS = 16
+FUSED_CENTER_CHUNKS = S.FUSED_CENTER_CHUNKS
 # The centering's colsum(dZ) from the gradient kernel (CUDA; see _fused); False: a GEMM per
 # chunk re-reads dZ (the A/B of tests and benchmarks).
 FUSED_COLSUM = True

@@ -146,7 +146,7 @@ def fold(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ignore_in
 
 # Rows of the scratch that the fused column sums go through (cuda/ce.cu ce_grad_colsum_kernel
 # uses at most this many row groups; 8 x V x fp32: 4.6 MiB at V = 151936).
-COLSUM_GROUPS = 8
+COLSUM_GROUPS = S.COLSUM_GROUPS
 
 
 def colsum_fusable(z: torch.Tensor, out: Optional[torch.Tensor] = None) -> bool:

@@ -14,8 +14,9 @@ from typing import Optional, Tuple
 # given. 512 MiB keeps Ring-DTP's working set a small fraction of the 2 GiB
 # target at T = 32k, H = 4096, V = 151936 (DESIGN.md section 2).
 DEFAULT_WORKSPACE_BYTES = 512 << 20
-# fused_lowp's single [ct, V] block (see fused_chunk_tokens).
-LOWP_WORKSPACE_BYTES = 640 << 20
+# fused_lowp's single [ct, V] block (see fused_chunk_tokens): what the issue's 2 GiB at
+# T = 32k, H = 4096, V = 151936 leaves beside dX + dW (2048 - 256 - 1187 = 605 MiB).
+LOWP_WORKSPACE_BYTES = 600 << 20
 LOWP_MAX_ROWS = 2048
 # The 4-GEMM orders also hold an fp32 [T, H] dX accumulator (vocab_outer:
 # 512 MiB at T = 32k, H = 4096), so their block workspace gets half as much.
@@ -31,6 +32,11 @@ FUSED_MAX_CHUNKS = 128
 # naive's at 8 blocks on the grid's shapes (2.4-3.5x before it).
 LOWP_DX_BLOCKS = 8
 LOWP_DW_BLOCK_BYTES = 300 << 20
+# The fused modes center X for their dW GEMMs past this many token chunks (ring_dtp._fused;
+# ring_dtp.FUSED_CENTER_CHUNKS is the knob, this its default), and the centering's column
+# sums go through a [COLSUM_GROUPS, V] x fp32 scratch where the gradient kernel makes them.
+FUSED_CENTER_CHUNKS = 16
+COLSUM_GROUPS = 8
 
 
 def round_down(x: int, q: int) -> int:
@@ -52,21 +58,23 @@ def fused_chunk_tokens(V: int, b: int, budget: Optional[int] = None, lowp_logits
     fp32 logits: Z [ct, V] x fp32 and dZ [ct, V] x b bytes: ct = budget / (V * (4 + b)),
                  budget 512 MiB, rounded down to a multiple of 64;
     lowp logits: Z [ct, V] x b bytes with dZ in place:     ct = budget / (V * b),
-                 budget 640 MiB, rounded down to a multiple of 256 and at most
-                 LOWP_MAX_ROWS = 2048: the dX GEMM [ct, V] @ [V, H] runs 256-row
-                 tiles, and a whole number of them is what kept it at the GEMM
-                 rate on the H200 (ct = 1728: 7 x 32 tiles = 1.7 waves on 132
-                 SMs, 627 TFLOP/s; 2048: 1.94 waves, 726), while more rows bought
-                 nothing (3456 rows: 193.6 vs 190.7 ms for the whole op).
+                 budget 600 MiB, rounded down to a multiple of 128 and at most
+                 LOWP_MAX_ROWS = 2048. The row count matters to the dX GEMM
+                 [ct, V] @ [V, H] (256-row tiles; H200: ct = 1728, 1.7 waves on 132
+                 SMs, 627 TFLOP/s; 2048, 1.94 waves, 726), while more rows bought
+                 nothing (3456 rows: 193.6 vs 190.7 ms for the whole op). At
+                 V = 256000 the 600 MiB give 1152 rows, where 1280 (a whole number
+                 of tiles, 625 MiB) was 0.2% faster at T = 128k and 1024 1.1% slower
+                 (H200, 2026-11-30: 1323.4 / 1326.2 / 1338.5 ms).
     Worked once: V = 151936, bf16 (b = 2):
       fp32 logits 536870912 / (151936 * 6) = 588.9 -> ct = 576 (Z 334 MiB + dZ 167 MiB);
-      lowp logits 671088640 / (151936 * 2) = 2208.3 -> ct = 2048 (Z/dZ 594 MiB; with
+      lowp logits 629145600 / (151936 * 2) = 2070.4 -> ct = 2048 (Z/dZ 594 MiB; with
       dX + dW 1.41 GiB at T = 32k, H = 4096 the op peaks at 1.99 GiB).
     """
     if lowp_logits and b:
         ct = (budget or LOWP_WORKSPACE_BYTES) // (V * b)
-        if ct >= 256:
-            return min(LOWP_MAX_ROWS, round_down(int(ct), 256))
+        if ct >= 128:
+            return min(LOWP_MAX_ROWS, round_down(int(ct), 128))
         return rows_per_block(ct)
     return rows_per_block((budget or DEFAULT_WORKSPACE_BYTES) // (V * (4 + b)))
 
@@ -118,3 +126,16 @@ def auto_lowp_schedule(fusable: bool, T: int, H: int, V: int, b: int, chunk_toke
     if 4 * T * H <= DEFAULT_WORKSPACE_BYTES:
         return "vocab_outer"
     return "vocab_outer_lowp"
+
+
+def fused_extra_bytes(T: int, H: int, V: int, b: int, ct: int) -> int:
+    """Bytes the fused modes hold beside the [ct, V] block and dX when dW spans token
+    chunks in low precision: the finish's label terms tc [T] x fp32, and past
+    FUSED_CENTER_CHUNKS chunks the centering's cs [V] + scratch [COLSUM_GROUPS, V] x fp32,
+    mu [H] in fp32 and in b bytes, and a ones row [ct] x b."""
+    if not b or T <= ct:
+        return 0
+    extra = 4 * T
+    if -(-T // ct) > FUSED_CENTER_CHUNKS:
+        extra += 4 * V * (1 + COLSUM_GROUPS) + (4 + b) * H + b * ct
+    return extra

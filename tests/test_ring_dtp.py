@@ -217,7 +217,7 @@ def test_auto_mode_choice():
     # bf16 logits, 2048 rows per chunk at V = 151936 (fused_chunk_tokens): at most 128 chunks
     from moepeak import ring_dtp_blocks as B
     assert B.fused_chunk_tokens(151936, torch.bfloat16, lowp_logits=True) == 2048
-    assert B.fused_chunk_tokens(256000, torch.bfloat16, lowp_logits=True) == 1280
+    assert B.fused_chunk_tokens(256000, torch.bfloat16, lowp_logits=True) == 1152
     assert B.fused_chunk_tokens(151936, torch.bfloat16) == 576
     assert _pick_mode(0, True, 1, 2000, 4096, 151936, torch.bfloat16) == M["fused_lowp"]
     assert _pick_mode(0, True, 1, 32768, 4096, 151936, torch.bfloat16) == M["fused_lowp"]  # 16 chunks
@@ -225,9 +225,9 @@ def test_auto_mode_choice():
     assert _pick_mode(0, True, 1, 128 * 2048, 4096, 151936, torch.bfloat16) == M["fused_lowp"]  # T = 256k
     assert _pick_mode(0, True, 1, 128 * 2048 + 1, 4096, 151936, torch.bfloat16) == M["vocab_outer_lowp"]
     assert _pick_mode(0, True, 1, 128 * 2048 + 1, 256, 151936, torch.bfloat16) == M["vocab_outer"]  # 256 MiB acc
-    assert _pick_mode(0, True, 1, 32768, 4096, 256000, torch.bfloat16) == M["fused_lowp"]  # 26 chunks of 1280
-    assert _pick_mode(0, True, 1, 131072, 4096, 256000, torch.bfloat16) == M["fused_lowp"]  # 103 chunks
-    assert _pick_mode(0, True, 1, 262144, 4096, 256000, torch.bfloat16) == M["vocab_outer_lowp"]  # 205 chunks
+    assert _pick_mode(0, True, 1, 32768, 4096, 256000, torch.bfloat16) == M["fused_lowp"]  # 29 chunks of 1152
+    assert _pick_mode(0, True, 1, 131072, 4096, 256000, torch.bfloat16) == M["fused_lowp"]  # 114 chunks
+    assert _pick_mode(0, True, 1, 262144, 4096, 256000, torch.bfloat16) == M["vocab_outer_lowp"]  # 228 chunks
     assert _pick_mode(0, True, 1, 131072, 1024, 65536, torch.bfloat16) == M["fused_lowp"]  # the demo's head
     assert _pick_mode(0, True, 1, 524288, 1024, 65536, torch.bfloat16) == M["vocab_outer_lowp"]  # 256 chunks, 2 GiB acc
     assert _pick_mode(M["vocab_outer_lowp"], True, 1, 64, 4096, 100, torch.float32) == M["vocab_outer"]
