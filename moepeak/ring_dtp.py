@@ -255,7 +255,9 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
     # X - mu: it is written into the chunk's own dX rows, before dX's GEMM (so per chunk the
     # dW GEMM comes first, with the label column taken out and then put back for dX's).
     # colsum(dZ) comes from the gradient kernel itself where it can (CUDA, 16-byte rows:
-    # B.colsum_fusable), through a [COLSUM_GROUPS, V] x fp32 scratch; else a GEMM re-reads dZ.
+    # B.colsum_fusable), through a [<= COLSUM_GROUPS, V] x fp32 scratch that is the chunk's
+    # own dX rows again (B.colsum_scratch; free until X - mu is written there); else (or for
+    # a last chunk too short to hold one scratch row) a GEMM re-reads dZ.
     center = split and -(-T // ct) > FUSED_CENTER_CHUNKS
     if center:
         H = x.shape[1]
@@ -267,7 +269,6 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
         mu32.copy_(mu)                                          # and exactly it in fp32 for the finish
         cs = torch.empty(V, dtype=torch.float32, device=x.device)
         fuse_cs = FUSED_COLSUM and B.colsum_fusable(zbuf, dzbuf)
-        part = torch.empty((B.COLSUM_GROUPS, V), dtype=torch.float32, device=x.device) if fuse_cs else None
     for t0 in range(0, T, ct):
         t1 = min(T, t0 + ct)
         n = t1 - t0
@@ -285,16 +286,17 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
                 z.copy_(z.to(x.dtype))
         B.fold(z, 0, V, y[t0:t1], ignore_index, softcap, m, s, zy, zs, sx)
         mm_, ls, q = B.fin((m, s, zy, zs, sx))
+        part = B.colsum_scratch(dx[t0:t1], V) if center and fuse_cs else None
         dz = B.grad_block(z, 0, V, y[t0:t1], ignore_index, softcap, mm_, ls, q, g, eps, V, zloss, x.dtype,
                           out=None if dzbuf is None else dzbuf[:n],
-                          colsum=(cs, part, t0 == 0) if center and fuse_cs else None)
+                          colsum=None if part is None else (cs, part, t0 == 0))
         del z
         if split:                                             # dW's GEMM without the label column
             col = B.take_label_column(dz, y[t0:t1], tc[t0:t1])
         xg = xc
         if center:                                            # this chunk's dX rows as scratch for
             xg = torch.sub(xc, mu, out=dx[t0:t1])             # X - mu: dX's GEMM below overwrites them
-            if not fuse_cs:
+            if part is None:
                 B.colsum_acc_(cs, dz, ones, first=t0 == 0)
         if f32acc or x.device.type == "cuda":
             if t0 == 0:

@@ -149,6 +149,18 @@ def fold(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ignore_in
 COLSUM_GROUPS = S.COLSUM_GROUPS
 
 
+def colsum_scratch(rows: torch.Tensor, V: int) -> Optional[torch.Tensor]:
+    """The column sums' scratch as a [G, V] x fp32 view of the memory of `rows` (a
+    contiguous tensor that holds nothing needed until the sums are done: the fused modes
+    pass the chunk's own dX rows), G = min(COLSUM_GROUPS, bytes // (4 V)); None when that
+    memory holds less than one row of V fp32 (then the caller sums with a GEMM)."""
+    nbytes = rows.numel() * rows.element_size()
+    groups = min(COLSUM_GROUPS, nbytes // (4 * V)) if V > 0 else 0
+    if groups < 1 or not rows.is_contiguous() or rows.data_ptr() % 4:
+        return None
+    return rows.view(-1).view(torch.uint8)[:groups * V * 4].view(torch.float32).view(groups, V)
+
+
 def colsum_fusable(z: torch.Tensor, out: Optional[torch.Tensor] = None) -> bool:
     """Can grad_block sum dZ's columns in its gradient kernel (colsum=)? CUDA, and the rows of
     the logits block (and of out) start on 16-byte boundaries (e.g. V % 8 == 0 for bf16)."""
@@ -170,7 +182,8 @@ def grad_block(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ign
     colsum = (cs, part, first) (CUDA, colsum_fusable): the same kernel also makes the column
     sums of dZ as returned, each row's target element excluded (= colsum after
     take_label_column), in fp32: cs ([v] x fp32) = them if first, else cs += them; part:
-    [COLSUM_GROUPS, >= v] x fp32 scratch. Deterministic (no atomics)."""
+    [G, >= v] x fp32 scratch (the kernel sums over at most G row groups; colsum_scratch).
+    Deterministic (no atomics) for a given G and device."""
     t, v = z.shape
     g_stride = 0 if g.numel() == 1 else 1
     cuda = z.device.type == "cuda"

@@ -34,7 +34,8 @@ LOWP_DX_BLOCKS = 8
 LOWP_DW_BLOCK_BYTES = 300 << 20
 # The fused modes center X for their dW GEMMs past this many token chunks (ring_dtp._fused;
 # ring_dtp.FUSED_CENTER_CHUNKS is the knob, this its default), and the centering's column
-# sums go through a [COLSUM_GROUPS, V] x fp32 scratch where the gradient kernel makes them.
+# sums go through a [<= COLSUM_GROUPS, V] x fp32 scratch in the chunk's dX rows where the
+# gradient kernel makes them (no memory of its own).
 FUSED_CENTER_CHUNKS = 16
 COLSUM_GROUPS = 8
 
@@ -131,11 +132,11 @@ def auto_lowp_schedule(fusable: bool, T: int, H: int, V: int, b: int, chunk_toke
 def fused_extra_bytes(T: int, H: int, V: int, b: int, ct: int) -> int:
     """Bytes the fused modes hold beside the [ct, V] block and dX when dW spans token
     chunks in low precision: the finish's label terms tc [T] x fp32, and past
-    FUSED_CENTER_CHUNKS chunks the centering's cs [V] + scratch [COLSUM_GROUPS, V] x fp32,
-    mu [H] in fp32 and in b bytes, and a ones row [ct] x b."""
+    FUSED_CENTER_CHUNKS chunks the centering's cs [V] x fp32, mu [H] in fp32 and in b
+    bytes, and a ones row [ct] x b (X - mu and the column sums' scratch live in dX)."""
     if not b or T <= ct:
         return 0
     extra = 4 * T
     if -(-T // ct) > FUSED_CENTER_CHUNKS:
-        extra += 4 * V * (1 + COLSUM_GROUPS) + (4 + b) * H + b * ct
+        extra += 4 * V + (4 + b) * H + b * ct
     return extra

@@ -125,7 +125,9 @@ def test_all_options_centered(mode, dtype, device, V, monkeypatch):
     aligned) from a GEMM."""
     from moepeak import ring_dtp
     monkeypatch.setattr(ring_dtp, "FUSED_CENTER_CHUNKS", 1)
-    x, w, y, b = make(33, 16, V, dtype, seed=4, bias=True, ignore_frac=0.2)
+    # H = 48: a chunk's 8 dX rows hold one scratch row of V fp32 (the last chunk's 1 row
+    # does not: that chunk sums with the GEMM, into the same cs).
+    x, w, y, b = make(33, 48, V, dtype, seed=4, bias=True, ignore_frac=0.2)
     x = (x.float() + 2.0).to(dtype)                               # a shared mean to take out
     x, w, y, b = (t.to(device) for t in (x, w, y, b))
     check(x, w, y, b, mode=mode, gout=torch.tensor(0.5, device=device), chunk_tokens=8, label_smoothing=0.05,
@@ -494,24 +496,25 @@ def test_cuda_grad_colsum(zdt, odt, softcap):
         return B.grad_block(zz, v0, V, yc, -100, softcap, mc, lsc, qc, gc, eps, V, zl, odt, out=out,
                             colsum=colsum).clone()
     plain = run(None)
-    part = torch.full((B.COLSUM_GROUPS, v + 8), float("nan"), device=cu)
-    cs = torch.full((v,), float("nan"), device=cu)
     assert B.colsum_fusable(z.to(cu))
-    dz = run((cs, part, True))
-    assert torch.equal(dz, plain)
-    ref = dz.double().cpu()
+    ref = plain.double().cpu()
     inside = (y >= v0) & (y < v0 + v)
     ref[inside.nonzero()[:, 0], (y - v0)[inside]] = 0.0         # target elements excluded
     want, scale = ref.sum(0), ref.abs().sum(0)
     assert torch.all(ref[:, V - v0:] == 0)                      # padding columns: zero dZ, zero sums
-    got = cs.double().cpu()
-    assert ((got - want).abs() <= 2e-6 * scale + 1e-30).all(), ((got - want).abs() / scale).max()
-    cs1 = cs.clone()
-    run((cs, part, True))
-    assert torch.equal(cs, cs1)                                 # deterministic
-    run((cs, part, False))                                      # cs += the same sums
-    got = cs.double().cpu()
-    assert ((got - 2 * want).abs() <= 4e-6 * scale + 1e-30).all()
+    for groups in (B.COLSUM_GROUPS, 3, 1):                      # scratch rows: at most that many row groups
+        part = torch.full((groups, v + 8), float("nan"), device=cu)
+        cs = torch.full((v,), float("nan"), device=cu)
+        dz = run((cs, part, True))
+        assert torch.equal(dz, plain)
+        got = cs.double().cpu()
+        assert ((got - want).abs() <= 2e-6 * scale + 1e-30).all(), ((got - want).abs() / scale).max()
+        cs1 = cs.clone()
+        run((cs, part, True))
+        assert torch.equal(cs, cs1)                             # deterministic
+        run((cs, part, False))                                  # cs += the same sums
+        got = cs.double().cpu()
+        assert ((got - 2 * want).abs() <= 4e-6 * scale + 1e-30).all()
 
 
 @pytest.mark.cuda
@@ -534,19 +537,40 @@ def test_cuda_grad_colsum_bad_input():
     torch.cuda.synchronize()
 
 
+def test_colsum_scratch():
+    """The column sums' scratch is a [G, V] fp32 view of the rows it is given (the chunk's dX
+    rows), G = min(COLSUM_GROUPS, what fits); None when not even one row of V fits."""
+    dx = torch.zeros(10, 64, dtype=torch.bfloat16)            # 1280 bytes
+    part = B.colsum_scratch(dx[2:7], 40)                        # 640 bytes: 4 rows of 40 fp32
+    assert part.shape == (4, 40) and part.dtype == torch.float32
+    part.fill_(1.0)
+    assert torch.all(dx[2:7].reshape(-1)[:4 * 40 * 2].view(torch.float32) == 1.0)   # the same memory
+    assert torch.all(dx[:2] == 0) and torch.all(dx[7:] == 0) and torch.all(dx[2:7].reshape(-1)[320:] == 0)
+    assert B.colsum_scratch(dx, 2).shape == (B.COLSUM_GROUPS, 2)
+    assert B.colsum_scratch(dx[:1], 40) is None                 # 128 bytes < 160
+    assert B.colsum_scratch(dx[:, :8], 2) is None               # not contiguous
+
+
 @pytest.mark.cuda
 def test_cuda_centering_colsum_fused_vs_gemm(monkeypatch):
-    """The centered fused_lowp with colsum(dZ) from the gradient kernel vs from the GEMM:
-    loss and dX bitwise equal, dW within a few bf16 roundings of each other (the two fp32
-    sums differ in order only), both within 1.5x naive bf16's dW error."""
+    """The centered fused_lowp with colsum(dZ) from the gradient kernel (its scratch in each
+    chunk's dX rows) vs from the GEMM: loss and dX bitwise equal, dW within a few bf16
+    roundings of each other (the two fp32 sums differ in order only), both within 1.5x
+    naive bf16's dW error."""
     from moepeak import ring_dtp
-    T, H, V = 2048, 64, 4096
+    T, H, V = 4096, 64, 4096
     x, w, y, ref, naive = _head_problem(T, H, V, "uniform", seed=6, x_mean=3.0, ignore_every=13)
     x, w, y = (a.cuda() for a in (x, w, y))
     base = relerr(naive[2], ref[2])
-    fused = grads(moepeak.linear_cross_entropy, x, w, y, None, mode="fused_lowp", chunk_tokens=T // 64)
+    monkeypatch.setattr(ring_dtp, "FUSED_CENTER_CHUNKS", 1)
+    calls = []
+    grad_block = B.grad_block
+    monkeypatch.setattr(B, "grad_block", lambda *a, **k: calls.append(k.get("colsum")) or grad_block(*a, **k))
+    fused = grads(moepeak.linear_cross_entropy, x, w, y, None, mode="fused_lowp", chunk_tokens=256)
+    assert len(calls) == 16 and all(c is not None and c[1].shape == (2, V) for c in calls)  # 256*64*2 B: 2 rows
     monkeypatch.setattr(ring_dtp, "FUSED_COLSUM", False)
-    gemm = grads(moepeak.linear_cross_entropy, x, w, y, None, mode="fused_lowp", chunk_tokens=T // 64)
+    gemm = grads(moepeak.linear_cross_entropy, x, w, y, None, mode="fused_lowp", chunk_tokens=256)
+    assert all(c is None for c in calls[16:])
     assert torch.equal(fused[0], gemm[0]) and torch.equal(fused[1], gemm[1])
     assert relerr(fused[2], gemm[2]) < 0.1 * base, (relerr(fused[2], gemm[2]), base)
     for r in (fused, gemm):
