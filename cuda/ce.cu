@@ -875,7 +875,8 @@ mp_status mp_ce_grad_colsum_cuda(const void *z, int z_dtype, int64_t ldz, int64_
                 "ce_grad_colsum: (z_dtype, out_dtype) must be (0, 0..2), (1, 1) or (2, 2), got (%d, %d)", z_dtype,
                 out_dtype);
     }
-    if (used == 0) MP_FAIL(st, MP_ERR_CUDA, "ce_grad_colsum: device query failed: %s", cudaGetErrorString(cudaGetLastError()));
+    if (used == 0)
+      MP_FAIL(st, MP_ERR_CUDA, "ce_grad_colsum: device query failed: %s", cudaGetErrorString(cudaGetLastError()));
   }
   MP_CUDA_CHECK_LAUNCH(st);
 fail:

@@ -66,8 +66,13 @@ count (naive bf16: dX 1.67e-3, dW 1.02e-3):
   Round-robin, 10 rounds: auto 189.4 ms, naive + torch.compile 191.3 ms, Liger 209.6 ms,
   the 3 GEMMs alone at their own shapes 180.4 ms (auto 1.050x of them).
   T = 128k (64 chunks, centered): auto 763.2 ms / 2.75 GiB, Liger 758.1 ms / 4.48 GiB,
-  CCE 1412.5 ms / 2.16 GiB, naive OOM. T = 128k, V = 256000 (103 chunks): auto (now
-  fused_lowp) 1314.5 ms / 3.57 GiB where vocab_outer_lowp took 1896.8 ms / 3.50 GiB.
+  CCE 1412.5 ms / 2.16 GiB, naive OOM. T = 128k, V = 256000 (103 chunks of 1280 rows):
+  auto (now fused_lowp) 1314.5 ms / 3.57 GiB where vocab_outer_lowp took 1896.8 ms /
+  3.50 GiB; with the 1152-row chunks of today's sizing (114) 1326.2 ms / 3.52 GiB.
+  Two later runs (01:08 and 01:15 UTC, two machines; centering's column sums from the
+  gradient kernel): 32k auto 188.6 / 194.0 ms at probes of 755 / 769 TFLOP/s (1.16x /
+  1.22x), naive + compile 190.8 / 199.9, Liger 202.6 / 212.3; 128k auto 757.2 / 778.3 ms
+  at 2.75 GiB, Liger 756.2 / 780.5. The ratio follows the machine's probe more than the code.
   Where the 32k time goes, and the grid over T, H, V: benchmarks/RESULTS.md.
 Error growth with the chunk count. fused* accumulate dW in bf16 over the token chunks
 (one rounding per chunk), vocab_outer_lowp dX over its vocab blocks. A chunk's rounding
@@ -78,8 +83,11 @@ states that share a mean direction mu (the anisotropy of real final hidden state
 non-label terms colsum(dZ) mu^T. The finish takes the label terms out of the GEMMs and
 adds them once in fp32; past FUSED_CENTER_CHUNKS (16) chunks the centering does the same
 for the mean direction: the dW GEMMs take X - mu (written into the chunk's own dX rows
-before its dX GEMM: no buffer) and colsum(dZ) (fp32, a ones-row GEMM per chunk, 0.17 ms
-per 2048-row chunk at V = 151936) joins the finish as a rank-1 term. H200, T = 8192,
+before its dX GEMM: no buffer) and colsum(dZ) (fp32) joins the finish as a rank-1 term.
+The gradient kernel makes colsum(dZ) as it writes dZ (B.grad_block(colsum=); its scratch
+is the chunk's dX rows again): H200, one 2048-row chunk at V = 151936, 0.324 ms for the
+kernel alone, 0.336 with the sums, 0.472 with a ones-row GEMM after it (the fallback
+where rows are not 16-byte aligned). H200, T = 8192,
 H = 4096, V = 151936, bf16, dW error / naive's, centered / finish only / neither
 (benchmarks/study_dw_error.py; results/study_dw_error_center_h200.log); x_mean = the
 shared direction's per-dimension std (1: cosine ~0.5 between tokens, 3: ~0.9):
@@ -91,8 +99,8 @@ shared direction's per-dimension std (1: cosine ~0.5 between tokens, 3: ~0.9):
   Zipf, x_mean 1              1.00 / 1.00 / 2.41    1.00 / 1.01 / 4.61    1.00 / 1.02 / 6.46
   Zipf, x_mean 3              1.00 / 1.24 / 2.54    1.00 / 1.94 / 4.85    1.00 / 3.72 / 7.73
 At 16 chunks and fewer (the 32k target shape) the centering is off: on the H200 it cost
-3.2 ms (+1.7%) there (results/probe_centering_h200.log; its first version, with a [ct, H]
-buffer for X - mu), and the finish alone holds dW
++1.4% there (194.0 vs 191.3 ms, 8 rotating rounds; results/probe_centering_fused_h200.log),
+on a target whose speed margin is that small, and the finish alone holds dW
 within 2x naive's error except for hidden states as anisotropic as x_mean = 3 with
 labels spread over the vocabulary (2.39x above). Set ring_dtp.FUSED_CENTER_CHUNKS = 1
 to center at any chunk count; mode="vocab_outer" is exact whatever the inputs.
