@@ -83,5 +83,12 @@ def peak_above(fn: Callable[[], object]):
     return out, torch.cuda.max_memory_allocated() - before
 
 
+def relerr(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """Norm-wise relative error of a against ref, in fp64 (0-norm ref: the absolute norm)."""
+    a, ref = a.double(), ref.double()
+    n = ref.norm()
+    return ((a - ref).norm() / (n if n > 0 else 1.0)).item()
+
+
 def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()

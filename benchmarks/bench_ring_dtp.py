@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from _common import append_rows, cuda_time_ms, cuda_times_ms  # noqa: E402
+from _common import append_rows, cuda_time_ms, cuda_times_ms, relerr  # noqa: E402
 import moepeak  # noqa: E402
 
 GiB = 1 << 30
@@ -206,11 +206,6 @@ def interleaved(arms, T, H, V, rounds):
     return ts, rates, t3s
 
 
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
-
-
 def errors(arms, T, H, V):
     """{arm: (err_loss, err_dx, err_dw)} against fp64 at T tokens."""
     x, w, y = inputs(T, H, V, seed=1)
@@ -226,7 +221,7 @@ def errors(arms, T, H, V):
             continue
         try:
             loss = step(fn, x, w, y)
-            out[name] = (rel(loss.detach(), ref[0]), rel(x.grad, ref[1]), rel(w.grad, ref[2]))
+            out[name] = (relerr(loss.detach(), ref[0]), relerr(x.grad, ref[1]), relerr(w.grad, ref[2]))
         except Exception as e:
             out[name] = (float("nan"),) * 3
             print(f"  error measurement failed for {name}: {type(e).__name__}: {str(e)[:100]}")

@@ -78,7 +78,7 @@ import torch.nn.functional as F
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.insert(0, _HERE)
-from _common import append_rows, cuda_times_ms, is_oom, machine_row, peak_above  # noqa: E402
+from _common import append_rows, cuda_times_ms, is_oom, machine_row, peak_above, relerr  # noqa: E402
 import moepeak  # noqa: E402
 from moepeak import ring_dtp_ring  # noqa: E402
 from moepeak.transport import Handle, Transport  # noqa: E402
@@ -331,11 +331,6 @@ def times_ms(fn, dev, reps, warmup):
         fn()
         out.append((time.perf_counter() - t0) * 1e3)
     return out
-
-
-def relerr(a, ref) -> float:
-    n = ref.float().norm()
-    return ((a.float() - ref.float()).norm() / (n if n > 0 else 1.0)).item()
 
 
 def _release(pb):

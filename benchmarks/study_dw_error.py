@@ -31,7 +31,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moepeak  # noqa: E402
+from _common import relerr  # noqa: E402
 
 
 def make_inputs(T, H, V, labels, x_mean, device, seed=0):
@@ -57,11 +59,6 @@ def grads(fn, x, w, y, dtype=None):
     wl = w.detach().to(dtype or w.dtype).requires_grad_()
     fn(xl, wl, y).backward()
     return xl.grad, wl.grad
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 @contextlib.contextmanager
@@ -106,7 +103,7 @@ def main():
             x, w, y = make_inputs(T, H, V, labels, xm, args.device)
             xd, wd = grads(lambda a, b, c: F.cross_entropy(a @ b.T, c), x, w, y, torch.float64)
             nx, nw = grads(lambda a, b, c: F.cross_entropy(F.linear(a, b).float(), c), x, w, y)
-            ex, ew = rel(nx, xd), rel(nw, wd)
+            ex, ew = relerr(nx, xd), relerr(nw, wd)
             cells = []
             for n in (int(a) for a in args.chunks.split(",")):
                 op = lambda a, b, c: moepeak.linear_cross_entropy(a, b, c, mode="fused_lowp",  # noqa: E731
@@ -114,13 +111,13 @@ def main():
                 errs = []
                 for how in VARIANTS.values():
                     with flags(**how):
-                        errs.append(rel(grads(op, x, w, y)[1], wd) / ew)
+                        errs.append(relerr(grads(op, x, w, y)[1], wd) / ew)
                 cells.append(" / ".join(f"{e:5.2f}" for e in errs))
             vo = lambda a, b, c: moepeak.linear_cross_entropy(a, b, c, mode="vocab_outer_lowp")  # noqa: E731
             dx_errs = []
             for how in (True, False):
                 with flags(LOWP_DX_FINISH=how):
-                    dx_errs.append(rel(grads(vo, x, w, y)[0], xd) / ex)
+                    dx_errs.append(relerr(grads(vo, x, w, y)[0], xd) / ex)
             print(f"{labels:8s} {xm:6.1f} {ew:9.2e}  " + "  ".join(f"{c:>26s}" for c in cells)
                   + "  " + " / ".join(f"{e:5.2f}" for e in dx_errs))
 
