@@ -8,7 +8,7 @@
      kernel alone, with the column sum of dZ as a [1, n] x [n, V] GEMM after it, and with the
      sum made in the kernel (ring_dtp.FUSED_COLSUM); the whole op at T = 32k (16 chunks) with
      the centering off and on both ways, in rotating rounds.
-  python benchmarks/probe_gemm_paths.py [grouped] [streams] [blas] [center]   (default: all)
+  python benchmarks/probe_gemm_paths.py [grouped] [streams] [blas] [center[=rounds]]   (default: all)
 """
 import sys
 
@@ -178,5 +178,7 @@ def centering(rounds=8):
 if __name__ == "__main__":
     print(torch.cuda.get_device_name(), torch.__version__)
     which = sys.argv[1:] or ["grouped", "streams", "blas", "center"]
-    for name in which:
-        {"grouped": grouped, "streams": ring_streams, "blas": blas_library, "center": centering}[name]()
+    for arg in which:
+        name, _, n = arg.partition("=")  # center=16: that many rounds
+        fn = {"grouped": grouped, "streams": ring_streams, "blas": blas_library, "center": centering}[name]
+        fn(int(n)) if n else fn()
