@@ -99,7 +99,7 @@ shared direction's per-dimension std (1: cosine ~0.5 between tokens, 3: ~0.9):
   Zipf, x_mean 1              1.00 / 1.00 / 2.41    1.00 / 1.01 / 4.61    1.00 / 1.02 / 6.46
   Zipf, x_mean 3              1.00 / 1.24 / 2.54    1.00 / 1.94 / 4.85    1.00 / 3.72 / 7.73
 At 16 chunks and fewer (the 32k target shape) the centering is off: on the H200 it cost
-+1.4% there (194.0 vs 191.3 ms, 8 rotating rounds; results/probe_centering_fused_h200.log),
++0.9% there (193.5 vs 191.8 ms, 18 rotating rounds; results/probe_centering_fused_18r_h200.log),
 on a target whose speed margin is that small, and the finish alone holds dW
 within 2x naive's error except for hidden states as anisotropic as x_mean = 3 with
 labels spread over the vocabulary (2.39x above). Set ring_dtp.FUSED_CENTER_CHUNKS = 1
