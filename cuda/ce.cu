@@ -149,32 +149,6 @@ __device__ __forceinline__ float tree_sum(const float (&v)[K]) {
   else return tree_sum<n / 2, o>(v) + tree_sum<n / 2, o + n / 2>(v);
 }
 
-// Block-wide reduction of K floats (kMax: max, else sum); every thread gets the
-// result. sh: [kThreads / 32 * K] floats.
-template <int K, bool kMax>
-__device__ __forceinline__ void block_reduce(float (&x)[K], float *sh) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const float y = __shfl_xor_sync(0xffffffffu, x[k], o);
-      x[k] = kMax ? fmaxf(x[k], y) : x[k] + y;
-    }
-  }
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  __syncthreads();  // sh may still be read by a previous reduction
-  if (lane == 0) {
-#pragma unroll
-    for (int k = 0; k < K; ++k) sh[warp * K + k] = x[k];
-  }
-  __syncthreads();
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    x[k] = sh[k];
-    for (int w = 1; w < kThreads / 32; ++w) x[k] = kMax ? fmaxf(x[k], sh[w * K + k]) : x[k] + sh[w * K + k];
-  }
-}
-
 // =============================================================================
 // Fold
 // =============================================================================
@@ -281,10 +255,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     if (jt < nv) fold_one<kCap>(a, ld(row, jt), jt, jy, c);
 
     float bm[1] = {a.tm};
-    block_reduce<1, true>(bm, sh);
+    block_reduce<kThreads, 1, true>(bm, sh);
     const float bmL = (bm[0] == -INFINITY) ? 0.f : __fmul_rn(bm[0], kLog2e);
     float r[3] = {a.zs, a.tm == -INFINITY ? 0.f : a.se * exp2f(a.mL - bmL), a.xy};  // se at the row's bmL
-    block_reduce<3, false>(r, sh);
+    block_reduce<kThreads, 3, false>(r, sh);
     if (tid == 0) {
       const float xy = r[2];  // one thread contributed it, the others 0
       if (has_y) zy[i] = xy;

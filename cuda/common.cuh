@@ -37,3 +37,32 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 template <>
 __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
+
+// Block-wide reduction of K floats over a block of kBlock threads (kMax: max, else sum):
+// butterfly shuffles within each warp, then every thread combines the warps' values in
+// warp order, so every thread gets the same result, bitwise. sh: [kBlock / 32 * K] floats
+// of shared memory; the leading barrier lets a previous reduction's readers finish first.
+template <int kBlock, int K, bool kMax>
+__device__ __forceinline__ void block_reduce(float (&x)[K], float *sh) {
+  static_assert(kBlock % 32 == 0, "whole warps");
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const float y = __shfl_xor_sync(0xffffffffu, x[k], o);
+      x[k] = kMax ? fmaxf(x[k], y) : x[k] + y;
+    }
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();
+  if (lane == 0) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) sh[warp * K + k] = x[k];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    x[k] = sh[k];
+    for (int w = 1; w < kBlock / 32; ++w) x[k] = kMax ? fmaxf(x[k], sh[w * K + k]) : x[k] + sh[w * K + k];
+  }
+}

@@ -94,17 +94,10 @@ __global__ void down_bwd_kernel(T *__restrict__ D, T *__restrict__ a, const floa
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     T *Dr = D + r * I;
     T *ar = a + r * I;
-    float dot = 0.f;
-    for (int64_t i = threadIdx.x; i < I; i += kThreads) dot += to_f32(Dr[i]) * to_f32(ar[i]);
-    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = dot;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      float s = 0.f;
-      for (int k = 0; k < kThreads / 32; ++k) s += sh[k];
-      dwr[r] = s / wp[r];
-    }
-    __syncthreads();  // sh is reused by the next row
+    float dot[1] = {0.f};
+    for (int64_t i = threadIdx.x; i < I; i += kThreads) dot[0] += to_f32(Dr[i]) * to_f32(ar[i]);
+    block_reduce<kThreads, 1, false>(dot, sh);  // its leading barrier also guards sh's reuse per row
+    if (threadIdx.x == 0) dwr[r] = dot[0] / wp[r];
     const float sc = w[r] / wp[r];
     if (sc != 1.0f)
       for (int64_t i = threadIdx.x; i < I; i += kThreads) {
