@@ -290,7 +290,8 @@ mp_status mp_ce_scale_cuda(void *p, int dtype, int64_t n, const float *g, uintpt
 /* dw: [nv, ldw], x: [t, ldx] x dtype; sy, perm: [t] int64; tc: [t] fp32; all on the device. */
 mp_status mp_ce_dw_finish_cuda(void *dw, int dtype, int64_t ldw, int64_t v0, int64_t nv, const void *x,
                                int64_t ldx, int64_t h, const int64_t *sy, const int64_t *perm, const float *tc,
-                               int64_t t, const float *cs, const float *mu, uintptr_t stream);
+                               int64_t t, const float *cs, const float *mu, unsigned char *flags,
+                               uintptr_t stream);
 /* dx: [t, ldx], w: [nv, ldw] x dtype; labels: [t] int64; tc: [t] fp32; all on the device. */
 mp_status mp_ce_dx_finish_cuda(void *dx, int dtype, int64_t ldx, const void *w, int64_t ldw, int64_t v0,
                                int64_t nv, int64_t h, const int64_t *labels, const float *tc, int64_t t,
@@ -472,17 +473,18 @@ static PyObject *py_ce_scale(PyObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
-/* ce_dw_finish(dw, dtype, ldw, v0, nv, x, ldx, h, sy, perm, tc, t, cs, mu, cuda, stream): dw: [nv, ldw]
- * and x: [t, ldx] x dtype (0 fp32, 1 bf16, 2 fp16); sy, perm: [t] int64 (labels sorted stably, their
- * token indices); tc: [t] x fp32; cs: [nv], mu: [h] x fp32, both 0 (no rank-1 term) or both set.
+/* ce_dw_finish(dw, dtype, ldw, v0, nv, x, ldx, h, sy, perm, tc, t, cs, mu, flags, cuda, stream): dw:
+ * [nv, ldw] and x: [t, ldx] x dtype (0 fp32, 1 bf16, 2 fp16); sy, perm: [t] int64 (labels sorted
+ * stably, their token indices); tc: [t] x fp32; cs: [nv], mu: [h] x fp32, both 0 (no rank-1 term) or
+ * both set; flags: [nv] zeroed bytes, the CUDA kernels' scratch with the rank-1 term (else unused).
  * dw[r, :h] += [cs[r] * mu +] sum_{t: label v0 + r} tc[t] * x[t, :h] in fp32, one rounding. */
 static PyObject *py_ce_dw_finish(PyObject *self, PyObject *args) {
   (void)self;
-  unsigned long long dw, x, sy, perm, tc, cs, mu, stream;
+  unsigned long long dw, x, sy, perm, tc, cs, mu, flags, stream;
   long long ldw, v0, nv, ldx, h, t;
   int dtype, cuda;
-  if (!PyArg_ParseTuple(args, "KiLLLKLLKKKLKKpK:ce_dw_finish", &dw, &dtype, &ldw, &v0, &nv, &x, &ldx, &h, &sy,
-                        &perm, &tc, &t, &cs, &mu, &cuda, &stream))
+  if (!PyArg_ParseTuple(args, "KiLLLKLLKKKLKKKpK:ce_dw_finish", &dw, &dtype, &ldw, &v0, &nv, &x, &ldx, &h, &sy,
+                        &perm, &tc, &t, &cs, &mu, &flags, &cuda, &stream))
     return NULL;
   if (dtype < CE_F32 || dtype > CE_F16 || t < 0 || nv < 0 || h < 0 || ldw < h || ldx < h || (!cs) != (!mu)) {
     PyErr_Format(PyExc_ValueError, "moepeak._C.ce_dw_finish: need dtype 0..2, t, nv, h >= 0, ldw >= h, ldx >= h, "
@@ -497,7 +499,7 @@ static PyObject *py_ce_dw_finish(PyObject *self, PyObject *args) {
     st = mp_ce_dw_finish_cuda((void *)(uintptr_t)dw, dtype, ldw, v0, nv, (const void *)(uintptr_t)x, ldx, h,
                               (const int64_t *)(uintptr_t)sy, (const int64_t *)(uintptr_t)perm,
                               (const float *)(uintptr_t)tc, t, (const float *)(uintptr_t)cs,
-                              (const float *)(uintptr_t)mu, (uintptr_t)stream);
+                              (const float *)(uintptr_t)mu, (unsigned char *)(uintptr_t)flags, (uintptr_t)stream);
 #else
     return mp_raise_no_cuda("ce_dw_finish");
 #endif
@@ -561,8 +563,9 @@ PyMethodDef mp_ce_methods[] = {
      "zloss, out, ldo, out_dtype, cuda, stream[, part, ldp, gmax, cs, first]): turn a logits block into dZ "
      "(and, on CUDA with part, sum its columns without the target elements into cs)."},
     {"ce_dw_finish", py_ce_dw_finish, METH_VARARGS,
-     "ce_dw_finish(dw, dtype, ldw, v0, nv, x, ldx, h, sy, perm, tc, t, cs, mu, cuda, stream): dw[r] += "
-     "[cs[r] * mu +] sum over tokens labelled v0 + r of tc[t] * x[t] (fp32 sum, one rounding)."},
+     "ce_dw_finish(dw, dtype, ldw, v0, nv, x, ldx, h, sy, perm, tc, t, cs, mu, flags, cuda, stream): dw[r] += "
+     "[cs[r] * mu +] sum over tokens labelled v0 + r of tc[t] * x[t] (fp32 sum, one rounding); flags: "
+     "[nv] zeroed bytes of scratch, needed on CUDA with the rank-1 term, else 0."},
     {"ce_dx_finish", py_ce_dx_finish, METH_VARARGS,
      "ce_dx_finish(dx, dtype, ldx, w, ldw, v0, nv, h, labels, tc, t, cuda, stream): dx[t] += "
      "tc[t] * w[labels[t] - v0] where that row exists (fmaf, one rounding)."},

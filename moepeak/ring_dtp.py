@@ -324,6 +324,7 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
         if db is not None:
             db.add_(dz.float().sum(0))
         del dz  # the previous chunk's dZ must not live while the next one is made
+    del zbuf, dzbuf  # the finish's scratch (the sort of the labels, flags [V]) reuses the block
     if split:
         B.finish_dw(dw, x, y, tc, cs=cs if center else None, mu=mu32 if center else None)
     return st, dx, dw, db

@@ -847,27 +847,40 @@ def test_cuda_auto_within_issue_budget():
 # ---------------------------------------------------------------------------
 # The fused modes' dW finish (B.take_label_column, B.finish_dw)
 # ---------------------------------------------------------------------------
-def _check_finish_dw(device, dtype, rank1=False):
+# (T, H, V, v0, nv): H past two 1024-column slabs of the CUDA kernel with a partial third;
+# a many-row shard, where one CUDA block walks several rows' label runs in turn.
+FINISH_SHAPES = [(300, 2100, 50, 10, 30), (3000, 24, 25000, 1000, 20000)]
+
+
+def _check_finish_dw(device, dtype, rank1=False, shape=FINISH_SHAPES[0]):
     """dw[r] += [cs[r] mu +] sum_{t: y_t = v0 + r} tc[t] x[t]: within half an ulp of the dtype
     (plus the fp32 sum's rounding) of the fp64 result; deterministic (bitwise equal on a
-    second call); without the rank-1 term, rows of labels outside [v0, v0 + nv) and rows no
-    token is labelled with unchanged bitwise."""
+    second call); on CUDA bitwise equal to the CPU kernel (the same order and arithmetic);
+    without the rank-1 term, rows of labels outside [v0, v0 + nv) and rows no token is
+    labelled with unchanged bitwise."""
     g = torch.Generator().manual_seed(3)
-    T, H, V, v0, nv = 300, 520, 50, 10, 30                     # H > 2 tiles of 256 columns
+    T, H, V, v0, nv = shape
     x = torch.randn(T, H, generator=g).to(dtype)
     y = torch.randint(0, V, (T,), generator=g)
     y[::7] = -100                                              # ignore_index: never a row
-    y[:40] = 12                                                # one long run
+    y[:40] = v0 + 2                                            # a run of whole batches of 8 (CUDA)
+    y[50:61] = v0 + 3                                          # one batch and 3 tokens
+    y[40:45] = v0                                              # the shard's first and last rows
+    y[45:47] = v0 + nv - 1
     tc = torch.randn(T, generator=g)
     dw0 = torch.randn(nv, H, generator=g).to(dtype)
     cs = torch.randn(nv, generator=g) * 3 if rank1 else None
     mu = torch.randn(H, generator=g).to(dtype).float() if rank1 else None
+    extra = dict(cs=cs, mu=mu) if rank1 else {}
+    on_cpu = dw0.clone()
+    B.finish_dw(on_cpu, x, y, tc, v0=v0, **extra)
     x, y, tc, dw = (t.to(device) for t in (x, y, tc, dw0.clone()))
-    extra = dict(cs=cs.to(device), mu=mu.to(device)) if rank1 else {}
+    extra = {k: v.to(device) for k, v in extra.items()}
     B.finish_dw(dw, x, y, tc, v0=v0, **extra)
     again = dw0.clone().to(device)
     B.finish_dw(again, x, y, tc, v0=v0, **extra)
     assert torch.equal(dw, again)
+    assert torch.equal(dw.cpu(), on_cpu)
     truth, mag = label_rows_ref(dw0, x, y, tc, v0, cs=cs, mu=mu)
     got = dw.cpu().double()
     ulp_half = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[dtype]
@@ -881,27 +894,31 @@ def _check_finish_dw(device, dtype, rank1=False):
     assert untouched.any() and torch.equal(dw.cpu()[untouched], dw0[untouched])
 
 
+@pytest.mark.parametrize("shape", FINISH_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_finish_dw_rank1_cpu(dtype):
-    _check_finish_dw("cpu", dtype, rank1=True)
+def test_finish_dw_rank1_cpu(dtype, shape):
+    _check_finish_dw("cpu", dtype, rank1=True, shape=shape)
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("shape", FINISH_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_cuda_finish_dw_rank1(dtype):
-    _check_finish_dw("cuda", dtype, rank1=True)
+def test_cuda_finish_dw_rank1(dtype, shape):
+    _check_finish_dw("cuda", dtype, rank1=True, shape=shape)
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("shape", FINISH_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_finish_dw_cpu(dtype):
-    _check_finish_dw("cpu", dtype)
+def test_finish_dw_cpu(dtype, shape):
+    _check_finish_dw("cpu", dtype, shape=shape)
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("shape", FINISH_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_cuda_finish_dw(dtype):
-    _check_finish_dw("cuda", dtype)
+def test_cuda_finish_dw(dtype, shape):
+    _check_finish_dw("cuda", dtype, shape=shape)
     torch.cuda.synchronize()
 
 
@@ -938,13 +955,13 @@ def test_take_label_column_block():
 def test_finish_dw_bad_input():
     from moepeak import _C
     with pytest.raises(ValueError, match="ldw >= h"):
-        _C.ce_dw_finish(0, 1, 4, 0, 3, 0, 8, 8, 0, 0, 0, 5, 0, 0, False, 0)
+        _C.ce_dw_finish(0, 1, 4, 0, 3, 0, 8, 8, 0, 0, 0, 5, 0, 0, 0, False, 0)
     with pytest.raises(ValueError, match="dtype 0..2"):
-        _C.ce_dw_finish(0, 5, 8, 0, 3, 0, 8, 8, 0, 0, 0, 5, 0, 0, False, 0)
+        _C.ce_dw_finish(0, 5, 8, 0, 3, 0, 8, 8, 0, 0, 0, 5, 0, 0, 0, False, 0)
     with pytest.raises(ValueError, match="t, nv, h >= 0"):
-        _C.ce_dw_finish(0, 1, 8, 0, -1, 0, 8, 8, 0, 0, 0, 5, 0, 0, False, 0)
+        _C.ce_dw_finish(0, 1, 8, 0, -1, 0, 8, 8, 0, 0, 0, 5, 0, 0, 0, False, 0)
     with pytest.raises(ValueError, match="cs and mu both set or both 0"):
-        _C.ce_dw_finish(0, 1, 8, 0, 3, 0, 8, 8, 0, 0, 0, 5, 64, 0, False, 0)
+        _C.ce_dw_finish(0, 1, 8, 0, 3, 0, 8, 8, 0, 0, 0, 5, 64, 0, 0, False, 0)
     dw, x = torch.zeros(3, 4, dtype=torch.bfloat16), torch.ones(2, 4, dtype=torch.bfloat16)
     y, tc = torch.zeros(2, dtype=torch.int64), torch.ones(2)
     with pytest.raises(TypeError, match="x must have dtype in \\(bfloat16\\)"):
