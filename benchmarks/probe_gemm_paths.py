@@ -8,7 +8,13 @@
      kernel alone, with the column sum of dZ as a [1, n] x [n, V] GEMM after it, and with the
      sum made in the kernel (ring_dtp.FUSED_COLSUM); the whole op at T = 32k (16 chunks) with
      the centering off and on both ways, in rotating rounds.
-  python benchmarks/probe_gemm_paths.py [grouped] [streams] [blas] [center[=rounds]]   (default: all)
+  6. TunableOp (torch.cuda.tunable: cuBLAS's default plus cuBLASLt's top heuristic algorithms,
+     each timed, the fastest kept): Ring-DTP's three chunk GEMMs, the 8192^3 probe and the whole
+     fused_lowp op at T = 32k, default vs tuned in alternating rounds (after one tuning pass).
+  7. dW's finish (B.finish_dw) at T = 32k, H = 4096, V = 151936, bf16: label terms only (uniform
+     and Zipf labels) and with the centering's rank-1 term (every row), against the bytes it moves.
+  python benchmarks/probe_gemm_paths.py [grouped] [streams] [blas] [center[=rounds]] [tunable[=rounds]] [finish]
+  (default: all but tunable)
 """
 import sys
 
@@ -175,10 +181,84 @@ def centering(rounds=8):
               f"grads {peaks[name]:.3f} GiB")
 
 
+def tunable(rounds=6):
+    """Does another cuBLAS/cuBLASLt algorithm beat the default one on these shapes?"""
+    import os
+    import statistics
+    import moepeak
+    from torch.cuda import tunable as tun
+    H, V, ct, T = 4096, 151936, 2048, 32768
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(V, H, device="cuda", generator=g) / H ** 0.5).to(torch.bfloat16)
+    x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+    y = torch.randint(0, V, (T,), device="cuda", generator=g)
+    z = torch.randn(ct, V, device="cuda", generator=g).to(torch.bfloat16)
+    dx = torch.empty(ct, H, device="cuda", dtype=torch.bfloat16)
+    dw = torch.zeros(V, H, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    xc = x[:ct]
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def op():
+        xl.grad = wl.grad = None
+        moepeak.linear_cross_entropy(xl, wl, y, mode="fused_lowp").backward()
+    fl = 2.0 * ct * V * H / 1e9
+    cases = {"Z": (lambda: torch.mm(xc, w.t(), out=z), fl), "dX": (lambda: torch.mm(z, w, out=dx), fl),
+             "dW=": (lambda: torch.mm(z.t(), xc, out=dw), fl), "dW+=": (lambda: dw.addmm_(z.t(), xc), fl),
+             "8192^3": (lambda: torch.mm(a, a, out=c), 2.0 * 8192 ** 3 / 1e9)}
+    tun.set_filename(os.path.join(os.environ.get("OUT", "."), "tunableop_results%d.csv"))
+    tun.set_max_tuning_duration(200)
+    tun.enable(True)
+    tun.tuning_enable(True)
+    for fn, _ in cases.values():
+        fn()
+    op()
+    torch.cuda.synchronize()
+    tun.tuning_enable(False)
+    for res in tun.get_results():
+        print("tuned:", res)
+    ts = {(k, on): [] for k in list(cases) + ["op"] for on in (False, True)}
+    for r in range(rounds):
+        for on in ((False, True) if r % 2 == 0 else (True, False)):
+            tun.enable(on)
+            for k, (fn, _) in cases.items():
+                ts[(k, on)].append(t(fn))
+            ts[("op", on)].append(cuda_time_ms(op, reps=3, warmup=1))
+    tun.enable(False)
+    for k in list(cases) + ["op"]:
+        d, u = statistics.median(ts[(k, False)]), statistics.median(ts[(k, True)])
+        rate = "" if k == "op" else f"  ({cases[k][1] / d:.0f} -> {cases[k][1] / u:.0f} TF/s)"
+        print(f"{k:7s} default {d:8.3f} ms  tuned {u:8.3f} ms  ({u / d:.3f}x){rate}")
+
+
+def finish():
+    from moepeak import ring_dtp_blocks as B
+    H, V, T = 4096, 151936, 32768
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+    dw = torch.randn(V, H, device="cuda", generator=g).to(torch.bfloat16)
+    tc = torch.randn(T, device="cuda", generator=g)
+    cs = torch.randn(V, device="cuda", generator=g)
+    mu = torch.randn(H, device="cuda", generator=g)
+    ranks = torch.arange(1, V + 1, device="cuda", dtype=torch.float64)
+    labels = {"uniform": torch.randint(0, V, (T,), device="cuda", generator=g),
+              "Zipf(1.1)": torch.multinomial(ranks ** -1.1, T, replacement=True, generator=g)}
+    for name, y in labels.items():
+        rows = int(y.unique().numel())
+        for rank1 in (False, True):
+            extra = dict(cs=cs, mu=mu) if rank1 else {}
+            ms = t(lambda: B.finish_dw(dw, x, y, tc, **extra), iters=20)
+            gb = ((V if rank1 else rows) * H * 2 * 2 + T * H * 2) / 1e9
+            print(f"finish_dw {name:9s} labels ({rows} rows labelled), {'with' if rank1 else 'no  '} rank-1 term: "
+                  f"{ms:.3f} ms, {gb:.2f} GB moved ({gb / ms:.2f} TB/s)")
+
+
 if __name__ == "__main__":
     print(torch.cuda.get_device_name(), torch.__version__)
     which = sys.argv[1:] or ["grouped", "streams", "blas", "center"]
     for arg in which:
         name, _, n = arg.partition("=")  # center=16: that many rounds
-        fn = {"grouped": grouped, "streams": ring_streams, "blas": blas_library, "center": centering}[name]
+        fn = {"grouped": grouped, "streams": ring_streams, "blas": blas_library, "center": centering,
+              "tunable": tunable, "finish": finish}[name]
         fn(int(n)) if n else fn()

@@ -99,6 +99,13 @@ def ring_cases(log):
     profile("ring: naive + torch.compile", step(lambda: comp(x, w, y)), log)
     profile("ring: moepeak default (fused_lowp)", step(lambda: moepeak.linear_cross_entropy(x, w, y)), log,
             cpu_table=True)
+    from moepeak import ring_dtp
+    keep = ring_dtp.FUSED_CENTER_CHUNKS
+    ring_dtp.FUSED_CENTER_CHUNKS = 1  # what centering adds at this shape's 16 chunks
+    try:
+        profile("ring: moepeak default, centered", step(lambda: moepeak.linear_cross_entropy(x, w, y)), log)
+    finally:
+        ring_dtp.FUSED_CENTER_CHUNKS = keep
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
         lg = LigerFusedLinearCrossEntropyLoss(accum_dtype=torch.float32)
