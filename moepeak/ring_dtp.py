@@ -69,10 +69,13 @@ count (naive bf16: dX 1.67e-3, dW 1.02e-3):
   CCE 1412.5 ms / 2.16 GiB, naive OOM. T = 128k, V = 256000 (103 chunks of 1280 rows):
   auto (now fused_lowp) 1314.5 ms / 3.57 GiB where vocab_outer_lowp took 1896.8 ms /
   3.50 GiB; with the 1152-row chunks of today's sizing (114) 1326.2 ms / 3.52 GiB.
-  Two later runs (01:08 and 01:15 UTC, two machines; centering's column sums from the
-  gradient kernel): 32k auto 188.6 / 194.0 ms at probes of 755 / 769 TFLOP/s (1.16x /
-  1.22x), naive + compile 190.8 / 199.9, Liger 202.6 / 212.3; 128k auto 757.2 / 778.3 ms
-  at 2.75 GiB, Liger 756.2 / 780.5. The ratio follows the machine's probe more than the code.
+  Three later runs (01:08, 01:15 and 02:25 UTC, three machines; centering's column sums
+  from the gradient kernel, the last with today's dW finish): 32k auto 188.6 / 194.0 /
+  190.9 ms at probes of 755 / 769 / 788 TFLOP/s (1.16x / 1.22x / 1.23x), naive + compile
+  190.8 / 199.9 / 195.1, Liger 202.6 / 212.3 / 208.6; 128k auto 757.2 / 778.3 / 772.7 ms
+  at 2.75 GiB, Liger 756.2 / 780.5 / 772.0. The ratio follows the machine's probe more
+  than the code; TunableOp found no cuBLAS/cuBLASLt algorithm faster than the default
+  for these GEMMs.
   Where the 32k time goes, and the grid over T, H, V: benchmarks/RESULTS.md.
 Error growth with the chunk count. fused* accumulate dW in bf16 over the token chunks
 (one rounding per chunk), vocab_outer_lowp dX over its vocab blocks. A chunk's rounding
@@ -99,7 +102,8 @@ shared direction's per-dimension std (1: cosine ~0.5 between tokens, 3: ~0.9):
   Zipf, x_mean 1              1.00 / 1.00 / 2.41    1.00 / 1.01 / 4.61    1.00 / 1.02 / 6.46
   Zipf, x_mean 3              1.00 / 1.24 / 2.54    1.00 / 1.94 / 4.85    1.00 / 3.72 / 7.73
 At 16 chunks and fewer (the 32k target shape) the centering is off: on the H200 it cost
-+0.9% there (193.5 vs 191.8 ms, 18 rotating rounds; results/probe_centering_fused_18r_h200.log),
++0.9% there (193.5 vs 191.8 ms, 18 rotating rounds; results/probe_centering_fused_18r_h200.log;
++0.8% in session 10's 8 rounds),
 on a target whose speed margin is that small, and the finish alone holds dW
 within 2x naive's error except for hidden states as anisotropic as x_mean = 3 with
 labels spread over the vocabulary (2.39x above). Set ring_dtp.FUSED_CENTER_CHUNKS = 1
