@@ -88,25 +88,42 @@ def ring_streams():
               f"side stream serialised {t(conc2):.3f} ms")
 
 
-def blas_library():
-    """Each of fused_lowp's chunk GEMMs (ct = 2048 rows) and the whole op, with torch's
-    preferred BLAS library set to cuBLAS, then cuBLASLt, then cuBLAS again (drift check)."""
-    import moepeak
+def _target_inputs():
+    """The issue's target shape (H = 4096, V = 151936, fused_lowp's 2048-row chunks, T = 32k):
+    H, V, ct, T, a seeded generator, w [V, H] (scaled like a trained head), x [T, H], y [T]."""
     H, V, ct, T = 4096, 151936, 2048, 32768
     g = torch.Generator(device="cuda").manual_seed(0)
     w = (torch.randn(V, H, device="cuda", generator=g) / H ** 0.5).to(torch.bfloat16)
     x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
     y = torch.randint(0, V, (T,), device="cuda", generator=g)
+    return H, V, ct, T, g, w, x, y
+
+
+def _fused_lowp_step(x, w, y):
+    """(step, clear): one fused_lowp fwd + bwd on copies of x and w, and what drops their
+    gradients (step does it first, so a timed step does not hold the previous ones)."""
+    import moepeak
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def clear():
+        xl.grad = wl.grad = None
+
+    def op():
+        clear()
+        moepeak.linear_cross_entropy(xl, wl, y, mode="fused_lowp").backward()
+    return op, clear
+
+
+def blas_library():
+    """Each of fused_lowp's chunk GEMMs (ct = 2048 rows) and the whole op, with torch's
+    preferred BLAS library set to cuBLAS, then cuBLASLt, then cuBLAS again (drift check)."""
+    H, V, ct, T, g, w, x, y = _target_inputs()
     z = torch.empty(ct, V, device="cuda", dtype=torch.bfloat16)
     dx = torch.empty(ct, H, device="cuda", dtype=torch.bfloat16)
     dw = torch.zeros(V, H, device="cuda", dtype=torch.bfloat16)
     xc = x[:ct]
     fl = 2.0 * ct * V * H / 1e9
-    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
-
-    def op():
-        xl.grad = wl.grad = None
-        moepeak.linear_cross_entropy(xl, wl, y, mode="fused_lowp").backward()
+    op, clear = _fused_lowp_step(x, w, y)
 
     keep = torch.backends.cuda.preferred_blas_library()
     try:
@@ -124,13 +141,8 @@ def blas_library():
 
 def centering(rounds=8):
     import statistics
-    import moepeak
     from moepeak import ring_dtp, ring_dtp_blocks as B
-    H, V, ct, T = 4096, 151936, 2048, 32768
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w = (torch.randn(V, H, device="cuda", generator=g) / H ** 0.5).to(torch.bfloat16)
-    x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
-    y = torch.randint(0, V, (T,), device="cuda", generator=g)
+    H, V, ct, T, g, w, x, y = _target_inputs()
     # One chunk's gradient kernel alone, + the column sum as a ones-row GEMM, and fused into it.
     z0 = (torch.randn(ct, V, device="cuda", generator=g) * 3).to(torch.bfloat16)
     z = z0.clone()
@@ -153,11 +165,7 @@ def centering(rounds=8):
     gb = ct * V * 2 * 2 / 1e9  # read + write
     print(f"gradient of one [{ct}, {V}] bf16 chunk (dZ in place): {tg:.3f} ms ({gb / tg:.2f} TB/s); "
           f"+ ones-row GEMM colsum {tgg:.3f} ms; with the colsum in the kernel {tgf:.3f} ms ({gb / tgf:.2f} TB/s)")
-    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
-
-    def op():
-        xl.grad = wl.grad = None
-        moepeak.linear_cross_entropy(xl, wl, y, mode="fused_lowp").backward()
+    op, clear = _fused_lowp_step(x, w, y)
 
     keep = ring_dtp.FUSED_CENTER_CHUNKS, ring_dtp.FUSED_COLSUM
     arms = (("off", 1 << 30, True), ("on, GEMM colsum", 1, False), ("on, fused colsum", 1, True))
@@ -167,7 +175,7 @@ def centering(rounds=8):
         for r in range(rounds):
             for name, k, fused in arms[r % 3:] + arms[:r % 3]:
                 ring_dtp.FUSED_CENTER_CHUNKS, ring_dtp.FUSED_COLSUM = k, fused
-                xl.grad = wl.grad = None
+                clear()
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
@@ -185,24 +193,15 @@ def tunable(rounds=6):
     """Does another cuBLAS/cuBLASLt algorithm beat the default one on these shapes?"""
     import os
     import statistics
-    import moepeak
     from torch.cuda import tunable as tun
-    H, V, ct, T = 4096, 151936, 2048, 32768
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w = (torch.randn(V, H, device="cuda", generator=g) / H ** 0.5).to(torch.bfloat16)
-    x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
-    y = torch.randint(0, V, (T,), device="cuda", generator=g)
+    H, V, ct, T, g, w, x, y = _target_inputs()
     z = torch.randn(ct, V, device="cuda", generator=g).to(torch.bfloat16)
     dx = torch.empty(ct, H, device="cuda", dtype=torch.bfloat16)
     dw = torch.zeros(V, H, device="cuda", dtype=torch.bfloat16)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     c = torch.empty(8192, 8192, device="cuda", dtype=torch.bfloat16)
     xc = x[:ct]
-    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
-
-    def op():
-        xl.grad = wl.grad = None
-        moepeak.linear_cross_entropy(xl, wl, y, mode="fused_lowp").backward()
+    op, clear = _fused_lowp_step(x, w, y)
     fl = 2.0 * ct * V * H / 1e9
     cases = {"Z": (lambda: torch.mm(xc, w.t(), out=z), fl), "dX": (lambda: torch.mm(z, w, out=dx), fl),
              "dW=": (lambda: torch.mm(z.t(), xc, out=dw), fl), "dW+=": (lambda: dw.addmm_(z.t(), xc), fl),
