@@ -277,11 +277,14 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
     # B.colsum_fusable), through a [<= COLSUM_GROUPS, V] x fp32 scratch that is the chunk's
     # own dX rows again (B.colsum_scratch; free until X - mu is written there); else (or for
     # a last chunk too short to hold one scratch row) a GEMM re-reads dZ.
-    # The rank-1 term cs mu^T: on CUDA in bf16, the last chunk's dW GEMM adds it, exactly
-    # enough: cs = cs_hi + cs_lo in two bf16 rows (16 bits of cs; the rest is below the
-    # GEMM's fp32 sum) ahead of that chunk's dZ, against mu (bf16, exact) twice in the two dX
-    # rows ahead of its X - mu (the previous chunk's, kept aside meanwhile), so no pass over
-    # dW; elsewhere (and fp16, whose range cs may leave) the finish adds it.
+    # The rank-1 term cs mu^T: on CUDA in bf16, the last chunk's dW GEMM adds it to the rows
+    # no label lands on, exactly enough: cs = cs_hi + cs_lo in two bf16 rows (16 bits of cs;
+    # the rest is below the GEMM's fp32 sum) ahead of that chunk's dZ, against mu (bf16,
+    # exact) twice in the two dX rows ahead of its X - mu (the previous chunk's, kept aside
+    # meanwhile), so no pass over dW; a labelled row's term joins its label terms in the
+    # finish (one rounding for both: in the GEMM it would be a second rounding of a large
+    # value, 1.4x naive's dW error at x_mean = 3, measured). Elsewhere (and in fp16, whose
+    # range cs may leave) the finish adds it to every row.
     if center:
         H = x.shape[1]
         ones = torch.ones((1, ct), dtype=x.dtype, device=x.device)
@@ -323,9 +326,13 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
                 B.colsum_acc_(cs, dz, ones, first=t0 == 0)
         if rank1_rows and t1 == T:                            # the last chunk: + cs mu^T (above)
             ext = zext if direct else dzext
-            hi = cs.to(x.dtype)
+            # rows a label lands on keep their term for the finish, which sums it with their
+            # label terms before its one rounding; the GEMM gives the others theirs
+            hit = torch.zeros(V + 1, dtype=torch.bool, device=x.device)
+            hit.index_fill_(0, torch.where((y >= 0) & (y < V), y, V), True)
+            hi = cs.masked_fill(hit[:V], 0.0).to(x.dtype)
             ext[0].copy_(hi)
-            ext[1].copy_(cs - hi.float())                     # cs_lo, rounded to bf16
+            ext[1].copy_(cs.masked_fill(hit[:V], 0.0) - hi.float())  # cs_lo, rounded to bf16
             kept = dx[t0 - 2:t0].clone()
             dx[t0 - 2:t0] = mu
             dw.addmm_(ext[:2 + n].t(), dx[t0 - 2:t1])
@@ -350,8 +357,8 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
         del dz  # the previous chunk's dZ must not live while the next one is made
     del zext, zbuf, dzext, dzbuf  # the finish's scratch (the sort of the labels, flags [V]) reuses the block
     if split:
-        rank1 = center and not rank1_rows                     # the finish adds cs mu^T
-        B.finish_dw(dw, x, y, tc, cs=cs if rank1 else None, mu=mu32 if rank1 else None)
+        B.finish_dw(dw, x, y, tc, cs=cs if center else None, mu=mu32 if center else None,
+                    rank1_unlabelled=not rank1_rows)
     return st, dx, dw, db
 
 

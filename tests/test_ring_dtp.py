@@ -922,6 +922,29 @@ def test_cuda_finish_dw(dtype, shape):
     torch.cuda.synchronize()
 
 
+@pytest.mark.cuda
+def test_cuda_finish_dw_rank1_labelled_rows_only():
+    """rank1_unlabelled=False: the rows some token is labelled with get exactly what the full
+    finish gives them; the others are untouched (their rank-1 term is the caller's)."""
+    g = torch.Generator().manual_seed(5)
+    T, H, V = 300, 2100, 50
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
+    y = torch.randint(0, V, (T,), generator=g)
+    y[y >= 40] = -100                                          # rows 40..49: no label
+    y = y.cuda()
+    tc = torch.randn(T, generator=g).cuda()
+    cs, mu = torch.randn(V, generator=g).cuda(), torch.randn(H, generator=g).to(torch.bfloat16).float().cuda()
+    dw0 = torch.randn(V, H, generator=g).to(torch.bfloat16).cuda()
+    full, part = dw0.clone(), dw0.clone()
+    B.finish_dw(full, x, y, tc, cs=cs, mu=mu)
+    B.finish_dw(part, x, y, tc, cs=cs, mu=mu, rank1_unlabelled=False)
+    hit = torch.zeros(V, dtype=torch.bool, device="cuda")
+    hit[y[y >= 0]] = True
+    assert torch.equal(part[hit], full[hit]) and torch.equal(part[~hit], dw0[~hit]) and (~hit).sum() >= 10
+    with pytest.raises(ValueError, match="CUDA only"):
+        B.finish_dw(dw0.cpu(), x.cpu(), y.cpu(), tc.cpu(), cs=cs.cpu(), mu=mu.cpu(), rank1_unlabelled=False)
+
+
 def test_take_label_column():
     dz = torch.randn(5, 9).to(torch.bfloat16)
     dz[2] = 0                                                   # an ignored row is all zero
@@ -982,6 +1005,8 @@ def test_finish_dw_bad_input():
         B.finish_dw(dw, x, y, tc, cs=torch.zeros(4), mu=torch.zeros(4))
     with pytest.raises(TypeError, match="mu must have dtype"):
         B.finish_dw(dw, x, y, tc, cs=torch.zeros(3), mu=torch.zeros(4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="rank1_unlabelled=False.*CUDA only"):
+        B.finish_dw(dw, x, y, tc, cs=torch.zeros(3), mu=torch.zeros(4), rank1_unlabelled=False)
     assert torch.equal(dw, torch.zeros(3, 4, dtype=torch.bfloat16))  # nothing half-done
 
 
