@@ -576,8 +576,7 @@ inline unsigned grid_for(int64_t t) { return (unsigned)(t < kMaxGrid ? t : kMaxG
 // (which keep sy's order): a frequent label's long run costs about one memory latency per
 // batch, not one per token. With the rank-1 term it also marks its row in `flags`, and
 // ce_dw_finish_rank1_kernel then adds cs[r] * mu (the same arithmetic: acc = cs[r] * mu, no
-// label term, one rounding) to every row not marked, 16-byte vectors; without flags the
-// unlabelled rows are left to the caller (ring_dtp._fused adds their term in a GEMM). (Measured on an H200
+// label term, one rounding) to every row not marked, 16-byte vectors. (Measured on an H200
 // at T = 32k, V = 151936: the previous version, a CTA per row finding its run by two binary
 // searches in sy, then a token at a time, took 1.75 ms for uniform labels; a CTA per run
 // with the batch loads under their predicates, which the compiler serialised, 7.4 ms for
@@ -944,15 +943,14 @@ fail:
 // dw: [nv, ldw] rows for labels v0 .. v0 + nv - 1, x: [t, ldx], both dtype (0 fp32, 1 bf16, 2 fp16);
 // sy, perm: the labels sorted stably and their token indices; tc: [t] x fp32; cs: [nv], mu: [h] x fp32
 // (the rank-1 term cs[r] * mu, or both null) and then flags: [nv] bytes, zero (the rows the label
-// runs wrote), for the rank-1 term on every row; null: only on the rows a label run writes (the
-// caller added it to the others). All on the device.
+// runs wrote). All on the device.
 mp_status mp_ce_dw_finish_cuda(void *dw, int dtype, int64_t ldw, int64_t v0, int64_t nv, const void *x,
                                int64_t ldx, int64_t h, const int64_t *sy, const int64_t *perm, const float *tc,
                                int64_t t, const float *cs, const float *mu, unsigned char *flags, uintptr_t stream) {
   mp_status st = MP_OK;
   cudaStream_t sm = MP_STREAM(stream);
-  if (nv <= 0 || h <= 0 || (t <= 0 && !flags)) return MP_OK;
-  if (flags && !cs) MP_FAIL(st, MP_ERR_INVALID, "ce_dw_finish: flags are for the rank-1 term, which is missing");
+  if (nv <= 0 || h <= 0 || (t <= 0 && !cs)) return MP_OK;
+  if (cs && !flags) MP_FAIL(st, MP_ERR_INVALID, "ce_dw_finish: the rank-1 term needs flags ([nv] bytes, zeroed)");
   {
     const int64_t slabs = (h + kFinishSlab - 1) / kFinishSlab;
     if (slabs > 65535) MP_FAIL(st, MP_ERR_INVALID, "ce_dw_finish: h = %lld needs more than 65535 column slabs",
@@ -965,13 +963,13 @@ mp_status mp_ce_dw_finish_cuda(void *dw, int dtype, int64_t ldw, int64_t v0, int
         if (t > 0)
           ce_dw_finish_runs_kernel<float><<<runs, kFinishThreads, 0, sm>>>(
               (float *)dw, ldw, v0, nv, (const float *)x, ldx, h, sy, perm, tc, t, cs, mu, flags);
-        if (flags) ce_dw_finish_rank1_kernel<float><<<rows, kScaleThreads, 0, sm>>>((float *)dw, ldw, nv, h, cs, mu, flags);
+        if (cs) ce_dw_finish_rank1_kernel<float><<<rows, kScaleThreads, 0, sm>>>((float *)dw, ldw, nv, h, cs, mu, flags);
         break;
       case 1:
         if (t > 0)
           ce_dw_finish_runs_kernel<__nv_bfloat16><<<runs, kFinishThreads, 0, sm>>>(
               (__nv_bfloat16 *)dw, ldw, v0, nv, (const __nv_bfloat16 *)x, ldx, h, sy, perm, tc, t, cs, mu, flags);
-        if (flags)
+        if (cs)
           ce_dw_finish_rank1_kernel<__nv_bfloat16><<<rows, kScaleThreads, 0, sm>>>((__nv_bfloat16 *)dw, ldw, nv, h,
                                                                                    cs, mu, flags);
         break;
@@ -979,7 +977,7 @@ mp_status mp_ce_dw_finish_cuda(void *dw, int dtype, int64_t ldw, int64_t v0, int
         if (t > 0)
           ce_dw_finish_runs_kernel<__half><<<runs, kFinishThreads, 0, sm>>>(
               (__half *)dw, ldw, v0, nv, (const __half *)x, ldx, h, sy, perm, tc, t, cs, mu, flags);
-        if (flags) ce_dw_finish_rank1_kernel<__half><<<rows, kScaleThreads, 0, sm>>>((__half *)dw, ldw, nv, h, cs, mu, flags);
+        if (cs) ce_dw_finish_rank1_kernel<__half><<<rows, kScaleThreads, 0, sm>>>((__half *)dw, ldw, nv, h, cs, mu, flags);
         break;
       default: MP_FAIL(st, MP_ERR_INVALID, "ce_dw_finish: dtype must be 0, 1 or 2, got %d", dtype);
     }
