@@ -492,6 +492,11 @@ static PyObject *py_ce_dw_finish(PyObject *self, PyObject *args) {
                  dtype, t, nv, h, ldw, ldx, cs ? "set" : "0", mu ? "set" : "0");
     return NULL;
   }
+  if (cuda && cs && !flags) {
+    PyErr_SetString(PyExc_ValueError, "moepeak._C.ce_dw_finish: flags ([nv] zeroed bytes) must be set on CUDA with "
+                                      "the rank-1 term (cs, mu)");
+    return NULL;
+  }
   if (nv == 0 || h == 0 || (t == 0 && !cs)) Py_RETURN_NONE;
   mp_status st = MP_OK;
   if (cuda) {

@@ -847,8 +847,8 @@ def test_cuda_auto_within_issue_budget():
 # ---------------------------------------------------------------------------
 # The fused modes' dW finish (B.take_label_column, B.finish_dw)
 # ---------------------------------------------------------------------------
-# (T, H, V, v0, nv): H past two 1024-column slabs of the CUDA kernel with a partial third;
-# a many-row shard, where one CUDA block walks several rows' label runs in turn.
+# (T, H, V, v0, nv): H over 17 of the CUDA kernel's 128-column slabs, the last partial; a
+# 20000-row shard, most of its rows unlabelled (the rank-1 pass's rows).
 FINISH_SHAPES = [(300, 2100, 50, 10, 30), (3000, 24, 25000, 1000, 20000)]
 
 
@@ -962,6 +962,8 @@ def test_finish_dw_bad_input():
         _C.ce_dw_finish(0, 1, 8, 0, -1, 0, 8, 8, 0, 0, 0, 5, 0, 0, 0, False, 0)
     with pytest.raises(ValueError, match="cs and mu both set or both 0"):
         _C.ce_dw_finish(0, 1, 8, 0, 3, 0, 8, 8, 0, 0, 0, 5, 64, 0, 0, False, 0)
+    with pytest.raises(ValueError, match="flags .* must be set on CUDA"):
+        _C.ce_dw_finish(0, 1, 8, 0, 3, 0, 8, 8, 0, 0, 0, 5, 64, 64, 0, True, 0)
     dw, x = torch.zeros(3, 4, dtype=torch.bfloat16), torch.ones(2, 4, dtype=torch.bfloat16)
     y, tc = torch.zeros(2, dtype=torch.int64), torch.ones(2)
     with pytest.raises(TypeError, match="x must have dtype in \\(bfloat16\\)"):
