@@ -172,6 +172,29 @@ static void ce_scale_range(void *ctx, int64_t begin, int64_t end, int worker) {
 }
 
 /* ------------------------------------------------------------------------- */
+/* Centering: out[i, :h] = x[i, :h] - mu, in fp32 with one rounding per element   */
+/* (the arithmetic of torch.sub on two tensors of the dtype).                 */
+/* ------------------------------------------------------------------------- */
+typedef struct {
+  void *out;
+  int64_t ldo;
+  const void *x;
+  int64_t ldx;
+  const void *mu;
+  int64_t h;
+  int dtype;
+} ce_sub_row_args;
+
+static void ce_sub_row_range(void *ctx, int64_t begin, int64_t end, int worker) {
+  (void)worker;
+  const ce_sub_row_args *a = (const ce_sub_row_args *)ctx;
+  for (int64_t i = begin; i < end; ++i)
+    for (int64_t j = 0; j < a->h; ++j)
+      mp_st_el(a->out, a->dtype, i * a->ldo + j,
+               mp_ld_el(a->x, a->dtype, i * a->ldx + j) - mp_ld_el(a->mu, a->dtype, j));
+}
+
+/* ------------------------------------------------------------------------- */
 /* dW's finish: dw[v - v0] += [cs[v - v0] * mu +] sum over tokens t labelled  */
 /* v of tc[t] * x[t]: per element the optional rank-1 term, then the label    */
 /* terms by fmaf in the order of sy (labels sorted stably), then one rounding */
@@ -292,6 +315,9 @@ mp_status mp_ce_dw_finish_cuda(void *dw, int dtype, int64_t ldw, int64_t v0, int
                                int64_t ldx, int64_t h, const int64_t *sy, const int64_t *perm, const float *tc,
                                int64_t t, const float *cs, const float *mu, unsigned char *flags,
                                uintptr_t stream);
+/* out: [n, ldo], x: [n, ldx], mu: [h] x dtype, on the device, 16-byte vectors: out = x - mu. */
+mp_status mp_ce_sub_row_cuda(void *out, int64_t ldo, const void *x, int64_t ldx, const void *mu, int64_t n, int64_t h,
+                             int dtype, uintptr_t stream);
 /* dx: [t, ldx], w: [nv, ldw] x dtype; labels: [t] int64; tc: [t] fp32; all on the device. */
 mp_status mp_ce_dx_finish_cuda(void *dx, int dtype, int64_t ldx, const void *w, int64_t ldw, int64_t v0,
                                int64_t nv, int64_t h, const int64_t *labels, const float *tc, int64_t t,
@@ -476,7 +502,9 @@ static PyObject *py_ce_scale(PyObject *self, PyObject *args) {
 /* ce_dw_finish(dw, dtype, ldw, v0, nv, x, ldx, h, sy, perm, tc, t, cs, mu, flags, cuda, stream): dw:
  * [nv, ldw] and x: [t, ldx] x dtype (0 fp32, 1 bf16, 2 fp16); sy, perm: [t] int64 (labels sorted
  * stably, their token indices); tc: [t] x fp32; cs: [nv], mu: [h] x fp32, both 0 (no rank-1 term) or
- * both set; flags: [nv] zeroed bytes, the CUDA kernels' scratch with the rank-1 term (else unused).
+ * both set; flags: [nv] zeroed bytes, the CUDA kernels' scratch for the rank-1 term on every row, or 0:
+ * on CUDA the rank-1 term then goes only to rows some token is labelled with (the caller adds the
+ * others'); on the CPU every row gets it and flags is unused.
  * dw[r, :h] += [cs[r] * mu +] sum_{t: label v0 + r} tc[t] * x[t, :h] in fp32, one rounding. */
 static PyObject *py_ce_dw_finish(PyObject *self, PyObject *args) {
   (void)self;
@@ -492,12 +520,11 @@ static PyObject *py_ce_dw_finish(PyObject *self, PyObject *args) {
                  dtype, t, nv, h, ldw, ldx, cs ? "set" : "0", mu ? "set" : "0");
     return NULL;
   }
-  if (cuda && cs && !flags) {
-    PyErr_SetString(PyExc_ValueError, "moepeak._C.ce_dw_finish: flags ([nv] zeroed bytes) must be set on CUDA with "
-                                      "the rank-1 term (cs, mu)");
+  if (flags && !cs) {
+    PyErr_SetString(PyExc_ValueError, "moepeak._C.ce_dw_finish: flags are for the rank-1 term (cs, mu), which is 0");
     return NULL;
   }
-  if (nv == 0 || h == 0 || (t == 0 && !cs)) Py_RETURN_NONE;
+  if (nv == 0 || h == 0 || (t == 0 && !(cs && (flags || !cuda)))) Py_RETURN_NONE;
   mp_status st = MP_OK;
   if (cuda) {
 #if MP_WITH_CUDA
@@ -515,6 +542,41 @@ static PyObject *py_ce_dw_finish(PyObject *self, PyObject *args) {
                            (const float *)(uintptr_t)mu};
     Py_BEGIN_ALLOW_THREADS
     st = mp_parallel_for(nv, 16, 0, ce_dw_finish_range, &a);
+    Py_END_ALLOW_THREADS
+  }
+  if (st != MP_OK) return mp_raise_status(st);
+  Py_RETURN_NONE;
+}
+
+/* ce_sub_row(out, ldo, x, ldx, mu, n, h, dtype, cuda, stream): out: [n, ldo], x: [n, ldx], mu: [h],
+ * all dtype (0 fp32, 1 bf16, 2 fp16). out[i, :h] = x[i, :h] - mu (fp32, one rounding). On CUDA h,
+ * ldx, ldo are multiples of a 16-byte vector's elements and the pointers 16-byte aligned. */
+static PyObject *py_ce_sub_row(PyObject *self, PyObject *args) {
+  (void)self;
+  unsigned long long out, x, mu, stream;
+  long long ldo, ldx, n, h;
+  int dtype, cuda;
+  if (!PyArg_ParseTuple(args, "KLKLKLLipK:ce_sub_row", &out, &ldo, &x, &ldx, &mu, &n, &h, &dtype, &cuda, &stream))
+    return NULL;
+  if (dtype < CE_F32 || dtype > CE_F16 || n < 0 || h < 0 || ldo < h || ldx < h) {
+    PyErr_Format(PyExc_ValueError, "moepeak._C.ce_sub_row: need dtype 0..2, n, h >= 0, ldo >= h, ldx >= h (got "
+                 "dtype=%d n=%lld h=%lld ldo=%lld ldx=%lld)", dtype, n, h, ldo, ldx);
+    return NULL;
+  }
+  if (n == 0 || h == 0) Py_RETURN_NONE;
+  mp_status st = MP_OK;
+  if (cuda) {
+#if MP_WITH_CUDA
+    st = mp_ce_sub_row_cuda((void *)(uintptr_t)out, ldo, (const void *)(uintptr_t)x, ldx,
+                            (const void *)(uintptr_t)mu, n, h, dtype, (uintptr_t)stream);
+#else
+    return mp_raise_no_cuda("ce_sub_row");
+#endif
+  } else {
+    ce_sub_row_args a = {(void *)(uintptr_t)out, ldo, (const void *)(uintptr_t)x, ldx, (const void *)(uintptr_t)mu,
+                         h, dtype};
+    Py_BEGIN_ALLOW_THREADS
+    st = mp_parallel_for(n, 16, 0, ce_sub_row_range, &a);
     Py_END_ALLOW_THREADS
   }
   if (st != MP_OK) return mp_raise_status(st);
@@ -574,6 +636,9 @@ PyMethodDef mp_ce_methods[] = {
     {"ce_dx_finish", py_ce_dx_finish, METH_VARARGS,
      "ce_dx_finish(dx, dtype, ldx, w, ldw, v0, nv, h, labels, tc, t, cuda, stream): dx[t] += "
      "tc[t] * w[labels[t] - v0] where that row exists (fmaf, one rounding)."},
+    {"ce_sub_row", py_ce_sub_row, METH_VARARGS,
+     "ce_sub_row(out, ldo, x, ldx, mu, n, h, dtype, cuda, stream): out[i, :h] = x[i, :h] - mu (fp32, one "
+     "rounding)"},
     {"ce_scale", py_ce_scale, METH_VARARGS,
      "ce_scale(t, dtype, n, g, cuda, stream): t[0:n] *= g[0] in fp32 with one rounding (nothing when g == 1)."},
     {NULL, NULL, 0, NULL},

@@ -554,6 +554,60 @@ __global__ void __launch_bounds__(kScaleThreads) ce_scale_kernel(T *p, int64_t n
 inline unsigned grid_for(int64_t t) { return (unsigned)(t < kMaxGrid ? t : kMaxGrid); }
 
 // =============================================================================
+// Centering: out[i, :h] = x[i, :h] - mu (ring_dtp._fused's X - mu for its dW GEMMs)
+// =============================================================================
+// The subtraction in fp32, one rounding to T: the arithmetic of torch.sub on two T tensors.
+// torch broadcasts mu with a zero stride, which takes its elementwise kernel off the 16-byte
+// vector path (1.2 TB/s on an H200 for the 16 chunks of T = 32k, H = 4096); here every access
+// is a 16-byte vector (the launcher requires h, ldx, ldo multiples of Vec<T>::n and the three
+// pointers 16-byte aligned) and the stores are plain: the dW GEMM reads them next.
+constexpr int kSubThreads = 256;
+constexpr int kSubUnroll = 4;  // vectors per thread per step, their loads issued first
+
+template <typename T>
+__device__ __forceinline__ uint4 pack_vec(const float (&d)[Vec<T>::n]) {
+  if constexpr (sizeof(T) == 4) {
+    return make_uint4(__float_as_uint(d[0]), __float_as_uint(d[1]), __float_as_uint(d[2]), __float_as_uint(d[3]));
+  } else {
+    T *tag = nullptr;
+    return make_uint4(pack2(tag, d[0], d[1]), pack2(tag, d[2], d[3]), pack2(tag, d[4], d[5]), pack2(tag, d[6], d[7]));
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kSubThreads)
+    ce_sub_row_kernel(T *out, int64_t ldo, const T *__restrict__ x, int64_t ldx, const T *__restrict__ mu, int64_t n,
+                      int64_t hv) {
+  constexpr int N = Vec<T>::n;
+  const int64_t total = n * hv;  // 16-byte vectors
+  const int64_t step = (int64_t)gridDim.x * kSubThreads * kSubUnroll;
+  for (int64_t k0 = (int64_t)blockIdx.x * kSubThreads * kSubUnroll + threadIdx.x; k0 < total; k0 += step) {
+    uint4 u[kSubUnroll], m[kSubUnroll];
+#pragma unroll
+    for (int q = 0; q < kSubUnroll; ++q) {
+      const int64_t k = k0 + (int64_t)q * kSubThreads;
+      const int64_t i = k / hv, j = k - i * hv;
+      if (k < total) {
+        u[q] = ldv(x + i * ldx + j * N);
+        m[q] = ldv(mu + j * N);
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < kSubUnroll; ++q) {
+      const int64_t k = k0 + (int64_t)q * kSubThreads;
+      if (k >= total) break;
+      const int64_t i = k / hv, j = k - i * hv;
+      float a[N], b[N];
+      unpack_vec<T>(u[q], a);
+      unpack_vec<T>(m[q], b);
+#pragma unroll
+      for (int e = 0; e < N; ++e) a[e] = __fsub_rn(a[e], b[e]);
+      *reinterpret_cast<uint4 *>(out + i * ldo + j * N) = pack_vec<T>(a);
+    }
+  }
+}
+
+// =============================================================================
 // dW's finish: dW[v] += sum over the tokens t labelled v of tc[t] * X[t]
 // =============================================================================
 // The fused modes add each token chunk's dZ^T X into dW with the GEMM, one bf16/fp16
@@ -576,7 +630,8 @@ inline unsigned grid_for(int64_t t) { return (unsigned)(t < kMaxGrid ? t : kMaxG
 // (which keep sy's order): a frequent label's long run costs about one memory latency per
 // batch, not one per token. With the rank-1 term it also marks its row in `flags`, and
 // ce_dw_finish_rank1_kernel then adds cs[r] * mu (the same arithmetic: acc = cs[r] * mu, no
-// label term, one rounding) to every row not marked, 16-byte vectors. (Measured on an H200
+// label term, one rounding) to every row not marked, 16-byte vectors; without flags the
+// unlabelled rows are left to the caller (ring_dtp._fused adds their term in a GEMM). (Measured on an H200
 // at T = 32k, V = 151936: the previous version, a CTA per row finding its run by two binary
 // searches in sy, then a token at a time, took 1.75 ms for uniform labels; a CTA per run
 // with the batch loads under their predicates, which the compiler serialised, 7.4 ms for
@@ -940,16 +995,52 @@ fail:
   return st;
 }
 
+// out: [n, ldo], x: [n, ldx], mu: [h], all dtype (0 fp32, 1 bf16, 2 fp16), on the device; h, ldx and
+// ldo multiples of the 16-byte vector's element count, the pointers 16-byte aligned.
+mp_status mp_ce_sub_row_cuda(void *out, int64_t ldo, const void *x, int64_t ldx, const void *mu, int64_t n, int64_t h,
+                             int dtype, uintptr_t stream) {
+  mp_status st = MP_OK;
+  cudaStream_t sm = MP_STREAM(stream);
+  const int64_t vec = dtype == 0 ? 4 : 8;
+  if (n <= 0 || h <= 0) return MP_OK;
+  if (dtype < 0 || dtype > 2) MP_FAIL(st, MP_ERR_INVALID, "ce_sub_row: dtype must be 0, 1 or 2, got %d", dtype);
+  if (h % vec || ldx % vec || ldo % vec || (((uintptr_t)out | (uintptr_t)x | (uintptr_t)mu) & 15u))
+    MP_FAIL(st, MP_ERR_INVALID, "ce_sub_row: h, ldx, ldo must be multiples of %lld and the pointers 16-byte aligned",
+            (long long)vec);
+  {
+    const int64_t hv = h / vec, per_block = (int64_t)kSubThreads * kSubUnroll;
+    const int64_t blocks = (n * hv + per_block - 1) / per_block;
+    const unsigned grid = (unsigned)(blocks < kScaleGrid ? blocks : kScaleGrid);
+    switch (dtype) {
+      case 0:
+        ce_sub_row_kernel<float><<<grid, kSubThreads, 0, sm>>>((float *)out, ldo, (const float *)x, ldx,
+                                                               (const float *)mu, n, hv);
+        break;
+      case 1:
+        ce_sub_row_kernel<__nv_bfloat16><<<grid, kSubThreads, 0, sm>>>(
+            (__nv_bfloat16 *)out, ldo, (const __nv_bfloat16 *)x, ldx, (const __nv_bfloat16 *)mu, n, hv);
+        break;
+      default:
+        ce_sub_row_kernel<__half><<<grid, kSubThreads, 0, sm>>>((__half *)out, ldo, (const __half *)x, ldx,
+                                                                (const __half *)mu, n, hv);
+    }
+  }
+  MP_CUDA_CHECK_LAUNCH(st);
+fail:
+  return st;
+}
+
 // dw: [nv, ldw] rows for labels v0 .. v0 + nv - 1, x: [t, ldx], both dtype (0 fp32, 1 bf16, 2 fp16);
 // sy, perm: the labels sorted stably and their token indices; tc: [t] x fp32; cs: [nv], mu: [h] x fp32
 // (the rank-1 term cs[r] * mu, or both null) and then flags: [nv] bytes, zero (the rows the label
-// runs wrote; set whenever cs is: py_ce_dw_finish checks). All on the device.
+// runs wrote), for the rank-1 term on every row; null: only on the rows a label run writes (the
+// caller added it to the others). All on the device.
 mp_status mp_ce_dw_finish_cuda(void *dw, int dtype, int64_t ldw, int64_t v0, int64_t nv, const void *x,
                                int64_t ldx, int64_t h, const int64_t *sy, const int64_t *perm, const float *tc,
                                int64_t t, const float *cs, const float *mu, unsigned char *flags, uintptr_t stream) {
   mp_status st = MP_OK;
   cudaStream_t sm = MP_STREAM(stream);
-  if (nv <= 0 || h <= 0 || (t <= 0 && !cs)) return MP_OK;
+  if (nv <= 0 || h <= 0 || (t <= 0 && !flags)) return MP_OK;
   {
     const int64_t slabs = (h + kFinishSlab - 1) / kFinishSlab;
     if (slabs > 65535) MP_FAIL(st, MP_ERR_INVALID, "ce_dw_finish: h = %lld needs more than 65535 column slabs",
@@ -962,13 +1053,13 @@ mp_status mp_ce_dw_finish_cuda(void *dw, int dtype, int64_t ldw, int64_t v0, int
         if (t > 0)
           ce_dw_finish_runs_kernel<float><<<runs, kFinishThreads, 0, sm>>>(
               (float *)dw, ldw, v0, nv, (const float *)x, ldx, h, sy, perm, tc, t, cs, mu, flags);
-        if (cs) ce_dw_finish_rank1_kernel<float><<<rows, kScaleThreads, 0, sm>>>((float *)dw, ldw, nv, h, cs, mu, flags);
+        if (flags) ce_dw_finish_rank1_kernel<float><<<rows, kScaleThreads, 0, sm>>>((float *)dw, ldw, nv, h, cs, mu, flags);
         break;
       case 1:
         if (t > 0)
           ce_dw_finish_runs_kernel<__nv_bfloat16><<<runs, kFinishThreads, 0, sm>>>(
               (__nv_bfloat16 *)dw, ldw, v0, nv, (const __nv_bfloat16 *)x, ldx, h, sy, perm, tc, t, cs, mu, flags);
-        if (cs)
+        if (flags)
           ce_dw_finish_rank1_kernel<__nv_bfloat16><<<rows, kScaleThreads, 0, sm>>>((__nv_bfloat16 *)dw, ldw, nv, h,
                                                                                    cs, mu, flags);
         break;
@@ -976,7 +1067,7 @@ mp_status mp_ce_dw_finish_cuda(void *dw, int dtype, int64_t ldw, int64_t v0, int
         if (t > 0)
           ce_dw_finish_runs_kernel<__half><<<runs, kFinishThreads, 0, sm>>>(
               (__half *)dw, ldw, v0, nv, (const __half *)x, ldx, h, sy, perm, tc, t, cs, mu, flags);
-        if (cs) ce_dw_finish_rank1_kernel<__half><<<rows, kScaleThreads, 0, sm>>>((__half *)dw, ldw, nv, h, cs, mu, flags);
+        if (flags) ce_dw_finish_rank1_kernel<__half><<<rows, kScaleThreads, 0, sm>>>((__half *)dw, ldw, nv, h, cs, mu, flags);
         break;
       default: MP_FAIL(st, MP_ERR_INVALID, "ce_dw_finish: dtype must be 0, 1 or 2, got %d", dtype);
     }
