@@ -623,24 +623,26 @@ __global__ void __launch_bounds__(kSubThreads)
 //
 // Two kernels. ce_dw_finish_runs_kernel: one warp per label run (the tokens of one label
 // are consecutive in sy; the warp at a position where the label changes owns that run) and
-// per slab of 32 x kFinishCols columns (grid.y). A warp, not a CTA: runs are mostly a few
-// tokens long, so what bounds the kernel is how many runs are in flight. It walks its run
-// kFinishBatch tokens at a time: the next batch's labels and token indices are loaded
-// beside this batch's rows of x, and a batch the run fills is loaded whole before its fmafs
-// (which keep sy's order): a frequent label's long run costs about one memory latency per
-// batch, not one per token. With the rank-1 term it also marks its row in `flags`, and
-// ce_dw_finish_rank1_kernel then adds cs[r] * mu (the same arithmetic: acc = cs[r] * mu, no
-// label term, one rounding) to every row not marked, 16-byte vectors; without flags the
-// unlabelled rows are left to the caller (ring_dtp._fused adds their term in a GEMM). (Measured on an H200
-// at T = 32k, V = 151936: the previous version, a CTA per row finding its run by two binary
+// per slab of 32 x Vec<T>::n columns (grid.y), each lane one 16-byte vector of consecutive
+// columns (kVec: the launcher checked h, the leading dims and the pointers for it; else the
+// same columns element by element). A warp, not a CTA: runs are mostly a few tokens long, so
+// what bounds the kernel is how many runs are in flight and how many bytes each latency
+// brings. It walks its run kFinishBatch tokens at a time: the next batch's labels and token
+// indices are loaded beside this batch's rows of x, and a batch the run fills is loaded
+// whole before its fmafs (which keep sy's order): a frequent label's long run costs about
+// one memory latency per batch, not one per token. With the rank-1 term and flags it also
+// marks its row, and ce_dw_finish_rank1_kernel then adds cs[r] * mu (the same arithmetic:
+// acc = cs[r] * mu, no label term, one rounding) to every row not marked, 16-byte vectors.
+// (Measured on an H200 at T = 32k, V = 151936: a CTA per row finding its run by two binary
 // searches in sy, then a token at a time, took 1.75 ms for uniform labels; a CTA per run
 // with the batch loads under their predicates, which the compiler serialised, 7.4 ms for
-// Zipf(1.1) labels, whose most frequent run is ~4300 tokens.)
+// Zipf(1.1) labels, whose most frequent run is ~4300 tokens; a warp per run with a lane's 4
+// columns 32 apart, 2-byte loads, 1.0 ms for uniform labels.)
 constexpr int kFinishThreads = 128;                         // 4 warps, 4 runs
 constexpr int kFinishWarps = kFinishThreads / 32;
-constexpr int kFinishCols = 4;                              // per lane: a slab is 128 columns
 constexpr int kFinishBatch = 8;                             // tokens of a run loaded at once
-constexpr int64_t kFinishSlab = 32 * kFinishCols;
+template <typename T>
+constexpr int64_t finish_slab() { return 32 * Vec<T>::n; }  // columns per warp: 256 (bf16, fp16), 128 (fp32)
 
 // The next kFinishBatch positions of sy from kb: which of them carry label v (bit u of `in`;
 // the run's tokens in the batch, a prefix) and their tokens. Loaded unconditionally, positions
@@ -661,15 +663,33 @@ __device__ __forceinline__ void load_run_batch(RunBatch &b, const int64_t *__res
   }
 }
 
-template <typename T>
+// A lane's Vec<T>::n consecutive columns of row p from col0, as floats (0 past h).
+template <typename T, bool kVec>
+__device__ __forceinline__ void load_lane_cols(const T *p, int64_t col0, int64_t h, float (&e)[Vec<T>::n]) {
+  constexpr int N = Vec<T>::n;
+  if constexpr (kVec) {  // h is a multiple of N: the vector is all in or all out
+    if (col0 < h) {
+      unpack_vec<T>(ldv(p + col0), e);
+      return;
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i) e[i] = 0.f;
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) e[i] = col0 + i < h ? ld(p, col0 + i) : 0.f;
+  }
+}
+
+template <typename T, bool kVec>
 __global__ void __launch_bounds__(kFinishThreads)
     ce_dw_finish_runs_kernel(T *dw, int64_t ldw, int64_t v0, int64_t nv, const T *__restrict__ x, int64_t ldx,
                              int64_t h, const int64_t *__restrict__ sy, const int64_t *__restrict__ perm,
                              const float *__restrict__ tc, int64_t t, const float *__restrict__ cs,
                              const float *__restrict__ mu, unsigned char *flags) {
+  constexpr int N = Vec<T>::n;
   constexpr unsigned kFull = (1u << kFinishBatch) - 1;
   const int lane = threadIdx.x & 31;
-  const int64_t c0 = (int64_t)blockIdx.y * kFinishSlab + lane;
+  const int64_t c0 = (int64_t)blockIdx.y * finish_slab<T>() + (int64_t)lane * N;  // this lane's first column
   const int64_t nwarps = (int64_t)gridDim.x * kFinishWarps;
   for (int64_t k = (int64_t)blockIdx.x * kFinishWarps + (threadIdx.x >> 5); k < t; k += nwarps) {
     const int64_t v = sy[k];
@@ -679,51 +699,48 @@ __global__ void __launch_bounds__(kFinishThreads)
     const int64_t r = v - v0;
     if (flags && blockIdx.y == 0 && lane == 0) flags[r] = 1;
     T *row = dw + r * ldw;
-    float old[kFinishCols], acc[kFinishCols];
+    float old[N], acc[N];
+    load_lane_cols<T, kVec>(row, c0, h, old);  // the row's loads first: they overlap the run's
+    const float c = cs ? cs[r] : 0.f;
 #pragma unroll
-    for (int i = 0; i < kFinishCols; ++i) {  // the row's loads first: they overlap the run's
-      const int64_t col = c0 + (int64_t)i * 32;
-      old[i] = col < h ? ld(row, col) : 0.f;
-      acc[i] = (cs && col < h) ? __fmul_rn(cs[r], mu[col]) : 0.f;  // _rn: never contracted
-    }
+    for (int i = 0; i < N; ++i)
+      acc[i] = (cs && c0 + i < h) ? __fmul_rn(c, mu[c0 + i]) : 0.f;  // _rn: never contracted
     for (int64_t kb = k;; kb += kFinishBatch) {
-      const bool more = cur.in == kFull;  // the run may go on past this batch
-      if (more) load_run_batch(next, sy, perm, kb + kFinishBatch, t, v);  // in flight beside this batch's x
-      if (more) {  // every token of the batch is the run's: all loads unconditional, then the fmafs
-        float w[kFinishBatch], xv[kFinishBatch][kFinishCols];
+      if (cur.in == kFull) {  // the run may go on past this batch, and all of this batch is the run's
+        load_run_batch(next, sy, perm, kb + kFinishBatch, t, v);  // in flight beside this batch's x
+        float w[kFinishBatch], xv[kFinishBatch][N];  // every load issued, then the fmafs
 #pragma unroll
         for (int u = 0; u < kFinishBatch; ++u) {
           w[u] = tc[cur.p[u]];
-#pragma unroll
-          for (int i = 0; i < kFinishCols; ++i) {
-            const int64_t col = c0 + (int64_t)i * 32;
-            xv[u][i] = ld(x + (int64_t)cur.p[u] * ldx, col < h ? col : h - 1);
-          }
+          load_lane_cols<T, kVec>(x + (int64_t)cur.p[u] * ldx, c0, h, xv[u]);
         }
 #pragma unroll
         for (int u = 0; u < kFinishBatch; ++u)
 #pragma unroll
-          for (int i = 0; i < kFinishCols; ++i) acc[i] = fmaf(w[u], xv[u][i], acc[i]);
+          for (int i = 0; i < N; ++i) acc[i] = fmaf(w[u], xv[u][i], acc[i]);
         cur = next;
       } else {  // the run's last tokens (a prefix of the batch), one at a time
 #pragma unroll
         for (int u = 0; u < kFinishBatch; ++u)
           if ((cur.in >> u) & 1u) {
             const float w = tc[cur.p[u]];
-            const T *xr = x + (int64_t)cur.p[u] * ldx;
+            float xv[N];
+            load_lane_cols<T, kVec>(x + (int64_t)cur.p[u] * ldx, c0, h, xv);
 #pragma unroll
-            for (int i = 0; i < kFinishCols; ++i) {
-              const int64_t col = c0 + (int64_t)i * 32;
-              acc[i] = fmaf(w, ld(xr, col < h ? col : h - 1), acc[i]);
-            }
+            for (int i = 0; i < N; ++i) acc[i] = fmaf(w, xv[i], acc[i]);
           }
         break;
       }
     }
+    float d[N];
 #pragma unroll
-    for (int i = 0; i < kFinishCols; ++i) {
-      const int64_t col = c0 + (int64_t)i * 32;
-      if (col < h) row[col] = from_f32<T>(__fadd_rn(old[i], acc[i]));
+    for (int i = 0; i < N; ++i) d[i] = __fadd_rn(old[i], acc[i]);
+    if constexpr (kVec) {
+      if (c0 < h) *reinterpret_cast<uint4 *>(row + c0) = pack_vec<T>(d);
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; ++i)
+        if (c0 + i < h) row[c0 + i] = from_f32<T>(d[i]);
     }
   }
 }
@@ -858,6 +875,28 @@ void launch_scale(void *p, int64_t n, const float *g, cudaStream_t stream) {
 }
 
 }  // namespace
+
+// The finish's two kernels for one dtype (mp_ce_dw_finish_cuda checked the sizes).
+template <typename T>
+void launch_dw_finish(T *dw, int64_t ldw, int64_t v0, int64_t nv, const T *x, int64_t ldx, int64_t h,
+                      const int64_t *sy, const int64_t *perm, const float *tc, int64_t t, const float *cs,
+                      const float *mu, unsigned char *flags, cudaStream_t sm) {
+  constexpr int64_t N = Vec<T>::n;
+  if (t > 0) {
+    const dim3 runs(grid_for((t + kFinishWarps - 1) / kFinishWarps),
+                    (unsigned)((h + finish_slab<T>() - 1) / finish_slab<T>()));
+    // 16-byte lanes: every row of dw and x starts on a 16-byte boundary and h fills whole vectors
+    const bool vec = h % N == 0 && ldw % N == 0 && ldx % N == 0 && ((uintptr_t)dw & 15u) == 0 &&
+                     ((uintptr_t)x & 15u) == 0;
+    if (vec)
+      ce_dw_finish_runs_kernel<T, true><<<runs, kFinishThreads, 0, sm>>>(dw, ldw, v0, nv, x, ldx, h, sy, perm, tc, t,
+                                                                         cs, mu, flags);
+    else
+      ce_dw_finish_runs_kernel<T, false><<<runs, kFinishThreads, 0, sm>>>(dw, ldw, v0, nv, x, ldx, h, sy, perm, tc,
+                                                                          t, cs, mu, flags);
+  }
+  if (flags) ce_dw_finish_rank1_kernel<T><<<grid_for(nv), kScaleThreads, 0, sm>>>(dw, ldw, nv, h, cs, mu, flags);
+}
 
 extern "C" {
 
@@ -1042,32 +1081,21 @@ mp_status mp_ce_dw_finish_cuda(void *dw, int dtype, int64_t ldw, int64_t v0, int
   cudaStream_t sm = MP_STREAM(stream);
   if (nv <= 0 || h <= 0 || (t <= 0 && !flags)) return MP_OK;
   {
-    const int64_t slabs = (h + kFinishSlab - 1) / kFinishSlab;
-    if (slabs > 65535) MP_FAIL(st, MP_ERR_INVALID, "ce_dw_finish: h = %lld needs more than 65535 column slabs",
-                               (long long)h);
+    const int64_t slab = 32 * (dtype == 0 ? 4 : 8);  // finish_slab<T>()
+    if ((h + slab - 1) / slab > 65535)
+      MP_FAIL(st, MP_ERR_INVALID, "ce_dw_finish: h = %lld needs more than 65535 column slabs", (long long)h);
     if (t > INT_MAX) MP_FAIL(st, MP_ERR_INVALID, "ce_dw_finish: t = %lld tokens, at most %d", (long long)t, INT_MAX);
-    const dim3 runs(grid_for((t + kFinishWarps - 1) / kFinishWarps), (unsigned)slabs);
-    const unsigned rows = grid_for(nv);
     switch (dtype) {
       case 0:
-        if (t > 0)
-          ce_dw_finish_runs_kernel<float><<<runs, kFinishThreads, 0, sm>>>(
-              (float *)dw, ldw, v0, nv, (const float *)x, ldx, h, sy, perm, tc, t, cs, mu, flags);
-        if (flags) ce_dw_finish_rank1_kernel<float><<<rows, kScaleThreads, 0, sm>>>((float *)dw, ldw, nv, h, cs, mu, flags);
+        launch_dw_finish<float>((float *)dw, ldw, v0, nv, (const float *)x, ldx, h, sy, perm, tc, t, cs, mu, flags, sm);
         break;
       case 1:
-        if (t > 0)
-          ce_dw_finish_runs_kernel<__nv_bfloat16><<<runs, kFinishThreads, 0, sm>>>(
-              (__nv_bfloat16 *)dw, ldw, v0, nv, (const __nv_bfloat16 *)x, ldx, h, sy, perm, tc, t, cs, mu, flags);
-        if (flags)
-          ce_dw_finish_rank1_kernel<__nv_bfloat16><<<rows, kScaleThreads, 0, sm>>>((__nv_bfloat16 *)dw, ldw, nv, h,
-                                                                                   cs, mu, flags);
+        launch_dw_finish<__nv_bfloat16>((__nv_bfloat16 *)dw, ldw, v0, nv, (const __nv_bfloat16 *)x, ldx, h, sy, perm,
+                                        tc, t, cs, mu, flags, sm);
         break;
       case 2:
-        if (t > 0)
-          ce_dw_finish_runs_kernel<__half><<<runs, kFinishThreads, 0, sm>>>(
-              (__half *)dw, ldw, v0, nv, (const __half *)x, ldx, h, sy, perm, tc, t, cs, mu, flags);
-        if (flags) ce_dw_finish_rank1_kernel<__half><<<rows, kScaleThreads, 0, sm>>>((__half *)dw, ldw, nv, h, cs, mu, flags);
+        launch_dw_finish<__half>((__half *)dw, ldw, v0, nv, (const __half *)x, ldx, h, sy, perm, tc, t, cs, mu, flags,
+                                 sm);
         break;
       default: MP_FAIL(st, MP_ERR_INVALID, "ce_dw_finish: dtype must be 0, 1 or 2, got %d", dtype);
     }

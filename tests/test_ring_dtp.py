@@ -847,8 +847,10 @@ def test_cuda_auto_within_issue_budget():
 # ---------------------------------------------------------------------------
 # The fused modes' dW finish (B.take_label_column, B.finish_dw)
 # ---------------------------------------------------------------------------
-# (T, H, V, v0, nv): H over 17 of the CUDA kernel's 128-column slabs, the last partial; a
-# 20000-row shard, most of its rows unlabelled (the rank-1 pass's rows).
+# (T, H, V, v0, nv): H = 2100 over 9 of the CUDA kernel's 256-column bf16/fp16 slabs (17 of
+# 128 in fp32), the last partial, and not a whole number of 16-byte vectors in bf16/fp16 (the
+# kernel's element-wise lanes); H = 24 in vectors; a 20000-row shard, most of its rows
+# unlabelled (the rank-1 pass's rows).
 FINISH_SHAPES = [(300, 2100, 50, 10, 30), (3000, 24, 25000, 1000, 20000)]
 
 
