@@ -13,7 +13,7 @@
      fused_lowp op at T = 32k, default vs tuned in alternating rounds (after one tuning pass).
   7. dW's finish (B.finish_dw) at T = 32k, H = 4096, V = 151936, bf16: label terms only (uniform
      and Zipf labels) and with the centering's rank-1 term (every row), against the bytes it moves.
-  python benchmarks/probe_gemm_paths.py [grouped] [streams] [blas] [center[=rounds]] [tunable[=rounds]] [finish]
+  python benchmarks/probe_gemm_paths.py [grouped] [streams] [blas] [center[=rounds]] [tunable[=rounds]] [finish] [rounding]
   (default: all but tunable)
 """
 import sys
@@ -253,11 +253,44 @@ def finish():
                   f"{ms:.3f} ms, {gb:.2f} GB moved ({gb / ms:.2f} TB/s)")
 
 
+def rounding():
+    """How many roundings does cuBLAS's bf16 dW += A^T B (torch addmm_, beta = 1) make? Against
+    C + A^T B in fp64 rounded once to bf16, the fraction of elements that differ: a few per mille
+    is the fp32 accumulation's own error; tens of percent is a second rounding (the product
+    rounded to bf16 before C is added, or split-K partial sums reduced in bf16). At fused_lowp's
+    last-chunk shape (K = 2048 tokens, + 2 rows: the centering's rank-1 term in the GEMM), the
+    first K row carrying a large term as cs_hi does; with torch's
+    allow_bf16_reduced_precision_reduction on (its default) and off."""
+    H, V = 4096, 151936
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mm = torch.backends.cuda.matmul
+    keep = mm.allow_bf16_reduced_precision_reduction
+    try:
+        for K in (2048, 2050, 2056):
+            a = (torch.randn(K, V, device="cuda", generator=g) * 0.01).to(torch.bfloat16)
+            a[0] = 3.0                                            # a large rank-1 row
+            b = torch.randn(K, H, device="cuda", generator=g).to(torch.bfloat16)
+            c0 = (torch.randn(V, H, device="cuda", generator=g) * 0.1).to(torch.bfloat16)
+            once = torch.addmm(c0.double(), a.t().double(), b.double()).to(torch.bfloat16)
+            for allow in (True, False):
+                mm.allow_bf16_reduced_precision_reduction = allow
+                c = c0.clone()
+                c.addmm_(a.t(), b)
+                ms = t(lambda: c.addmm_(a.t(), b))
+                print(f"K={K} reduced-precision reduction {'allowed' if allow else 'off    '}: "
+                      f"{(c != once).float().mean().item() * 100:.3f}% of elements differ from one rounding; "
+                      f"{ms:.3f} ms ({2.0 * K * V * H / ms / 1e9:.0f} TFLOP/s)")
+            del a, b, c0, once, c
+    finally:
+        mm.allow_bf16_reduced_precision_reduction = keep
+
+
 if __name__ == "__main__":
     print(torch.cuda.get_device_name(), torch.__version__)
     which = sys.argv[1:] or ["grouped", "streams", "blas", "center"]
     for arg in which:
         name, _, n = arg.partition("=")  # center=16: that many rounds
         fn = {"grouped": grouped, "streams": ring_streams, "blas": blas_library, "center": centering,
+              "rounding": rounding,
               "tunable": tunable, "finish": finish}[name]
         fn(int(n)) if n else fn()

@@ -663,20 +663,18 @@ __device__ __forceinline__ void load_run_batch(RunBatch &b, const int64_t *__res
   }
 }
 
-// A lane's Vec<T>::n consecutive columns of row p from col0, as floats (0 past h).
+// A lane's Vec<T>::n consecutive columns of row p from col0, as floats. Past h the lane reads
+// the row's last columns instead (its sums there are never stored): no load is predicated,
+// so a batch's loads all issue before the first one returns (predicated, the compiler had
+// serialised them: one latency per token).
 template <typename T, bool kVec>
 __device__ __forceinline__ void load_lane_cols(const T *p, int64_t col0, int64_t h, float (&e)[Vec<T>::n]) {
   constexpr int N = Vec<T>::n;
-  if constexpr (kVec) {  // h is a multiple of N: the vector is all in or all out
-    if (col0 < h) {
-      unpack_vec<T>(ldv(p + col0), e);
-      return;
-    }
-#pragma unroll
-    for (int i = 0; i < N; ++i) e[i] = 0.f;
+  if constexpr (kVec) {  // h is a multiple of N
+    unpack_vec<T>(ldv(p + (col0 < h ? col0 : h - N)), e);
   } else {
 #pragma unroll
-    for (int i = 0; i < N; ++i) e[i] = col0 + i < h ? ld(p, col0 + i) : 0.f;
+    for (int i = 0; i < N; ++i) e[i] = ld(p, col0 + i < h ? col0 + i : h - 1);
   }
 }
 
