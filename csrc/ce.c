@@ -502,9 +502,7 @@ static PyObject *py_ce_scale(PyObject *self, PyObject *args) {
 /* ce_dw_finish(dw, dtype, ldw, v0, nv, x, ldx, h, sy, perm, tc, t, cs, mu, flags, cuda, stream): dw:
  * [nv, ldw] and x: [t, ldx] x dtype (0 fp32, 1 bf16, 2 fp16); sy, perm: [t] int64 (labels sorted
  * stably, their token indices); tc: [t] x fp32; cs: [nv], mu: [h] x fp32, both 0 (no rank-1 term) or
- * both set; flags: [nv] zeroed bytes, the CUDA kernels' scratch for the rank-1 term on every row, or 0:
- * on CUDA the rank-1 term then goes only to rows some token is labelled with (the caller adds the
- * others'); on the CPU every row gets it and flags is unused.
+ * both set; flags: [nv] zeroed bytes, the CUDA kernels' scratch with the rank-1 term (else unused).
  * dw[r, :h] += [cs[r] * mu +] sum_{t: label v0 + r} tc[t] * x[t, :h] in fp32, one rounding. */
 static PyObject *py_ce_dw_finish(PyObject *self, PyObject *args) {
   (void)self;
@@ -520,11 +518,12 @@ static PyObject *py_ce_dw_finish(PyObject *self, PyObject *args) {
                  dtype, t, nv, h, ldw, ldx, cs ? "set" : "0", mu ? "set" : "0");
     return NULL;
   }
-  if (flags && !cs) {
-    PyErr_SetString(PyExc_ValueError, "moepeak._C.ce_dw_finish: flags are for the rank-1 term (cs, mu), which is 0");
+  if (cuda && cs && !flags) {
+    PyErr_SetString(PyExc_ValueError, "moepeak._C.ce_dw_finish: flags ([nv] zeroed bytes) must be set on CUDA with "
+                                      "the rank-1 term (cs, mu)");
     return NULL;
   }
-  if (nv == 0 || h == 0 || (t == 0 && !(cs && (flags || !cuda)))) Py_RETURN_NONE;
+  if (nv == 0 || h == 0 || (t == 0 && !cs)) Py_RETURN_NONE;
   mp_status st = MP_OK;
   if (cuda) {
 #if MP_WITH_CUDA

@@ -629,15 +629,17 @@ __global__ void __launch_bounds__(kSubThreads)
 // what bounds the kernel is how many runs are in flight and how many bytes each latency
 // brings. It walks its run kFinishBatch tokens at a time: the next batch's labels and token
 // indices are loaded beside this batch's rows of x, and a batch the run fills is loaded
-// whole before its fmafs (which keep sy's order): a frequent label's long run costs about
-// one memory latency per batch, not one per token. With the rank-1 term and flags it also
+// whole before its fmafs (which keep sy's order), so a frequent label's long run is walked a
+// batch, not a token, per step. With the rank-1 term it also
 // marks its row, and ce_dw_finish_rank1_kernel then adds cs[r] * mu (the same arithmetic:
 // acc = cs[r] * mu, no label term, one rounding) to every row not marked, 16-byte vectors.
 // (Measured on an H200 at T = 32k, V = 151936: a CTA per row finding its run by two binary
 // searches in sy, then a token at a time, took 1.75 ms for uniform labels; a CTA per run
 // with the batch loads under their predicates, which the compiler serialised, 7.4 ms for
 // Zipf(1.1) labels, whose most frequent run is ~4300 tokens; a warp per run with a lane's 4
-// columns 32 apart, 2-byte loads, 1.0 ms for uniform labels.)
+// columns 32 apart, 2-byte loads, 1.0 ms for uniform labels. This one: 0.48 ms uniform, 1.94 ms
+// Zipf, of which the longest run's walk is most: ~3.4 us per batch, several memory latencies,
+// not yet understood; splitting a run over warps would change the sum's order, and the CPU's.)
 constexpr int kFinishThreads = 128;                         // 4 warps, 4 runs
 constexpr int kFinishWarps = kFinishThreads / 32;
 constexpr int kFinishBatch = 8;                             // tokens of a run loaded at once
@@ -906,7 +908,7 @@ void launch_dw_finish(T *dw, int64_t ldw, int64_t v0, int64_t nv, const T *x, in
       ce_dw_finish_runs_kernel<T, false><<<runs, kFinishThreads, 0, sm>>>(dw, ldw, v0, nv, x, ldx, h, sy, perm, tc,
                                                                           t, cs, mu, flags);
   }
-  if (flags) ce_dw_finish_rank1_kernel<T><<<grid_for(nv), kScaleThreads, 0, sm>>>(dw, ldw, nv, h, cs, mu, flags);
+  if (cs) ce_dw_finish_rank1_kernel<T><<<grid_for(nv), kScaleThreads, 0, sm>>>(dw, ldw, nv, h, cs, mu, flags);
 }
 
 extern "C" {
@@ -1083,14 +1085,13 @@ fail:
 // dw: [nv, ldw] rows for labels v0 .. v0 + nv - 1, x: [t, ldx], both dtype (0 fp32, 1 bf16, 2 fp16);
 // sy, perm: the labels sorted stably and their token indices; tc: [t] x fp32; cs: [nv], mu: [h] x fp32
 // (the rank-1 term cs[r] * mu, or both null) and then flags: [nv] bytes, zero (the rows the label
-// runs wrote), for the rank-1 term on every row; null: only on the rows a label run writes (the
-// caller added it to the others). All on the device.
+// runs wrote; set whenever cs is: py_ce_dw_finish checks). All on the device.
 mp_status mp_ce_dw_finish_cuda(void *dw, int dtype, int64_t ldw, int64_t v0, int64_t nv, const void *x,
                                int64_t ldx, int64_t h, const int64_t *sy, const int64_t *perm, const float *tc,
                                int64_t t, const float *cs, const float *mu, unsigned char *flags, uintptr_t stream) {
   mp_status st = MP_OK;
   cudaStream_t sm = MP_STREAM(stream);
-  if (nv <= 0 || h <= 0 || (t <= 0 && !flags)) return MP_OK;
+  if (nv <= 0 || h <= 0 || (t <= 0 && !cs)) return MP_OK;
   {
     const int64_t slab = 32 * (dtype == 0 ? 4 : 8);  // finish_slab<T>()
     if ((h + slab - 1) / slab > 65535)

@@ -252,19 +252,12 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
     lowp = x.dtype != torch.float32
     cuda = x.device.type == "cuda"
     direct = lowp_logits and lowp and cuda
+    zbuf = torch.empty((ct, V), dtype=x.dtype if direct else torch.float32, device=x.device)
+    dzbuf = torch.empty((ct, V), dtype=x.dtype, device=x.device) if (cuda and lowp and not direct) else None
     # dW in bf16/fp16 over more than one chunk ("Error growth"): the label column of each
     # chunk's dZ (its largest terms; a frequent label has one in every chunk) goes to tc
     # and into dW once, summed in fp32 (B.finish_dw), instead of once per chunk.
     split = lowp and T > ct and FUSED_DW_FINISH
-    center = split and -(-T // ct) > FUSED_CENTER_CHUNKS          # (below)
-    # The centering's rank-1 term in the last chunk's dW GEMM (CUDA, bf16; below): two rows
-    # ahead of the dZ block, whose GEMM then runs over [cs_hi; cs_lo; dZ] x [mu; mu; X - mu].
-    rank1_rows = 2 if (center and cuda and x.dtype == torch.bfloat16 and (T - 1) // ct * ct >= 2) else 0
-    zext = torch.empty((rank1_rows * direct + ct, V), dtype=x.dtype if direct else torch.float32, device=x.device)
-    zbuf = zext[rank1_rows * direct:]
-    dzext = (torch.empty((rank1_rows + ct, V), dtype=x.dtype, device=x.device)
-             if (cuda and lowp and not direct) else None)
-    dzbuf = None if dzext is None else dzext[rank1_rows:]
     tc = torch.empty(T, dtype=torch.float32, device=x.device) if split else None
     # Centering, past FUSED_CENTER_CHUNKS chunks: what the finish leaves in the GEMMs also
     # adds up over chunks along a mean direction mu the hidden states share (colsum(dZ) mu^T
@@ -277,14 +270,7 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
     # B.colsum_fusable), through a [<= COLSUM_GROUPS, V] x fp32 scratch that is the chunk's
     # own dX rows again (B.colsum_scratch; free until X - mu is written there); else (or for
     # a last chunk too short to hold one scratch row) a GEMM re-reads dZ.
-    # The rank-1 term cs mu^T: on CUDA in bf16, the last chunk's dW GEMM adds it to the rows
-    # no label lands on, exactly enough: cs = cs_hi + cs_lo in two bf16 rows (16 bits of cs;
-    # the rest is below the GEMM's fp32 sum) ahead of that chunk's dZ, against mu (bf16,
-    # exact) twice in the two dX rows ahead of its X - mu (the previous chunk's, kept aside
-    # meanwhile), so no pass over dW; a labelled row's term joins its label terms in the
-    # finish (one rounding for both: in the GEMM it would be a second rounding of a large
-    # value, 1.4x naive's dW error at x_mean = 3, measured). Elsewhere (and in fp16, whose
-    # range cs may leave) the finish adds it to every row.
+    center = split and -(-T // ct) > FUSED_CENTER_CHUNKS
     if center:
         H = x.shape[1]
         ones = torch.ones((1, ct), dtype=x.dtype, device=x.device)
@@ -324,20 +310,7 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
             xg = B.sub_row(xc, mu, dx[t0:t1])                 # X - mu: dX's GEMM below overwrites them
             if part is None:
                 B.colsum_acc_(cs, dz, ones, first=t0 == 0)
-        if rank1_rows and t1 == T:                            # the last chunk: + cs mu^T (above)
-            ext = zext if direct else dzext
-            # rows a label lands on keep their term for the finish, which sums it with their
-            # label terms before its one rounding; the GEMM gives the others theirs
-            hit = torch.zeros(V + 1, dtype=torch.bool, device=x.device)
-            hit.index_fill_(0, torch.where((y >= 0) & (y < V), y, V), True)
-            hi = cs.masked_fill(hit[:V], 0.0).to(x.dtype)
-            ext[0].copy_(hi)
-            ext[1].copy_(cs.masked_fill(hit[:V], 0.0) - hi.float())  # cs_lo, rounded to bf16
-            kept = dx[t0 - 2:t0].clone()
-            dx[t0 - 2:t0] = mu
-            dw.addmm_(ext[:2 + n].t(), dx[t0 - 2:t1])
-            dx[t0 - 2:t0] = kept
-        elif f32acc or x.device.type == "cuda":
+        if f32acc or x.device.type == "cuda":
             if t0 == 0:
                 torch.mm(dz.t(), xg, out=dw)
             else:
@@ -355,10 +328,9 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
         if db is not None:
             db.add_(dz.float().sum(0))
         del dz  # the previous chunk's dZ must not live while the next one is made
-    del zext, zbuf, dzext, dzbuf  # the finish's scratch (the sort of the labels, flags [V]) reuses the block
+    del zbuf, dzbuf  # the finish's scratch (the sort of the labels, flags [V]) reuses the block
     if split:
-        B.finish_dw(dw, x, y, tc, cs=cs if center else None, mu=mu32 if center else None,
-                    rank1_unlabelled=not rank1_rows)
+        B.finish_dw(dw, x, y, tc, cs=cs if center else None, mu=mu32 if center else None)
     return st, dx, dw, db
 
 

@@ -253,16 +253,14 @@ def take_label_column_block(dz: torch.Tensor, labels: torch.Tensor, tc: torch.Te
 
 
 def finish_dw(dw: torch.Tensor, x: torch.Tensor, labels: torch.Tensor, tc: torch.Tensor, v0: int = 0,
-              cs: Optional[torch.Tensor] = None, mu: Optional[torch.Tensor] = None,
-              rank1_unlabelled: bool = True) -> None:
+              cs: Optional[torch.Tensor] = None, mu: Optional[torch.Tensor] = None) -> None:
     """dw[r] += [cs[r] * mu +] sum over the tokens t with labels[t] == v0 + r of tc[t] * x[t]:
     summed in fp32 (the optional rank-1 term first, then the label terms in token order: a
     stable sort of the labels, so deterministic), one rounding per element (csrc/ce.c,
     cuda/ce.cu ce_dw_finish). dw: [nv, H] rows for labels v0 .. v0 + nv - 1 (other labels,
     ignore_index included, are no row; without cs, rows no token is labelled with are
     untouched), x: [t, H], same dtype, rows contiguous; tc: [t] x fp32; cs: [nv] and mu: [H]
-    x fp32, both or neither. rank1_unlabelled=False (CUDA): the rank-1 term only on the rows
-    some token is labelled with (the caller added it to the others)."""
+    x fp32, both or neither."""
     check_tensor("dw", dw, dtypes=tuple(_ZCODE), ndim=2, contiguous=True)
     check_tensor("x", x, dtypes=(dw.dtype,), ndim=2, device=dw.device, contiguous=True)
     check_tensor("labels", labels, dtypes=(torch.int64,), ndim=1, device=dw.device)
@@ -278,14 +276,11 @@ def finish_dw(dw: torch.Tensor, x: torch.Tensor, labels: torch.Tensor, tc: torch
         if cs.shape[0] != dw.shape[0] or mu.shape[0] != dw.shape[1]:
             raise ValueError(f"moepeak: finish_dw needs cs [nv], mu [H] for dw {tuple(dw.shape)}; got cs "
                              f"{tuple(cs.shape)}, mu {tuple(mu.shape)}")
-    cuda = dw.device.type == "cuda"
-    if not rank1_unlabelled and not cuda:
-        raise ValueError("moepeak: finish_dw(rank1_unlabelled=False) is CUDA only")
     sy, perm = torch.sort(labels, stable=True)
     tc = tc.contiguous()
-    # CUDA with the rank-1 term on every row: which rows the label runs wrote (the others get cs[r] mu alone)
-    flags = (torch.zeros(dw.shape[0], dtype=torch.uint8, device=dw.device)
-             if cuda and cs is not None and rank1_unlabelled else None)
+    cuda = dw.device.type == "cuda"
+    # CUDA with the rank-1 term: which rows the label runs wrote (the others get cs[r] mu alone)
+    flags = torch.zeros(dw.shape[0], dtype=torch.uint8, device=dw.device) if cuda and cs is not None else None
     _C.ce_dw_finish(dw.data_ptr(), _ZCODE[dw.dtype], dw.stride(0), v0, dw.shape[0], x.data_ptr(), x.stride(0),
                     x.shape[1], sy.data_ptr(), perm.data_ptr(), tc.data_ptr(), x.shape[0],
                     0 if cs is None else cs.data_ptr(), 0 if mu is None else mu.data_ptr(),

@@ -133,11 +133,10 @@ def fused_extra_bytes(T: int, H: int, V: int, b: int, ct: int) -> int:
     """Bytes the fused modes hold beside the [ct, V] block and dX when dW spans token
     chunks in low precision: the finish's label terms tc [T] x fp32, and past
     FUSED_CENTER_CHUNKS chunks the centering's cs [V] x fp32, mu [H] in fp32 and in b
-    bytes, a ones row [ct] x b, and two rows [2, V] x b ahead of the block (its rank-1
-    term's GEMM rows on CUDA in bf16; X - mu and the column sums' scratch live in dX)."""
+    bytes, and a ones row [ct] x b (X - mu and the column sums' scratch live in dX)."""
     if not b or T <= ct:
         return 0
     extra = 4 * T
     if -(-T // ct) > FUSED_CENTER_CHUNKS:
-        extra += (4 + 2 * b) * V + (4 + b) * H + b * ct
+        extra += 4 * V + (4 + b) * H + b * ct
     return extra

@@ -239,8 +239,8 @@ def test_ring_dtp_bytes_follow_the_ops_choice():
             if mode == R.MODES["fused_lowp"]:
                 chunks = -(-T // ct)
                 extra = 4 * T if chunks > 1 else 0                        # the dW finish's tc
-                if chunks > R.FUSED_CENTER_CHUNKS:               # cs, mu (fp32, bf16), ones, 2 rank-1 rows
-                    extra += 4 * V + 6 * H + 2 * ct + 2 * 2 * V
+                if chunks > R.FUSED_CENTER_CHUNKS:                        # cs, mu (fp32, bf16), ones
+                    extra += 4 * V + 6 * H + 2 * ct
                 assert got == min(ct, T) * V * 2 + 2 * T * H + 32 * T + extra, (T, H, V)
             elif mode == R.MODES["vocab_outer"]:
                 assert got == B.BLOCKED_WORKSPACE_BYTES + 6 * T * H + 32 * T, (T, H, V)

@@ -924,29 +924,6 @@ def test_cuda_finish_dw(dtype, shape):
     torch.cuda.synchronize()
 
 
-@pytest.mark.cuda
-def test_cuda_finish_dw_rank1_labelled_rows_only():
-    """rank1_unlabelled=False: the rows some token is labelled with get exactly what the full
-    finish gives them; the others are untouched (their rank-1 term is the caller's)."""
-    g = torch.Generator().manual_seed(5)
-    T, H, V = 300, 2100, 50
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
-    y = torch.randint(0, V, (T,), generator=g)
-    y[y >= 40] = -100                                          # rows 40..49: no label
-    y = y.cuda()
-    tc = torch.randn(T, generator=g).cuda()
-    cs, mu = torch.randn(V, generator=g).cuda(), torch.randn(H, generator=g).to(torch.bfloat16).float().cuda()
-    dw0 = torch.randn(V, H, generator=g).to(torch.bfloat16).cuda()
-    full, part = dw0.clone(), dw0.clone()
-    B.finish_dw(full, x, y, tc, cs=cs, mu=mu)
-    B.finish_dw(part, x, y, tc, cs=cs, mu=mu, rank1_unlabelled=False)
-    hit = torch.zeros(V, dtype=torch.bool, device="cuda")
-    hit[y[y >= 0]] = True
-    assert torch.equal(part[hit], full[hit]) and torch.equal(part[~hit], dw0[~hit]) and (~hit).sum() >= 10
-    with pytest.raises(ValueError, match="CUDA only"):
-        B.finish_dw(dw0.cpu(), x.cpu(), y.cpu(), tc.cpu(), cs=cs.cpu(), mu=mu.cpu(), rank1_unlabelled=False)
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_sub_row_is_torch_sub(dtype, device):
@@ -1020,8 +997,8 @@ def test_finish_dw_bad_input():
         _C.ce_dw_finish(0, 1, 8, 0, -1, 0, 8, 8, 0, 0, 0, 5, 0, 0, 0, False, 0)
     with pytest.raises(ValueError, match="cs and mu both set or both 0"):
         _C.ce_dw_finish(0, 1, 8, 0, 3, 0, 8, 8, 0, 0, 0, 5, 64, 0, 0, False, 0)
-    with pytest.raises(ValueError, match="flags are for the rank-1 term"):
-        _C.ce_dw_finish(0, 1, 8, 0, 3, 0, 8, 8, 0, 0, 0, 5, 0, 0, 64, True, 0)
+    with pytest.raises(ValueError, match="flags .* must be set on CUDA"):
+        _C.ce_dw_finish(0, 1, 8, 0, 3, 0, 8, 8, 0, 0, 0, 5, 64, 64, 0, True, 0)
     dw, x = torch.zeros(3, 4, dtype=torch.bfloat16), torch.ones(2, 4, dtype=torch.bfloat16)
     y, tc = torch.zeros(2, dtype=torch.int64), torch.ones(2)
     with pytest.raises(TypeError, match="x must have dtype in \\(bfloat16\\)"):
@@ -1042,8 +1019,6 @@ def test_finish_dw_bad_input():
         B.finish_dw(dw, x, y, tc, cs=torch.zeros(4), mu=torch.zeros(4))
     with pytest.raises(TypeError, match="mu must have dtype"):
         B.finish_dw(dw, x, y, tc, cs=torch.zeros(3), mu=torch.zeros(4, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="rank1_unlabelled=False.*CUDA only"):
-        B.finish_dw(dw, x, y, tc, cs=torch.zeros(3), mu=torch.zeros(4), rank1_unlabelled=False)
     assert torch.equal(dw, torch.zeros(3, 4, dtype=torch.bfloat16))  # nothing half-done
 
 
@@ -1175,22 +1150,16 @@ def test_vocab_outer_lowp_dx_error_flat_in_block_count(labels, monkeypatch):
 def test_fused_lowp_centering_keeps_dw_error_flat(labels, device, monkeypatch):
     """fused_lowp at 128 token chunks on hidden states that share a mean direction (cosine
     ~0.9 between tokens): with the centering (past FUSED_CENTER_CHUNKS: dW GEMMs on X - mu,
-    colsum(dZ) mu^T added by the finish, or on CUDA in bf16 by the last chunk's dW GEMM) dW
-    stays within 1.5x naive bf16's error; with the finish alone the same run is outside 2.5x.
-    dX is bitwise the same either way (the reordered chunk puts dZ's label column back before
-    dX's GEMM; the two dX rows the rank-1 GEMM borrows are put back)."""
+    colsum(dZ) mu^T added by the finish) dW stays within 1.5x naive bf16's error; with the
+    finish alone the same run is outside 2.5x. dX is bitwise the same either way (the
+    reordered chunk puts dZ's label column back before dX's GEMM)."""
     from moepeak import ring_dtp
     T, H, V = 2048, 64, 4096
     x, w, y, ref, naive = _head_problem(T, H, V, labels, seed=6, x_mean=3.0, ignore_every=13)
     x, w, y = (a.to(device) for a in (x, w, y))
     base = relerr(naive[2], ref[2])
     assert 128 > ring_dtp.FUSED_CENTER_CHUNKS  # 128 chunks: past the threshold
-    finishes = []
-    finish_dw = B.finish_dw
-    monkeypatch.setattr(B, "finish_dw",
-                        lambda *a, **k: finishes.append(k.get("rank1_unlabelled", True)) or finish_dw(*a, **k))
     ours = grads(moepeak.linear_cross_entropy, x, w, y, None, mode="fused_lowp", chunk_tokens=T // 128)
-    assert finishes == [device != "cuda"]  # who adds the unlabelled rows' cs mu^T: the finish, or the GEMM
     assert relerr(ours[2].cpu(), ref[2]) <= 1.5 * base, (relerr(ours[2].cpu(), ref[2]), base)
     monkeypatch.setattr(ring_dtp, "FUSED_CENTER_CHUNKS", 1 << 30)
     finish_only = grads(moepeak.linear_cross_entropy, x, w, y, None, mode="fused_lowp", chunk_tokens=T // 128)
