@@ -610,8 +610,8 @@ __global__ void __launch_bounds__(kSubThreads)
 // =============================================================================
 // dW's finish: dW[v] += sum over the tokens t labelled v of tc[t] * X[t]
 // =============================================================================
-// The fused modes add each token chunk's dZ^T X into dW with the GEMM, one bf16/fp16
-// rounding per chunk. The label column's terms (dZ[t, y_t] = p - 1: the largest, and a
+// The fused modes add each token chunk's dZ^T X into dW with the GEMM, a bf16/fp16
+// rounding or two per chunk (torch's addmm_ rounds the product before adding it). The label column's terms (dZ[t, y_t] = p - 1: the largest, and a
 // frequent label has one in every chunk) would add up over the chunks and make those
 // roundings grow with the chunk count, so the caller takes that column out of dZ into
 // tc (fp32) before the dW GEMM and this kernel adds it once: per element the label terms

@@ -11,7 +11,7 @@ every GEMM is torch's. Schedules ("mode"):
   fused        token-outer, gradients computed in forward (3 GEMMs: Z, dX, dW).
                A chunk holds whole vocab rows Z: [ct, V] x fp32, so dZ exists
                after one pass; dX of the chunk is one exact GEMM; dW (in the
-               weight's dtype) is accumulated with one rounding per chunk, except
+               weight's dtype) is accumulated chunk by chunk (see "Error growth"), except
                its label column (dZ[t, y_t], the largest terms), which is taken out
                of each chunk's dZ for the dW GEMM and added once at the end, summed
                in fp32 ("dW's finish", B.finish_dw); past FUSED_CENTER_CHUNKS chunks
@@ -20,7 +20,7 @@ every GEMM is torch's. Schedules ("mode"):
                Z, makes dZ, and sums dW_b in fp32 over token chunks (exact),
                dX += dZ W_b into an fp32 [T, H] accumulator (exact).
   token_outer  4 GEMMs. Backward per token chunk: dX of the chunk exact in fp32,
-               dW accumulated in the weight's dtype (one rounding per chunk).
+               dW accumulated in the weight's dtype, chunk by chunk.
   fused_lowp   like fused, but the GEMM writes the logits in the input dtype
                (bf16/fp16, fp32-accumulated: the rounding naive F.linear has)
                into one [ct, V] workspace, the fold reads it, and the gradient
@@ -77,8 +77,10 @@ count (naive bf16: dX 1.67e-3, dW 1.02e-3):
   than the code; TunableOp found no cuBLAS/cuBLASLt algorithm faster than the default
   for these GEMMs.
   Where the 32k time goes, and the grid over T, H, V: benchmarks/RESULTS.md.
-Error growth with the chunk count. fused* accumulate dW in bf16 over the token chunks
-(one rounding per chunk), vocab_outer_lowp dX over its vocab blocks. A chunk's rounding
+Error growth with the chunk count. fused* accumulate dW in bf16 over the token chunks,
+vocab_outer_lowp dX over its vocab blocks: on CUDA torch's bf16 addmm_ gives
+rn(dW + rn(dZ^T X)), the chunk's product rounded before it is added (every element, H200,
+probe_gemm_paths.py rounding), on the CPU rn(dW + dZ^T X). A chunk's rounding
 error is relative to the running sum, so terms that add up over chunks make the error
 grow with their number: above all a dW row's label terms (p - 1) x_t, which for a
 frequent label (real text; a byte-level vocabulary) come in every chunk, and, for hidden
@@ -314,7 +316,7 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
             if t0 == 0:
                 torch.mm(dz.t(), xg, out=dw)
             else:
-                dw.addmm_(dz.t(), xg)                         # one rounding per chunk
+                dw.addmm_(dz.t(), xg)                         # rn(dW + rn(product)) (Error growth)
         elif t0 == 0:
             dw.copy_(B.mm(dz.t(), xg, True))
         else:

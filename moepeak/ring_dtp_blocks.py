@@ -80,8 +80,9 @@ def mm_f32_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Te
 
 def mm_acc_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
     """out = a @ b (first) or out += a @ b, out in a's dtype, accumulated in fp32 inside
-    the GEMM and rounded once per call (CUDA: cuBLAS with beta = 1; CPU: fp32 GEMM of
-    the operands, added in fp32, one rounding). out: contiguous rows of a larger tensor."""
+    the GEMM (CUDA: cuBLAS with beta = 1, which in bf16 rounds the product before adding
+    it: rn(out + rn(a @ b)), H200 probe_gemm_paths.py rounding; CPU: fp32 GEMM of the
+    operands, added in fp32, one rounding). out: contiguous rows of a larger tensor."""
     if a.dtype == torch.float32 or a.device.type == "cuda":
         if first:
             torch.mm(a, b, out=out)
