@@ -86,9 +86,11 @@ grow with their number: above all a dW row's label terms (p - 1) x_t, which for 
 frequent label (real text; a byte-level vocabulary) come in every chunk, and, for hidden
 states that share a mean direction mu (the anisotropy of real final hidden states), the
 non-label terms colsum(dZ) mu^T. The finish takes the label terms out of the GEMMs and
-adds them once in fp32; past FUSED_CENTER_CHUNKS (16) chunks the centering does the same
+adds them once in fp32; past FUSED_CENTER_CHUNKS (8) chunks the centering does the same
 for the mean direction: the dW GEMMs take X - mu (written into the chunk's own dX rows
-before its dX GEMM: no buffer) and colsum(dZ) (fp32) joins the finish as a rank-1 term.
+before its dX GEMM: no buffer; ce_sub_row, 16-byte vectors) and colsum(dZ) (fp32) joins the
+finish as a rank-1 term. (In the last chunk's dW GEMM instead, the term would be rounded
+twice, rn(dW + rn(product)): 1.41x naive's dW error at x_mean = 3, measured.)
 The gradient kernel makes colsum(dZ) as it writes dZ (B.grad_block(colsum=); its scratch
 is the chunk's dX rows again): H200, one 2048-row chunk at V = 151936, 0.324 ms for the
 kernel alone, 0.336 with the sums, 0.472 with a ones-row GEMM after it (the fallback
@@ -103,12 +105,13 @@ shared direction's per-dimension std (1: cosine ~0.5 between tokens, 3: ~0.9):
   Zipf(1.1) labels, x_mean 0  1.00 / 1.00 / 2.65    1.00 / 1.00 / 4.29    1.00 / 1.00 / 5.49
   Zipf, x_mean 1              1.00 / 1.00 / 2.41    1.00 / 1.01 / 4.61    1.00 / 1.02 / 6.46
   Zipf, x_mean 3              1.00 / 1.24 / 2.54    1.00 / 1.94 / 4.85    1.00 / 3.72 / 7.73
-At 16 chunks and fewer (the 32k target shape) the centering is off: on the H200 it cost
-+0.9% there (193.5 vs 191.8 ms, 18 rotating rounds; results/probe_centering_fused_18r_h200.log;
-+0.8% in session 10's 8 rounds),
-on a target whose speed margin is that small, and the finish alone holds dW
-within 2x naive's error except for hidden states as anisotropic as x_mean = 3 with
-labels spread over the vocabulary (2.39x above). Set ring_dtp.FUSED_CENTER_CHUNKS = 1
+At 8 chunks and fewer the centering is off: there the finish alone holds dW within 2x
+naive's error even at x_mean = 3 (H200, T = 8192, uniform labels, finish only: 1.39 / 1.54 /
+1.85 / 2.39 at 2 / 4 / 8 / 16 chunks, centered 1.00 at each; Zipf 1.05 / 1.08 / 1.13 / 1.24;
+results/study_dw_error_chunks_s11.log), and the centering's fixed costs (above all the rank-1
+pass over dW's unlabelled rows, ~0.8 ms at V = 151936, H = 4096) weigh most on a short T.
+The 32k target shape (16 chunks) is centered: +1.0-1.2% there (H200, 2026-11-30, bench_ring_dtp
+--quick: 194.8 vs 192.4 ms; round-robin 194.1 vs 192.3). Set ring_dtp.FUSED_CENTER_CHUNKS = 1
 to center at any chunk count; mode="vocab_outer" is exact whatever the inputs.
 vocab_outer_lowp's dX with its finish: 0.98-1.00x naive's on the H200 grid's six H x V
 at 8 blocks (2.4-3.5x without it), 0.76x for x_mean = 3.
@@ -228,7 +231,7 @@ FUSED_DW_FINISH = True
 LOWP_DX_FINISH = True
 # The fused modes center X for their dW GEMMs past this many token chunks (see _fused
 # and "Error growth" above): 1 centers whenever dW spans chunks; a huge number turns the
-# centering off (the A/B of tests and the study). 16 keeps the 32k target shape uncentered.
+# centering off (the A/B of tests and the study). 8: see "Error growth".
 FUSED_CENTER_CHUNKS = S.FUSED_CENTER_CHUNKS
 # The centering's colsum(dZ) from the gradient kernel (CUDA; see _fused); False: a GEMM per
 # chunk re-reads dZ (the A/B of tests and benchmarks).

@@ -33,10 +33,12 @@ FUSED_MAX_CHUNKS = 128
 LOWP_DX_BLOCKS = 8
 LOWP_DW_BLOCK_BYTES = 300 << 20
 # The fused modes center X for their dW GEMMs past this many token chunks (ring_dtp._fused;
-# ring_dtp.FUSED_CENTER_CHUNKS is the knob, this its default), and the centering's column
+# ring_dtp.FUSED_CENTER_CHUNKS is the knob, this its default: uncentered, dW's error on very
+# anisotropic hidden states, x_mean = 3, grows past naive's 2x between 8 chunks, 1.85x, and
+# 16, 2.39x; H200, results/study_dw_error_chunks_s11.log), and the centering's column
 # sums go through a [<= COLSUM_GROUPS, V] x fp32 scratch in the chunk's dX rows where the
 # gradient kernel makes them (no memory of its own).
-FUSED_CENTER_CHUNKS = 16
+FUSED_CENTER_CHUNKS = 8
 COLSUM_GROUPS = 8
 
 
