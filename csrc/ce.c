@@ -196,9 +196,11 @@ static void ce_sub_row_range(void *ctx, int64_t begin, int64_t end, int worker) 
 
 /* ------------------------------------------------------------------------- */
 /* dW's finish: dw[v - v0] += [cs[v - v0] * mu +] sum over tokens t labelled  */
-/* v of tc[t] * x[t]: per element the optional rank-1 term, then the label    */
-/* terms by fmaf in the order of sy (labels sorted stably), then one rounding */
-/* of dw + sum. The label terms are the column the fused modes took out of    */
+/* v of tc[t] * x[t], given as tcs[k] = tc[perm[k]] (the terms in sy's order: */
+/* the CUDA kernel loads them beside sy and perm, no load waiting on another):*/
+/* per element the optional rank-1 term, then the label terms by fmaf in    */
+/* the order of sy (labels sorted stably), then one rounding of dw + sum.    */
+/* The label terms are the column the fused modes took out of    */
 /* their per-chunk dW GEMMs, the rank-1 term their centering's colsum(dZ)     */
 /* mu^T (ring_dtp._fused; why: cuda/ce.cu ce_dw_finish_kernel, the same order */
 /* and arithmetic).                                                           */
@@ -210,7 +212,7 @@ typedef struct {
   const void *x;
   int64_t ldx, h;
   const int64_t *sy, *perm;
-  const float *tc;
+  const float *tcs; /* the label terms in sy's order */
   int64_t t;
   const float *cs, *mu; /* optional rank-1 term cs[r] * mu[c] (both NULL or both set) */
 } ce_dw_finish_args;
@@ -243,7 +245,7 @@ static void ce_dw_finish_range(void *ctx, int64_t begin, int64_t end, int worker
       for (int64_t c = 0; c < nc; ++c) acc[c] = a->cs ? a->cs[r] * a->mu[c0 + c] : 0.f;
       for (int64_t k = lo; k < hi; ++k) {
         const int64_t p = a->perm[k];
-        const float w = a->tc[p];
+        const float w = a->tcs[k];
         const void *xr = (const char *)a->x + (size_t)(p * a->ldx + c0) * esz;
         for (int64_t c = 0; c < nc; ++c) acc[c] = fmaf(w, mp_ld_el(xr, a->dtype, c), acc[c]);
       }
@@ -312,7 +314,7 @@ mp_status mp_ce_grad_colsum_cuda(const void *z, int z_dtype, int64_t ldz, int64_
 mp_status mp_ce_scale_cuda(void *p, int dtype, int64_t n, const float *g, uintptr_t stream);
 /* dw: [nv, ldw], x: [t, ldx] x dtype; sy, perm: [t] int64; tc: [t] fp32; all on the device. */
 mp_status mp_ce_dw_finish_cuda(void *dw, int dtype, int64_t ldw, int64_t v0, int64_t nv, const void *x,
-                               int64_t ldx, int64_t h, const int64_t *sy, const int64_t *perm, const float *tc,
+                               int64_t ldx, int64_t h, const int64_t *sy, const int64_t *perm, const float *tcs,
                                int64_t t, const float *cs, const float *mu, unsigned char *flags,
                                uintptr_t stream);
 /* out: [n, ldo], x: [n, ldx], mu: [h] x dtype, on the device, 16-byte vectors: out = x - mu. */
@@ -499,9 +501,10 @@ static PyObject *py_ce_scale(PyObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
-/* ce_dw_finish(dw, dtype, ldw, v0, nv, x, ldx, h, sy, perm, tc, t, cs, mu, flags, cuda, stream): dw:
+/* ce_dw_finish(dw, dtype, ldw, v0, nv, x, ldx, h, sy, perm, tcs, t, cs, mu, flags, cuda, stream): dw:
  * [nv, ldw] and x: [t, ldx] x dtype (0 fp32, 1 bf16, 2 fp16); sy, perm: [t] int64 (labels sorted
- * stably, their token indices); tc: [t] x fp32; cs: [nv], mu: [h] x fp32, both 0 (no rank-1 term) or
+ * stably, their token indices); tcs: [t] x fp32, the label terms in sy's order (tc[perm[k]] at k);
+ * cs: [nv], mu: [h] x fp32, both 0 (no rank-1 term) or
  * both set; flags: [nv] zeroed bytes, the CUDA kernels' scratch with the rank-1 term (else unused).
  * dw[r, :h] += [cs[r] * mu +] sum_{t: label v0 + r} tc[t] * x[t, :h] in fp32, one rounding. */
 static PyObject *py_ce_dw_finish(PyObject *self, PyObject *args) {
@@ -629,8 +632,9 @@ PyMethodDef mp_ce_methods[] = {
      "zloss, out, ldo, out_dtype, cuda, stream[, part, ldp, gmax, cs, first]): turn a logits block into dZ "
      "(and, on CUDA with part, sum its columns without the target elements into cs)."},
     {"ce_dw_finish", py_ce_dw_finish, METH_VARARGS,
-     "ce_dw_finish(dw, dtype, ldw, v0, nv, x, ldx, h, sy, perm, tc, t, cs, mu, flags, cuda, stream): dw[r] += "
-     "[cs[r] * mu +] sum over tokens labelled v0 + r of tc[t] * x[t] (fp32 sum, one rounding); flags: "
+     "ce_dw_finish(dw, dtype, ldw, v0, nv, x, ldx, h, sy, perm, tcs, t, cs, mu, flags, cuda, stream): dw[r] += "
+     "[cs[r] * mu +] sum over tokens labelled v0 + r of tc[t] * x[t] (fp32 sum, one rounding; tcs = tc[perm], "
+     "the terms in sy's order); flags: "
      "[nv] zeroed bytes of scratch, needed on CUDA with the rank-1 term, else 0."},
     {"ce_dx_finish", py_ce_dx_finish, METH_VARARGS,
      "ce_dx_finish(dx, dtype, ldx, w, ldw, v0, nv, h, labels, tc, t, cuda, stream): dx[t] += "

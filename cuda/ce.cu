@@ -654,17 +654,20 @@ constexpr int64_t finish_slab() { return 32 * Vec<T>::n; }  // columns per warp:
 // per batch on an H200).
 struct RunBatch {
   unsigned in;
-  int p[kFinishBatch];  // token indices (t < 2^31: checked by the launcher)
+  int p[kFinishBatch];    // token indices (t < 2^31: checked by the launcher)
+  float w[kFinishBatch];  // their label terms (tcs: in sy's order, so no load waits on p)
 };
 
 __device__ __forceinline__ void load_run_batch(RunBatch &b, const int64_t *__restrict__ sy,
-                                               const int64_t *__restrict__ perm, int64_t kb, int64_t t, int64_t v) {
+                                               const int64_t *__restrict__ perm, const float *__restrict__ tcs,
+                                               int64_t kb, int64_t t, int64_t v) {
   int64_t lab[kFinishBatch];
 #pragma unroll
   for (int u = 0; u < kFinishBatch; ++u) {
     const int64_t j = kb + u < t ? kb + u : t - 1;
     lab[u] = sy[j];
     b.p[u] = (int)perm[j];
+    b.w[u] = tcs[j];
   }
   b.in = 0;
 #pragma unroll
@@ -690,7 +693,7 @@ template <typename T, bool kVec>
 __global__ void __launch_bounds__(kFinishThreads)
     ce_dw_finish_runs_kernel(T *dw, int64_t ldw, int64_t v0, int64_t nv, const T *__restrict__ x, int64_t ldx,
                              int64_t h, const int64_t *__restrict__ sy, const int64_t *__restrict__ perm,
-                             const float *__restrict__ tc, int64_t t, const float *__restrict__ cs,
+                             const float *__restrict__ tcs, int64_t t, const float *__restrict__ cs,
                              const float *__restrict__ mu, unsigned char *flags) {
   constexpr int N = Vec<T>::n;
   constexpr unsigned kFull = (1u << kFinishBatch) - 1;
@@ -700,7 +703,7 @@ __global__ void __launch_bounds__(kFinishThreads)
   for (int64_t k = (int64_t)blockIdx.x * kFinishWarps + (threadIdx.x >> 5); k < t; k += nwarps) {
     const int64_t v = sy[k], before = sy[k > 0 ? k - 1 : 0];
     RunBatch cur, next;
-    load_run_batch(cur, sy, perm, k, t, v);  // issued with sy[k]'s load: only the compare waits for v
+    load_run_batch(cur, sy, perm, tcs, k, t, v);  // issued with sy[k]'s load: only the compare waits for v
     if (v < v0 || v >= v0 + nv || (k > 0 && before == v)) continue;  // not a run start: uniform over the warp
     const int64_t r = v - v0;
     if (flags && blockIdx.y == 0 && lane == 0) flags[r] = 1;
@@ -720,27 +723,23 @@ __global__ void __launch_bounds__(kFinishThreads)
     }
     for (int64_t kb = k;; kb += kFinishBatch) {
       if (cur.in == kFull) {  // the run may go on past this batch, and all of this batch is the run's
-        load_run_batch(next, sy, perm, kb + kFinishBatch, t, v);  // in flight beside this batch's x
-        float w[kFinishBatch], xv[kFinishBatch][N];  // every load issued, then the fmafs
+        load_run_batch(next, sy, perm, tcs, kb + kFinishBatch, t, v);  // in flight beside this batch's x
+        float xv[kFinishBatch][N];  // every load issued, then the fmafs
 #pragma unroll
-        for (int u = 0; u < kFinishBatch; ++u) {
-          w[u] = tc[cur.p[u]];
-          load_lane_cols<T, kVec>(x + (int64_t)cur.p[u] * ldx, c0, h, xv[u]);
-        }
+        for (int u = 0; u < kFinishBatch; ++u) load_lane_cols<T, kVec>(x + (int64_t)cur.p[u] * ldx, c0, h, xv[u]);
 #pragma unroll
         for (int u = 0; u < kFinishBatch; ++u)
 #pragma unroll
-          for (int i = 0; i < N; ++i) acc[i] = fmaf(w[u], xv[u][i], acc[i]);
+          for (int i = 0; i < N; ++i) acc[i] = fmaf(cur.w[u], xv[u][i], acc[i]);
         cur = next;
       } else {  // the run's last tokens (a prefix of the batch), one at a time
 #pragma unroll
         for (int u = 0; u < kFinishBatch; ++u)
           if ((cur.in >> u) & 1u) {
-            const float w = tc[cur.p[u]];
             float xv[N];
             load_lane_cols<T, kVec>(x + (int64_t)cur.p[u] * ldx, c0, h, xv);
 #pragma unroll
-            for (int i = 0; i < N; ++i) acc[i] = fmaf(w, xv[i], acc[i]);
+            for (int i = 0; i < N; ++i) acc[i] = fmaf(cur.w[u], xv[i], acc[i]);
           }
         break;
       }
@@ -892,7 +891,7 @@ void launch_scale(void *p, int64_t n, const float *g, cudaStream_t stream) {
 // The finish's two kernels for one dtype (mp_ce_dw_finish_cuda checked the sizes).
 template <typename T>
 void launch_dw_finish(T *dw, int64_t ldw, int64_t v0, int64_t nv, const T *x, int64_t ldx, int64_t h,
-                      const int64_t *sy, const int64_t *perm, const float *tc, int64_t t, const float *cs,
+                      const int64_t *sy, const int64_t *perm, const float *tcs, int64_t t, const float *cs,
                       const float *mu, unsigned char *flags, cudaStream_t sm) {
   constexpr int64_t N = Vec<T>::n;
   if (t > 0) {
@@ -902,10 +901,10 @@ void launch_dw_finish(T *dw, int64_t ldw, int64_t v0, int64_t nv, const T *x, in
     const bool vec = h % N == 0 && ldw % N == 0 && ldx % N == 0 && ((uintptr_t)dw & 15u) == 0 &&
                      ((uintptr_t)x & 15u) == 0;
     if (vec)
-      ce_dw_finish_runs_kernel<T, true><<<runs, kFinishThreads, 0, sm>>>(dw, ldw, v0, nv, x, ldx, h, sy, perm, tc, t,
+      ce_dw_finish_runs_kernel<T, true><<<runs, kFinishThreads, 0, sm>>>(dw, ldw, v0, nv, x, ldx, h, sy, perm, tcs, t,
                                                                          cs, mu, flags);
     else
-      ce_dw_finish_runs_kernel<T, false><<<runs, kFinishThreads, 0, sm>>>(dw, ldw, v0, nv, x, ldx, h, sy, perm, tc,
+      ce_dw_finish_runs_kernel<T, false><<<runs, kFinishThreads, 0, sm>>>(dw, ldw, v0, nv, x, ldx, h, sy, perm, tcs,
                                                                           t, cs, mu, flags);
   }
   if (cs) ce_dw_finish_rank1_kernel<T><<<grid_for(nv), kScaleThreads, 0, sm>>>(dw, ldw, nv, h, cs, mu, flags);
@@ -1083,11 +1082,12 @@ fail:
 }
 
 // dw: [nv, ldw] rows for labels v0 .. v0 + nv - 1, x: [t, ldx], both dtype (0 fp32, 1 bf16, 2 fp16);
-// sy, perm: the labels sorted stably and their token indices; tc: [t] x fp32; cs: [nv], mu: [h] x fp32
+// sy, perm: the labels sorted stably and their token indices; tcs: [t] x fp32, the label terms in sy's
+// order (tc[perm[k]] at k); cs: [nv], mu: [h] x fp32
 // (the rank-1 term cs[r] * mu, or both null) and then flags: [nv] bytes, zero (the rows the label
 // runs wrote; set whenever cs is: py_ce_dw_finish checks). All on the device.
 mp_status mp_ce_dw_finish_cuda(void *dw, int dtype, int64_t ldw, int64_t v0, int64_t nv, const void *x,
-                               int64_t ldx, int64_t h, const int64_t *sy, const int64_t *perm, const float *tc,
+                               int64_t ldx, int64_t h, const int64_t *sy, const int64_t *perm, const float *tcs,
                                int64_t t, const float *cs, const float *mu, unsigned char *flags, uintptr_t stream) {
   mp_status st = MP_OK;
   cudaStream_t sm = MP_STREAM(stream);
@@ -1099,14 +1099,14 @@ mp_status mp_ce_dw_finish_cuda(void *dw, int dtype, int64_t ldw, int64_t v0, int
     if (t > INT_MAX) MP_FAIL(st, MP_ERR_INVALID, "ce_dw_finish: t = %lld tokens, at most %d", (long long)t, INT_MAX);
     switch (dtype) {
       case 0:
-        launch_dw_finish<float>((float *)dw, ldw, v0, nv, (const float *)x, ldx, h, sy, perm, tc, t, cs, mu, flags, sm);
+        launch_dw_finish<float>((float *)dw, ldw, v0, nv, (const float *)x, ldx, h, sy, perm, tcs, t, cs, mu, flags, sm);
         break;
       case 1:
         launch_dw_finish<__nv_bfloat16>((__nv_bfloat16 *)dw, ldw, v0, nv, (const __nv_bfloat16 *)x, ldx, h, sy, perm,
-                                        tc, t, cs, mu, flags, sm);
+                                        tcs, t, cs, mu, flags, sm);
         break;
       case 2:
-        launch_dw_finish<__half>((__half *)dw, ldw, v0, nv, (const __half *)x, ldx, h, sy, perm, tc, t, cs, mu, flags,
+        launch_dw_finish<__half>((__half *)dw, ldw, v0, nv, (const __half *)x, ldx, h, sy, perm, tcs, t, cs, mu, flags,
                                  sm);
         break;
       default: MP_FAIL(st, MP_ERR_INVALID, "ce_dw_finish: dtype must be 0, 1 or 2, got %d", dtype);

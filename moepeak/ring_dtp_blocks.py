@@ -278,12 +278,12 @@ def finish_dw(dw: torch.Tensor, x: torch.Tensor, labels: torch.Tensor, tc: torch
             raise ValueError(f"moepeak: finish_dw needs cs [nv], mu [H] for dw {tuple(dw.shape)}; got cs "
                              f"{tuple(cs.shape)}, mu {tuple(mu.shape)}")
     sy, perm = torch.sort(labels, stable=True)
-    tc = tc.contiguous()
+    tcs = tc[perm]  # the label terms in sy's order (the kernels' operand: loaded beside sy and perm)
     cuda = dw.device.type == "cuda"
     # CUDA with the rank-1 term: which rows the label runs wrote (the others get cs[r] mu alone)
     flags = torch.zeros(dw.shape[0], dtype=torch.uint8, device=dw.device) if cuda and cs is not None else None
     _C.ce_dw_finish(dw.data_ptr(), _ZCODE[dw.dtype], dw.stride(0), v0, dw.shape[0], x.data_ptr(), x.stride(0),
-                    x.shape[1], sy.data_ptr(), perm.data_ptr(), tc.data_ptr(), x.shape[0],
+                    x.shape[1], sy.data_ptr(), perm.data_ptr(), tcs.data_ptr(), x.shape[0],
                     0 if cs is None else cs.data_ptr(), 0 if mu is None else mu.data_ptr(),
                     0 if flags is None else flags.data_ptr(), cuda, current_stream_handle(dw.device))
 
