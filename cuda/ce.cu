@@ -637,9 +637,10 @@ __global__ void __launch_bounds__(kSubThreads)
 // searches in sy, then a token at a time, took 1.75 ms for uniform labels; a CTA per run
 // with the batch loads under their predicates, which the compiler serialised, 7.4 ms for
 // Zipf(1.1) labels, whose most frequent run is ~4300 tokens; a warp per run with a lane's 4
-// columns 32 apart, 2-byte loads, 1.0 ms for uniform labels. This one: 0.48 ms uniform, 1.94 ms
-// Zipf, of which the longest run's walk is most: ~3.4 us per batch, several memory latencies,
-// not yet understood; splitting a run over warps would change the sum's order, and the CPU's.)
+// columns 32 apart, 2-byte loads, 1.0 ms for uniform labels. This one, with the sort: 0.60 ms
+// uniform, 1.68 ms Zipf (0.48 / 1.94 before tcs). Zipf's time is still not the bytes or the
+// batch count (16-token batches: the same 1.9 ms); not understood. Splitting a long run over
+// warps would change the sum's order, and so the CPU kernel's too.)
 constexpr int kFinishThreads = 128;                         // 4 warps, 4 runs
 constexpr int kFinishWarps = kFinishThreads / 32;
 constexpr int kFinishBatch = 8;                             // tokens of a run loaded at once
