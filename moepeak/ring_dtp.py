@@ -73,9 +73,11 @@ count (naive bf16: dX 1.67e-3, dW 1.02e-3):
   from the gradient kernel, the last with today's dW finish): 32k auto 188.6 / 194.0 /
   190.9 ms at probes of 755 / 769 / 788 TFLOP/s (1.16x / 1.22x / 1.23x), naive + compile
   190.8 / 199.9 / 195.1, Liger 202.6 / 212.3 / 208.6; 128k auto 757.2 / 778.3 / 772.7 ms
-  at 2.75 GiB, Liger 756.2 / 780.5 / 772.0. The ratio follows the machine's probe more
-  than the code; TunableOp found no cuBLAS/cuBLASLt algorithm faster than the default
-  for these GEMMs.
+  at 2.75 GiB, Liger 756.2 / 780.5 / 772.0. A fourth (03:33 UTC, probe 775 TFLOP/s, the
+  finish of session 11): 192.4 ms uncentered (1.22x), 194.8 centered (1.23x; the default
+  since: past 8 chunks), naive + compile 196.6, Liger 210.6; round-robin 192.3 / 194.1 /
+  196.7 / 213.5. The ratio follows the machine's probe more than the code; TunableOp found
+  no cuBLAS/cuBLASLt algorithm faster than the default for these GEMMs.
   Where the 32k time goes, and the grid over T, H, V: benchmarks/RESULTS.md.
 Error growth with the chunk count. fused* accumulate dW in bf16 over the token chunks,
 vocab_outer_lowp dX over its vocab blocks: on CUDA torch's bf16 addmm_ gives
