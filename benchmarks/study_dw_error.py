@@ -17,8 +17,9 @@ add up coherently over chunks).
   python benchmarks/study_dw_error.py                      # CPU, small shapes
   python benchmarks/study_dw_error.py --device cuda --T 8192 --H 4096 --V 151936
 
-CPU runs apply the bf16 rounding of the logits that CUDA's GEMM output has, so
-the same numerics are studied; they are not timings.
+CPU runs apply the bf16 rounding of the logits that CUDA's GEMM output has, and
+CUDA's two roundings of each accumulating GEMM (rn(acc + rn(product))), so the same
+numerics are studied; they are not timings.
 """
 from __future__ import annotations
 

@@ -82,7 +82,7 @@ count (naive bf16: dX 1.67e-3, dW 1.02e-3):
 Error growth with the chunk count. fused* accumulate dW in bf16 over the token chunks,
 vocab_outer_lowp dX over its vocab blocks: on CUDA torch's bf16 addmm_ gives
 rn(dW + rn(dZ^T X)), the chunk's product rounded before it is added (every element, H200,
-probe_gemm_paths.py rounding), on the CPU rn(dW + dZ^T X). A chunk's rounding
+probe_gemm_paths.py rounding), and the CPU path rounds the same way. A chunk's rounding
 error is relative to the running sum, so terms that add up over chunks make the error
 grow with their number: above all a dW row's label terms (p - 1) x_t, which for a
 frequent label (real text; a byte-level vocabulary) come in every chunk, and, for hidden
@@ -324,8 +324,8 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
                 dw.addmm_(dz.t(), xg)                         # rn(dW + rn(product)) (Error growth)
         elif t0 == 0:
             dw.copy_(B.mm(dz.t(), xg, True))
-        else:
-            dw.add_(B.mm(dz.t(), xg, True))
+        else:                                                 # CPU: CUDA's rn(dW + rn(product))
+            dw.add_(B.mm(dz.t(), xg, False))
         if split:                                             # dX's GEMM with it: put it back, exactly
             B.put_label_column(dz, y[t0:t1], tc[t0:t1], col)
         if x.device.type == "cuda" or f32acc:

@@ -80,19 +80,20 @@ def mm_f32_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Te
 
 def mm_acc_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
     """out = a @ b (first) or out += a @ b, out in a's dtype, accumulated in fp32 inside
-    the GEMM (CUDA: cuBLAS with beta = 1, which in bf16 rounds the product before adding
-    it: rn(out + rn(a @ b)), H200 probe_gemm_paths.py rounding; CPU: fp32 GEMM of the
-    operands, added in fp32, one rounding). out: contiguous rows of a larger tensor."""
+    the GEMM. Adding, CUDA's bf16/fp16 cuBLAS with beta = 1 rounds the product before adding
+    it, rn(out + rn(a @ b)) (H200, probe_gemm_paths.py rounding), and the CPU path does the
+    same (an fp32 GEMM of the operands, rounded, added in fp32, rounded), so CPU tests see
+    the GPU's numerics. out: contiguous rows of a larger tensor."""
     if a.dtype == torch.float32 or a.device.type == "cuda":
         if first:
             torch.mm(a, b, out=out)
         else:
             out.addmm_(a, b)
         return
-    r = mm(a, b, True)
-    if not first:
-        r.add_(out.float())
-    out.copy_(r)
+    if first:
+        out.copy_(mm(a, b, True))
+    else:
+        out.add_(mm(a, b, False))
 
 
 def mm_f32_acc_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
