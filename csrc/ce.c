@@ -172,8 +172,8 @@ static void ce_scale_range(void *ctx, int64_t begin, int64_t end, int worker) {
 }
 
 /* ------------------------------------------------------------------------- */
-/* Centering: out[i, :h] = x[i, :h] - mu, in fp32 with one rounding per element   */
-/* (the arithmetic of torch.sub on two tensors of the dtype).                 */
+/* Centering: out[i, :h] = x[i, :h] - mu, in fp32 with one rounding per     */
+/* element (the arithmetic of torch.sub on two tensors of the dtype).         */
 /* ------------------------------------------------------------------------- */
 typedef struct {
   void *out;
@@ -197,13 +197,12 @@ static void ce_sub_row_range(void *ctx, int64_t begin, int64_t end, int worker) 
 /* ------------------------------------------------------------------------- */
 /* dW's finish: dw[v - v0] += [cs[v - v0] * mu +] sum over tokens t labelled  */
 /* v of tc[t] * x[t], given as tcs[k] = tc[perm[k]] (the terms in sy's order: */
-/* the CUDA kernel loads them beside sy and perm, no load waiting on another):*/
-/* per element the optional rank-1 term, then the label terms by fmaf in    */
-/* the order of sy (labels sorted stably), then one rounding of dw + sum.    */
-/* The label terms are the column the fused modes took out of    */
-/* their per-chunk dW GEMMs, the rank-1 term their centering's colsum(dZ)     */
-/* mu^T (ring_dtp._fused; why: cuda/ce.cu ce_dw_finish_kernel, the same order */
-/* and arithmetic).                                                           */
+/* the CUDA kernel loads them beside sy and perm, no load waiting on another) */
+/* per element the optional rank-1 term, then the label terms by fmaf in the  */
+/* order of sy (labels sorted stably), then one rounding of dw + sum. The     */
+/* label terms are the column the fused modes took out of their per-chunk dW  */
+/* GEMMs, the rank-1 term their centering's colsum(dZ) mu^T (ring_dtp._fused; */
+/* why: cuda/ce.cu ce_dw_finish_runs_kernel, the same order and arithmetic).  */
 /* ------------------------------------------------------------------------- */
 typedef struct {
   void *dw;

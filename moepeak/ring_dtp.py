@@ -317,15 +317,7 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
             xg = B.sub_row(xc, mu, dx[t0:t1])                 # X - mu: dX's GEMM below overwrites them
             if part is None:
                 B.colsum_acc_(cs, dz, ones, first=t0 == 0)
-        if f32acc or x.device.type == "cuda":
-            if t0 == 0:
-                torch.mm(dz.t(), xg, out=dw)
-            else:
-                dw.addmm_(dz.t(), xg)                         # rn(dW + rn(product)) (Error growth)
-        elif t0 == 0:
-            dw.copy_(B.mm(dz.t(), xg, True))
-        else:                                                 # CPU: CUDA's rn(dW + rn(product))
-            dw.add_(B.mm(dz.t(), xg, False))
+        B.mm_acc_(dw, dz.t(), xg, first=t0 == 0)              # rn(dW + rn(product)) (Error growth)
         if split:                                             # dX's GEMM with it: put it back, exactly
             B.put_label_column(dz, y[t0:t1], tc[t0:t1], col)
         if x.device.type == "cuda" or f32acc:
