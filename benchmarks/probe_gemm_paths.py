@@ -12,7 +12,8 @@
      each timed, the fastest kept): Ring-DTP's three chunk GEMMs, the 8192^3 probe and the whole
      fused_lowp op at T = 32k, default vs tuned in alternating rounds (after one tuning pass).
   7. dW's finish (B.finish_dw) at T = 32k, H = 4096, V = 151936, bf16: label terms only (uniform
-     and Zipf labels) and with the centering's rank-1 term (every row), against the bytes it moves.
+     labels, Zipf labels, and Zipf's counts on shuffled ids) and with the centering's rank-1
+     term (every row), against the bytes it moves.
   python benchmarks/probe_gemm_paths.py [grouped] [streams] [blas] [center[=rounds]] [tunable[=rounds]] [finish] [rounding]
   (default: all but tunable)
 """
@@ -243,6 +244,8 @@ def finish():
     ranks = torch.arange(1, V + 1, device="cuda", dtype=torch.float64)
     labels = {"uniform": torch.randint(0, V, (T,), device="cuda", generator=g),
               "Zipf(1.1)": torch.multinomial(ranks ** -1.1, T, replacement=True, generator=g)}
+    # the same counts on randomly permuted ids: the frequent labels' runs anywhere in sorted order
+    labels["Zipf shuf"] = torch.randperm(V, device="cuda", generator=g)[labels["Zipf(1.1)"]]
     for name, y in labels.items():
         rows = int(y.unique().numel())
         for rank1 in (False, True):

@@ -611,73 +611,53 @@ __global__ void __launch_bounds__(kSubThreads)
 // dW's finish: dW[v] += sum over the tokens t labelled v of tc[t] * X[t]
 // =============================================================================
 // The fused modes add each token chunk's dZ^T X into dW with the GEMM, a bf16/fp16
-// rounding or two per chunk (torch's addmm_ rounds the product before adding it). The label column's terms (dZ[t, y_t] = p - 1: the largest, and a
-// frequent label has one in every chunk) would add up over the chunks and make those
-// roundings grow with the chunk count, so the caller takes that column out of dZ into
-// tc (fp32) before the dW GEMM and this kernel adds it once: per element the label terms
-// summed by fmaf in the order of sy (labels sorted stably: deterministic), then one
-// rounding of dW + sum. Optionally a rank-1 term cs[r] * mu first in the same sum (the
-// centering of ring_dtp._fused: colsum(dZ) mu^T), which touches every row. Without the
-// rank-1 term, rows no token is labelled with are left untouched. Labels outside
-// [v0, v0 + nv) (ignore_index, other shards) are never rows.
+// rounding or two per chunk (torch's addmm_ rounds the product before adding it). The
+// label column's terms (dZ[t, y_t] = p - 1: the largest, and a frequent label has one in
+// every chunk) would add up over the chunks and make those roundings grow with the chunk
+// count, so the caller takes that column out of dZ into tc (fp32) before the dW GEMM and
+// this kernel adds it once: per element the label terms summed by fmaf in the order of sy
+// (labels sorted stably: deterministic), then one rounding of dW + sum. Optionally a
+// rank-1 term cs[r] * mu first in the same sum (the centering of ring_dtp._fused:
+// colsum(dZ) mu^T), which touches every row. Without the rank-1 term, rows no token is
+// labelled with are left untouched. Labels outside [v0, v0 + nv) (ignore_index, other
+// shards) are never rows.
 //
 // Two kernels. ce_dw_finish_runs_kernel: one warp per label run (the tokens of one label
 // are consecutive in sy; the warp at a position where the label changes owns that run) and
-// per slab of 32 x Vec<T>::n columns (grid.y), each lane one 16-byte vector of consecutive
+// per slab of 32 x Vec<T>::n columns (grid.x), each lane one 16-byte vector of consecutive
 // columns (kVec: the launcher checked h, the leading dims and the pointers for it; else the
 // same columns element by element). A warp, not a CTA: runs are mostly a few tokens long, so
 // what bounds the kernel is how many runs are in flight and how many bytes each latency
-// brings. It walks its run kFinishBatch tokens at a time: the next batch's labels and token
-// indices are loaded beside this batch's rows of x, and a batch the run fills is loaded
-// whole before its fmafs (which keep sy's order), so a frequent label's long run is walked a
-// batch, not a token, per step. With the rank-1 term it also
-// marks its row, and ce_dw_finish_rank1_kernel then adds cs[r] * mu (the same arithmetic:
-// acc = cs[r] * mu, no label term, one rounding) to every row not marked, 16-byte vectors.
+// brings. A warp reads sy, perm and tcs a window of 32 positions at a time (a lane each, the
+// next window in flight while this one is walked) and walks its run a group of 8 tokens at a
+// time, two groups' rows of x in flight, the fmafs in sy's order. With the rank-1 term it
+// also marks its row, and ce_dw_finish_rank1_kernel then adds cs[r] * mu (the same
+// arithmetic: acc = cs[r] * mu, no label term, one rounding) to every row not marked,
+// 16-byte vectors.
 // (Measured on an H200 at T = 32k, V = 151936: a CTA per row finding its run by two binary
 // searches in sy, then a token at a time, took 1.75 ms for uniform labels; a CTA per run
 // with the batch loads under their predicates, which the compiler serialised, 7.4 ms for
 // Zipf(1.1) labels, whose most frequent run is ~4300 tokens; a warp per run with a lane's 4
-// columns 32 apart, 2-byte loads, 1.0 ms for uniform labels. This one, with the sort: 0.60 ms
-// uniform, 1.68 ms Zipf (0.48 / 1.94 before tcs). Zipf's time is still not the bytes or the
-// batch count (16-token batches: the same 1.9 ms); not understood. Splitting a long run over
+// columns 32 apart, 2-byte loads, 1.0 ms for uniform labels; session 11's warp per run, 8
+// tokens per step, slabs across grid.y, with the sort: 0.60 ms uniform, 1.68 ms Zipf, 1.55 ms
+// Zipf's counts on shuffled ids. This one on the same machine: 0.59-0.65, 0.55-0.59 and
+// 0.64-0.71 ms (results/probe_finish_s12.log). Zipf had been slow for two reasons: a warp
+// walked its run one latency per 8 tokens, and with slabs across grid.y the last slab of a run
+// near the start of sy was dispatched only after 15/16 of the grid. Splitting a long run over
 // warps would change the sum's order, and so the CPU kernel's too.)
 constexpr int kFinishThreads = 128;                         // 4 warps, 4 runs
 constexpr int kFinishWarps = kFinishThreads / 32;
-constexpr int kFinishBatch = 8;                             // tokens of a run loaded at once
+constexpr int kFinishWindow = 32;                           // positions of sy a warp holds: one per lane
+constexpr int kFinishGroup = 8;                             // tokens whose rows of x are loaded at once
+constexpr int kFinishGroups = kFinishWindow / kFinishGroup;
+constexpr unsigned kFullWarp = 0xffffffffu;
+constexpr unsigned kFullGroup = (1u << kFinishGroup) - 1;
 template <typename T>
 constexpr int64_t finish_slab() { return 32 * Vec<T>::n; }  // columns per warp: 256 (bf16, fp16), 128 (fp32)
 
-// The next kFinishBatch positions of sy from kb: which of them carry label v (bit u of `in`;
-// the run's tokens in the batch, a prefix) and their tokens. Every load unconditional (positions
-// past t clamped to t - 1) and all issued before the first compare: under a short-circuit test
-// each label's load sat in its own branch and the warp waited on it before issuing the next,
-// 8 latencies per batch (the PTX showed it; a Zipf label's run of ~4300 tokens took ~3.7 us
-// per batch on an H200).
-struct RunBatch {
-  unsigned in;
-  int p[kFinishBatch];    // token indices (t < 2^31: checked by the launcher)
-  float w[kFinishBatch];  // their label terms (tcs: in sy's order, so no load waits on p)
-};
-
-__device__ __forceinline__ void load_run_batch(RunBatch &b, const int64_t *__restrict__ sy,
-                                               const int64_t *__restrict__ perm, const float *__restrict__ tcs,
-                                               int64_t kb, int64_t t, int64_t v) {
-  int64_t lab[kFinishBatch];
-#pragma unroll
-  for (int u = 0; u < kFinishBatch; ++u) {
-    const int64_t j = kb + u < t ? kb + u : t - 1;
-    lab[u] = sy[j];
-    b.p[u] = (int)perm[j];
-    b.w[u] = tcs[j];
-  }
-  b.in = 0;
-#pragma unroll
-  for (int u = 0; u < kFinishBatch; ++u) b.in |= (unsigned)((kb + u < t) & (lab[u] == v)) << u;
-}
-
 // A lane's Vec<T>::n consecutive columns of row p from col0, as floats. Past h the lane reads
 // the row's last columns instead (its sums there are never stored): no load is predicated,
-// so a batch's loads all issue before the first one returns (predicated, the compiler had
+// so a group's loads all issue before the first one returns (predicated, the compiler had
 // serialised them: one latency per token).
 template <typename T, bool kVec>
 __device__ __forceinline__ void load_lane_cols(const T *p, int64_t col0, int64_t h, float (&e)[Vec<T>::n]) {
@@ -690,64 +670,188 @@ __device__ __forceinline__ void load_lane_cols(const T *p, int64_t col0, int64_t
   }
 }
 
+// The same columns kept as loaded (one 16-byte vector in 4 registers where kVec), unpacked only
+// at the fmafs: a group in flight costs half the registers of its floats (bf16, fp16).
 template <typename T, bool kVec>
-__global__ void __launch_bounds__(kFinishThreads)
+struct LaneCols {
+  float e[Vec<T>::n];
+  __device__ __forceinline__ void load(const T *p, int64_t col0, int64_t h) { load_lane_cols<T, false>(p, col0, h, e); }
+  __device__ __forceinline__ void get(float (&x)[Vec<T>::n]) const {
+#pragma unroll
+    for (int i = 0; i < Vec<T>::n; ++i) x[i] = e[i];
+  }
+};
+template <typename T>
+struct LaneCols<T, true> {
+  uint4 r;
+  __device__ __forceinline__ void load(const T *p, int64_t col0, int64_t h) {
+    r = ldv(p + (col0 < h ? col0 : h - Vec<T>::n));
+  }
+  __device__ __forceinline__ void get(float (&x)[Vec<T>::n]) const { unpack_vec<T>(r, x); }
+};
+
+// Positions wb .. wb + 31 of sy, one per lane (past t clamped to t - 1: every load unconditional,
+// one coalesced load of each array per window): its label, its token, its label term (tcs is in
+// sy's order, so no load waits on a token index).
+struct RunWindow {
+  int64_t lab;
+  int p;    // token index (t < 2^31: checked by the launcher)
+  float w;
+};
+
+__device__ __forceinline__ void load_window(RunWindow &q, const int64_t *__restrict__ sy,
+                                            const int64_t *__restrict__ perm, const float *__restrict__ tcs,
+                                            int64_t wb, int64_t t, int lane) {
+  const int64_t j = wb + lane < t ? wb + lane : t - 1;
+  q.lab = sy[j];
+  q.p = (int)perm[j];
+  q.w = tcs[j];
+}
+
+// Where a warp is in its run: the window it reads (q), the next one, in flight once this one is
+// all the run's (nq), which of q's positions are the run's (in: a prefix, sy being sorted and
+// every earlier position of the window before being the run's), and the group of q it is at.
+struct RunCursor {
+  RunWindow q, nq;
+  int64_t wb;
+  unsigned in;
+  int gi;
+};
+
+__device__ __forceinline__ unsigned run_mask(const RunWindow &q, int64_t wb, int64_t t, int64_t v, int lane) {
+  return __ballot_sync(kFullWarp, (wb + lane < t) & (q.lab == v));
+}
+
+// Steps to the run's next group of kFinishGroup positions (into the next window after the last
+// group of this one, which the caller only does when that group was all the run's, so in is
+// full) and returns which of them are the run's (a prefix).
+__device__ __forceinline__ unsigned next_group(RunCursor &c, const int64_t *__restrict__ sy,
+                                               const int64_t *__restrict__ perm, const float *__restrict__ tcs,
+                                               int64_t t, int64_t v, int lane) {
+  if (++c.gi == kFinishGroups) {
+    c.wb += kFinishWindow;
+    c.q = c.nq;
+    c.in = run_mask(c.q, c.wb, t, v, lane);
+    if (c.in == kFullWarp) load_window(c.nq, sy, perm, tcs, c.wb + kFinishWindow, t, lane);
+    c.gi = 0;
+  }
+  return (c.in >> (c.gi * kFinishGroup)) & kFullGroup;
+}
+
+// A whole group of a run: this lane's columns of its tokens' rows of x, and where their label
+// terms are (lanes gi * kFinishGroup + u of its window's w, kept as one register per lane).
+template <typename T, bool kVec>
+struct RunGroup {
+  LaneCols<T, kVec> x[kFinishGroup];
+  float wq;
+  int gi;
+};
+
+template <typename T, bool kVec>
+__device__ __forceinline__ void load_group(RunGroup<T, kVec> &g, const RunCursor &c, const T *__restrict__ x,
+                                           int64_t ldx, int64_t c0, int64_t h) {
+  int p[kFinishGroup];
+#pragma unroll
+  for (int u = 0; u < kFinishGroup; ++u) p[u] = __shfl_sync(kFullWarp, c.q.p, c.gi * kFinishGroup + u);
+#pragma unroll
+  for (int u = 0; u < kFinishGroup; ++u) g.x[u].load(x + (int64_t)p[u] * ldx, c0, h);
+  g.wq = c.q.w;
+  g.gi = c.gi;
+}
+
+// acc += w[u] * x[u], u in sy's order: the sum's order is the CPU kernel's (csrc/ce.c).
+template <typename T, bool kVec>
+__device__ __forceinline__ void fma_group(float (&acc)[Vec<T>::n], const RunGroup<T, kVec> &g) {
+#pragma unroll
+  for (int u = 0; u < kFinishGroup; ++u) {
+    const float w = __shfl_sync(kFullWarp, g.wq, g.gi * kFinishGroup + u);
+    float e[Vec<T>::n];
+    g.x[u].get(e);
+#pragma unroll
+    for (int i = 0; i < Vec<T>::n; ++i) acc[i] = fmaf(w, e[i], acc[i]);
+  }
+}
+
+// 16-byte lanes of bf16/fp16 fit 96 registers: 5 CTAs per SM, as many runs in flight as session
+// 11's kernel (8 tokens at a time, 91 registers); unbounded, the two groups took 106 (4 CTAs).
+// The element-wise and fp32 lanes (fallback shapes, and fp32 inputs, which the op never
+// finishes) would spill at 96: bounded at 3 CTAs, as unbounded they take up to 168.
+template <typename T, bool kVec>
+constexpr int finish_min_ctas() { return kVec && sizeof(T) == 2 ? 5 : 3; }
+
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kFinishThreads, finish_min_ctas<T, kVec>())
     ce_dw_finish_runs_kernel(T *dw, int64_t ldw, int64_t v0, int64_t nv, const T *__restrict__ x, int64_t ldx,
                              int64_t h, const int64_t *__restrict__ sy, const int64_t *__restrict__ perm,
                              const float *__restrict__ tcs, int64_t t, const float *__restrict__ cs,
                              const float *__restrict__ mu, unsigned char *flags) {
   constexpr int N = Vec<T>::n;
-  constexpr unsigned kFull = (1u << kFinishBatch) - 1;
   const int lane = threadIdx.x & 31;
-  const int64_t c0 = (int64_t)blockIdx.y * finish_slab<T>() + (int64_t)lane * N;  // this lane's first column
-  const int64_t nwarps = (int64_t)gridDim.x * kFinishWarps;
-  for (int64_t k = (int64_t)blockIdx.x * kFinishWarps + (threadIdx.x >> 5); k < t; k += nwarps) {
-    const int64_t v = sy[k], before = sy[k > 0 ? k - 1 : 0];
-    RunBatch cur, next;
-    load_run_batch(cur, sy, perm, tcs, k, t, v);  // issued with sy[k]'s load: only the compare waits for v
+  const int64_t c0 = (int64_t)blockIdx.x * finish_slab<T>() + (int64_t)lane * N;  // this lane's first column
+  const int64_t nwarps = (int64_t)gridDim.y * kFinishWarps;
+  for (int64_t k = (int64_t)blockIdx.y * kFinishWarps + (threadIdx.x >> 5); k < t; k += nwarps) {
+    RunCursor c;
+    c.wb = k;
+    c.gi = 0;
+    load_window(c.q, sy, perm, tcs, k, t, lane);
+    const int64_t before = sy[k > 0 ? k - 1 : 0];              // issued with the window's loads
+    const int64_t v = __shfl_sync(kFullWarp, c.q.lab, 0);     // sy[k]
     if (v < v0 || v >= v0 + nv || (k > 0 && before == v)) continue;  // not a run start: uniform over the warp
+    c.in = run_mask(c.q, k, t, v, lane);
+    if (c.in == kFullWarp) load_window(c.nq, sy, perm, tcs, k + kFinishWindow, t, lane);
     const int64_t r = v - v0;
-    if (flags && blockIdx.y == 0 && lane == 0) flags[r] = 1;
+    if (flags && blockIdx.x == 0 && lane == 0) flags[r] = 1;
     T *row = dw + r * ldw;
-    float old[N], acc[N];
-    load_lane_cols<T, kVec>(row, c0, h, old);  // the row's loads first: they overlap the run's
+    LaneCols<T, kVec> old;
+    old.load(row, c0, h);  // the row's loads first: they overlap the run's
+    float acc[N];
     if (cs) {  // uniform over the grid; the loads unconditional (clamped), so issued together
-      const float c = cs[r];
+      const float cr = cs[r];
       float m[N];
 #pragma unroll
       for (int i = 0; i < N; ++i) m[i] = mu[c0 + i < h ? c0 + i : h - 1];
 #pragma unroll
-      for (int i = 0; i < N; ++i) acc[i] = __fmul_rn(c, m[i]);  // _rn: never contracted
+      for (int i = 0; i < N; ++i) acc[i] = __fmul_rn(cr, m[i]);  // _rn: never contracted
     } else {
 #pragma unroll
       for (int i = 0; i < N; ++i) acc[i] = 0.f;
     }
-    for (int64_t kb = k;; kb += kFinishBatch) {
-      if (cur.in == kFull) {  // the run may go on past this batch, and all of this batch is the run's
-        load_run_batch(next, sy, perm, tcs, kb + kFinishBatch, t, v);  // in flight beside this batch's x
-        float xv[kFinishBatch][N];  // every load issued, then the fmafs
+    // Whole groups, two in flight: a group's loads are issued before the previous group's
+    // fmafs, which wait for that group's (issued one step earlier). Unrolled by two so the
+    // groups stay in their registers (a copy of a group in flight would wait for its loads).
+    unsigned bits = c.in & kFullGroup;
+    if (bits == kFullGroup) {
+      RunGroup<T, kVec> a, b;
+      load_group(a, c, x, ldx, c0, h);
+      for (;;) {
+        bits = next_group(c, sy, perm, tcs, t, v, lane);
+        if (bits != kFullGroup) { fma_group(acc, a); break; }
+        load_group(b, c, x, ldx, c0, h);
+        fma_group(acc, a);
+        bits = next_group(c, sy, perm, tcs, t, v, lane);
+        if (bits != kFullGroup) { fma_group(acc, b); break; }
+        load_group(a, c, x, ldx, c0, h);
+        fma_group(acc, b);
+      }
+    }
+    // The run's last tokens: a prefix (bits) of group c.gi, one at a time (a run of one token,
+    // the common case for uniform labels, loads one row).
 #pragma unroll
-        for (int u = 0; u < kFinishBatch; ++u) load_lane_cols<T, kVec>(x + (int64_t)cur.p[u] * ldx, c0, h, xv[u]);
+    for (int u = 0; u < kFinishGroup; ++u) {
+      const int src = c.gi * kFinishGroup + u;
+      const int p = __shfl_sync(kFullWarp, c.q.p, src);
+      const float w = __shfl_sync(kFullWarp, c.q.w, src);
+      if ((bits >> u) & 1u) {
+        float xv[N];
+        load_lane_cols<T, kVec>(x + (int64_t)p * ldx, c0, h, xv);
 #pragma unroll
-        for (int u = 0; u < kFinishBatch; ++u)
-#pragma unroll
-          for (int i = 0; i < N; ++i) acc[i] = fmaf(cur.w[u], xv[u][i], acc[i]);
-        cur = next;
-      } else {  // the run's last tokens (a prefix of the batch), one at a time
-#pragma unroll
-        for (int u = 0; u < kFinishBatch; ++u)
-          if ((cur.in >> u) & 1u) {
-            float xv[N];
-            load_lane_cols<T, kVec>(x + (int64_t)cur.p[u] * ldx, c0, h, xv);
-#pragma unroll
-            for (int i = 0; i < N; ++i) acc[i] = fmaf(cur.w[u], xv[i], acc[i]);
-          }
-        break;
+        for (int i = 0; i < N; ++i) acc[i] = fmaf(w, xv[i], acc[i]);
       }
     }
     float d[N];
+    old.get(d);
 #pragma unroll
-    for (int i = 0; i < N; ++i) d[i] = __fadd_rn(old[i], acc[i]);
+    for (int i = 0; i < N; ++i) d[i] = __fadd_rn(d[i], acc[i]);
     if constexpr (kVec) {
       if (c0 < h) *reinterpret_cast<uint4 *>(row + c0) = pack_vec<T>(d);
     } else {
@@ -896,8 +1000,10 @@ void launch_dw_finish(T *dw, int64_t ldw, int64_t v0, int64_t nv, const T *x, in
                       const float *mu, unsigned char *flags, cudaStream_t sm) {
   constexpr int64_t N = Vec<T>::n;
   if (t > 0) {
-    const dim3 runs(grid_for((t + kFinishWarps - 1) / kFinishWarps),
-                    (unsigned)((h + finish_slab<T>() - 1) / finish_slab<T>()));
+    // Column slabs across x, so a run's slabs are dispatched together (a run's warps in grid.y
+    // order had the last slab of a frequent label's run start only after 15/16 of the grid).
+    const dim3 runs((unsigned)((h + finish_slab<T>() - 1) / finish_slab<T>()),
+                    grid_for((t + kFinishWarps - 1) / kFinishWarps));
     // 16-byte lanes: every row of dw and x starts on a 16-byte boundary and h fills whole vectors
     const bool vec = h % N == 0 && ldw % N == 0 && ldx % N == 0 && ((uintptr_t)dw & 15u) == 0 &&
                      ((uintptr_t)x & 15u) == 0;
@@ -1094,9 +1200,6 @@ mp_status mp_ce_dw_finish_cuda(void *dw, int dtype, int64_t ldw, int64_t v0, int
   cudaStream_t sm = MP_STREAM(stream);
   if (nv <= 0 || h <= 0 || (t <= 0 && !cs)) return MP_OK;
   {
-    const int64_t slab = 32 * (dtype == 0 ? 4 : 8);  // finish_slab<T>()
-    if ((h + slab - 1) / slab > 65535)
-      MP_FAIL(st, MP_ERR_INVALID, "ce_dw_finish: h = %lld needs more than 65535 column slabs", (long long)h);
     if (t > INT_MAX) MP_FAIL(st, MP_ERR_INVALID, "ce_dw_finish: t = %lld tokens, at most %d", (long long)t, INT_MAX);
     switch (dtype) {
       case 0:

@@ -850,8 +850,9 @@ def test_cuda_auto_within_issue_budget():
 # (T, H, V, v0, nv): H = 2100 over 9 of the CUDA kernel's 256-column bf16/fp16 slabs (17 of
 # 128 in fp32), the last partial, and not a whole number of 16-byte vectors in bf16/fp16 (the
 # kernel's element-wise lanes); H = 24 in vectors; a 20000-row shard, most of its rows
-# unlabelled (the rank-1 pass's rows).
-FINISH_SHAPES = [(300, 2100, 50, 10, 30), (3000, 24, 25000, 1000, 20000)]
+# unlabelled (the rank-1 pass's rows); V = 20 all in the shard, so runs of ~35 tokens cross
+# the kernel's 32-position windows and the last label's run ends at the end of sy.
+FINISH_SHAPES = [(300, 2100, 50, 10, 30), (3000, 24, 25000, 1000, 20000), (700, 264, 20, 0, 20)]
 
 
 def _check_finish_dw(device, dtype, rank1=False, shape=FINISH_SHAPES[0]):
@@ -865,8 +866,12 @@ def _check_finish_dw(device, dtype, rank1=False, shape=FINISH_SHAPES[0]):
     x = torch.randn(T, H, generator=g).to(dtype)
     y = torch.randint(0, V, (T,), generator=g)
     y[::7] = -100                                              # ignore_index: never a row
-    y[:40] = v0 + 2                                            # a run of whole batches of 8 (CUDA)
-    y[50:61] = v0 + 3                                          # one batch and 3 tokens
+    # Runs against the CUDA kernel's walk (windows of 32 positions, groups of 8 tokens):
+    y[:40] = v0 + 2                                            # a window and one group
+    y[50:61] = v0 + 3                                          # a group and 3 tokens
+    y[61:93] = v0 + 4                                          # exactly one window
+    y[100:116] = v0 + 5                                        # exactly two groups
+    y[120:191] = v0 + 6                                        # two windows and 7 tokens
     y[40:45] = v0                                              # the shard's first and last rows
     y[45:47] = v0 + nv - 1
     tc = torch.randn(T, generator=g)
@@ -893,7 +898,8 @@ def _check_finish_dw(device, dtype, rank1=False, shape=FINISH_SHAPES[0]):
     labelled = yc[(yc >= v0) & (yc < v0 + nv)] - v0
     untouched = torch.ones(nv, dtype=torch.bool)
     untouched[labelled.unique()] = False
-    assert untouched.any() and torch.equal(dw.cpu()[untouched], dw0[untouched])
+    assert untouched.any() == (nv > 20)                        # every row labelled in the V = 20 shape
+    assert torch.equal(dw.cpu()[untouched], dw0[untouched])
 
 
 @pytest.mark.parametrize("shape", FINISH_SHAPES)
