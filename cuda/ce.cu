@@ -31,6 +31,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include <atomic>
 #include <type_traits>
 
 #include "common.cuh"
@@ -940,6 +941,44 @@ void launch_grad(const void *z, int64_t ldz, int64_t t, int v, int nv, int64_t v
         (Out *)out, ldo);
 }
 
+// The (logits, dZ) element types the gradient kernels take, by dtype code (0 fp32, 1 bf16, 2 fp16):
+// (0, 0..2), (1, 1), (2, 2). Calls f(Tag<In>{}, Tag<Out>{}) for a known pair; false for any other.
+template <typename T>
+struct Tag { using type = T; };
+
+template <typename F>
+bool with_grad_dtypes(int z_dtype, int out_dtype, F &&f) {
+  switch (z_dtype * 3 + out_dtype) {
+    case 0: f(Tag<float>{}, Tag<float>{}); return true;
+    case 1: f(Tag<float>{}, Tag<__nv_bfloat16>{}); return true;
+    case 2: f(Tag<float>{}, Tag<__half>{}); return true;
+    case 4: f(Tag<__nv_bfloat16>{}, Tag<__nv_bfloat16>{}); return true;
+    case 8: f(Tag<__half>{}, Tag<__half>{}); return true;
+    default: return false;
+  }
+}
+
+// SMs x resident CTAs per SM of the colsum kernel <In, Out, kCap> on the current device: queried
+// once per device (each chunk's launch used to query the device and the occupancy), 0 when a
+// query fails. Threads may race to fill an entry; they write the same value.
+template <typename In, typename Out, bool kCap, typename K>
+int resident_ctas(K kernel) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];  // zero-initialised: not queried yet
+  int dev = 0, sms = 0, per_sm = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+  if (dev >= 0 && dev < kMaxDevices) {
+    const int known = cache[dev].load(std::memory_order_relaxed);
+    if (known > 0) return known;
+  }
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kSlabThreads, 0) != cudaSuccess)
+    return 0;
+  const int resident = sms * (per_sm > 0 ? per_sm : 1);
+  if (dev >= 0 && dev < kMaxDevices) cache[dev].store(resident, std::memory_order_relaxed);
+  return resident;
+}
+
 // The slab kernel + the reduction; returns the number of row groups used (<= gmax), 0 on a bad launch.
 template <typename In, typename Out, bool kCap>
 int launch_grad_colsum_t(const void *z, int64_t ldz, int64_t t, int v, int nv, int64_t v0, const int64_t *labels,
@@ -948,14 +987,12 @@ int launch_grad_colsum_t(const void *z, int64_t ldz, int64_t t, int v, int nv, i
                          float *part, int64_t ldp, int gmax, float *cs, int first, cudaStream_t stream) {
   constexpr int N = Vec<In>::n;
   auto kernel = ce_grad_colsum_kernel<In, Out, kCap>;
-  int dev = 0, sms = 0, per_sm = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kSlabThreads, 0) != cudaSuccess)
-    return 0;
+  const int resident = resident_ctas<In, Out, kCap>(kernel);
+  if (resident == 0) return 0;
   // One wave: as many row groups as fit next to the column slabs (at V = 151936, bf16: 75 slabs of
   // 2048 columns, 4 x 132 resident CTAs, 7 groups of <= 293 rows), at most gmax (part's rows).
   const int64_t slabs = ((int64_t)v + (int64_t)kSlabThreads * N - 1) / ((int64_t)kSlabThreads * N);
-  int64_t groups = (int64_t)sms * (per_sm > 0 ? per_sm : 1) / (slabs > 0 ? slabs : 1);
+  int64_t groups = (int64_t)resident / (slabs > 0 ? slabs : 1);
   groups = groups < 1 ? 1 : (groups > gmax ? gmax : groups);
   groups = groups > t ? t : groups;
   const int64_t rows_per_group = (t + groups - 1) / groups;
@@ -1055,32 +1092,16 @@ mp_status mp_ce_grad_cuda(const void *z, int z_dtype, int64_t ldz, int64_t t, in
   if (v < 0 || v > INT_MAX) MP_FAIL(st, MP_ERR_INVALID, "ce_grad: v must be in [0, 2^31), got %lld", (long long)v);
   {
     const int vi = (int)v, nv = valid_cols(v, v0, v_valid);
-    switch (z_dtype * 3 + out_dtype) {
-      case 0:  // fp32 logits, fp32 dZ in place
-        launch_grad<float, float>(z, ldz, t, vi, nv, v0, labels, ignore_index, softcap, mrow, ls, q, g, g_stride,
-                                  eps, uni, zloss, (void *)z, ldz, sm);
-        break;
-      case 1:
-        launch_grad<float, __nv_bfloat16>(z, ldz, t, vi, nv, v0, labels, ignore_index, softcap, mrow, ls, q, g,
-                                          g_stride, eps, uni, zloss, out, ldo, sm);
-        break;
-      case 2:
-        launch_grad<float, __half>(z, ldz, t, vi, nv, v0, labels, ignore_index, softcap, mrow, ls, q, g, g_stride,
-                                   eps, uni, zloss, out, ldo, sm);
-        break;
-      case 4:  // bf16 logits, bf16 dZ in place
-        launch_grad<__nv_bfloat16, __nv_bfloat16>(z, ldz, t, vi, nv, v0, labels, ignore_index, softcap, mrow, ls,
-                                                  q, g, g_stride, eps, uni, zloss, out, ldo, sm);
-        break;
-      case 8:  // fp16 logits, fp16 dZ in place
-        launch_grad<__half, __half>(z, ldz, t, vi, nv, v0, labels, ignore_index, softcap, mrow, ls, q, g, g_stride,
-                                    eps, uni, zloss, out, ldo, sm);
-        break;
-      default:
-        MP_FAIL(st, MP_ERR_INVALID,
-                "ce_grad: (z_dtype, out_dtype) must be (0, 0..2), (1, 1) or (2, 2), got (%d, %d)", z_dtype,
-                out_dtype);
-    }
+    const bool known = with_grad_dtypes(z_dtype, out_dtype, [&](auto in, auto out_tag) {
+      using In = typename decltype(in)::type;
+      using Out = typename decltype(out_tag)::type;
+      constexpr bool in_place = std::is_same<In, Out>::value;  // fp32 / fp32 included: dZ in place
+      launch_grad<In, Out>(z, ldz, t, vi, nv, v0, labels, ignore_index, softcap, mrow, ls, q, g, g_stride, eps, uni,
+                           zloss, in_place ? (void *)z : out, in_place ? ldz : ldo, sm);
+    });
+    if (!known)
+      MP_FAIL(st, MP_ERR_INVALID, "ce_grad: (z_dtype, out_dtype) must be (0, 0..2), (1, 1) or (2, 2), got (%d, %d)",
+              z_dtype, out_dtype);
   }
   MP_CUDA_CHECK_LAUNCH(st);
 fail:
@@ -1115,36 +1136,16 @@ mp_status mp_ce_grad_colsum_cuda(const void *z, int z_dtype, int64_t ldz, int64_
               "nv %d", (long long)gmax, (long long)ldp, nv);
     const int vi = (int)v, gm = (int)gmax;
     int used = 0;
-    switch (z_dtype * 3 + out_dtype) {
-      case 0:
-        used = launch_grad_colsum<float, float>(z, ldz, t, vi, nv, v0, labels, ignore_index, softcap, mrow, ls, q, g,
-                                                g_stride, eps, uni, zloss, out, ldo, part, ldp, gm, cs, first, sm);
-        break;
-      case 1:
-        used = launch_grad_colsum<float, __nv_bfloat16>(z, ldz, t, vi, nv, v0, labels, ignore_index, softcap, mrow,
-                                                        ls, q, g, g_stride, eps, uni, zloss, out, ldo, part, ldp, gm,
-                                                        cs, first, sm);
-        break;
-      case 2:
-        used = launch_grad_colsum<float, __half>(z, ldz, t, vi, nv, v0, labels, ignore_index, softcap, mrow, ls, q,
-                                                 g, g_stride, eps, uni, zloss, out, ldo, part, ldp, gm, cs, first,
-                                                 sm);
-        break;
-      case 4:
-        used = launch_grad_colsum<__nv_bfloat16, __nv_bfloat16>(z, ldz, t, vi, nv, v0, labels, ignore_index,
-                                                                softcap, mrow, ls, q, g, g_stride, eps, uni, zloss,
-                                                                out, ldo, part, ldp, gm, cs, first, sm);
-        break;
-      case 8:
-        used = launch_grad_colsum<__half, __half>(z, ldz, t, vi, nv, v0, labels, ignore_index, softcap, mrow, ls, q,
-                                                  g, g_stride, eps, uni, zloss, out, ldo, part, ldp, gm, cs, first,
-                                                  sm);
-        break;
-      default:
-        MP_FAIL(st, MP_ERR_INVALID,
-                "ce_grad_colsum: (z_dtype, out_dtype) must be (0, 0..2), (1, 1) or (2, 2), got (%d, %d)", z_dtype,
-                out_dtype);
-    }
+    const bool known = with_grad_dtypes(z_dtype, out_dtype, [&](auto in, auto out_tag) {
+      using In = typename decltype(in)::type;
+      using Out = typename decltype(out_tag)::type;
+      used = launch_grad_colsum<In, Out>(z, ldz, t, vi, nv, v0, labels, ignore_index, softcap, mrow, ls, q, g, g_stride,
+                                         eps, uni, zloss, out, ldo, part, ldp, gm, cs, first, sm);
+    });
+    if (!known)
+      MP_FAIL(st, MP_ERR_INVALID,
+              "ce_grad_colsum: (z_dtype, out_dtype) must be (0, 0..2), (1, 1) or (2, 2), got (%d, %d)", z_dtype,
+              out_dtype);
     if (used == 0)
       MP_FAIL(st, MP_ERR_CUDA, "ce_grad_colsum: device query failed: %s", cudaGetErrorString(cudaGetLastError()));
   }
