@@ -11,10 +11,9 @@ Arms, in one process per rank, on the same inputs:
       moepeak.linear_cross_entropy(X_r, W_r, y_r, group=WORLD, ring=...), over
       the default transport (torch.distributed on the nccl group) and, for the
       two variants, moepeak's NCCL-from-C transport (transport column "nccl").
-      The bench hands the ring its own NcclTransport by swapping the module's
-      get_transport for the duration of those arms (_use_transport; written
-      before linear_cross_entropy had transport="nccl", which selects the same
-      transport class through a shared communicator).
+      The bench hands the ring its own NcclTransport as linear_cross_entropy's
+      `transport` (a Transport instance; transport="nccl" selects the same class
+      through a shared communicator).
   megatron_vp
       Megatron-style vocab-parallel cross-entropy, plain PyTorch autograd
       (_VocabParallelCE below): all-gather the hidden (every rank sees all
@@ -60,7 +59,6 @@ Rows go to DIR/ring_dtp_dist.csv (rank 0 appends after each shape).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import gc
 import math
@@ -80,7 +78,6 @@ sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.insert(0, _HERE)
 from _common import append_rows, cuda_times_ms, is_oom, machine_row, peak_above, relerr  # noqa: E402
 import moepeak  # noqa: E402
-from moepeak import ring_dtp_ring  # noqa: E402
 from moepeak.transport import Handle, Transport  # noqa: E402
 
 GiB = 1 << 30
@@ -168,17 +165,6 @@ def replay_fn(log, tr: Transport, dev):
     return run, sent
 
 
-@contextlib.contextmanager
-def _use_transport(tr):
-    """moepeak.ring_dtp_ring.get_transport returns `tr` inside the block."""
-    orig = ring_dtp_ring.get_transport
-    ring_dtp_ring.get_transport = lambda group, *a, **k: tr
-    try:
-        yield
-    finally:
-        ring_dtp_ring.get_transport = orig
-
-
 # ---------------------------------------------------------------------------
 # Baselines: Megatron-style vocab-parallel cross-entropy, all-gathered weight
 # ---------------------------------------------------------------------------
@@ -256,9 +242,9 @@ def allgather_w(x, w, y, group):
     return loss, loss
 
 
-def ring(variant, group):
+def ring(variant, group, transport="auto"):
     def fn(x, w, y):
-        loss = moepeak.linear_cross_entropy(x, w, y, group=group, ring=variant)
+        loss = moepeak.linear_cross_entropy(x, w, y, group=group, ring=variant, transport=transport)
         return loss, loss
     return fn
 
@@ -439,13 +425,8 @@ def run_shape(T, H, V, dtype, args, dev, nccl_tr, nccl_why):
     for variant in ("weights", "activations"):
         local = LocalTransport(r, P)
         rec = RecordingTransport(local)
-        step = pb.step_fn(ring(variant, group))
-
-        def first(step=step, rec=rec):  # the warm-up call records one call's exchanges
-            with _use_transport(rec):
-                step()
-        with _use_transport(local):
-            m = measure(pb, ring(variant, group), args, first=first)
+        first = pb.step_fn(ring(variant, group, rec))  # the warm-up call records one call's exchanges
+        m = measure(pb, ring(variant, group, local), args, first=first)
         log = rec.log
         if m["status"] == "ok":
             t_comp[variant] = m["t"][0]
@@ -467,9 +448,7 @@ def run_shape(T, H, V, dtype, args, dev, nccl_tr, nccl_why):
         arms += [("weights", "nccl"), ("activations", "nccl")]
     for variant, tname in arms:
         real = auto if variant == "auto" else variant
-        ctxm = _use_transport(nccl_tr) if tname == "nccl" else contextlib.nullcontext()
-        with ctxm:
-            m = measure(pb, ring(variant, group), args, ref=ref)
+        m = measure(pb, ring(variant, group, nccl_tr if tname == "nccl" else "auto"), args, ref=ref)
         kw = {}
         if m["status"] == "ok" and real in t_comp and (real, tname) in t_comm:
             tc, tm = t_comp[real], t_comm[(real, tname)]
