@@ -76,8 +76,13 @@ count (naive bf16: dX 1.67e-3, dW 1.02e-3):
   at 2.75 GiB, Liger 756.2 / 780.5 / 772.0. A fourth (03:33 UTC, probe 775 TFLOP/s, the
   finish of session 11): 192.4 ms uncentered (1.22x), 194.8 centered (1.23x; the default
   since: past 8 chunks), naive + compile 196.6, Liger 210.6; round-robin 192.3 / 194.1 /
-  196.7 / 213.5. The ratio follows the machine's probe more than the code; TunableOp found
-  no cuBLAS/cuBLASLt algorithm faster than the default for these GEMMs.
+  196.7 / 213.5. A fifth (04:38 UTC, probe 779 TFLOP/s, session 12's finish): 187.8-188.9
+  ms centered in three same-code arms (1.196-1.203x), naive + compile 188.3, Liger 201.6;
+  round-robin 188.3 / 188.6 / 206.1; 128k 747.8 ms, Liger 747.4. The ratio follows the
+  machine's probe more than the code; TunableOp found no cuBLAS/cuBLASLt algorithm faster
+  than the default for these GEMMs. The largest excess over the GEMMs' probe rate is dW's
+  bf16 accumulation: cuBLAS's beta = 1 epilogue reads dW before each of 15 writes, 0.5 ms
+  a chunk.
   Where the 32k time goes, and the grid over T, H, V: benchmarks/RESULTS.md.
 Error growth with the chunk count. fused* accumulate dW in bf16 over the token chunks,
 vocab_outer_lowp dX over its vocab blocks: on CUDA torch's bf16 addmm_ gives
