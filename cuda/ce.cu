@@ -656,34 +656,26 @@ constexpr unsigned kFullGroup = (1u << kFinishGroup) - 1;
 template <typename T>
 constexpr int64_t finish_slab() { return 32 * Vec<T>::n; }  // columns per warp: 256 (bf16, fp16), 128 (fp32)
 
-// A lane's Vec<T>::n consecutive columns of row p from col0, as floats. Past h the lane reads
-// the row's last columns instead (its sums there are never stored): no load is predicated,
-// so a group's loads all issue before the first one returns (predicated, the compiler had
-// serialised them: one latency per token).
-template <typename T, bool kVec>
-__device__ __forceinline__ void load_lane_cols(const T *p, int64_t col0, int64_t h, float (&e)[Vec<T>::n]) {
-  constexpr int N = Vec<T>::n;
-  if constexpr (kVec) {  // h is a multiple of N
-    unpack_vec<T>(ldv(p + (col0 < h ? col0 : h - N)), e);
-  } else {
-#pragma unroll
-    for (int i = 0; i < N; ++i) e[i] = ld(p, col0 + i < h ? col0 + i : h - 1);
-  }
-}
-
-// The same columns kept as loaded (one 16-byte vector in 4 registers where kVec), unpacked only
-// at the fmafs: a group in flight costs half the registers of its floats (bf16, fp16).
+// A lane's Vec<T>::n consecutive columns of a row from col0: one 16-byte vector kept as loaded
+// (4 registers, unpacked only at the fmafs: a group in flight costs half the registers of its
+// floats in bf16/fp16) where kVec, else element by element as floats. Past h the lane reads the
+// row's last columns instead (its sums there are never stored): no load is predicated, so a
+// group's loads all issue before the first one returns (predicated, the compiler had serialised
+// them: one latency per token).
 template <typename T, bool kVec>
 struct LaneCols {
   float e[Vec<T>::n];
-  __device__ __forceinline__ void load(const T *p, int64_t col0, int64_t h) { load_lane_cols<T, false>(p, col0, h, e); }
+  __device__ __forceinline__ void load(const T *p, int64_t col0, int64_t h) {
+#pragma unroll
+    for (int i = 0; i < Vec<T>::n; ++i) e[i] = ld(p, col0 + i < h ? col0 + i : h - 1);
+  }
   __device__ __forceinline__ void get(float (&x)[Vec<T>::n]) const {
 #pragma unroll
     for (int i = 0; i < Vec<T>::n; ++i) x[i] = e[i];
   }
 };
 template <typename T>
-struct LaneCols<T, true> {
+struct LaneCols<T, true> {  // h is a multiple of Vec<T>::n
   uint4 r;
   __device__ __forceinline__ void load(const T *p, int64_t col0, int64_t h) {
     r = ldv(p + (col0 < h ? col0 : h - Vec<T>::n));
@@ -843,8 +835,10 @@ __global__ void __launch_bounds__(kFinishThreads, finish_min_ctas<T, kVec>())
       const int p = __shfl_sync(kFullWarp, c.q.p, src);
       const float w = __shfl_sync(kFullWarp, c.q.w, src);
       if ((bits >> u) & 1u) {
+        LaneCols<T, kVec> xr;
+        xr.load(x + (int64_t)p * ldx, c0, h);
         float xv[N];
-        load_lane_cols<T, kVec>(x + (int64_t)p * ldx, c0, h, xv);
+        xr.get(xv);
 #pragma unroll
         for (int i = 0; i < N; ++i) acc[i] = fmaf(w, xv[i], acc[i]);
       }

@@ -81,8 +81,8 @@ count (naive bf16: dX 1.67e-3, dW 1.02e-3):
   round-robin 188.3 / 188.6 / 206.1; 128k 747.8 ms, Liger 747.4. The ratio follows the
   machine's probe more than the code; TunableOp found no cuBLAS/cuBLASLt algorithm faster
   than the default for these GEMMs. The largest excess over the GEMMs' probe rate is dW's
-  bf16 accumulation: cuBLAS's beta = 1 epilogue reads dW before each of 15 writes, 0.5 ms
-  a chunk.
+  GEMM: K = 2048 rows against a 1.24 GB output, 3.75-3.85 ms a chunk where dX's, the same
+  FLOPs, takes 3.45 (H200 profile, 04:46 UTC).
   Where the 32k time goes, and the grid over T, H, V: benchmarks/RESULTS.md.
 Error growth with the chunk count. fused* accumulate dW in bf16 over the token chunks,
 vocab_outer_lowp dX over its vocab blocks: on CUDA torch's bf16 addmm_ gives
