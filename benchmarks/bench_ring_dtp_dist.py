@@ -7,10 +7,12 @@ reports the mean loss of its own tokens; gradients are those of the sum of
 all ranks' losses: dX_r, and dW_r for the rank's shard (Ring-DTP's contract).
 
 Arms, in one process per rank, on the same inputs:
-  ring_weights / ring_activations / ring_auto
+  ring_weights / ring_activations / ring_auto / ring_gather
       moepeak.linear_cross_entropy(X_r, W_r, y_r, group=WORLD, ring=...), over
       the default transport (torch.distributed on the nccl group) and, for the
-      two variants, moepeak's NCCL-from-C transport (transport column "nccl").
+      two variants and gather, moepeak's NCCL-from-C transport (transport column
+      "nccl"). ring_gather is moepeak's all-gather schedule (the whole weight, the
+      single-device op, each shard's gradient summed at its owner).
       The bench hands the ring its own NcclTransport as linear_cross_entropy's
       `transport` (a Transport instance; transport="nccl" selects the same class
       through a shared communicator).
@@ -447,9 +449,9 @@ def run_shape(T, H, V, dtype, args, dev, nccl_tr, nccl_why):
 
     # the ring arms
     auto = "weights" if V // P <= T else "activations"  # ring_dtp_ring's rule (V_max <= T_max)
-    arms = [("weights", "torch"), ("activations", "torch"), ("auto", "torch")]
+    arms = [("weights", "torch"), ("activations", "torch"), ("auto", "torch"), ("gather", "torch")]
     if nccl_tr is not None:
-        arms += [("weights", "nccl"), ("activations", "nccl")]
+        arms += [("weights", "nccl"), ("activations", "nccl"), ("gather", "nccl")]
     for variant, tname in arms:
         real = auto if variant == "auto" else variant
         m = measure(pb, ring(variant, group, nccl_tr if tname == "nccl" else "auto"), args, ref=ref)
@@ -463,7 +465,7 @@ def run_shape(T, H, V, dtype, args, dev, nccl_tr, nccl_why):
             else None
         row(f"ring_{variant}", tname, m, note=note, **kw)
     if nccl_tr is None:
-        for variant in ("weights", "activations"):
+        for variant in ("weights", "activations", "gather"):
             rows.append(dict(base, arm=f"ring_{variant}", transport="nccl", status=f"skipped: {nccl_why}"))
 
     # baselines

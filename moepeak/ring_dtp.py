@@ -661,12 +661,16 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
     "vocab_outer", "vocab_outer_lowp", "token_outer"); all give the same loss and
     gradients up to rounding, and differ in speed, workspace and where they round
     (vocab_outer is the exact choice). chunk_tokens / chunk_vocab override the
-    block sizes the workspace budget picks. With `group`, the ring runs its own
-    exact 4-GEMM order and `mode` is not used. The ring bounds what grows with the
-    vocabulary to a 1/P shard; where the whole weight and its gradient fit, gathering
-    the weight (its gradient reduce-scattered back) and calling without `group` runs the
-    3-GEMM op instead, measured faster and smaller at P = 2 (two H200s, 32k tokens per
-    rank, H = 4096, V = 151936: 193 ms / 3.15 GiB against the ring's 299 ms / 3.49 GiB).
+    block sizes the workspace budget picks.
+    group: `weight` is this rank's dim-0 vocab shard, the loss is that of this rank's tokens
+    against the whole vocabulary, and the shard's gradient is that of the sum of the
+    group's losses. ring: "weights" / "activations" circulate shards or tokens around the
+    group (exact 4-GEMM order, `mode` not used; "auto" picks the one moving fewer bytes) and
+    hold only a 1/P shard of what grows with the vocabulary; "gather" all-gathers the whole
+    weight, runs the single-device op (`mode` applies) and sums each shard's gradient back
+    at its owner: 2 V H more elements, faster where they fit (two H200s, P = 2, 32k tokens
+    per rank, H = 4096, V = 151936: 193 ms / 3.15 GiB against the activations ring's
+    299 ms / 3.49 GiB).
     transport (with `group`): "auto" / "torch" (torch.distributed on the group), "nccl"
     (moepeak's NCCL-from-C transport, CUDA tensors; one communicator per group and
     device, created collectively on the first call and kept), or a moepeak Transport.
@@ -679,6 +683,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
     x = hidden.reshape(-1, hidden.shape[-1])
     x = x if x.is_contiguous() else x.contiguous()
     y = labels.reshape(-1).to(torch.int64).contiguous()
+    if group is not None and ring == "gather":  # the whole weight here, then the single-device op
+        from .ring_dtp_ring import gather_vocab_shards
+        weight, group = gather_vocab_shards(weight, group, transport, bias), None
     if group is not None:
         from .ring_dtp_ring import ring_linear_cross_entropy
         loss, lse = ring_linear_cross_entropy(x, weight, y, bias, group, ring, ignore_index, reduction,
@@ -719,7 +726,7 @@ class RingDTPLinearCrossEntropy(torch.nn.Module):
 
     Sharded weight (FSDP2 layout): `shard_(mesh)` makes `.weight` a Shard(0)
     DTensor; forward then uses weight.to_local() as this rank's ring shard and
-    the mesh's group (no all-gather of the full weight ever happens). Under
+    the mesh's group (no all-gather of the full weight happens, unless ring="gather"). Under
     `fully_shard(model, mesh=mesh, ignored_params={head.weight})` FSDP2 leaves
     that weight to the ring (without ignored_params FSDP2 would all-gather it
     before forward; the result is still right, through the single-device op).

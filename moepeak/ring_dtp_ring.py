@@ -5,7 +5,8 @@ tokens against the full vocabulary (the same as the single-device op on
 (X_r, W)); each rank's weight gradient is that of the *sum* of all ranks'
 losses with respect to its shard (what a data-parallel all-reduce would give).
 
-Two variants, chosen by `ring` ("weights", "activations", "auto"):
+Two ring variants, chosen by `ring` ("weights", "activations", "auto"), and a third
+schedule that is not a ring (`ring="gather"`, below):
  (a) weights circulate: step k, rank r holds the shard of owner o = (r-k) % P,
      received from r-1 while step k-1 computed, and folds it into its own
      tokens' state. Backward circulates W again; a dW accumulator
@@ -41,6 +42,16 @@ buffers, and the columns past a shard's real rows are masked (-inf logits,
 zero gradient) by the kernels' v_valid bound; tokens are padded likewise with
 ignore_index labels. Shapes are exchanged once per call with an all_gather of
 two ints (a host sync on GPU, once per call; the schedule itself has none).
+
+ring="gather" (never chosen by "auto"): all-gather the shards into the whole weight
+[V, H], run the single-device op on this rank's tokens (its 3-GEMM fused schedule, `mode`
+applies), and send each shard's rows of this rank's weight gradient to the owner, who sums
+the P contributions in fp32 (all_to_all_v, then one rounding). It holds the whole weight
+and its whole gradient, 2 V H elements, where the rings hold a shard: the choice when those
+fit and speed matters. Two H200s, T = 32k per rank, H = 4096, V = 151936, bf16: 193 ms and
+3.15 GiB per rank, against the activations ring's 299 ms and 3.49 GiB (measured with the
+bench's own all-gather, benchmarks/RESULTS.md); at larger P or V x H the rings' 1/P shard
+wins on memory.
 """
 from __future__ import annotations
 
@@ -52,7 +63,7 @@ import torch
 from . import ring_dtp_blocks as B
 from .transport import Transport, get_transport, shared_nccl_transport
 
-RINGS = ("auto", "weights", "activations")
+RINGS = ("auto", "weights", "activations", "gather")
 
 
 def _fold_into(x, w, y, v_off, v_valid, st, ignore_index, softcap, ct, cv):
@@ -122,16 +133,26 @@ class _AccRing:
         return self.cur
 
 
-class _Geometry:
-    """Sizes of every rank, exchanged once: shard rows, offsets, token counts."""
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 
-    def __init__(self, tr, T: int, Vr: int, device):
-        sizes = torch.empty((tr.world_size, 2), dtype=torch.int64, device=device)
-        tr.all_gather(sizes, torch.tensor([Vr, T], dtype=torch.int64, device=device))
+
+class _Geometry:
+    """Sizes of every rank, exchanged once: shard rows, offsets, token counts; the hidden
+    size and dtype of the shards, which must agree (every rank sees the same table, so a
+    mismatch raises on all of them, where the exchanges would fail or hang)."""
+
+    def __init__(self, tr, T: int, w: torch.Tensor):
+        Vr, H = w.shape
+        sizes = torch.empty((tr.world_size, 4), dtype=torch.int64, device=w.device)
+        tr.all_gather(sizes, torch.tensor([Vr, T, H, _DTYPE_CODES.get(w.dtype, -1)], dtype=torch.int64,
+                                          device=w.device))
         rows = sizes.tolist()
+        if any(row[2:] != rows[0][2:] for row in rows):
+            raise ValueError(f"moepeak: the vocab shards of the group must have one hidden size and dtype; "
+                             f"(H, dtype code {_DTYPE_CODES}) per rank: {[tuple(row[2:]) for row in rows]}")
         self.P, self.r = tr.world_size, tr.rank
-        self.Vs = [a for a, _ in rows]
-        self.Ts = [b for _, b in rows]
+        self.Vs = [row[0] for row in rows]
+        self.Ts = [row[1] for row in rows]
         self.off = [0]
         for v in self.Vs[:-1]:
             self.off.append(self.off[-1] + v)
@@ -146,6 +167,63 @@ def _g_rows(grad_loss, valid, reduction, T):
     if reduction == 2:
         return gl.reshape(1).expand(T).contiguous()
     return (gl / valid.sum().clamp_min(1).to(torch.float32)).reshape(1).expand(T).contiguous()
+
+
+class _GatherShards(torch.autograd.Function):
+    """Forward: the whole weight [V, H] from every rank's dim-0 shard (all_gather, shards
+    padded to V_max rows when unequal, then their rows put together). Backward: rows
+    [off_o, off_o + V_o) of this rank's gradient go to owner o (all_to_all_v straight from
+    the gradient: the shards are consecutive in rank order), and each owner sums the P
+    contributions in fp32, in rank order, and rounds once (deterministic)."""
+
+    @staticmethod
+    def forward(ctx, w, tr, geo):
+        ctx.tr, ctx.geo = tr, geo
+        H = w.shape[1]
+        buf = torch.empty((geo.P, geo.Vmax, H), dtype=w.dtype, device=w.device)
+        if w.shape[0] == geo.Vmax:
+            tr.all_gather(buf, w)
+        else:
+            pad = torch.zeros((geo.Vmax, H), dtype=w.dtype, device=w.device)
+            pad[:w.shape[0]] = w
+            tr.all_gather(buf, pad)
+            del pad
+        if all(v == geo.Vmax for v in geo.Vs):
+            return buf.view(geo.P * geo.Vmax, H)
+        return torch.cat([buf[j, :geo.Vs[j]] for j in range(geo.P)])
+
+    @staticmethod
+    def backward(ctx, g):
+        tr, geo = ctx.tr, ctx.geo
+        P, Vr, H = geo.P, geo.Vs[geo.r], g.shape[1]
+        g = g.contiguous()
+        recv = torch.empty((P, Vr, H), dtype=g.dtype, device=g.device)
+        tr.all_to_all_v(g, geo.Vs, recv.view(P * Vr, H), [Vr] * P).wait()
+        del g
+        out = torch.empty((Vr, H), dtype=recv.dtype, device=recv.device)
+        step = max(1, (64 << 20) // max(1, 4 * P * H))  # rows per piece: <= 64 MiB of fp32 at a time
+        for b0 in range(0, Vr, step):
+            b1 = min(Vr, b0 + step)
+            out[b0:b1] = recv[:, b0:b1].float().sum(0)
+        return out, None, None
+
+
+def _refuse_bias(bias) -> None:
+    if bias is not None:
+        raise ValueError("moepeak: bias is not supported with group (vocab-sharded weight); fold it into "
+                         "the weight (an extra hidden column of ones) or use group=None")
+
+
+def gather_vocab_shards(w, group, transport="auto", bias=None):
+    """ring="gather"'s weight: the whole [V, H] weight from this rank's dim-0 shard `w` and
+    the others' (autograd: the gradient of the result is summed back onto the shards)."""
+    _refuse_bias(bias)
+    tr = _ring_transport(transport, group, w.device)
+    w = w if w.is_contiguous() else w.contiguous()
+    geo = _Geometry(tr, 0, w)
+    if geo.V < 1:
+        raise ValueError("moepeak: the vocab shards of the group are all empty")
+    return _GatherShards.apply(w, tr, geo)
 
 
 class _RingCE(torch.autograd.Function):
@@ -299,14 +377,12 @@ def ring_linear_cross_entropy(x, w, y, bias, group, ring, ignore_index, reductio
                               chunk_tokens: Optional[int], chunk_vocab: Optional[int], transport="auto"):
     """x: [T, H] (contiguous), w: [V_r, H] this rank's vocab shard, y: [T] int64."""
     from .ring_dtp import REDUCTIONS, _LabelGuard, _sanitize_labels  # noqa: WPS433 (circular at import time)
-    if ring not in RINGS:
+    if ring not in RINGS:  # ("gather" is linear_cross_entropy's: gather_vocab_shards, then the single-device op)
         raise ValueError(f"moepeak: ring must be one of {RINGS}, got {ring!r}")
-    if bias is not None:
-        raise ValueError("moepeak: bias is not supported with group (vocab-sharded ring); fold it into "
-                         "the weight (an extra hidden column of ones) or use group=None")
+    _refuse_bias(bias)
     tr = _ring_transport(transport, group, x.device)
     w = w if w.is_contiguous() else w.contiguous()
-    geo = _Geometry(tr, x.shape[0], w.shape[0], x.device)
+    geo = _Geometry(tr, x.shape[0], w)
     if geo.V < 1:
         raise ValueError("moepeak: the vocab shards of the group are all empty")
     variant = ring

@@ -184,7 +184,7 @@ def _ring_rank(rank, P, device="cuda"):
     for dtype, opts in configs:
         w, xs, ys = _ring_data(P, dtype, dev)
         exp = _ring_expectations(rank, P, w, xs, ys, opts)
-        for variant in ("weights", "activations"):
+        for variant in ("weights", "activations", "gather"):
             got_by_tp = {}
             for tname, override in tps.items():
                 with _use_transport(ring_dtp_ring, override) as used:

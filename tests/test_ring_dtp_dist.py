@@ -1,4 +1,4 @@
-"""Ring-DTP on gloo ranks: both ring variants equal the single-device op.
+"""Ring-DTP on gloo ranks: both ring variants and ring="gather" equal the single-device op.
 
 Each rank r has its own tokens X_r (T_r differs per rank, one rank may have
 ignored-only labels) and the dim-0 vocab shard W_r as FSDP2 cuts it
@@ -73,18 +73,21 @@ def _rank_fn_all(rank, world):
     for P in (2, 3, 4):
         group = dist.new_group(list(range(P))) if P < world else dist.group.WORLD  # collective on all ranks
         if rank < P:
-            _rank_fn(rank, P, ("weights", "activations", "auto"), torch.float32, opts, group)
+            _rank_fn(rank, P, ("weights", "activations", "auto", "gather"), torch.float32, opts, group)
             if P == 2:
-                _rank_fn(rank, P, ("weights", "activations"), torch.float32, dict(reduction="sum"), group)
+                _rank_fn(rank, P, ("weights", "activations", "gather"), torch.float32, dict(reduction="sum"),
+                         group)
                 _bad_fn(rank, P, group)
                 _transport_fn(rank, P, group)
         dist.barrier()
-    _dtensor_lm_fn(rank, world)
+    for ring in ("weights", "gather"):
+        _dtensor_lm_fn(rank, world, ring)
 
 
-def _dtensor_lm_fn(rank, P):
+def _dtensor_lm_fn(rank, P, ring):
     """FSDP2: a tiny LM under fully_shard whose lm_head is RingDTPLinearCrossEntropy
-    (weight sharded dim-0, left to the ring via ignored_params) trains like the
+    (weight sharded dim-0, left to the op via ignored_params; `ring` a ring variant or
+    "gather") trains like the
     unsharded model with lm_head + F.cross_entropy (3 SGD steps, same data on
     every rank, so FSDP's gradient average equals the one-process gradient)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -107,7 +110,7 @@ def _dtensor_lm_fn(rank, P):
 
     torch.manual_seed(0)
     ref = LM(torch.nn.Linear(H, V, bias=False))
-    lm = LM(moepeak.RingDTPLinearCrossEntropy(H, V, ring="weights"))
+    lm = LM(moepeak.RingDTPLinearCrossEntropy(H, V, ring=ring))
     lm.load_state_dict(ref.state_dict())  # the checkpoint of an lm_head model loads as is
     mesh = init_device_mesh("cpu", (P,))
     lm.head.shard_(mesh)
@@ -147,6 +150,19 @@ def _bad_fn(rank, P, group):
         moepeak.linear_cross_entropy(xs[rank], w[a:b], y, group=group)
     with pytest.raises(ValueError, match="ring must be"):
         moepeak.linear_cross_entropy(xs[rank], w[a:b], ys[rank], group=group, ring="tokens")
+    for ring in ("gather", "weights"):
+        y = ys[rank].clone()
+        y[0] = V
+        with pytest.raises(ValueError, match="labels must be in"):
+            moepeak.linear_cross_entropy(xs[rank], w[a:b], y, group=group, ring=ring)
+        with pytest.raises(ValueError, match="bias is not supported with group"):
+            moepeak.linear_cross_entropy(xs[rank], w[a:b], ys[rank], group=group, ring=ring,
+                                         bias=torch.zeros(b - a))
+        # one hidden size on every rank: a rank with another raises on every rank, nothing hangs
+        H2 = H + 1 if rank == 0 else H
+        x2, w2 = torch.randn(3, H2), torch.randn(b - a, H2)
+        with pytest.raises(ValueError, match="one hidden size and dtype"):
+            moepeak.linear_cross_entropy(x2, w2, ys[rank][:3], group=group, ring=ring)
 
 
 def _transport_fn(rank, P, group):
