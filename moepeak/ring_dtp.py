@@ -669,8 +669,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
     hold only a 1/P shard of what grows with the vocabulary; "gather" all-gathers the whole
     weight, runs the single-device op (`mode` applies) and sums each shard's gradient back
     at its owner: 2 V H more elements, faster where they fit (two H200s, P = 2, 32k tokens
-    per rank, H = 4096, V = 151936: 193 ms / 3.15 GiB against the activations ring's
-    299 ms / 3.49 GiB).
+    per rank, H = 4096, V = 151936: 201 ms / 3.24 GiB against the activations ring's
+    307 ms / 3.49 GiB).
     transport (with `group`): "auto" / "torch" (torch.distributed on the group), "nccl"
     (moepeak's NCCL-from-C transport, CUDA tensors; one communicator per group and
     device, created collectively on the first call and kept), or a moepeak Transport.

@@ -41,17 +41,17 @@ e.g. FSDP2's ceil-split) are padded to V_max rows of zeros in the travelling
 buffers, and the columns past a shard's real rows are masked (-inf logits,
 zero gradient) by the kernels' v_valid bound; tokens are padded likewise with
 ignore_index labels. Shapes are exchanged once per call with an all_gather of
-two ints (a host sync on GPU, once per call; the schedule itself has none).
+four ints (shard rows, tokens, H and dtype, which must agree: a host sync on GPU, once
+per call; the schedule itself has none).
 
 ring="gather" (never chosen by "auto"): all-gather the shards into the whole weight
 [V, H], run the single-device op on this rank's tokens (its 3-GEMM fused schedule, `mode`
 applies), and send each shard's rows of this rank's weight gradient to the owner, who sums
 the P contributions in fp32 (all_to_all_v, then one rounding). It holds the whole weight
 and its whole gradient, 2 V H elements, where the rings hold a shard: the choice when those
-fit and speed matters. Two H200s, T = 32k per rank, H = 4096, V = 151936, bf16: 193 ms and
-3.15 GiB per rank, against the activations ring's 299 ms and 3.49 GiB (measured with the
-bench's own all-gather, benchmarks/RESULTS.md); at larger P or V x H the rings' 1/P shard
-wins on memory.
+fit and speed matters. Two H200s, T = 32k per rank, H = 4096, V = 151936, bf16: 201 ms and
+3.24 GiB per rank, against the activations ring's 307 ms and 3.49 GiB (2026-11-30,
+benchmarks/RESULTS.md); at larger P or V x H the rings' 1/P shard wins on memory.
 """
 from __future__ import annotations
 
@@ -377,8 +377,8 @@ def ring_linear_cross_entropy(x, w, y, bias, group, ring, ignore_index, reductio
                               chunk_tokens: Optional[int], chunk_vocab: Optional[int], transport="auto"):
     """x: [T, H] (contiguous), w: [V_r, H] this rank's vocab shard, y: [T] int64."""
     from .ring_dtp import REDUCTIONS, _LabelGuard, _sanitize_labels  # noqa: WPS433 (circular at import time)
-    if ring not in RINGS:  # ("gather" is linear_cross_entropy's: gather_vocab_shards, then the single-device op)
-        raise ValueError(f"moepeak: ring must be one of {RINGS}, got {ring!r}")
+    if ring not in ("auto", "weights", "activations"):  # "gather" never comes here: linear_cross_entropy
+        raise ValueError(f"moepeak: ring must be one of {RINGS}, got {ring!r}")  # runs it (gather_vocab_shards)
     _refuse_bias(bias)
     tr = _ring_transport(transport, group, x.device)
     w = w if w.is_contiguous() else w.contiguous()
