@@ -329,6 +329,8 @@ def test_bad_input():
         f(x[:, :5], w, y)
     with pytest.raises(ValueError, match="labels must have shape"):
         f(x, w, y[:3])
+    with pytest.raises(ValueError, match="at least one vocab row"):  # (a shard, with group, may be empty)
+        f(x, w[:0], y)
     with pytest.raises(TypeError, match="weight must have dtype"):
         f(x, w.double(), y)
     with pytest.raises(TypeError, match="labels must have dtype"):

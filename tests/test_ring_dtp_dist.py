@@ -16,30 +16,30 @@ from tests.dist_utils import run_ranks
 V, H = 53, 12  # prime V: never divisible by P
 
 
-def _data(P, dtype):
+def _data(P, dtype, v=V):
     g = torch.Generator().manual_seed(1234)
-    w = (torch.randn(V, H, generator=g) * 0.4).to(dtype)
+    w = (torch.randn(v, H, generator=g) * 0.4).to(dtype)
     xs, ys = [], []
     for r in range(P):
         T = 5 + 3 * r
         xs.append(torch.randn(T, H, generator=g).to(dtype))
-        y = torch.randint(0, V, (T,), generator=g)
+        y = torch.randint(0, v, (T,), generator=g)
         y[1] = -100
         ys.append(y)
     return w, xs, ys
 
 
-def _shard_rows(P):
-    per = -(-V // P)
-    return [(min(V, r * per), min(V, (r + 1) * per)) for r in range(P)]
+def _shard_rows(P, v=V):
+    per = -(-v // P)
+    return [(min(v, r * per), min(v, (r + 1) * per)) for r in range(P)]
 
 
-def _rank_fn(rank, P, variants, dtype, opts, group):
+def _rank_fn(rank, P, variants, dtype, opts, group, v=V):
     import moepeak
 
-    w, xs, ys = _data(P, dtype)
+    w, xs, ys = _data(P, dtype, v)
     # single-device expectations
-    dw_sum = torch.zeros(V, H, dtype=torch.float64)
+    dw_sum = torch.zeros(v, H, dtype=torch.float64)
     exp = None
     for j in range(P):
         xj = xs[j].clone().requires_grad_()
@@ -49,7 +49,7 @@ def _rank_fn(rank, P, variants, dtype, opts, group):
         dw_sum += wj.grad.double()
         if j == rank:
             exp = (lj.detach(), xj.grad)
-    a, b = _shard_rows(P)[rank]
+    a, b = _shard_rows(P, v)[rank]
     for variant in variants:
         x = xs[rank].clone().requires_grad_()
         ws = w[a:b].clone().requires_grad_()
@@ -80,6 +80,9 @@ def _rank_fn_all(rank, world):
                 _bad_fn(rank, P, group)
                 _transport_fn(rank, P, group)
         dist.barrier()
+    # V = 5 over 4 ranks: FSDP2's ceil split gives shards of 2, 2, 1 and 0 rows; the rank with
+    # none takes part like the others (it used to raise alone and leave the others waiting)
+    _rank_fn(rank, world, ("weights", "activations", "gather"), torch.float32, opts, dist.group.WORLD, v=5)
     for ring in ("weights", "gather"):
         _dtensor_lm_fn(rank, world, ring)
 
