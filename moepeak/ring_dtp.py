@@ -685,7 +685,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
     y = labels.reshape(-1).to(torch.int64).contiguous()
     if group is not None and ring == "gather":  # the whole weight here, then the single-device op
         from .ring_dtp_ring import gather_vocab_shards
-        weight, group = gather_vocab_shards(weight, group, transport, bias), None
+        weight, group = gather_vocab_shards(weight, group, transport, bias, y, ignore_index), None
     if group is not None:
         from .ring_dtp_ring import ring_linear_cross_entropy
         loss, lse = ring_linear_cross_entropy(x, weight, y, bias, group, ring, ignore_index, reduction,

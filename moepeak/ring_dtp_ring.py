@@ -41,8 +41,8 @@ e.g. FSDP2's ceil-split) are padded to V_max rows of zeros in the travelling
 buffers, and the columns past a shard's real rows are masked (-inf logits,
 zero gradient) by the kernels' v_valid bound; tokens are padded likewise with
 ignore_index labels. Shapes are exchanged once per call with an all_gather of
-four ints (shard rows, tokens, H and dtype, which must agree: a host sync on GPU, once
-per call; the schedule itself has none).
+six ints (shard rows, tokens, H and dtype, which must agree, and on CPU the labels' range:
+a host sync on GPU, once per call; the schedule itself has none).
 
 ring="gather" (never chosen by "auto"): all-gather the shards into the whole weight
 [V, H], run the single-device op on this rank's tokens (its 3-GEMM fused schedule, `mode`
@@ -138,21 +138,34 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.flo
 
 class _Geometry:
     """Sizes of every rank, exchanged once: shard rows, offsets, token counts; the hidden
-    size and dtype of the shards, which must agree (every rank sees the same table, so a
-    mismatch raises on all of them, where the exchanges would fail or hang)."""
+    size and dtype of the shards, which must agree; and, for CPU labels, the range of each
+    rank's labels (ignore_index left out). Every rank sees the same table, so a mismatch or
+    an out-of-range label on any rank raises on all of them, where a rank raising alone
+    would leave the others waiting in the exchanges. (CUDA labels keep the op's
+    asynchronous check: ring_dtp._LabelGuard.)"""
 
-    def __init__(self, tr, T: int, w: torch.Tensor):
+    def __init__(self, tr, T: int, w: torch.Tensor, labels: Optional[torch.Tensor] = None, ignore_index: int = -100):
         Vr, H = w.shape
-        sizes = torch.empty((tr.world_size, 4), dtype=torch.int64, device=w.device)
-        tr.all_gather(sizes, torch.tensor([Vr, T, H, _DTYPE_CODES.get(w.dtype, -1)], dtype=torch.int64,
+        lo, hi = 0, -1  # no label to check
+        if labels is not None and labels.device.type != "cuda":
+            kept = labels[labels != ignore_index]
+            if kept.numel():
+                lo, hi = int(kept.min()), int(kept.max())
+        sizes = torch.empty((tr.world_size, 6), dtype=torch.int64, device=w.device)
+        tr.all_gather(sizes, torch.tensor([Vr, T, H, _DTYPE_CODES.get(w.dtype, -1), lo, hi], dtype=torch.int64,
                                           device=w.device))
         rows = sizes.tolist()
-        if any(row[2:] != rows[0][2:] for row in rows):
+        if any(row[2:4] != rows[0][2:4] for row in rows):
             raise ValueError(f"moepeak: the vocab shards of the group must have one hidden size and dtype; "
-                             f"(H, dtype code {_DTYPE_CODES}) per rank: {[tuple(row[2:]) for row in rows]}")
+                             f"(H, dtype code {_DTYPE_CODES}) per rank: {[tuple(row[2:4]) for row in rows]}")
         self.P, self.r = tr.world_size, tr.rank
         self.Vs = [row[0] for row in rows]
         self.Ts = [row[1] for row in rows]
+        V = sum(self.Vs)
+        bad = [(j, row[4], row[5]) for j, row in enumerate(rows) if row[4] <= row[5] and (row[4] < 0 or row[5] >= V)]
+        if bad:
+            raise ValueError(f"moepeak: labels must be in [0, {V}) or ignore_index={ignore_index}; "
+                             f"(rank, min, max) of the ranks with others: {bad}")
         self.off = [0]
         for v in self.Vs[:-1]:
             self.off.append(self.off[-1] + v)
@@ -214,13 +227,14 @@ def _refuse_bias(bias) -> None:
                          "the weight (an extra hidden column of ones) or use group=None")
 
 
-def gather_vocab_shards(w, group, transport="auto", bias=None):
+def gather_vocab_shards(w, group, transport="auto", bias=None, labels=None, ignore_index=-100):
     """ring="gather"'s weight: the whole [V, H] weight from this rank's dim-0 shard `w` and
-    the others' (autograd: the gradient of the result is summed back onto the shards)."""
+    the others' (autograd: the gradient of the result is summed back onto the shards).
+    labels (optional): this rank's, range-checked against V on every rank (_Geometry)."""
     _refuse_bias(bias)
     tr = _ring_transport(transport, group, w.device)
     w = w if w.is_contiguous() else w.contiguous()
-    geo = _Geometry(tr, 0, w)
+    geo = _Geometry(tr, 0, w, labels, ignore_index)
     if geo.V < 1:
         raise ValueError("moepeak: the vocab shards of the group are all empty")
     return _GatherShards.apply(w, tr, geo)
@@ -382,7 +396,7 @@ def ring_linear_cross_entropy(x, w, y, bias, group, ring, ignore_index, reductio
     _refuse_bias(bias)
     tr = _ring_transport(transport, group, x.device)
     w = w if w.is_contiguous() else w.contiguous()
-    geo = _Geometry(tr, x.shape[0], w)
+    geo = _Geometry(tr, x.shape[0], w, y, ignore_index)
     if geo.V < 1:
         raise ValueError("moepeak: the vocab shards of the group are all empty")
     variant = ring

@@ -153,10 +153,16 @@ def _bad_fn(rank, P, group):
         moepeak.linear_cross_entropy(xs[rank], w[a:b], y, group=group)
     with pytest.raises(ValueError, match="ring must be"):
         moepeak.linear_cross_entropy(xs[rank], w[a:b], ys[rank], group=group, ring="tokens")
-    for ring in ("gather", "weights"):
+    for ring in ("gather", "weights", "activations"):
         y = ys[rank].clone()
         y[0] = V
         with pytest.raises(ValueError, match="labels must be in"):
+            moepeak.linear_cross_entropy(xs[rank], w[a:b], y, group=group, ring=ring)
+        # a bad label on one rank only: every rank raises (none is left waiting in an exchange)
+        y = ys[rank].clone()
+        if rank == 0:
+            y[2] = -7
+        with pytest.raises(ValueError, match=r"labels must be in .*\(rank, min, max\).*\(0, -7, "):
             moepeak.linear_cross_entropy(xs[rank], w[a:b], y, group=group, ring=ring)
         with pytest.raises(ValueError, match="bias is not supported with group"):
             moepeak.linear_cross_entropy(xs[rank], w[a:b], ys[rank], group=group, ring=ring,
