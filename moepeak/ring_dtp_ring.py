@@ -133,16 +133,13 @@ class _AccRing:
         return self.cur
 
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
-
-
 class _Geometry:
     """Sizes of every rank, exchanged once: shard rows, offsets, token counts; the hidden
-    size and dtype of the shards, which must agree; and, for CPU labels, the range of each
-    rank's labels (ignore_index left out). Every rank sees the same table, so a mismatch or
-    an out-of-range label on any rank raises on all of them, where a rank raising alone
-    would leave the others waiting in the exchanges. (CUDA labels keep the op's
-    asynchronous check: ring_dtp._LabelGuard.)"""
+    size and dtype of the shards, which must agree (and the shards not all be empty); and,
+    for CPU labels, the range of each rank's labels (ignore_index left out). Every rank sees
+    the same table, so a mismatch or an out-of-range label on any rank raises on all of them,
+    where a rank raising alone would leave the others waiting in the exchanges. (CUDA labels
+    keep the op's asynchronous check: ring_dtp._LabelGuard.)"""
 
     def __init__(self, tr, T: int, w: torch.Tensor, labels: Optional[torch.Tensor] = None, ignore_index: int = -100):
         Vr, H = w.shape
@@ -152,16 +149,18 @@ class _Geometry:
             if kept.numel():
                 lo, hi = int(kept.min()), int(kept.max())
         sizes = torch.empty((tr.world_size, 6), dtype=torch.int64, device=w.device)
-        tr.all_gather(sizes, torch.tensor([Vr, T, H, _DTYPE_CODES.get(w.dtype, -1), lo, hi], dtype=torch.int64,
+        tr.all_gather(sizes, torch.tensor([Vr, T, H, B._ZCODE.get(w.dtype, -1), lo, hi], dtype=torch.int64,
                                           device=w.device))
         rows = sizes.tolist()
         if any(row[2:4] != rows[0][2:4] for row in rows):
             raise ValueError(f"moepeak: the vocab shards of the group must have one hidden size and dtype; "
-                             f"(H, dtype code {_DTYPE_CODES}) per rank: {[tuple(row[2:4]) for row in rows]}")
+                             f"(H, dtype code {B._ZCODE}) per rank: {[tuple(row[2:4]) for row in rows]}")
         self.P, self.r = tr.world_size, tr.rank
         self.Vs = [row[0] for row in rows]
         self.Ts = [row[1] for row in rows]
-        V = sum(self.Vs)
+        self.V = V = sum(self.Vs)
+        if V < 1:
+            raise ValueError("moepeak: the vocab shards of the group are all empty")
         bad = [(j, row[4], row[5]) for j, row in enumerate(rows) if row[4] <= row[5] and (row[4] < 0 or row[5] >= V)]
         if bad:
             raise ValueError(f"moepeak: labels must be in [0, {V}) or ignore_index={ignore_index}; "
@@ -169,7 +168,6 @@ class _Geometry:
         self.off = [0]
         for v in self.Vs[:-1]:
             self.off.append(self.off[-1] + v)
-        self.V = sum(self.Vs)
         self.Vmax, self.Tmax = max(self.Vs), max(self.Ts)
 
 
@@ -235,8 +233,6 @@ def gather_vocab_shards(w, group, transport="auto", bias=None, labels=None, igno
     tr = _ring_transport(transport, group, w.device)
     w = w if w.is_contiguous() else w.contiguous()
     geo = _Geometry(tr, 0, w, labels, ignore_index)
-    if geo.V < 1:
-        raise ValueError("moepeak: the vocab shards of the group are all empty")
     return _GatherShards.apply(w, tr, geo)
 
 
@@ -397,8 +393,6 @@ def ring_linear_cross_entropy(x, w, y, bias, group, ring, ignore_index, reductio
     tr = _ring_transport(transport, group, x.device)
     w = w if w.is_contiguous() else w.contiguous()
     geo = _Geometry(tr, x.shape[0], w, y, ignore_index)
-    if geo.V < 1:
-        raise ValueError("moepeak: the vocab shards of the group are all empty")
     variant = ring
     if ring == "auto":
         variant = "weights" if geo.Vmax <= geo.Tmax else "activations"

@@ -172,6 +172,8 @@ def _bad_fn(rank, P, group):
         x2, w2 = torch.randn(3, H2), torch.randn(b - a, H2)
         with pytest.raises(ValueError, match="one hidden size and dtype"):
             moepeak.linear_cross_entropy(x2, w2, ys[rank][:3], group=group, ring=ring)
+        with pytest.raises(ValueError, match="vocab shards of the group are all empty"):
+            moepeak.linear_cross_entropy(xs[rank], w[:0], ys[rank], group=group, ring=ring)
 
 
 def _transport_fn(rank, P, group):
