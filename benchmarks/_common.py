@@ -1,5 +1,6 @@
 """Helpers shared by the benchmarks: machine description rows, CSV append,
-CUDA-event timing, peak-memory measurement and OOM capture.
+CUDA-event timing, peak-memory measurement, OOM capture, and moepeak.ring_dtp's
+module flags set for a block.
 
 Peak memory convention (DESIGN.md section 4): max_memory_allocated during the
 call minus memory_allocated just before it, i.e. what the call adds above its
@@ -7,6 +8,7 @@ inputs.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
 import os
@@ -92,3 +94,21 @@ def relerr(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+@contextlib.contextmanager
+def ring_dtp_flags(**values):
+    """Set moepeak.ring_dtp's module flags inside the block, restored after: FUSED_DW_FINISH =
+    False (every term of the fused modes' dW rounded per token chunk), FUSED_CENTER_CHUNKS
+    (centering past that many chunks; 1 << 30: off), FUSED_COLSUM (the column sums made by
+    the gradient kernel), LOWP_DX_FINISH = False (every term of vocab_outer_lowp's dX rounded
+    per vocab block)."""
+    from moepeak import ring_dtp
+    keep = {k: getattr(ring_dtp, k) for k in values}
+    for k, v in values.items():
+        setattr(ring_dtp, k, v)
+    try:
+        yield
+    finally:
+        for k, v in keep.items():
+            setattr(ring_dtp, k, v)

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from _common import append_rows, cuda_time_ms, cuda_times_ms, relerr  # noqa: E402
+from _common import append_rows, cuda_time_ms, cuda_times_ms, relerr, ring_dtp_flags  # noqa: E402
 import moepeak  # noqa: E402
 
 GiB = 1 << 30
@@ -127,12 +127,8 @@ class MoepeakArm:
         mode, ct = self.resolve(x.shape[0], x.shape[1], w.shape[0])
         if not self.center:
             return moepeak.linear_cross_entropy(x, w, y, mode=mode, chunk_tokens=ct)
-        from moepeak import ring_dtp
-        keep, ring_dtp.FUSED_CENTER_CHUNKS = ring_dtp.FUSED_CENTER_CHUNKS, 1
-        try:  # the op runs forward and backward inside this call (fused modes: gradients in forward)
+        with ring_dtp_flags(FUSED_CENTER_CHUNKS=1):  # the fused modes make their gradients in this call
             return moepeak.linear_cross_entropy(x, w, y, mode=mode, chunk_tokens=ct)
-        finally:
-            ring_dtp.FUSED_CENTER_CHUNKS = keep
 
 
 # ---------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from _common import cuda_time_ms
+from _common import cuda_time_ms, ring_dtp_flags
 
 
 def t(fn, iters=10):
@@ -142,7 +142,7 @@ def blas_library():
 
 def centering(rounds=8):
     import statistics
-    from moepeak import ring_dtp, ring_dtp_blocks as B
+    from moepeak import ring_dtp_blocks as B
     H, V, ct, T, g, w, x, y = _target_inputs()
     # One chunk's gradient kernel alone, + the column sum as a ones-row GEMM, and fused into it.
     z0 = (torch.randn(ct, V, device="cuda", generator=g) * 3).to(torch.bfloat16)
@@ -168,22 +168,18 @@ def centering(rounds=8):
           f"+ ones-row GEMM colsum {tgg:.3f} ms; with the colsum in the kernel {tgf:.3f} ms ({gb / tgf:.2f} TB/s)")
     op, clear = _fused_lowp_step(x, w, y)
 
-    keep = ring_dtp.FUSED_CENTER_CHUNKS, ring_dtp.FUSED_COLSUM
     arms = (("off", 1 << 30, True), ("on, GEMM colsum", 1, False), ("on, fused colsum", 1, True))
     ts = {a[0]: [] for a in arms}
     peaks = {}
-    try:
-        for r in range(rounds):
-            for name, k, fused in arms[r % 3:] + arms[:r % 3]:
-                ring_dtp.FUSED_CENTER_CHUNKS, ring_dtp.FUSED_COLSUM = k, fused
+    for r in range(rounds):
+        for name, k, fused in arms[r % 3:] + arms[:r % 3]:
+            with ring_dtp_flags(FUSED_CENTER_CHUNKS=k, FUSED_COLSUM=fused):
                 clear()
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
                 ts[name].append(cuda_time_ms(op, reps=3, warmup=1))
                 peaks[name] = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
-    finally:
-        ring_dtp.FUSED_CENTER_CHUNKS, ring_dtp.FUSED_COLSUM = keep
     for name, _, _ in arms:
         print(f"fused_lowp T={T} (16 chunks), centering {name:16s}: {statistics.median(ts[name]):.1f} ms "
               f"(min {min(ts[name]):.1f}, max {max(ts[name]):.1f}; {rounds} rounds), peak above inputs incl. "

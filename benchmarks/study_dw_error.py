@@ -24,7 +24,6 @@ numerics are studied; they are not timings.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 
@@ -34,7 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moepeak  # noqa: E402
-from _common import relerr  # noqa: E402
+from _common import relerr, ring_dtp_flags  # noqa: E402
 
 
 def make_inputs(T, H, V, labels, x_mean, device, seed=0):
@@ -60,23 +59,6 @@ def grads(fn, x, w, y, dtype=None):
     wl = w.detach().to(dtype or w.dtype).requires_grad_()
     fn(xl, wl, y).backward()
     return xl.grad, wl.grad
-
-
-@contextlib.contextmanager
-def flags(**values):
-    """Set ring_dtp's module flags inside: FUSED_DW_FINISH = False (every term of the fused
-    modes' dW rounded once per token chunk), FUSED_CENTER_CHUNKS (centering past that many
-    chunks; a huge number: off), LOWP_DX_FINISH = False (every term of vocab_outer_lowp's dX
-    rounded once per vocab block)."""
-    from moepeak import ring_dtp
-    keep = {k: getattr(ring_dtp, k) for k in values}
-    for k, v in values.items():
-        setattr(ring_dtp, k, v)
-    try:
-        yield
-    finally:
-        for k, v in keep.items():
-            setattr(ring_dtp, k, v)
 
 
 # The fused_lowp variants of a cell: finish + centering, finish only, neither.
@@ -111,13 +93,13 @@ def main():
                                                                    chunk_tokens=-(-T // n))
                 errs = []
                 for how in VARIANTS.values():
-                    with flags(**how):
+                    with ring_dtp_flags(**how):
                         errs.append(relerr(grads(op, x, w, y)[1], wd) / ew)
                 cells.append(" / ".join(f"{e:5.2f}" for e in errs))
             vo = lambda a, b, c: moepeak.linear_cross_entropy(a, b, c, mode="vocab_outer_lowp")  # noqa: E731
             dx_errs = []
             for how in (True, False):
-                with flags(LOWP_DX_FINISH=how):
+                with ring_dtp_flags(LOWP_DX_FINISH=how):
                     dx_errs.append(relerr(grads(vo, x, w, y)[0], xd) / ex)
             print(f"{labels:8s} {xm:6.1f} {ew:9.2e}  " + "  ".join(f"{c:>26s}" for c in cells)
                   + "  " + " / ".join(f"{e:5.2f}" for e in dx_errs))
