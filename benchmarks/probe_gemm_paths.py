@@ -11,10 +11,13 @@
   6. TunableOp (torch.cuda.tunable: cuBLAS's default plus cuBLASLt's top heuristic algorithms,
      each timed, the fastest kept): Ring-DTP's three chunk GEMMs, the 8192^3 probe and the whole
      fused_lowp op at T = 32k, default vs tuned in alternating rounds (after one tuning pass).
+  8. The logits block's layout: fused_lowp's three chunk GEMMs with the block token-major
+     ([n, V], today's) and vocab-major ([V, n], so Z = W X^T, dW = Z X, dX = Z^T W): each GEMM
+     alone, then 16 chunks of all three in alternating rounds (sustained clocks).
   7. dW's finish (B.finish_dw) at T = 32k, H = 4096, V = 151936, bf16: label terms only (uniform
      labels, Zipf labels, and Zipf's counts on shuffled ids) and with the centering's rank-1
      term (every row), against the bytes it moves.
-  python benchmarks/probe_gemm_paths.py [grouped] [streams] [blas] [center[=rounds]] [tunable[=rounds]] [finish] [rounding]
+  python benchmarks/probe_gemm_paths.py [grouped] [streams] [blas] [center[=rounds]] [tunable[=rounds]] [finish] [rounding] [layout[=rounds]]
   (default: all but tunable)
 """
 import sys
@@ -286,6 +289,51 @@ def rounding():
         mm.allow_bf16_reduced_precision_reduction = keep
 
 
+def layout(rounds=6):
+    """Token-major [n, V] against vocab-major [V, n] logits blocks for the three chunk GEMMs."""
+    H, V, ct, T, g, w, x, y = _target_inputs()
+    fl = 2.0 * ct * V * H / 1e9
+    z = torch.empty(ct, V, device="cuda", dtype=torch.bfloat16)
+    zt = torch.empty(V, ct, device="cuda", dtype=torch.bfloat16)
+    dx = torch.empty(ct, H, device="cuda", dtype=torch.bfloat16)
+    dw = torch.zeros(V, H, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    tp = t(lambda: torch.mm(a, a))
+    print(f"8192^3 probe {tp:.3f} ms ({2 * 8192 ** 3 / tp / 1e9:.0f} TF/s)")
+    gemms = {
+        "token-major": (lambda xc: torch.mm(xc, w.t(), out=z), lambda xc: dw.addmm_(z.t(), xc),
+                        lambda xc: torch.mm(z, w, out=dx)),
+        "vocab-major": (lambda xc: torch.mm(w, xc.t(), out=zt), lambda xc: dw.addmm_(zt, xc),
+                        lambda xc: torch.mm(zt.t(), w, out=dx)),
+    }
+    xc = x[:ct]
+    for name, (fz, fw, fx) in gemms.items():
+        tz, tw, tx = t(lambda: fz(xc)), t(lambda: fw(xc)), t(lambda: fx(xc))
+        print(f"{name}: Z {tz:.3f} ms ({fl / tz:.0f} TF/s)  dW+= {tw:.3f} ({fl / tw:.0f})  dX {tx:.3f} ({fl / tx:.0f})"
+              f"  x 16 = {16 * (tz + tw + tx):.1f} ms")
+
+    def seq(fz, fw, fx, block=None):
+        for t0 in range(0, T, ct):
+            xs = x[t0:t0 + ct]
+            fz(xs)
+            if block is not None:   # stand-ins for the fold (one read) and the gradient (read + write)
+                block.sum(); block.mul_(1.0)
+            fw(xs); fx(xs)
+    tot = {k + s: [] for k in gemms for s in ("", " + memory-bound stand-ins")}
+    for r in range(rounds):
+        names = list(gemms) if r % 2 == 0 else list(gemms)[::-1]
+        for k in names:
+            tot[k].append(cuda_time_ms(lambda: seq(*gemms[k]), reps=3, warmup=1))
+        for k in names:
+            blk = z if k == "token-major" else zt
+            tot[k + " + memory-bound stand-ins"].append(cuda_time_ms(lambda: seq(*gemms[k], blk), reps=3, warmup=1))
+    tp2 = t(lambda: torch.mm(a, a))
+    for k, v in tot.items():
+        v = sorted(v)
+        print(f"{k}: 16 chunks x 3 GEMMs, {rounds} rounds: median {v[len(v) // 2]:.1f} ms, min {v[0]:.1f}, max {v[-1]:.1f}")
+    print(f"8192^3 probe after: {tp2:.3f} ms ({2 * 8192 ** 3 / tp2 / 1e9:.0f} TF/s)")
+
+
 if __name__ == "__main__":
     print(torch.cuda.get_device_name(), torch.__version__)
     which = sys.argv[1:] or ["grouped", "streams", "blas", "center"]
@@ -293,5 +341,5 @@ if __name__ == "__main__":
         name, _, n = arg.partition("=")  # center=16: that many rounds
         fn = {"grouped": grouped, "streams": ring_streams, "blas": blas_library, "center": centering,
               "rounding": rounding,
-              "tunable": tunable, "finish": finish}[name]
+              "tunable": tunable, "finish": finish, "layout": layout}[name]
         fn(int(n)) if n else fn()
