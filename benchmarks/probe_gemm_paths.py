@@ -300,33 +300,33 @@ def layout(rounds=6):
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     tp = t(lambda: torch.mm(a, a))
     print(f"8192^3 probe {tp:.3f} ms ({2 * 8192 ** 3 / tp / 1e9:.0f} TF/s)")
-    gemms = {
-        "token-major": (lambda xc: torch.mm(xc, w.t(), out=z), lambda xc: dw.addmm_(z.t(), xc),
+    gemms = {  # layout: (its block, its Z, dW += and dX GEMMs of one chunk of rows xc)
+        "token-major": (z, lambda xc: torch.mm(xc, w.t(), out=z), lambda xc: dw.addmm_(z.t(), xc),
                         lambda xc: torch.mm(z, w, out=dx)),
-        "vocab-major": (lambda xc: torch.mm(w, xc.t(), out=zt), lambda xc: dw.addmm_(zt, xc),
+        "vocab-major": (zt, lambda xc: torch.mm(w, xc.t(), out=zt), lambda xc: dw.addmm_(zt, xc),
                         lambda xc: torch.mm(zt.t(), w, out=dx)),
     }
     xc = x[:ct]
-    for name, (fz, fw, fx) in gemms.items():
+    for name, (_, fz, fw, fx) in gemms.items():
         tz, tw, tx = t(lambda: fz(xc)), t(lambda: fw(xc)), t(lambda: fx(xc))
         print(f"{name}: Z {tz:.3f} ms ({fl / tz:.0f} TF/s)  dW+= {tw:.3f} ({fl / tw:.0f})  dX {tx:.3f} ({fl / tx:.0f})"
               f"  x 16 = {16 * (tz + tw + tx):.1f} ms")
 
-    def seq(fz, fw, fx, block=None):
+    def seq(block, fz, fw, fx, stand_ins):
         for t0 in range(0, T, ct):
             xs = x[t0:t0 + ct]
             fz(xs)
-            if block is not None:   # stand-ins for the fold (one read) and the gradient (read + write)
+            if stand_ins:   # for the fold (one read of the block) and the gradient (read + write)
                 block.sum(); block.mul_(1.0)
             fw(xs); fx(xs)
-    tot = {k + s: [] for k in gemms for s in ("", " + memory-bound stand-ins")}
+    extra = " + memory-bound stand-ins"
+    tot = {k + s: [] for k in gemms for s in ("", extra)}
     for r in range(rounds):
         names = list(gemms) if r % 2 == 0 else list(gemms)[::-1]
-        for k in names:
-            tot[k].append(cuda_time_ms(lambda: seq(*gemms[k]), reps=3, warmup=1))
-        for k in names:
-            blk = z if k == "token-major" else zt
-            tot[k + " + memory-bound stand-ins"].append(cuda_time_ms(lambda: seq(*gemms[k], blk), reps=3, warmup=1))
+        for stand_ins in (False, True):
+            for k in names:
+                tot[k + (extra if stand_ins else "")].append(
+                    cuda_time_ms(lambda: seq(*gemms[k], stand_ins), reps=3, warmup=1))
     tp2 = t(lambda: torch.mm(a, a))
     for k, v in tot.items():
         v = sorted(v)
