@@ -302,13 +302,14 @@ mp_status mp_ce_grad_cuda(const void *z, int z_dtype, int64_t ldz, int64_t t, in
                           float eps, int64_t n_classes, float zloss, void *out, int64_t ldo, int out_dtype,
                           uintptr_t stream);
 /* ce_grad + column sums of the dZ written (target elements excluded) into cs [v] x fp32 (= or +=),
- * through part: [gmax, ldp] x fp32 scratch (cuda/ce.cu, ce_grad_colsum_kernel). */
+ * through part: [gmax, ldp] x fp32 scratch; tc [t] x fp32 or NULL: also the label column taken out
+ * of dZ into tc (cuda/ce.cu, ce_grad_colsum_kernel). */
 mp_status mp_ce_grad_colsum_cuda(const void *z, int z_dtype, int64_t ldz, int64_t t, int64_t v, int64_t v0,
                                  int64_t v_valid, const int64_t *labels, int64_t ignore_index, float softcap,
                                  const float *mrow, const float *ls, const float *q, const float *g,
                                  int64_t g_stride, float eps, int64_t n_classes, float zloss, void *out, int64_t ldo,
                                  int out_dtype, float *part, int64_t ldp, int64_t gmax, float *cs, int first,
-                                 uintptr_t stream);
+                                 float *tc, uintptr_t stream);
 /* p: [n] x dtype (0 fp32, 1 bf16, 2 fp16), p *= *g (g: one fp32), all on the device; nothing when *g == 1. */
 mp_status mp_ce_scale_cuda(void *p, int dtype, int64_t n, const float *g, uintptr_t stream);
 /* dw: [nv, ldw], x: [t, ldx] x dtype; sy, perm: [t] int64; tc: [t] fp32; all on the device. */
@@ -393,9 +394,10 @@ static PyObject *py_ce_fold(PyObject *self, PyObject *args) {
 }
 
 /* ce_grad(z, z_dtype, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, ls, q, g, g_stride, eps, n_classes,
- *         zloss, out, ldo, out_dtype, cuda, stream[, part, ldp, gmax, cs, first])
+ *         zloss, out, ldo, out_dtype, cuda, stream[, part, ldp, gmax, cs, first, tc])
  * part != 0 (CUDA): also cs (=, or += unless first) the column sums of the dZ written without the target
- * elements, through part: [gmax, ldp] x fp32 scratch (mp_ce_grad_colsum_cuda).
+ * elements, through part: [gmax, ldp] x fp32 scratch, and with tc != 0 ([t] x fp32) the label column
+ * taken out of dZ into tc (mp_ce_grad_colsum_cuda).
  * out_dtype: 0 fp32 in place (out must equal z; the only CPU choice), 1 bf16, 2 fp16 (CUDA).
  * z_dtype: 0 fp32; 1 bf16 / 2 fp16 logits (CUDA) need out_dtype == z_dtype, out == z, ldo == ldz. */
 static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
@@ -404,12 +406,12 @@ static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
   long long ldz, t, v, v0, v_valid, ignore, g_stride, n_classes, ldo;
   double softcap, eps, zloss;
   int out_dtype, cuda, z_dtype;
-  unsigned long long part = 0, cs = 0;
+  unsigned long long part = 0, cs = 0, tc = 0;
   long long ldp = 0, gmax = 0;
   int first = 0;
-  if (!PyArg_ParseTuple(args, "KiLLLLLKLdKKKKLdLdKLipK|KLLKp:ce_grad", &z, &z_dtype, &ldz, &t, &v, &v0, &v_valid,
+  if (!PyArg_ParseTuple(args, "KiLLLLLKLdKKKKLdLdKLipK|KLLKpK:ce_grad", &z, &z_dtype, &ldz, &t, &v, &v0, &v_valid,
                         &labels, &ignore, &softcap, &mrow, &ls, &q, &g, &g_stride, &eps, &n_classes, &zloss, &out,
-                        &ldo, &out_dtype, &cuda, &stream, &part, &ldp, &gmax, &cs, &first))
+                        &ldo, &out_dtype, &cuda, &stream, &part, &ldp, &gmax, &cs, &first, &tc))
     return NULL;
   ce_args a = ce_block_args(z, ldz, t, v, v0, v_valid, labels, ignore, softcap);
   a.mrow = (const float *)(uintptr_t)mrow;
@@ -430,6 +432,11 @@ static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
                  "need out_dtype == z_dtype and dZ in place (out == z, ldo == ldz)", z_dtype);
     return NULL;
   }
+  if (tc && !part) {
+    PyErr_SetString(PyExc_ValueError, "moepeak._C.ce_grad: tc (the label column taken out) comes only with the "
+                    "fused column sums (part, cs)");
+    return NULL;
+  }
   if (t == 0) Py_RETURN_NONE;
   mp_status st = MP_OK;
   if (cuda) {
@@ -443,7 +450,7 @@ static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
                                   a.g, g_stride, a.eps, n_classes, a.zloss,
                                   out_dtype == 0 ? (void *)a.z : (void *)(uintptr_t)out, out_dtype == 0 ? ldz : ldo,
                                   out_dtype, (float *)(uintptr_t)part, ldp, gmax, (float *)(uintptr_t)cs, first,
-                                  (uintptr_t)stream);
+                                  (float *)(uintptr_t)tc, (uintptr_t)stream);
     else
       st = mp_ce_grad_cuda(a.z, z_dtype, ldz, t, v, v0, v_valid, a.labels, ignore, a.softcap, a.mrow, a.ls, a.q, a.g,
                            g_stride, a.eps, n_classes, a.zloss, (void *)(uintptr_t)out, ldo, out_dtype,

@@ -424,6 +424,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 // never on timing (no atomics). The row's constants are staged in shared memory, one tile of
 // kSlabThreads rows at a time. Needs 16-byte aligned rows of z (and 8/16 of out; checked by the
 // launcher): every row then has the same vector boundaries.
+// With tc ([t] x fp32, optional) the kernel also takes the label column out of the dZ it writes, as
+// ring_dtp_blocks.take_label_column would right after it: tc[i] = dZ[i, jy] as stored (rounded to
+// Out) and 0 written there; tc[i] = 0 for a row with no target in the block (ignored, zero weight, or
+// its label in another block). So the dZ written is the dW GEMM's operand, and the caller puts the
+// column back for dX's GEMM (put_label_column): bitwise what the separate take gives.
 constexpr int kSlabThreads = 256;
 constexpr int kSlabMinBlocks = 4;  // <= 64 registers: 1024 threads and 64 KB of loads in flight per SM
 constexpr int kSlabUnroll = 4;     // rows in flight per thread
@@ -431,10 +436,14 @@ constexpr int kSlabUnroll = 4;     // rows in flight per thread
 template <typename Out>
 __device__ __forceinline__ float stored(float d) { return to_f32(from_f32<Out>(d)); }
 
+// Does the row have a target element in this block (then exactly one thread sees it)?
+__device__ __forceinline__ bool has_target(const GradRow &r) { return r.live && r.jy >= 0; }
+
 // Rows i0 .. i0 + U - 1 (constants rows[0 .. U)) at this thread's full vector of columns col .. col + N - 1.
+// tc (optional): the label column taken out (see ce_grad_colsum_kernel).
 template <typename In, typename Out, bool kCap, int U>
 __device__ __forceinline__ void slab_rows(const In *z, int64_t ldz, Out *out, int64_t ldo, int64_t i0,
-                                          const GradRow *rows, int col, float (&acc)[Vec<In>::n]) {
+                                          const GradRow *rows, int col, float (&acc)[Vec<In>::n], float *tc) {
   constexpr int N = Vec<In>::n;
   uint4 u[U];
 #pragma unroll
@@ -454,6 +463,15 @@ __device__ __forceinline__ void slab_rows(const In *z, int64_t ldz, Out *out, in
         for (int e = 0; e < N; ++e) d[e] = stored<Out>(e == off ? grad_one<kCap>(x[e], r, true) : d[e]);
 #pragma unroll
         for (int e = 0; e < N; ++e) acc[e] += (e == off) ? 0.f : d[e];
+        if (tc) {  // uniform over the grid
+          float dy = 0.f;
+#pragma unroll
+          for (int e = 0; e < N; ++e) {
+            dy = (e == off) ? d[e] : dy;
+            d[e] = (e == off) ? 0.f : d[e];
+          }
+          tc[i0 + k] = dy;
+        }
       } else {
 #pragma unroll
         for (int e = 0; e < N; ++e) {
@@ -465,6 +483,7 @@ __device__ __forceinline__ void slab_rows(const In *z, int64_t ldz, Out *out, in
 #pragma unroll
       for (int e = 0; e < N; ++e) d[e] = 0.f;
     }
+    if (tc && col == 0 && !has_target(r)) tc[i0 + k] = 0.f;
     store_vec(out + (i0 + k) * ldo + col, d);
   }
 }
@@ -475,7 +494,8 @@ __global__ void __launch_bounds__(kSlabThreads, kSlabMinBlocks)
                           const int64_t *__restrict__ labels, int64_t ignore_index, float c,
                           const float *__restrict__ mrow, const float *__restrict__ ls, const float *__restrict__ q,
                           const float *__restrict__ g, int64_t g_stride, float eps, float uni, float zloss, Out *out,
-                          int64_t ldo, float *__restrict__ part, int64_t ldp, int64_t rows_per_group) {
+                          int64_t ldo, float *__restrict__ part, int64_t ldp, int64_t rows_per_group,
+                          float *__restrict__ tc) {
   __shared__ GradRow rows[kSlabThreads];
   constexpr int N = Vec<In>::n;
   const int col = (int)(((int64_t)blockIdx.x * kSlabThreads + threadIdx.x) * N);  // < v + kSlabThreads * N
@@ -496,13 +516,14 @@ __global__ void __launch_bounds__(kSlabThreads, kSlabMinBlocks)
     if (full) {
       int k = 0;
       for (; k + kSlabUnroll <= nr; k += kSlabUnroll)
-        slab_rows<In, Out, kCap, kSlabUnroll>(z, ldz, out, ldo, i0 + k, rows + k, col, acc);
-      for (; k < nr; ++k) slab_rows<In, Out, kCap, 1>(z, ldz, out, ldo, i0 + k, rows + k, col, acc);
+        slab_rows<In, Out, kCap, kSlabUnroll>(z, ldz, out, ldo, i0 + k, rows + k, col, acc, tc);
+      for (; k < nr; ++k) slab_rows<In, Out, kCap, 1>(z, ldz, out, ldo, i0 + k, rows + k, col, acc, tc);
     } else {
       for (int k = 0; k < nr; ++k) {
         const GradRow &r = rows[k];
         const In *row = z + (i0 + k) * ldz;
         Out *orow = out + (i0 + k) * ldo;
+        if (tc && col == 0 && !has_target(r)) tc[i0 + k] = 0.f;
 #pragma unroll
         for (int e = 0; e < N; ++e) {
           const int j = col + e;
@@ -511,6 +532,10 @@ __global__ void __launch_bounds__(kSlabThreads, kSlabMinBlocks)
           if (r.live && j < nv) {
             d = stored<Out>(grad_one<kCap>(ld(row, j), r, j == r.jy));
             acc[e] += (j == r.jy) ? 0.f : d;
+            if (tc && j == r.jy) {
+              tc[i0 + k] = d;
+              d = 0.f;
+            }
           }
           orow[j] = from_f32<Out>(d);
         }
@@ -631,9 +656,8 @@ __global__ void __launch_bounds__(kSubThreads)
 // brings. A warp reads sy, perm and tcs a window of 32 positions at a time (a lane each, the
 // next window in flight while this one is walked) and walks its run a group of 8 tokens at a
 // time, two groups' rows of x in flight, the fmafs in sy's order. With the rank-1 term it
-// also marks its row, and ce_dw_finish_rank1_kernel then adds cs[r] * mu (the same
-// arithmetic: acc = cs[r] * mu, no label term, one rounding) to every row not marked,
-// 16-byte vectors.
+// also marks its row, and a rank-1 kernel then adds cs[r] * mu (the same arithmetic:
+// acc = cs[r] * mu, no label term, one rounding) to every row not marked (below).
 // (Measured on an H200 at T = 32k, V = 151936: a CTA per row finding its run by two binary
 // searches in sy, then a token at a time, took 1.75 ms for uniform labels; a CTA per run
 // with the batch loads under their predicates, which the compiler serialised, 7.4 ms for
@@ -856,12 +880,55 @@ __global__ void __launch_bounds__(kFinishThreads, finish_min_ctas<T, kVec>())
   }
 }
 
-// Rows the runs kernel did not mark: dw[r] = rn(dw[r] + cs[r] * mu). One CTA per row
-// (grid-stride), 16-byte vectors between a scalar head and tail.
+// Rows the runs kernel did not mark: dw[r] = rn(dw[r] + rn(cs[r] * mu[j])), element by element
+// the arithmetic of the runs kernel's rank-1 start (no label term) and of csrc/ce.c.
+// ce_dw_finish_rank1_kernel, 16-byte lanes (h a multiple of Vec<T>::n, rows 16-byte aligned: the
+// launcher checks): a thread owns one vector of columns for every row it visits, holds its
+// Vec<T>::n values of mu in registers (loaded once), and takes kRank1Rows rows per step with their
+// loads issued together (grid.x: column slabs of kScaleThreads vectors; grid.y: row groups,
+// grid-stride). ce_dw_finish_rank1_rows_kernel, any h and alignment: one CTA per row, a scalar head,
+// vectors, a scalar tail. (H200, T = 32k, V = 151936, uniform labels, ~122k unmarked rows: the
+// CTA-per-row kernel took 0.81 ms for ~2 GB of reads + writes, 2.5 TB/s: one vector in flight
+// per thread, and eight scalar loads of mu per vector.)
+constexpr int kRank1Rows = 4;
+
 template <typename T>
 __global__ void __launch_bounds__(kScaleThreads)
     ce_dw_finish_rank1_kernel(T *dw, int64_t ldw, int64_t nv, int64_t h, const float *__restrict__ cs,
                               const float *__restrict__ mu, const unsigned char *__restrict__ flags) {
+  constexpr int N = Vec<T>::n;
+  const int64_t col = ((int64_t)blockIdx.x * kScaleThreads + threadIdx.x) * N;
+  if (col >= h) return;  // (no barrier below)
+  float m[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) m[i] = mu[col + i];
+  for (int64_t r0 = (int64_t)blockIdx.y * kRank1Rows; r0 < nv; r0 += (int64_t)gridDim.y * kRank1Rows) {
+    bool live[kRank1Rows];
+    float c[kRank1Rows];
+    uint4 u[kRank1Rows];
+#pragma unroll
+    for (int k = 0; k < kRank1Rows; ++k) {  // the rows' loads all issue before the first is used
+      const int64_t r = r0 + k;
+      live[k] = r < nv && !flags[r];
+      c[k] = live[k] ? cs[r] : 0.f;
+      u[k] = live[k] ? ldv_last(dw + r * ldw + col) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int k = 0; k < kRank1Rows; ++k) {
+      if (!live[k]) continue;
+      float e[N];
+      unpack_vec<T>(u[k], e);
+#pragma unroll
+      for (int i = 0; i < N; ++i) e[i] = __fadd_rn(e[i], __fmul_rn(c[k], m[i]));
+      store_vec(dw + (r0 + k) * ldw + col, e);
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kScaleThreads)
+    ce_dw_finish_rank1_rows_kernel(T *dw, int64_t ldw, int64_t nv, int64_t h, const float *__restrict__ cs,
+                                   const float *__restrict__ mu, const unsigned char *__restrict__ flags) {
   constexpr int N = Vec<T>::n;
   const int tid = threadIdx.x;
   for (int64_t r = blockIdx.x; r < nv; r += gridDim.x) {
@@ -977,7 +1044,7 @@ template <typename In, typename Out, bool kCap>
 int launch_grad_colsum_t(const void *z, int64_t ldz, int64_t t, int v, int nv, int64_t v0, const int64_t *labels,
                          int64_t ignore_index, float softcap, const float *mrow, const float *ls, const float *q,
                          const float *g, int64_t g_stride, float eps, float uni, float zloss, void *out, int64_t ldo,
-                         float *part, int64_t ldp, int gmax, float *cs, int first, cudaStream_t stream) {
+                         float *part, int64_t ldp, int gmax, float *cs, int first, float *tc, cudaStream_t stream) {
   constexpr int N = Vec<In>::n;
   auto kernel = ce_grad_colsum_kernel<In, Out, kCap>;
   const int resident = resident_ctas<In, Out, kCap>(kernel);
@@ -992,7 +1059,7 @@ int launch_grad_colsum_t(const void *z, int64_t ldz, int64_t t, int v, int nv, i
   groups = (t + rows_per_group - 1) / rows_per_group;  // no empty group
   kernel<<<dim3((unsigned)slabs, (unsigned)groups), kSlabThreads, 0, stream>>>(
       (const In *)z, ldz, t, v, nv, v0, labels, ignore_index, softcap, mrow, ls, q, g, g_stride, eps, uni, zloss,
-      (Out *)out, ldo, part, ldp, rows_per_group);
+      (Out *)out, ldo, part, ldp, rows_per_group, tc);
   const int64_t rblocks = ((int64_t)v + kScaleThreads - 1) / kScaleThreads;
   if (v > 0)
     ce_colsum_reduce_kernel<<<(unsigned)(rblocks < kScaleGrid ? rblocks : kScaleGrid), kScaleThreads, 0, stream>>>(
@@ -1004,14 +1071,14 @@ template <typename In, typename Out>
 int launch_grad_colsum(const void *z, int64_t ldz, int64_t t, int v, int nv, int64_t v0, const int64_t *labels,
                        int64_t ignore_index, float softcap, const float *mrow, const float *ls, const float *q,
                        const float *g, int64_t g_stride, float eps, float uni, float zloss, void *out, int64_t ldo,
-                       float *part, int64_t ldp, int gmax, float *cs, int first, cudaStream_t stream) {
+                       float *part, int64_t ldp, int gmax, float *cs, int first, float *tc, cudaStream_t stream) {
   return softcap > 0.f
              ? launch_grad_colsum_t<In, Out, true>(z, ldz, t, v, nv, v0, labels, ignore_index, softcap, mrow, ls, q, g,
                                                    g_stride, eps, uni, zloss, out, ldo, part, ldp, gmax, cs, first,
-                                                   stream)
+                                                   tc, stream)
              : launch_grad_colsum_t<In, Out, false>(z, ldz, t, v, nv, v0, labels, ignore_index, softcap, mrow, ls, q,
                                                     g, g_stride, eps, uni, zloss, out, ldo, part, ldp, gmax, cs,
-                                                    first, stream);
+                                                    first, tc, stream);
 }
 
 template <typename T>
@@ -1044,7 +1111,14 @@ void launch_dw_finish(T *dw, int64_t ldw, int64_t v0, int64_t nv, const T *x, in
       ce_dw_finish_runs_kernel<T, false><<<runs, kFinishThreads, 0, sm>>>(dw, ldw, v0, nv, x, ldx, h, sy, perm, tcs,
                                                                           t, cs, mu, flags);
   }
-  if (cs) ce_dw_finish_rank1_kernel<T><<<grid_for(nv), kScaleThreads, 0, sm>>>(dw, ldw, nv, h, cs, mu, flags);
+  if (!cs) return;
+  if (h % N == 0 && ldw % N == 0 && ((uintptr_t)dw & 15u) == 0) {
+    const int64_t per_cta = (int64_t)kScaleThreads * N;  // columns of one column slab
+    const dim3 grid((unsigned)((h + per_cta - 1) / per_cta), grid_for((nv + kRank1Rows - 1) / kRank1Rows));
+    ce_dw_finish_rank1_kernel<T><<<grid, kScaleThreads, 0, sm>>>(dw, ldw, nv, h, cs, mu, flags);
+  } else {
+    ce_dw_finish_rank1_rows_kernel<T><<<grid_for(nv), kScaleThreads, 0, sm>>>(dw, ldw, nv, h, cs, mu, flags);
+  }
 }
 
 extern "C" {
@@ -1102,14 +1176,15 @@ fail:
 }
 
 // ce_grad + the column sums of the dZ written, target elements excluded, into cs: [v] x fp32 (padding columns: 0)
-// (first: cs = sums, else cs += sums), through part: [gmax, ldp] x fp32 scratch (ldp >= nv).
+// (first: cs = sums, else cs += sums), through part: [gmax, ldp] x fp32 scratch (ldp >= nv). tc: [t] x fp32 or
+// null: also take the label column out of dZ into tc (ce_grad_colsum_kernel).
 // Needs z 16-byte aligned rows (z and ldz * sizeof) and out aligned rows to its vector width.
 mp_status mp_ce_grad_colsum_cuda(const void *z, int z_dtype, int64_t ldz, int64_t t, int64_t v, int64_t v0,
                                  int64_t v_valid, const int64_t *labels, int64_t ignore_index, float softcap,
                                  const float *mrow, const float *ls, const float *q, const float *g,
                                  int64_t g_stride, float eps, int64_t n_classes, float zloss, void *out, int64_t ldo,
                                  int out_dtype, float *part, int64_t ldp, int64_t gmax, float *cs, int first,
-                                 uintptr_t stream) {
+                                 float *tc, uintptr_t stream) {
   mp_status st = MP_OK;
   const float uni = eps / (float)n_classes;
   cudaStream_t sm = MP_STREAM(stream);
@@ -1133,7 +1208,7 @@ mp_status mp_ce_grad_colsum_cuda(const void *z, int z_dtype, int64_t ldz, int64_
       using In = typename decltype(in)::type;
       using Out = typename decltype(out_tag)::type;
       used = launch_grad_colsum<In, Out>(z, ldz, t, vi, nv, v0, labels, ignore_index, softcap, mrow, ls, q, g, g_stride,
-                                         eps, uni, zloss, out, ldo, part, ldp, gm, cs, first, sm);
+                                         eps, uni, zloss, out, ldo, part, ldp, gm, cs, first, tc, sm);
     });
     if (!known)
       MP_FAIL(st, MP_ERR_INVALID,

@@ -313,9 +313,11 @@ def _fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=
         part = B.colsum_scratch(dx[t0:t1], V) if center and fuse_cs else None
         dz = B.grad_block(z, 0, V, y[t0:t1], ignore_index, softcap, mm_, ls, q, g, eps, V, zloss, x.dtype,
                           out=None if dzbuf is None else dzbuf[:n],
-                          colsum=None if part is None else (cs, part, t0 == 0))
+                          colsum=None if part is None else (cs, part, t0 == 0),
+                          take=None if part is None else tc[t0:t1])
         del z
-        if split:                                             # dW's GEMM without the label column
+        col = None                                            # dW's GEMM without the label column:
+        if split and part is None:                            # (with the fused column sums the kernel took it)
             col = B.take_label_column(dz, y[t0:t1], tc[t0:t1])
         xg = xc
         if center:                                            # this chunk's dX rows as scratch for

@@ -177,7 +177,8 @@ def colsum_fusable(z: torch.Tensor, out: Optional[torch.Tensor] = None) -> bool:
 def grad_block(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ignore_index: int, softcap: float,
                m: torch.Tensor, ls: torch.Tensor, q: torch.Tensor, g: torch.Tensor, eps: float, n_classes: int, zloss: float,
                dtype: torch.dtype, out: Optional[torch.Tensor] = None,
-               colsum: Optional[Tuple[torch.Tensor, torch.Tensor, bool]] = None) -> torch.Tensor:
+               colsum: Optional[Tuple[torch.Tensor, torch.Tensor, bool]] = None,
+               take: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Turn the logits block z: [t, v] x fp32 into dZ, returned in `dtype` (the GEMM
     operand dtype). m, ls = log(s), q = 1 - p_y: [t] x fp32 (lse = m + ls); g: [t] (per row) or [1] (broadcast) x fp32.
     out: optional preallocated [t, v] x dtype workspace (CUDA, dtype bf16/fp16) for dZ.
@@ -185,7 +186,11 @@ def grad_block(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ign
     sums of dZ as returned, each row's target element excluded (= colsum after
     take_label_column), in fp32: cs ([v] x fp32) = them if first, else cs += them; part:
     [G, >= v] x fp32 scratch (the kernel sums over at most G row groups; colsum_scratch).
-    Deterministic (no atomics) for a given G and device."""
+    Deterministic (no atomics) for a given G and device.
+    take = tc ([t] x fp32; with colsum only): the kernel also does take_label_column's work on
+    the dZ it writes (tc[i] = dZ[i, labels[i] - v0] as stored, that element 0; tc[i] = 0 for a
+    row without a target in the block), bitwise what take_label_column after it gives, without
+    its passes; put_label_column(dz, labels, tc) restores the column."""
     t, v = z.shape
     g_stride = 0 if g.numel() == 1 else 1
     cuda = z.device.type == "cuda"
@@ -201,6 +206,13 @@ def grad_block(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ign
             raise ValueError(f"moepeak: grad_block(colsum=) needs cs [{v}] and part [G, >= {v}]; got cs "
                              f"{tuple(cs.shape)}, part {tuple(part.shape)}")
         extra = (part.data_ptr(), part.stride(0), part.shape[0], cs.data_ptr(), bool(first))
+        if take is not None:
+            check_tensor("take", take, dtypes=(torch.float32,), ndim=1, device=z.device, contiguous=True)
+            if take.shape[0] != t:
+                raise ValueError(f"moepeak: grad_block(take=) needs tc [{t}] (one per row), got {tuple(take.shape)}")
+            extra += (take.data_ptr(),)
+    elif take is not None:
+        raise ValueError("moepeak: grad_block(take=...) needs colsum=... (the column sums' kernel takes the column)")
     if z.dtype != torch.float32:  # low-precision logits (CUDA): dZ in place, in z's dtype
         code = _ZCODE[z.dtype]
         _C.ce_grad(z.data_ptr(), code, z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,

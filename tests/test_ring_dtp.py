@@ -474,9 +474,13 @@ def test_cuda_grad_colsum(zdt, odt, softcap):
     """grad_block(colsum=) (the centering's column sums from the gradient kernel): dZ bitwise
     the row kernel's; cs = the fp64 column sums of that dZ without each row's target element
     (within fp32 summation error), first (=) and then accumulated (+=); the same bits on a
-    second call (no atomics). A block starting at column v0 > 0 with padding columns, t = 777
-    (uneven row groups and tiles), v = 20000 (the last column slab partly past the row),
-    ignored and zero-weight rows, targets in the first and last vectors and outside the block."""
+    second call (no atomics). With take=tc the kernel also takes the label column out: dZ and
+    tc bitwise what take_label_column after it gives (tc 0 for rows without a target in the
+    block), put_label_column restores the plain dZ, and cs is unchanged. A block starting at
+    column v0 > 0 with padding columns, t = 777 (uneven row groups and tiles), v = 20000 (the
+    last column slab partly past the row), ignored and zero-weight rows, targets in the first
+    and last vectors and outside the block; and a block of v = 6 (every column on the kernel's
+    per-element path)."""
     cu = torch.device("cuda")
     t, v0, v, pad, eps, zl = 777, 64, 20000, 40, 0.1, 1e-3
     V = v0 + v - pad
@@ -492,11 +496,11 @@ def test_cuda_grad_colsum(zdt, odt, softcap):
     q = torch.rand(t, generator=gen)
     yc, gc, mc, lsc, qc = (a.to(cu) for a in (y, g, m, ls, q))
 
-    def run(colsum):
+    def run(colsum, take=None):
         zz = z.to(cu)
         out = None if zdt != torch.float32 or odt == torch.float32 else torch.empty(t, v, dtype=odt, device=cu)
         return B.grad_block(zz, v0, V, yc, -100, softcap, mc, lsc, qc, gc, eps, V, zl, odt, out=out,
-                            colsum=colsum).clone()
+                            colsum=colsum, take=take).clone()
     plain = run(None)
     assert B.colsum_fusable(z.to(cu))
     ref = plain.double().cpu()
@@ -517,6 +521,51 @@ def test_cuda_grad_colsum(zdt, odt, softcap):
         run((cs, part, False))                                  # cs += the same sums
         got = cs.double().cpu()
         assert ((got - 2 * want).abs() <= 4e-6 * scale + 1e-30).all()
+        _check_grad_take(run, plain, cs1, part, yc, v0)
+
+
+def _check_grad_take(run, plain, cs_plain, part, y, v0):
+    """grad_block(colsum=, take=tc) against grad_block + take_label_column_block (bitwise)."""
+    t = plain.shape[0]
+    want_tc = torch.full((t,), float("nan"), device=plain.device)
+    want = plain.clone()
+    B.take_label_column_block(want, y, want_tc, v0)
+    inside = (y >= v0) & (y < v0 + plain.shape[1])
+    want_tc[~inside] = 0.0                                      # no target in the block: 0
+    cs = torch.full_like(cs_plain, float("nan"))
+    tc = torch.full((t,), float("nan"), device=plain.device)
+    dz = run((cs, part, True), take=tc)
+    assert torch.equal(dz, want)
+    assert torch.equal(tc, want_tc)
+    assert torch.equal(cs, cs_plain)
+    rows = inside.nonzero()[:, 0]
+    dz[rows, (y - v0)[rows]] = tc[rows].to(dz.dtype)           # put_label_column, for a block at v0
+    assert torch.equal(dz, plain)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32])
+def test_cuda_grad_colsum_take_narrow_block(dt):
+    """take=tc on a block of 8 columns, 6 of them real (2 padding): in bf16 every column is on
+    the kernel's per-element path (one vector, partly past the real columns); in fp32 one
+    full vector, then the per-element path. Ignored rows among them."""
+    cu = torch.device("cuda")
+    t, v, nv = 50, 8, 6
+    gen = torch.Generator().manual_seed(5)
+    z = torch.randn(t, v, generator=gen).to(dt).to(cu)
+    y = torch.randint(0, nv, (t,), generator=gen).to(cu)
+    y[::5] = -100
+    one = torch.ones(t, device=cu)
+    m = z.float().max(1).values + 1.0
+
+    def run(colsum, take=None):
+        return B.grad_block(z.clone(), 0, nv, y, -100, 0.0, m, one * 2, one * 0.5, one, 0.0, nv, 0.0, dt,
+                            colsum=colsum, take=take).clone()
+    part = torch.zeros(2, v, device=cu)
+    cs = torch.zeros(v, device=cu)
+    plain = run(None)
+    run((cs, part, True))
+    _check_grad_take(run, plain, cs.clone(), part, y, 0)
 
 
 @pytest.mark.cuda
@@ -536,6 +585,13 @@ def test_cuda_grad_colsum_bad_input():
     with pytest.raises(ValueError, match="CUDA only"):
         B.grad_block(z.cpu().float(), 0, 16, y.cpu(), -100, 0.0, f.cpu(), f.cpu(), f.cpu(), f.cpu(), 0.0, 16, 0.0,
                      torch.float32, colsum=(cs.cpu(), part.cpu(), True))
+    with pytest.raises(ValueError, match="take=.*needs colsum"):
+        B.grad_block(z, 0, 16, y, -100, 0.0, f, f, f, f, 0.0, 16, 0.0, z.dtype, take=f)
+    with pytest.raises(ValueError, match="needs tc \\[4\\]"):
+        B.grad_block(z, 0, 16, y, -100, 0.0, f, f, f, f, 0.0, 16, 0.0, z.dtype, colsum=(cs, part, True), take=cs)
+    with pytest.raises(TypeError, match="take must have dtype"):
+        B.grad_block(z, 0, 16, y, -100, 0.0, f, f, f, f, 0.0, 16, 0.0, z.dtype, colsum=(cs, part, True),
+                     take=f.double())
     torch.cuda.synchronize()
 
 
