@@ -101,7 +101,9 @@ twice, rn(dW + rn(product)): 1.41x naive's dW error at x_mean = 3, measured.)
 The gradient kernel makes colsum(dZ) as it writes dZ (B.grad_block(colsum=); its scratch
 is the chunk's dX rows again): H200, one 2048-row chunk at V = 151936, 0.324 ms for the
 kernel alone, 0.336 with the sums, 0.472 with a ones-row GEMM after it (the fallback
-where rows are not 16-byte aligned). H200, T = 8192,
+where rows are not 16-byte aligned). The same kernel takes the label column out into tc
+(grad_block(take=)): at T = 32k, 16 chunks, 0.09 ms of put-back scatters are left of the
+0.33 ms that the separate take and put-back cost. H200, T = 8192,
 H = 4096, V = 151936, bf16, dW error / naive's, centered / finish only / neither
 (benchmarks/study_dw_error.py; results/study_dw_error_center_h200.log); x_mean = the
 shared direction's per-dimension std (1: cosine ~0.5 between tokens, 3: ~0.9):
