@@ -635,8 +635,9 @@ PyMethodDef mp_ce_methods[] = {
      "fold a fp32 logits block into per-row (m, s, zy, zsum, sx)."},
     {"ce_grad", py_ce_grad, METH_VARARGS,
      "ce_grad(z, z_dtype, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, ls, q, g, g_stride, eps, n_classes, "
-     "zloss, out, ldo, out_dtype, cuda, stream[, part, ldp, gmax, cs, first]): turn a logits block into dZ "
-     "(and, on CUDA with part, sum its columns without the target elements into cs)."},
+     "zloss, out, ldo, out_dtype, cuda, stream[, part, ldp, gmax, cs, first, tc]): turn a logits block into dZ "
+     "(and, on CUDA with part, sum its columns without the target elements into cs; with tc also take the "
+     "label column out of dZ into tc)."},
     {"ce_dw_finish", py_ce_dw_finish, METH_VARARGS,
      "ce_dw_finish(dw, dtype, ldw, v0, nv, x, ldx, h, sy, perm, tcs, t, cs, mu, flags, cuda, stream): dw[r] += "
      "[cs[r] * mu +] sum over tokens labelled v0 + r of tc[t] * x[t] (fp32 sum, one rounding; tcs = tc[perm], "

@@ -118,7 +118,8 @@ At 8 chunks and fewer the centering is off: there the finish alone holds dW with
 naive's error even at x_mean = 3 (H200, T = 8192, uniform labels, finish only: 1.39 / 1.54 /
 1.85 / 2.39 at 2 / 4 / 8 / 16 chunks, centered 1.00 at each; Zipf 1.05 / 1.08 / 1.13 / 1.24;
 results/study_dw_error_chunks_s11.log), and the centering's fixed costs (above all the rank-1
-pass over dW's unlabelled rows, ~0.8 ms at V = 151936, H = 4096) weigh most on a short T.
+pass over dW's unlabelled rows, 0.49 ms at T = 32k, V = 151936, H = 4096 in the
+H200 profile of 2026-11-30 06:42 UTC) weigh most on a short T.
 The 32k target shape (16 chunks) is centered: +1.0-1.2% there (H200, 2026-11-30, bench_ring_dtp
 --quick: 194.8 vs 192.4 ms; round-robin 194.1 vs 192.3). Set ring_dtp.FUSED_CENTER_CHUNKS = 1
 to center at any chunk count; mode="vocab_outer" is exact whatever the inputs.
