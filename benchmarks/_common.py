@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmarks: machine description rows, CSV append,
+"""Helpers shared by the benchmarks: the results CSVs' one schema (append_results),
 CUDA-event timing, peak-memory measurement, OOM capture, and moepeak.ring_dtp's
 module flags set for a block.
 
@@ -13,42 +13,100 @@ import csv
 import datetime
 import os
 import statistics
-from typing import Callable, Dict
+import subprocess
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
 
-def machine_row() -> Dict[str, str]:
+# The run columns that lead every row of benchmarks/results/<component>.csv, in this order;
+# the component's own figures follow them.
+RESULT_COLUMNS = ("timestamp", "gpu", "torch", "moepeak", "commit")
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def git_commit(repo_root: str = REPO_ROOT) -> str:
+    """The commit the measured code is at: $MOEPEAK_COMMIT if set (for copies of the tree
+    without .git, e.g. a GPU machine), else `git rev-parse --short HEAD` in repo_root (this
+    repository), else "unknown"."""
+    env = os.environ.get("MOEPEAK_COMMIT", "").strip()
+    if env:
+        return env
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo_root, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+def run_columns(gpu: Optional[str] = None) -> Dict[str, str]:
+    """The RESULT_COLUMNS of a row written now: timestamp (UTC, ISO-8601 to the second, e.g.
+    2026-11-30T06:51:47+00:00), gpu (the given name, else CUDA device 0's, else "cpu"), the
+    torch and moepeak versions, and git_commit()."""
     try:
         import moepeak
 
-        ver = moepeak.__version__
+        version = moepeak.__version__
     except Exception:  # benchmark baselines must run even if moepeak is broken
-        ver = "unavailable"
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        version = "unavailable"
+    if gpu is None:
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {
-        "date": datetime.date.today().isoformat(),
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": gpu,
         "torch": torch.__version__,
-        "moepeak": ver,
+        "moepeak": version,
+        "commit": git_commit(),
     }
 
 
-def append_rows(path: str, rows, fieldnames=None, **writer_kw) -> None:
-    """Append dict rows to a CSV file, writing the header first when the file is new.
-    fieldnames: the columns (default: the first row's keys); writer_kw go to csv.DictWriter."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fieldnames = list(fieldnames if fieldnames is not None else rows[0].keys())
-    new = not os.path.exists(path)
+def append_results(out_dir: str, component: str, rows: Sequence[Dict[str, object]],
+                   fields: Optional[Sequence[str]] = None, gpu: Optional[str] = None) -> str:
+    """Append rows to OUT_DIR/COMPONENT.csv, each led by run_columns(gpu); returns the path.
+
+    rows: dicts of the component's figures only (a key of RESULT_COLUMNS is an error); a key
+    a row lacks is written empty. fields: the figure columns in order (default: the file's
+    existing header, else the rows' keys in order of first appearance). The file is
+    append-only: its header is written when the file is new and must equal RESULT_COLUMNS +
+    fields when it is not, so every row of a file has the same columns."""
+    if not component or os.sep in component or "/" in component or component.endswith(".csv"):
+        raise ValueError(f"append_results: component must be a bare name like 'ring_dtp', got {component!r}")
+    path = os.path.join(out_dir, component + ".csv")
+    rows = list(rows)
+    if not rows:
+        return path
+    for row in rows:
+        clash = [k for k in row if k in RESULT_COLUMNS]
+        if clash:
+            raise ValueError(f"append_results: rows carry the component's figures only; {clash} are filled in "
+                             f"by run_columns() (pass gpu= to name the GPU)")
+    existing = None
+    if os.path.exists(path) and os.path.getsize(path) > 0:
+        with open(path, newline="") as f:
+            existing = next(csv.reader(f), None)
+    if fields is None:
+        if existing is not None:
+            fields = existing[len(RESULT_COLUMNS):]
+        else:
+            fields = list(dict.fromkeys(k for row in rows for k in row))
+    header = list(RESULT_COLUMNS) + list(fields)
+    if existing is not None and existing != header:
+        raise ValueError(f"append_results: {path} has the columns {existing}, these rows {header}; "
+                         f"results files are append-only with one header (convert the file or use a new component)")
+    unknown = sorted({k for row in rows for k in row} - set(fields))
+    if unknown:
+        raise ValueError(f"append_results: columns {unknown} are not among fields {list(fields)}")
+    os.makedirs(out_dir or ".", exist_ok=True)
+    run = run_columns(gpu)
     with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fieldnames, **writer_kw)
-        if new:
-            w.writeheader()
-        w.writerows(rows)
-
-
-def append_csv(path: str, row: Dict[str, object]) -> None:
-    append_rows(path, [row])
+        writer = csv.writer(f)
+        if existing is None:
+            writer.writerow(header)
+        for row in rows:
+            writer.writerow([run[k] for k in RESULT_COLUMNS] + [row.get(k, "") for k in fields])
+    return path
 
 
 def cuda_times_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 3):

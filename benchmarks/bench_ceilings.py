@@ -8,12 +8,11 @@ CPU AdamW throughput. Appends rows to <out>/ceilings.csv.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
 
-from _common import append_csv, cuda_time_ms, machine_row
+from _common import append_results, cuda_time_ms
 
 
 def gemm_rate(n=8192, reps=10):
@@ -78,11 +77,11 @@ def main():
     rows.append(("host_dram_copy_rw", host_dram(), "GB/s"))
     s, bw = fused_cpu_adamw()
     rows += [("torch_fused_cpu_adamw_2^28_s", s, "s"), ("torch_fused_cpu_adamw_traffic", bw, "GB/s")]
-    base = machine_row()
-    base["threads"] = torch.get_num_threads()
+    threads = torch.get_num_threads()
     for name, value, unit in rows:
         print(f"{name:36s} {value:10.3f} {unit}")
-        append_csv(os.path.join(args.out, "ceilings.csv"), dict(base, metric=name, value=f"{value:.4f}", unit=unit))
+    append_results(args.out, "ceilings", [dict(threads=threads, metric=name, value=f"{value:.4f}", unit=unit)
+                                          for name, value, unit in rows])
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-from _common import append_csv, is_oom, machine_row  # noqa: E402
+from _common import append_results, is_oom  # noqa: E402
 
 from moepeak import plan as P  # noqa: E402
 from moepeak.demo import DEFAULTS, run  # noqa: E402
@@ -95,7 +95,6 @@ def main():
     missing = [s for s in ("moe", "head", "checkpoint", "optimizer") if not available(s)]
     if missing:
         print(f"bench_demo: NOTE moepeak components missing in this build (plain used instead): {missing}")
-    base = machine_row()
     print(f"{'context':>8} {'mode':>8} {'status':>6} {'peak GiB':>9} {'plan GiB':>9} {'plan/meas':>9} "
           f"{'tok/s':>10} {'binding(plan)':>14}  settings")
     for ctx in ctxs:
@@ -109,8 +108,8 @@ def main():
                   f"{(f'{ratio:.2f}' if ratio else '-'):>9} "
                   f"{tok:>10} {pr['binding']:>14}  "
                   f"{r.get('settings', '')}", flush=True)
-            append_csv(os.path.join(a.out, "demo.csv"), dict(
-                base, context=ctx, mode=mode, status=r["status"],
+            append_results(a.out, "demo", [dict(
+                context=ctx, mode=mode, status=r["status"],
                 peak_gib=f"{r['peak'] / GiB:.3f}" if r["peak"] else "",
                 plan_total_gib=f"{pr['total'] / GiB:.3f}",
                 plan_over_measured=f"{ratio:.3f}" if ratio else "",
@@ -118,7 +117,7 @@ def main():
                 spread=f"{r.get('spread', 0):.3f}", binding_plan=pr["binding"],
                 settings=r.get("settings", ""), steps=steps,
                 model=f"L{d['layers']}-H{d['hidden']}-E{d['experts']}-K{d['top_k']}-I{d['intermediate']}"
-                      f"-V{d['vocab']}-{d['dtype']}"))
+                      f"-V{d['vocab']}-{d['dtype']}")])
     return 0
 
 

@@ -28,7 +28,7 @@ its own (possibly blocked) child after a grace period; the parents (gloo, CPU
 only, never touching the GPU) then all-gather the outcomes, so every rank
 takes the same decision. Memory is freed with the child.
 
-Recorded (DIR/demo_reach.csv): gpu, date, torch, moepeak, P, arm, seq_len,
+Recorded (DIR/demo_reach.csv, after _common.RESULT_COLUMNS): P, arm, seq_len,
 status (ok / oom / time-cap / timeout / error), peak_gib (max over ranks of
 max_memory_allocated over the whole run: weights, grads, activations, optimizer
 state on the GPU), step_s (timed step, max over ranks), tokens_per_s
@@ -47,7 +47,6 @@ attention-bound (~200 s a step), memory ~75 GiB per rank expected:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -62,12 +61,12 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))  # the repo root
-from _common import append_rows, is_oom  # noqa: E402
+from _common import append_results, is_oom  # noqa: E402
 
 GiB = 2 ** 30
 SMOKE = dict(layers=2, hidden=64, heads=4, kv_heads=2, experts=4, top_k=2, intermediate=64, vocab=264,
              dtype="float32", chunk_rows=256)
-FIELDS = ["gpu", "date", "torch", "moepeak", "P", "arm", "seq_len", "status", "peak_gib", "step_s",
+FIELDS = ["P", "arm", "seq_len", "status", "peak_gib", "step_s",
           "tokens_per_s", "model", "steps", "note"]
 
 
@@ -253,11 +252,8 @@ def main():
     dist.init_process_group("gloo")  # the parents coordinate on the CPU; children own the GPUs
     workdir = os.path.join(a.out, ".reach_tmp")
     os.makedirs(workdir, exist_ok=True)
-    # not _common.machine_row(): asking torch for the GPU name would create a CUDA context
+    # gpu= for append_results: asking torch for the GPU name would create a CUDA context
     # on GPU 0 in both parents; the children report the GPU instead
-    import moepeak
-    base = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
-            "moepeak": moepeak.__version__}
     say = (lambda *x: print(*x, flush=True)) if rank == 0 else (lambda *x: None)
     lengths = []
     L = lo
@@ -290,9 +286,9 @@ def main():
                 stop[arm] = f"time-cap before {L}"
                 say(f"{arm:>8} {L:>9} {'time-cap':>9} {'':>9} {'':>8} {'':>10}  {row['note']}")
                 if rank == 0:
-                    append_rows(os.path.join(a.out, "demo_reach.csv"), [dict(
-                        base, gpu=gpu, P=world, arm=arm, seq_len=L, model=_model_tag(d), steps=a.steps,
-                        peak_gib="", step_s="", tokens_per_s="", **row)], FIELDS)
+                    append_results(a.out, "demo_reach", [dict(
+                        P=world, arm=arm, seq_len=L, model=_model_tag(d), steps=a.steps,
+                        peak_gib="", step_s="", tokens_per_s="", **row)], FIELDS, gpu=gpu)
                 break
             port = plan[1]
             t0 = time.monotonic()
@@ -310,11 +306,11 @@ def main():
                     for o in outs:
                         if o.get("traceback"):
                             print(f"rank {o['rank']} traceback:\n{o['traceback']}", flush=True)
-                append_rows(os.path.join(a.out, "demo_reach.csv"), [dict(
-                    base, gpu=gpu, P=world, arm=arm, seq_len=L, status=status,
+                append_results(a.out, "demo_reach", [dict(
+                    P=world, arm=arm, seq_len=L, status=status,
                     peak_gib=f"{peak:.3f}" if peak is not None else "", step_s=f"{step:.4f}" if step else "",
                     tokens_per_s=f"{tps:.1f}" if tps else "", model=_model_tag(d), steps=a.steps,
-                    note=note)], FIELDS)
+                    note=note)], FIELDS, gpu=gpu)
             if status != "ok":
                 stop[arm] = f"{status} at {L}"
                 break

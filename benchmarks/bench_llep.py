@@ -27,7 +27,6 @@ ranks together; each statistic is the max over ranks. An OOM is a result.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import gc
 import os
 import statistics
@@ -37,8 +36,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from _common import append_rows  # noqa: E402
-import moepeak  # noqa: E402
+from _common import append_results  # noqa: E402
 from moepeak.llep import llep_moe  # noqa: E402
 
 CONFIGS = {"E128_K4_H2880_I2880": (128, 4, 2880, 2880), "E256_K8_H7168_I2048": (256, 8, 7168, 2048)}
@@ -238,8 +236,7 @@ def main():
     if args.arms:
         arms = {a: None for a in args.arms.split(",")}
 
-    meta = dict(gpu=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                torch=torch.__version__, moepeak=moepeak.__version__, P=P, dtype="bf16")
+    meta = dict(P=P, dtype="bf16")
     rows, flushed = [], 0
     for cname, (E, K, H, I) in configs.items():
         El = E // P
@@ -295,7 +292,8 @@ def main():
                 del x, tw, gy, ids
         del wgu, wd
         if rank == 0 and args.out:  # per config, so a run cut short keeps what it measured
-            append_rows(os.path.join(args.out, "llep.csv"), rows[flushed:])
+            append_results(args.out, "llep", rows[flushed:], gpu=torch.cuda.get_device_name() if dev.type == "cuda"
+                           else "cpu")
             flushed = len(rows)
         gc.collect()
         if dev.type == "cuda":

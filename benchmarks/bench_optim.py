@@ -22,7 +22,6 @@ minus before; host_rss, pinned bytes. An OOM is recorded, not raised.
   python benchmarks/bench_optim.py --out benchmarks/results [--quick]
 """
 import argparse
-import datetime
 import gc
 import os
 import statistics
@@ -32,10 +31,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from _common import append_rows  # noqa: E402
+from _common import append_results  # noqa: E402
 import moepeak  # noqa: E402
 
-COLS = ["gpu", "date", "torch", "moepeak", "threads", "params", "layout", "arm", "step_s", "step_min_s", "step_max_s",
+COLS = ["threads", "params", "layout", "arm", "step_s", "step_min_s", "step_max_s",
         "exposed_s", "vs_floor", "gpu_added", "host_rss", "pinned", "pcie_s", "dram_GBs", "d2h_GBs", "h2d_GBs", "note"]
 EXPERT = (2048, 1408)
 LARGE = 1 << 26
@@ -203,9 +202,7 @@ def main():
     sizes = [1 << 30] if args.quick else [1 << 30, 1 << 32]
     warmup, reps = (1, 2) if args.quick else (2, 5)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "optim.csv")
-    meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S"),
-                torch=torch.__version__, moepeak=moepeak.__version__, threads=args.threads)
+    meta = dict(threads=args.threads)
     rows = []
 
     def record(**kw):
@@ -270,7 +267,7 @@ def main():
                     del params, opt
                     gc.collect()
                     torch.cuda.empty_cache()
-    append_rows(path, rows, fieldnames=COLS, restval="", extrasaction="ignore")
+    path = append_results(args.out, "optim", [{k: v for k, v in r.items() if k in COLS} for r in rows], COLS)
     print(f"\nwrote {len(rows)} rows to {path}")
     summary(rows, args.threads)
 

@@ -26,7 +26,6 @@ run meets a hotter GPU than the GEMM-rate probe at the start did.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -35,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from _common import append_rows, cuda_time_ms, cuda_times_ms, relerr, ring_dtp_flags  # noqa: E402
+from _common import append_results, cuda_time_ms, cuda_times_ms, relerr, ring_dtp_flags  # noqa: E402
 import moepeak  # noqa: E402
 
 GiB = 1 << 30
@@ -255,8 +254,7 @@ def csv_row(T, H, V, arm, status="ok", peak=float("nan"), ts=(), rate=float("nan
     med, p10, p90 = quantiles(list(ts))
     flop = 6.0 * T * V * H
     t3 = flop / (rate * 1e12)
-    return dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(
-                timespec="seconds"), torch=torch.__version__, moepeak=moepeak.__version__, T=T, H=H, V=V, arm=arm,
+    return dict(T=T, H=H, V=V, arm=arm,
                 status=status, peak_gib=f"{peak:.3f}", median_ms=f"{med * 1e3:.2f}", p10_ms=f"{p10 * 1e3:.2f}",
                 p90_ms=f"{p90 * 1e3:.2f}", iters=len(ts), gemm_tflops=f"{rate:.0f}", x_3gemm=f"{med / t3:.3f}",
                 tflops=f"{flop / med / 1e12:.1f}", err_T=err_T, err_loss=f"{e[0]:.3e}", err_dx=f"{e[1]:.3e}",
@@ -434,8 +432,7 @@ def select_arms(arms, names):
 def flush_rows(out, rows):
     """Append rows to out/ring_dtp.csv (if out) and empty the list."""
     if out and rows:
-        path = os.path.join(out, "ring_dtp.csv")
-        append_rows(path, rows)
+        path = append_results(out, "ring_dtp", rows)
         print(f"\nappended {len(rows)} rows to {path}")
     rows.clear()
 

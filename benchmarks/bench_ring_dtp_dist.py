@@ -78,7 +78,7 @@ import torch.nn.functional as F
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.insert(0, _HERE)
-from _common import append_rows, cuda_times_ms, is_oom, machine_row, peak_above, relerr  # noqa: E402
+from _common import append_results, cuda_times_ms, is_oom, peak_above, relerr  # noqa: E402
 import moepeak  # noqa: E402
 from moepeak.transport import Handle, Transport  # noqa: E402
 
@@ -87,7 +87,7 @@ IGNORE = -100
 # torch >= 2.12 renames all_gather_into_tensor / reduce_scatter_tensor (*_single); the
 # old names are what torch 2.4 .. 2.11 have, so keep them and keep the output readable.
 warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.")
-FIELDS = ["gpu", "date", "torch", "moepeak", "P", "arm", "transport", "T_per_rank", "H", "V", "dtype", "peak_gib",
+FIELDS = ["P", "arm", "transport", "T_per_rank", "H", "V", "dtype", "peak_gib",
           "ms", "p10_ms", "p90_ms", "t_compute_ms", "t_comm_ms", "exposed_ms", "hidden_frac", "comm_gib",
           "err_loss", "err_dx", "err_dw", "max_rel_err", "status", "note"]
 QUICK = [(32768, 4096, 151936)]
@@ -391,7 +391,7 @@ def _agree(res, code, msg, dev):
 def run_shape(T, H, V, dtype, args, dev, nccl_tr, nccl_why):
     P, r = dist.get_world_size(), dist.get_rank()
     group = dist.group.WORLD
-    base = dict(machine_row(), P=P, T_per_rank=T, H=H, V=V, dtype=str(dtype).replace("torch.", ""))
+    base = dict(P=P, T_per_rank=T, H=H, V=V, dtype=str(dtype).replace("torch.", ""))
     rows = []
 
     def row(arm, transport, m, **kw):
@@ -497,8 +497,8 @@ def print_table(rows):
     cols = [("arm", 24), ("transport", 9), ("peak_gib", 9), ("ms", 9), ("t_compute_ms", 12), ("t_comm_ms", 10),
             ("exposed_ms", 10), ("hidden_frac", 11), ("max_rel_err", 11), ("status", 8)]
     r0 = rows[0]
-    print(f"\nP={r0['P']} T_r={r0['T_per_rank']} H={r0['H']} V={r0['V']} {r0['dtype']} ({r0['gpu']}, "
-          f"torch {r0['torch']})")
+    print(f"\nP={r0['P']} T_r={r0['T_per_rank']} H={r0['H']} V={r0['V']} {r0['dtype']} "
+          f"({torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, torch {torch.__version__})")
     print(" ".join(f"{c:>{w}}" for c, w in cols))
     for rw in rows:
         print(" ".join(f"{str(rw.get(c, '')):>{w}}" for c, w in cols))
@@ -551,7 +551,7 @@ def main():
             print_table(rows)
             print(f"({time.perf_counter() - t0:.0f} s)", flush=True)
             if args.out:
-                append_rows(os.path.join(args.out, "ring_dtp_dist.csv"), rows, fieldnames=FIELDS)
+                append_results(args.out, "ring_dtp_dist", rows, FIELDS)
         if args.smoke:
             tol = 1e-4 if dtype == torch.float32 else 3e-2
             for rw in rows:

@@ -19,7 +19,6 @@ Sizes worked once: boundary = T·H·2 B = 32768·4096·2 = 256 MiB at T = 32k
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import os
 import statistics
@@ -31,7 +30,7 @@ import torch
 import torch.utils.checkpoint as tuc
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from _common import append_rows  # noqa: E402
+from _common import append_results  # noqa: E402
 import moepeak  # noqa: E402
 from moepeak.sco import SCOConfig  # noqa: E402
 from tests.refs import SCOBlock  # noqa: E402
@@ -190,7 +189,6 @@ def main():
     if a.reach:
         return reach(a.T[0], a.H)
     gpu = torch.cuda.get_device_name()
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     rows = []
     print(f"{gpu}  torch {torch.__version__}  moepeak {moepeak.__version__}  H={a.H} bf16")
     print(f"{'T':>7} {'L':>3} {'arm':>9} {'status':>8} {'peak GiB':>9} {'step ms':>9} {'min':>8} {'max':>8} {'vs ckpt':>8}")
@@ -214,16 +212,14 @@ def main():
                 rel = med / ckpt_ms if ckpt_ms and r["status"] == "ok" else float("nan")
                 print(f"{T:>7} {L:>3} {arm:>9} {r['status']:>8} {r['peak_gib']:>9.2f} {med:>9.1f} {lo:>8.1f} {hi:>8.1f} {rel:>8.3f}",
                       flush=True)
-                rows.append(dict(gpu=gpu, date=date, torch=torch.__version__, moepeak=moepeak.__version__,
-                                 H=a.H, T=T, L=L, dtype="bf16", arm=arm, status=r["status"],
+                rows.append(dict(H=a.H, T=T, L=L, dtype="bf16", arm=arm, status=r["status"],
                                  peak_above_base_gib=round(r["peak_gib"], 4), step_ms_median=round(med, 2),
                                  step_ms_min=round(lo, 2), step_ms_max=round(hi, 2), iters=a.iters))
             del blocks
             _cleanup()
             print(f"  ({time.time() - t0:.0f} s)", flush=True)
     if a.out:
-        path = os.path.join(a.out, "sco.csv")
-        append_rows(path, rows, fieldnames=list(rows[0]) if rows else ["gpu"])
+        path = append_results(a.out, "sco", rows, gpu=gpu)
         print(f"appended {len(rows)} rows to {path}")
 
 

@@ -19,7 +19,7 @@ all-to-alls and scalar all-reduces pay); the large ones the bandwidth.
 Usage:
   python benchmarks/bench_transport.py --out benchmarks/results [--quick]
   NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 benchmarks/bench_transport.py --out benchmarks/results [--quick]
-Appends rows to OUT/transport.csv (gpu, date, torch, moepeak and NCCL
+Appends rows to OUT/transport.csv (after _common.RESULT_COLUMNS: the NCCL
 versions, world size, transport, op, bytes, median/p10/p90 us, GB/s, status).
 An OOM or an error is recorded as that row's status, never a crash.
 """
@@ -38,13 +38,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _common import append_rows  # noqa: E402
-import moepeak  # noqa: E402
+from _common import append_results  # noqa: E402
 from moepeak import _C  # noqa: E402
 from moepeak.transport import TorchDistTransport  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-FIELDS = ["gpu", "date", "torch", "moepeak", "nccl_moepeak", "nccl_torch", "world_size", "transport", "op",
+FIELDS = ["nccl_moepeak", "nccl_torch", "world_size", "transport", "op",
           "bytes", "iters", "median_us", "p10_us", "p90_us", "gbps", "status"]
 
 
@@ -146,14 +145,13 @@ def main():
         transports.pop("moepeak_nccl", None)
 
     now = datetime.datetime.now(datetime.timezone.utc)
-    meta = dict(gpu=torch.cuda.get_device_name(device), date=now.strftime("%Y-%m-%dT%H:%MZ"),
-                torch=torch.__version__, moepeak=moepeak.__version__,
-                nccl_moepeak=(_C.nccl_loaded() or ("-",))[0],
+    gpu = torch.cuda.get_device_name(device)
+    meta = dict(nccl_moepeak=(_C.nccl_loaded() or ("-",))[0],
                 nccl_torch=_torch_nccl_version(), world_size=world)
     rows = []
     if rank == 0:
-        print(f"# {meta['gpu']} x{world}, torch {meta['torch']}, NCCL (torch) {meta['nccl_torch']}, "
-              f"NCCL (moepeak) {meta['nccl_moepeak']}, {meta['date']}")
+        print(f"# {gpu} x{world}, torch {torch.__version__}, NCCL (torch) {meta['nccl_torch']}, "
+              f"NCCL (moepeak) {meta['nccl_moepeak']}, {now.isoformat(timespec='seconds')}")
         if nccl_err:
             print(f"# moepeak NCCL transport unavailable: {nccl_err}")
         topo = _topology(world)
@@ -198,8 +196,7 @@ def main():
         torch.cuda.empty_cache()
     if rank == 0:
         _summary(rows)
-        path = os.path.join(args.out, "transport.csv")
-        append_rows(path, rows, fieldnames=FIELDS)
+        path = append_results(args.out, "transport", rows, FIELDS, gpu=gpu)
         print(f"# appended {len(rows)} rows to {path}")
     for t in transports.values():
         if hasattr(t, "close"):
