@@ -2,7 +2,7 @@
 CUDA-event timing, peak-memory measurement, OOM capture, and moepeak.ring_dtp's
 module flags set for a block.
 
-Peak memory convention (DESIGN.md section 4): max_memory_allocated during the
+Peak memory convention (docs/design.md section 4): max_memory_allocated during the
 call minus memory_allocated just before it, i.e. what the call adds above its
 inputs.
 """
