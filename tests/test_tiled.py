@@ -226,7 +226,7 @@ def test_position_wise_transient_is_per_tile():
     """Doubling T at a fixed tile grows the backward's live bytes by no more than the
     attention core's own full-length transient plus the tiled block's full-length
     buffers (q, k, v, dout, dx); torch's checkpoint of the same block grows by more."""
-    H, T = 64, 512
+    H, T = 64, 256
     tiled = lambda b, x, t: tiled_block(x, _linear_core_spec(b, x), t)  # noqa: E731
     ckpt = lambda b, x, t: torch_ckpt.checkpoint(b, x, use_reentrant=False)  # noqa: E731
     per_token = lambda f: (_backward_peak(2 * T, f) - _backward_peak(T, f)) / T  # noqa: E731
@@ -241,3 +241,79 @@ def test_position_wise_transient_is_per_tile():
     # and at fixed T, a 4x larger tile costs only O(tile) more
     small, big = _backward_peak(T, tiled, tile=16), _backward_peak(T, tiled, tile=64)
     assert big - small <= 48 * 64 * row, ((big - small) / row)
+
+
+# --------------------------------------------------------------------------- Hugging Face Qwen3-MoE
+
+def _qwen3_layer(dtype, attn_impl, seed=0):
+    tf = pytest.importorskip("transformers")
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
+    cfg = tf.Qwen3MoeConfig(hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                            num_experts_per_tok=2, vocab_size=64, output_router_logits=False)
+    cfg._attn_implementation = attn_impl
+    torch.manual_seed(seed)
+    layer = hf.Qwen3MoeDecoderLayer(cfg, layer_idx=0)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            p.copy_((1.0 + 0.3 * torch.randn(p.shape)) if "norm" in name else torch.randn(p.shape) * p.shape[-1] ** -0.5)
+    rope = hf.Qwen3MoeRotaryEmbedding(cfg)
+    return layer.to(dtype), rope, cfg
+
+
+def _run_hf(layer, rope, x, gy, tile=None, mask=None):
+    from moepeak.tiled import tiled_qwen3_moe_layer_forward
+    x = x.detach().requires_grad_(True)
+    pos = torch.arange(x.shape[1]).unsqueeze(0)
+    pe = rope(x, pos)
+    if tile is None:
+        y = layer(x, attention_mask=mask, position_embeddings=pe)
+    else:
+        y = tiled_qwen3_moe_layer_forward(layer, x, attention_mask=mask, position_embeddings=pe, tile_tokens=tile)
+    return [y.detach()] + list(torch.autograd.grad(y, [x] + list(layer.parameters()), gy))
+
+
+@pytest.mark.parametrize("attn_impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("T,tile", [(23, 4), (23, 23), (1, 3)])
+def test_qwen3_moe_layer_fp32(attn_impl, T, tile):
+    layer, rope, cfg = _qwen3_layer(torch.float32, attn_impl)
+    x = torch.randn(2, T, 32, generator=torch.Generator().manual_seed(21))
+    gy = torch.randn(2, T, 32, generator=torch.Generator().manual_seed(22))
+    mask = None
+    if attn_impl == "eager":  # eager attention takes the additive causal mask
+        mask = torch.full((T, T), float("-inf")).triu(1).view(1, 1, T, T).expand(2, 1, T, T)
+    want, got = _run_hf(layer, rope, x, gy, None, mask), _run_hf(layer, rope, x, gy, tile, mask)
+    for name, w, g in zip(["y", "dx"] + [n for n, _ in layer.named_parameters()], want, got):
+        if tile >= T:
+            assert torch.equal(w, g), name
+        else:
+            assert _max_err(w, g) <= 1e-5 * max(w.abs().max().item(), 1e-3), (name, _max_err(w, g))
+
+
+@pytest.mark.parametrize("T,tile", [(40, 6), (40, 16)])
+def test_qwen3_moe_layer_bf16_within_twice_plain_error(T, tile):
+    l64, rope, _ = _qwen3_layer(torch.float64, "sdpa")
+    l16, _, _ = _qwen3_layer(torch.bfloat16, "sdpa")
+    x = torch.randn(1, T, 32, generator=torch.Generator().manual_seed(23))
+    gy = torch.randn(1, T, 32, generator=torch.Generator().manual_seed(24))
+    ref = _run_hf(l64, rope, x.double(), gy.double())
+    plain = _run_hf(l16, rope, x.bfloat16(), gy.bfloat16())
+    tiled = _run_hf(l16, rope, x.bfloat16(), gy.bfloat16(), tile)
+    for name, r, p, t in zip(["y", "dx"] + [n for n, _ in l16.named_parameters()], ref, plain, tiled):
+        e_plain, e_tiled = _max_err(p, r), _max_err(t, r)
+        assert e_tiled <= 2 * e_plain + 2 ** -8 * r.abs().max().item(), (name, e_tiled, e_plain)
+
+
+def test_qwen3_moe_layer_refuses_router_aux_loss_and_cache():
+    from moepeak.tiled import tiled_qwen3_moe_layer_forward
+    layer, rope, cfg = _qwen3_layer(torch.float32, "sdpa")
+    x = torch.randn(1, 8, 32, requires_grad=True)
+    pe = rope(x, torch.arange(8).unsqueeze(0))
+    cfg.output_router_logits = True
+    with pytest.raises(ValueError, match="output_router_logits"):
+        tiled_qwen3_moe_layer_forward(layer, x, position_embeddings=pe, tile_tokens=4)
+    cfg.output_router_logits = False
+    with pytest.raises(ValueError, match="KV cache"):
+        tiled_qwen3_moe_layer_forward(layer, x, position_embeddings=pe, use_cache=True, tile_tokens=4)
+    with pytest.raises(ValueError, match="position_embeddings"):
+        tiled_qwen3_moe_layer_forward(layer, x, tile_tokens=4)
