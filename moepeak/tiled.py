@@ -1,0 +1,279 @@
+"""Sequence-tiled decoder block: only the attention core holds full-length tensors.
+
+A pre-norm decoder block splits into three parts:
+
+    pre_attn(x_t, start)    -> (q_t, k_t, v_t)   position-wise: norm, q/k/v projections, q/k norms, RoPE
+    attn_core(q, k, v)      -> out               the only part that mixes positions
+    post_attn(x_t, out_t)   -> y_t               position-wise: o_proj, residual, norm, router + MoE/MLP, residual
+
+`tiled_block(x, spec, tile_tokens)` runs the two position-wise parts in sequence tiles
+of `tile_tokens` tokens, in forward and in backward, and checkpoints the block itself:
+between forward and backward it keeps only the block input x (through one tiny
+autograd node, `_Boundary`, so that torch's non-reentrant checkpoint and
+moepeak.sco_checkpoint, which replay the wrapped function only until every saved
+tensor is back, replay nothing but that node: x is then the one tensor SCO offloads).
+
+Backward, given grad_y [.., T, ..]:
+  1. pre_attn tiles under no_grad rebuild q, k, v (full length);
+  2. attn_core re-runs under enable_grad on detached q, k, v (its own saved state: out, lse);
+  3. post_attn tiles, last tile first: recompute the tile under enable_grad and take
+     torch.autograd.grad of y_t w.r.t. (x_t, out_t, weights); dx_t and dout_t are
+     written into full-length buffers, weight grads are added into accumulators;
+  4. torch.autograd.grad of the attention core gives dq, dk, dv (full length);
+  5. pre_attn tiles, last tile first, the same way; dx_t adds to dx.
+Per-tile saved tensors live only during their tile's autograd.grad call, so the
+position-wise working set is O(tile_tokens), and the full-length set is x, grad_y,
+dx, q, k, v, out, dout, dq, dk, dv and whatever the attention kernel saves.
+
+Exactness: each tile runs the untiled block's ops on its rows, so every per-token value
+(y, dx, q/k/v, their grads) is that of the untiled block up to the kernels' own
+row-blocking (bitwise on the CPU for the fp32 blocks in tests/test_tiled.py). Weight
+gradients are sums over tiles instead of one GEMM over all tokens: accumulated in fp32
+(in the weight's dtype when that is wider), rounded once to the weight's dtype.
+
+Requirements on the block (checked where possible, else documented):
+  - the position-wise parts are deterministic and token-local: each output row depends
+    only on its own input row (token-choice top-k routing with no capacity limit and no
+    loss term computed over all tokens; no dropout);
+  - nothing outside the block reads tensors the parts create (e.g. router logits
+    captured for an auxiliary loss: the Hugging Face adapter refuses that case).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["TiledBlockSpec", "tiled_block", "TiledBlock", "demo_block_spec", "qwen3_moe_layer_spec",
+           "tiled_qwen3_moe_layer_forward", "tile_ranges"]
+
+
+@dataclass(frozen=True)
+class TiledBlockSpec:
+    """How to run one block in sequence tiles (the block's "small description").
+
+    pre_attn(x_t, start): x_t is tokens [start, start + t) of the block input (sequence
+        at dim `seq_dim`); returns (q_t, k_t, v_t) with the sequence at dim `qkv_seq_dim`,
+        RoPE already applied at the tile's positions.
+    attn_core(q, k, v): full-length attention; returns out (sequence at `out_seq_dim`).
+    post_attn(x_t, out_t): the block output y_t for the tile (same layout as x_t).
+    parameters(): the tensors requiring grad that pre_attn / post_attn use (evaluated
+        at forward and again at backward, so FSDP2's unsharded parameters are the ones
+        seen at each time). attn_core must not use parameters.
+    """
+
+    pre_attn: Callable[[torch.Tensor, int], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    attn_core: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    post_attn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    parameters: Callable[[], Sequence[torch.Tensor]]
+    seq_dim: int = 1
+    qkv_seq_dim: int = 2
+    out_seq_dim: int = 1
+
+
+def tile_ranges(T: int, tile_tokens: int) -> List[Tuple[int, int]]:
+    """[(start, length)] covering [0, T) in order; the last tile may be shorter."""
+    return [(s, min(tile_tokens, T - s)) for s in range(0, T, tile_tokens)]
+
+
+class _Boundary(torch.autograd.Function):
+    """Identity that saves the block input x: the one tensor kept from forward to backward.
+
+    It is the first op of the tiled block, so a checkpoint replay that stops once every
+    saved tensor is back (torch non-reentrant checkpoint, sco_checkpoint) runs only this."""
+
+    @staticmethod
+    def forward(ctx, x, box):
+        box.ctx = ctx
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _Box:
+    """Hands the _Boundary node's ctx (hence the saved x) to the _TiledBlock node."""
+
+    __slots__ = ("ctx",)
+
+    def __init__(self):
+        self.ctx = None
+
+
+def _fp32_accumulator(p: torch.Tensor) -> torch.Tensor:
+    dt = p.dtype if p.dtype in (torch.float32, torch.float64) else torch.float32
+    return torch.zeros(p.shape, dtype=dt, device=p.device)
+
+
+def _add_into(accs: List[Optional[torch.Tensor]], params, grads) -> None:
+    for i, (p, g) in enumerate(zip(params, grads)):
+        if g is None:
+            continue
+        if accs[i] is None:
+            accs[i] = _fp32_accumulator(p)
+        accs[i].add_(g)
+
+
+def _detached_leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_(True)
+
+
+class _TiledBlock(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, box, spec: TiledBlockSpec, tile_tokens: int, *params):
+        ctx.box, ctx.spec, ctx.tile_tokens = box, spec, tile_tokens
+        ctx.n_params = len(params)
+        ctx.x_requires_grad = x.requires_grad
+        q, k, v = _pre_attn_full(x, spec, tile_tokens)
+        out = spec.attn_core(q, k, v)
+        del q, k, v
+        y = torch.empty_like(x)
+        for s, n in tile_ranges(x.shape[spec.seq_dim], tile_tokens):
+            y.narrow(spec.seq_dim, s, n).copy_(
+                spec.post_attn(x.narrow(spec.seq_dim, s, n), out.narrow(spec.out_seq_dim, s, n)))
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        spec, tile = ctx.spec, ctx.tile_tokens
+        (x,) = ctx.box.ctx.saved_tensors
+        ctx.box = None
+        x = x.detach()
+        params = list(spec.parameters())
+        if len(params) != ctx.n_params:
+            raise RuntimeError(f"moepeak: tiled block's parameters() returned {len(params)} tensors in backward, "
+                               f"{ctx.n_params} in forward")
+        wanted = [p.requires_grad for p in params]
+        grad_params = [p for p, w in zip(params, wanted) if w]
+        accs: List[Optional[torch.Tensor]] = [None] * len(grad_params)
+        sd, tiles = spec.seq_dim, tile_ranges(x.shape[spec.seq_dim], tile)
+
+        # 1-2. q, k, v again (no graph), then the attention core with its graph
+        with torch.no_grad():
+            q, k, v = _pre_attn_full(x, spec, tile)
+        q, k, v = _detached_leaf(q), _detached_leaf(k), _detached_leaf(v)
+        with torch.enable_grad():
+            out = spec.attn_core(q, k, v)
+        out_values = out.detach()
+
+        # 3. post-attention tiles: dx (residual path + norm), dout, weight grads
+        dx = torch.empty_like(x)
+        dout = torch.empty_like(out_values)
+        for s, n in reversed(tiles):
+            x_t = _detached_leaf(x.narrow(sd, s, n))
+            o_t = _detached_leaf(out_values.narrow(spec.out_seq_dim, s, n))
+            with torch.enable_grad():
+                y_t = spec.post_attn(x_t, o_t)
+            g = torch.autograd.grad(y_t, [x_t, o_t] + grad_params, grad_y.narrow(sd, s, n), allow_unused=True)
+            del y_t
+            dx.narrow(sd, s, n).copy_(_zero_if_none(g[0], x_t))
+            dout.narrow(spec.out_seq_dim, s, n).copy_(_zero_if_none(g[1], o_t))
+            _add_into(accs, grad_params, g[2:])
+            del g, x_t, o_t
+
+        # 4. the attention core's backward (full length)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout, allow_unused=True)
+        dq, dk, dv = (_zero_if_none(dq, q), _zero_if_none(dk, k), _zero_if_none(dv, v))
+        del out, out_values, dout, q, k, v
+
+        # 5. pre-attention tiles. The post-attention part's dx (the residual path) enters
+        # through an alias of x_t made after pre_attn's ops, so autograd runs it first and
+        # adds x_t's gradient terms in the untiled block's order (residual path first).
+        qd = spec.qkv_seq_dim
+        for s, n in reversed(tiles):
+            x_t = _detached_leaf(x.narrow(sd, s, n))
+            dx_t = dx.narrow(sd, s, n)
+            with torch.enable_grad():
+                qkv_t = tuple(spec.pre_attn(x_t, s))
+                residual_t = x_t.view_as(x_t)
+            g = torch.autograd.grad(qkv_t + (residual_t,), [x_t] + grad_params,
+                                    (dq.narrow(qd, s, n), dk.narrow(qd, s, n), dv.narrow(qd, s, n), dx_t),
+                                    allow_unused=True)
+            del qkv_t, residual_t
+            dx_t.copy_(g[0])
+            _add_into(accs, grad_params, g[1:])
+            del g, x_t, dx_t
+
+        it = iter(accs)
+        out_grads = []
+        for p, w in zip(params, wanted):
+            a = next(it) if w else None
+            out_grads.append(None if a is None else a.to(p.dtype))
+        return (dx if ctx.x_requires_grad else None, None, None, None, *out_grads)
+
+
+def _zero_if_none(g, like):
+    return torch.zeros_like(like) if g is None else g
+
+
+def _pre_attn_full(x, spec: TiledBlockSpec, tile_tokens: int):
+    """q, k, v at full length, built tile by tile (the only full-length tensors pre_attn makes)."""
+    T = x.shape[spec.seq_dim]
+    bufs = None
+    d = spec.qkv_seq_dim
+    for s, n in tile_ranges(T, tile_tokens):
+        parts = spec.pre_attn(x.narrow(spec.seq_dim, s, n), s)
+        if len(parts) != 3:
+            raise ValueError(f"moepeak: tiled block pre_attn must return (q, k, v), got {len(parts)} tensors")
+        if bufs is None:
+            bufs = []
+            for t in parts:
+                shape = list(t.shape)
+                shape[d] = T
+                bufs.append(torch.empty(shape, dtype=t.dtype, device=t.device))
+        for buf, t in zip(bufs, parts):
+            buf.narrow(d, s, n).copy_(t)
+        del parts
+    return bufs
+
+
+def tiled_block(x: torch.Tensor, spec: TiledBlockSpec, tile_tokens: int) -> torch.Tensor:
+    """y = block(x), its position-wise parts run in tiles of `tile_tokens` tokens.
+
+    With grad enabled it is also the block's checkpoint: only x is kept for backward
+    (wrap it in moepeak.sco_checkpoint to keep x in host memory instead). Under
+    no_grad the tiles just run."""
+    if not isinstance(spec, TiledBlockSpec):
+        raise TypeError(f"moepeak: tiled_block spec must be a TiledBlockSpec, got {type(spec).__name__}")
+    if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 1:
+        raise ValueError(f"moepeak: tile_tokens must be a positive integer, got {tile_tokens!r}")
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"moepeak: tiled_block x must be a floating-point tensor, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    if not -x.dim() <= spec.seq_dim < x.dim():
+        raise ValueError(f"moepeak: spec.seq_dim {spec.seq_dim} is out of range for x of shape {tuple(x.shape)}")
+    if x.shape[spec.seq_dim] == 0:
+        raise ValueError(f"moepeak: tiled_block x has no tokens (shape {tuple(x.shape)})")
+    params = tuple(spec.parameters())
+    if not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for p in params)):
+        with torch.no_grad():
+            return _TiledBlock.forward(_NoCtx(), x, None, spec, tile_tokens, *params)
+    box = _Box()
+    xb = _Boundary.apply(x, box)
+    return _TiledBlock.apply(xb, box, spec, tile_tokens, *params)
+
+
+class _NoCtx:
+    """Stands in for an autograd ctx when the forward runs without a graph."""
+
+
+class TiledBlock(torch.nn.Module):
+    """Wraps a block module: forward(x, *a, **kw) = tiled_block(x, make_spec(block, x, *a, **kw), tile_tokens).
+
+    The block stays a submodule (state_dict keys gain a `block.` prefix); make_spec is an
+    adapter such as demo_block_spec or qwen3_moe_layer_spec."""
+
+    def __init__(self, block: torch.nn.Module, tile_tokens: int, make_spec: Callable[..., TiledBlockSpec]):
+        super().__init__()
+        if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 1:
+            raise ValueError(f"moepeak: tile_tokens must be a positive integer, got {tile_tokens!r}")
+        self.block, self.tile_tokens, self.make_spec = block, tile_tokens, make_spec
+
+    def forward(self, x, *args, **kwargs):
+        return tiled_block(x, self.make_spec(self.block, x, *args, **kwargs), self.tile_tokens)
+
+
+from .tiled_adapters import demo_block_spec, qwen3_moe_layer_spec, tiled_qwen3_moe_layer_forward  # noqa: E402,F401

@@ -1,0 +1,131 @@
+"""Adapters: a TiledBlockSpec built from a known block's submodules.
+
+demo_block_spec(block, x)             moepeak's demo decoder block (attribute names of
+                                      moepeak's demo model Block: attn_norm, attn.{q,k,v,o}_proj,
+                                      attn.rotary, attn.cp, mlp_norm, moe)
+qwen3_moe_layer_spec(layer, x, ...)   a Hugging Face Qwen3MoeDecoderLayer (and any layer with
+                                      the same submodule names: input_layernorm, self_attn with
+                                      q/k/v/o_proj and q_norm/k_norm, post_attention_layernorm, mlp)
+
+Each runs exactly the ops of the block's own forward, in the same order, on a tile of
+rows; only the split into pre_attn / attn_core / post_attn is new.
+"""
+from __future__ import annotations
+
+import torch
+
+from .tiled import TiledBlockSpec, tiled_block
+
+
+def _requires_grad_params(module: torch.nn.Module):
+    return lambda: [p for p in module.parameters() if p.requires_grad]
+
+
+# --------------------------------------------------------------------------- the demo block
+
+def _rope(x, cos, sin):
+    """x: [B, nh, t, d], cos/sin: [t, d] fp32; rotate_half convention, computed in fp32
+    (the demo model's apply_rope arithmetic)."""
+    d = x.shape[-1] // 2
+    rot = torch.cat([-x[..., d:], x[..., :d]], dim=-1)
+    return (x.float() * cos + rot.float() * sin).to(x.dtype)
+
+
+def demo_block_spec(block: torch.nn.Module, x: torch.Tensor) -> TiledBlockSpec:
+    """Spec for the demo model's Block: x [B, T, H] (T: this rank's tokens under context
+    parallelism). q/k/v: [B, heads, T, d]; out: [B, heads, T, d]."""
+    attn = block.attn
+    B, T = x.shape[0], x.shape[1]
+    nh, nkv, d = attn.nh, attn.nkv, attn.d
+    offset = 0 if attn.cp is None else attn.cp[2] * T  # global position of this rank's slice
+    cos, sin = attn.rotary.tables(T, x.device, offset)  # [T, d] fp32, shared by all blocks
+
+    def pre_attn(x_t, start):
+        t = x_t.shape[1]
+        n = block.attn_norm(x_t)
+        q = attn.q_proj(n).view(B, t, nh, d).transpose(1, 2)
+        k = attn.k_proj(n).view(B, t, nkv, d).transpose(1, 2)
+        v = attn.v_proj(n).view(B, t, nkv, d).transpose(1, 2)
+        c, s = cos[start:start + t], sin[start:start + t]
+        return _rope(q, c, s), _rope(k, c, s), v
+
+    def attn_core(q, k, v):
+        from . import context_parallel as CP
+        if attn.cp is not None:
+            k, v = CP.gather_kv(k, v, *attn.cp)
+        if nkv != nh:
+            r = nh // nkv
+            k = k.repeat_interleave(r, dim=1)
+            v = v.repeat_interleave(r, dim=1)
+        return CP.causal_attention(q, k, v)
+
+    def post_attn(x_t, o_t):
+        t = x_t.shape[1]
+        h = x_t + attn.o_proj(o_t.transpose(1, 2).reshape(B, t, nh * d))
+        y, _ = block.moe(block.mlp_norm(h))
+        return h + y
+
+    return TiledBlockSpec(pre_attn, attn_core, post_attn, _requires_grad_params(block),
+                          seq_dim=1, qkv_seq_dim=2, out_seq_dim=2)
+
+
+# --------------------------------------------------------------------------- Hugging Face Qwen3-MoE
+
+def qwen3_moe_layer_spec(layer: torch.nn.Module, x: torch.Tensor, attention_mask=None, position_ids=None,
+                         past_key_values=None, use_cache=False, position_embeddings=None,
+                         **kwargs) -> TiledBlockSpec:
+    """Spec for a Hugging Face Qwen3MoeDecoderLayer called as layer(hidden_states, ...):
+    the same arguments. x [B, T, H]; position_embeddings (cos, sin) [B, T, d]; q/k/v
+    [B, heads, T, d]; out [B, T, heads, d] (the attention interface's layout)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
+
+    attn = layer.self_attn
+    if past_key_values is not None or use_cache:
+        raise ValueError("moepeak: a tiled Qwen3-MoE layer does not take a KV cache "
+                         "(past_key_values / use_cache are for generation, not training)")
+    if position_embeddings is None:
+        raise ValueError("moepeak: a tiled Qwen3-MoE layer needs position_embeddings (cos, sin) "
+                         "[B, T, head_dim], as the model passes them")
+    if torch.is_grad_enabled() and getattr(attn.config, "output_router_logits", False):
+        raise ValueError("moepeak: a tiled Qwen3-MoE layer cannot feed the router auxiliary loss "
+                         "(config.output_router_logits=True): the router logits it would capture are "
+                         "per tile and carry no gradient; set output_router_logits=False")
+    dropout = attn.attention_dropout if attn.training else 0.0
+    if dropout and torch.is_grad_enabled():
+        raise ValueError(f"moepeak: a tiled Qwen3-MoE layer cannot use attention dropout "
+                         f"({dropout}): the attention core is recomputed in backward")
+    cos, sin = position_embeddings
+    B, hd = x.shape[0], attn.head_dim
+
+    def pre_attn(x_t, start):
+        t = x_t.shape[1]
+        n = layer.input_layernorm(x_t)
+        shape = (B, t, -1, hd)
+        q = attn.q_norm(attn.q_proj(n).view(shape)).transpose(1, 2)
+        k = attn.k_norm(attn.k_proj(n).view(shape)).transpose(1, 2)
+        v = attn.v_proj(n).view(shape).transpose(1, 2)
+        q, k = hf.apply_rotary_pos_emb(q, k, cos[:, start:start + t], sin[:, start:start + t])
+        return q, k, v
+
+    def attn_core(q, k, v):
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
+                                                          hf.eager_attention_forward)
+        out, _ = interface(attn, q, k, v, attention_mask, dropout=dropout, scaling=attn.scaling,
+                           sliding_window=attn.sliding_window, **kwargs)
+        return out
+
+    def post_attn(x_t, o_t):
+        t = x_t.shape[1]
+        h = x_t + attn.o_proj(o_t.reshape(B, t, -1).contiguous())
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    return TiledBlockSpec(pre_attn, attn_core, post_attn, _requires_grad_params(layer),
+                          seq_dim=1, qkv_seq_dim=2, out_seq_dim=1)
+
+
+def tiled_qwen3_moe_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *args,
+                                  tile_tokens: int, **kwargs) -> torch.Tensor:
+    """Drop-in for Qwen3MoeDecoderLayer.forward (same arguments, plus tile_tokens):
+    e.g. layer.forward = functools.partial(tiled_qwen3_moe_layer_forward, layer, tile_tokens=8192)."""
+    return tiled_block(hidden_states, qwen3_moe_layer_spec(layer, hidden_states, *args, **kwargs), tile_tokens)
