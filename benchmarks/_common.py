@@ -1,6 +1,6 @@
 """Helpers shared by the benchmarks: the results CSVs' one schema (append_results),
-CUDA-event timing, peak-memory measurement, OOM capture, and moepeak.ring_dtp's
-module flags set for a block.
+CUDA-event timing, peak-memory measurement, OOM capture, and Ring-DTP's schedule
+options changed for a block.
 
 Peak memory convention (docs/design.md section 4): max_memory_allocated during the
 call minus memory_allocated just before it, i.e. what the call adds above its
@@ -155,18 +155,12 @@ def is_oom(exc: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def ring_dtp_flags(**values):
-    """Set moepeak.ring_dtp's module flags inside the block, restored after: FUSED_DW_FINISH =
-    False (every term of the fused modes' dW rounded per token chunk), FUSED_CENTER_CHUNKS
-    (centering past that many chunks; 1 << 30: off), FUSED_COLSUM (the column sums made by
-    the gradient kernel), LOWP_DX_FINISH = False (every term of vocab_outer_lowp's dX rounded
-    per vocab block)."""
-    from moepeak import ring_dtp
-    keep = {k: getattr(ring_dtp, k) for k in values}
-    for k, v in values.items():
-        setattr(ring_dtp, k, v)
-    try:
-        yield
-    finally:
-        for k, v in keep.items():
-            setattr(ring_dtp, k, v)
+def ring_dtp_flags(**changes):
+    """Run Ring-DTP with some moepeak.ring_dtp_sched.ScheduleOptions fields changed inside the
+    block (its testing hook, schedule_options): dw_finish=False (every term of the fused
+    modes' dW rounded per token chunk), center_chunks (centering past that many chunks;
+    1 << 30: off), fused_colsum (the column sums made by the gradient kernel),
+    dx_finish=False (every term of vocab_outer_lowp's dX rounded per vocab block)."""
+    from moepeak.ring_dtp_sched import schedule_options
+    with schedule_options(**changes) as opts:
+        yield opts

@@ -93,7 +93,7 @@ def make_arms(quick_big=False):
                                                                  "token_outer"]
     for m in modes:
         arms[f"moepeak_{m}"] = MoepeakArm(m)
-    # auto with fused_lowp's centering at any chunk count (ring_dtp.FUSED_CENTER_CHUNKS = 1): what
+    # auto with fused_lowp's centering at any chunk count (ScheduleOptions.center_chunks = 1): what
     # robustness to anisotropic hidden states costs at the target shape's 16 chunks
     arms["moepeak_auto_centered"] = MoepeakArm("auto", center=True)
     if not quick_big:  # chunk-size / logits-dtype sweep that settles the defaults (rows per chunk at this T)
@@ -112,11 +112,11 @@ class MoepeakArm:
         self.mode, self.ct, self.center = mode, ct, center
 
     def resolve(self, T, H, V):
-        from moepeak.ring_dtp import MODES, _pick_mode, _sizes
+        from moepeak.ring_dtp_sched import MODES, chunk_sizes, pick_mode
         T0 = self.timed_T or T
-        m = _pick_mode(MODES[self.mode], True, 1, T0, H, V, torch.bfloat16, self.ct or 0)
+        m = pick_mode(MODES[self.mode], True, 1, T0, H, V, torch.bfloat16, self.ct or 0)
         name = [k for k, v in MODES.items() if v == m][0]
-        ct0, _ = _sizes(T0, H, V, torch.bfloat16, m, self.ct, None)
+        ct0, _ = chunk_sizes(T0, H, V, torch.bfloat16, m, self.ct, None)
         if T == T0 or not name.startswith("fused"):
             return name, (self.ct if T == T0 else None)
         n = -(-T0 // ct0)                      # chunks at the timed T
@@ -126,7 +126,7 @@ class MoepeakArm:
         mode, ct = self.resolve(x.shape[0], x.shape[1], w.shape[0])
         if not self.center:
             return moepeak.linear_cross_entropy(x, w, y, mode=mode, chunk_tokens=ct)
-        with ring_dtp_flags(FUSED_CENTER_CHUNKS=1):  # the fused modes make their gradients in this call
+        with ring_dtp_flags(center_chunks=1):  # the fused modes make their gradients in this call
             return moepeak.linear_cross_entropy(x, w, y, mode=mode, chunk_tokens=ct)
 
 

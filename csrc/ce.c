@@ -1,6 +1,6 @@
 /* ce.c: Ring-DTP arithmetic: the online log-sum-exp fold and the
  * softmax-gradient epilogue over one logits block (CPU kernels), and the
- * Python bindings that dispatch to them or to the CUDA launchers (cuda/ce.cu).
+ * Python bindings that dispatch to them or to the CUDA launchers (cuda/ce_fold.cu, ce_grad.cu, ce_finish.cu).
  *
  * What a block is: Z: [t, ldz] x fp32, row i = token i of the chunk, columns
  * [0, v) = global vocab ids [v0, v0 + v). The GEMM that made Z comes from torch
@@ -38,6 +38,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "ce.h"
 #include "mp_half.h"
 #include "mp_python.h"
 
@@ -201,8 +202,8 @@ static void ce_sub_row_range(void *ctx, int64_t begin, int64_t end, int worker) 
 /* per element the optional rank-1 term, then the label terms by fmaf in the  */
 /* order of sy (labels sorted stably), then one rounding of dw + sum. The     */
 /* label terms are the column the fused modes took out of their per-chunk dW  */
-/* GEMMs, the rank-1 term their centering's colsum(dZ) mu^T (ring_dtp._fused; */
-/* why: cuda/ce.cu ce_dw_finish_runs_kernel, the same order and arithmetic).  */
+/* GEMMs, the rank-1 term their centering's colsum(dZ) mu^T (ring_dtp_sched.fused; */
+/* why: cuda/ce_finish.cu ce_dw_finish_runs_kernel, the same order and arithmetic).  */
 /* ------------------------------------------------------------------------- */
 typedef struct {
   void *dw;
@@ -259,7 +260,7 @@ static void ce_dw_finish_range(void *ctx, int64_t begin, int64_t end, int worker
 /* is one of w's rows [v0, v0 + nv), per element one fmaf in fp32 and one     */
 /* rounding; other rows (ignore_index, labels of other shards) untouched. The */
 /* label column vocab_outer_lowp took out of its per-vocab-block dX GEMMs     */
-/* (ring_dtp._backward_blocked; cuda/ce.cu ce_dx_finish_kernel, the same      */
+/* (ring_dtp_sched.backward_blocked; cuda/ce_finish.cu ce_dx_finish_kernel, the same      */
 /* arithmetic). A token has one label, so no sum and no order to fix.         */
 /* ------------------------------------------------------------------------- */
 typedef struct {
@@ -287,44 +288,6 @@ static void ce_dx_finish_range(void *ctx, int64_t begin, int64_t end, int worker
       mp_st_el(row, a->dtype, j, fmaf(c, mp_ld_el(wr, a->dtype, j), mp_ld_el(row, a->dtype, j)));
   }
 }
-
-/* ------------------------------------------------------------------------- */
-/* CUDA launchers (cuda/ce.cu).                                              */
-/* ------------------------------------------------------------------------- */
-#if MP_WITH_CUDA
-/* z_dtype, out_dtype: 0 fp32, 1 bf16, 2 fp16 (low-precision logits: dZ in place, out == z). */
-mp_status mp_ce_fold_cuda(const void *z, int z_dtype, int64_t ldz, int64_t t, int64_t v, int64_t v0,
-                          int64_t v_valid, const int64_t *labels, int64_t ignore_index, float softcap, float *m,
-                          float *s, float *zy, float *zsum, float *sx, uintptr_t stream);
-mp_status mp_ce_grad_cuda(const void *z, int z_dtype, int64_t ldz, int64_t t, int64_t v, int64_t v0,
-                          int64_t v_valid, const int64_t *labels, int64_t ignore_index, float softcap,
-                          const float *mrow, const float *ls, const float *q, const float *g, int64_t g_stride,
-                          float eps, int64_t n_classes, float zloss, void *out, int64_t ldo, int out_dtype,
-                          uintptr_t stream);
-/* ce_grad + column sums of the dZ written (target elements excluded) into cs [v] x fp32 (= or +=),
- * through part: [gmax, ldp] x fp32 scratch; tc [t] x fp32 or NULL: also the label column taken out
- * of dZ into tc (cuda/ce.cu, ce_grad_colsum_kernel). */
-mp_status mp_ce_grad_colsum_cuda(const void *z, int z_dtype, int64_t ldz, int64_t t, int64_t v, int64_t v0,
-                                 int64_t v_valid, const int64_t *labels, int64_t ignore_index, float softcap,
-                                 const float *mrow, const float *ls, const float *q, const float *g,
-                                 int64_t g_stride, float eps, int64_t n_classes, float zloss, void *out, int64_t ldo,
-                                 int out_dtype, float *part, int64_t ldp, int64_t gmax, float *cs, int first,
-                                 float *tc, uintptr_t stream);
-/* p: [n] x dtype (0 fp32, 1 bf16, 2 fp16), p *= *g (g: one fp32), all on the device; nothing when *g == 1. */
-mp_status mp_ce_scale_cuda(void *p, int dtype, int64_t n, const float *g, uintptr_t stream);
-/* dw: [nv, ldw], x: [t, ldx] x dtype; sy, perm: [t] int64; tc: [t] fp32; all on the device. */
-mp_status mp_ce_dw_finish_cuda(void *dw, int dtype, int64_t ldw, int64_t v0, int64_t nv, const void *x,
-                               int64_t ldx, int64_t h, const int64_t *sy, const int64_t *perm, const float *tcs,
-                               int64_t t, const float *cs, const float *mu, unsigned char *flags,
-                               uintptr_t stream);
-/* out: [n, ldo], x: [n, ldx], mu: [h] x dtype, on the device, 16-byte vectors: out = x - mu. */
-mp_status mp_ce_sub_row_cuda(void *out, int64_t ldo, const void *x, int64_t ldx, const void *mu, int64_t n, int64_t h,
-                             int dtype, uintptr_t stream);
-/* dx: [t, ldx], w: [nv, ldw] x dtype; labels: [t] int64; tc: [t] fp32; all on the device. */
-mp_status mp_ce_dx_finish_cuda(void *dx, int dtype, int64_t ldx, const void *w, int64_t ldw, int64_t v0,
-                               int64_t nv, int64_t h, const int64_t *labels, const float *tc, int64_t t,
-                               uintptr_t stream);
-#endif
 
 /* ------------------------------------------------------------------------- */
 /* Bindings. Pointers arrive as ints from ring_dtp.py, which has checked the   */

@@ -27,16 +27,10 @@ before step k+1 touches it ([5, T_max] x fp32: a latency, not a bandwidth).
 The backward's fp32 accumulators travel in pieces (_AccRing): piece i (cv
 vocab rows of dW, or ct token rows of dX) is sent as soon as this rank has
 added its last block to it, and step k+1 waits only for piece i before adding
-to it, so by the schedule only the last piece's hop waits. Measured on 2
-H200s (T = 32k per rank, V = 151936): 10.4 / 13.0 ms (activations / weights)
-of the call are exposed against 6.3 / 13.3 ms of transfers alone. A trace of
-both streams (benchmarks/profile_ring_dist.py) shows the transfers do overlap
-the compute (weights: 0.78 of 17.4 ms of NCCL kernels ran beside no compute
-kernel); what is exposed is contention: a GEMM running beside an NCCL kernel
-takes 1.4-1.7x as long, NCCL's CTAs holding SMs. Fewer NCCL channels made it
-slower still; a transport on the copy engines would avoid it (not built).
-Buffers: two payload buffers, two
-accumulator buffers, the block workspace. Shards of unequal size (V % P != 0,
+to it, so by the schedule only the last piece's hop waits. (The transfers overlap
+the compute; what remains exposed is contention: NCCL's kernels hold SMs while
+a GEMM runs beside them. benchmarks/profile_ring_dist.py traces both streams.)
+Buffers: two payload buffers, two accumulator buffers, the block workspace. Shards of unequal size (V % P != 0,
 e.g. FSDP2's ceil-split) are padded to V_max rows of zeros in the travelling
 buffers, and the columns past a shard's real rows are masked (-inf logits,
 zero gradient) by the kernels' v_valid bound; tokens are padded likewise with
@@ -49,9 +43,11 @@ ring="gather" (never chosen by "auto"): all-gather the shards into the whole wei
 applies), and send each shard's rows of this rank's weight gradient to the owner, who sums
 the P contributions in fp32 (all_to_all_v, then one rounding). It holds the whole weight
 and its whole gradient, 2 V H elements, where the rings hold a shard: the choice when those
-fit and speed matters. Two H200s, T = 32k per rank, H = 4096, V = 151936, bf16: 201 ms and
-3.24 GiB per rank, against the activations ring's 307 ms and 3.49 GiB (2026-11-30,
-benchmarks/RESULTS.md); at larger P or V x H the rings' 1/P shard wins on memory.
+fit and speed matters (benchmarks/bench_ring_dtp_dist.py measures both); at larger P or
+V x H the rings' 1/P shard wins on memory.
+
+Process groups: `group` is resolved once per call through moepeak.process_groups
+(group_info: rank, size) and the transport is built on it (moepeak.transport).
 """
 from __future__ import annotations
 
@@ -61,6 +57,9 @@ from typing import Optional
 import torch
 
 from . import ring_dtp_blocks as B
+from .process_groups import group_info
+from .ring_dtp_labels import sanitize_labels
+from .ring_dtp_sched import REDUCTIONS
 from .transport import Transport, get_transport, shared_nccl_transport
 
 RINGS = ("auto", "weights", "activations", "gather")
@@ -139,7 +138,7 @@ class _Geometry:
     for CPU labels, the range of each rank's labels (ignore_index left out). Every rank sees
     the same table, so a mismatch or an out-of-range label on any rank raises on all of them,
     where a rank raising alone would leave the others waiting in the exchanges. (CUDA labels
-    keep the op's asynchronous check: ring_dtp._LabelGuard.)"""
+    keep the op's asynchronous check: ring_dtp_labels.)"""
 
     def __init__(self, tr, T: int, w: torch.Tensor, labels: Optional[torch.Tensor] = None, ignore_index: int = -100):
         Vr, H = w.shape
@@ -149,12 +148,12 @@ class _Geometry:
             if kept.numel():
                 lo, hi = int(kept.min()), int(kept.max())
         sizes = torch.empty((tr.world_size, 6), dtype=torch.int64, device=w.device)
-        tr.all_gather(sizes, torch.tensor([Vr, T, H, B._ZCODE.get(w.dtype, -1), lo, hi], dtype=torch.int64,
+        tr.all_gather(sizes, torch.tensor([Vr, T, H, B.DTYPE_CODE.get(w.dtype, -1), lo, hi], dtype=torch.int64,
                                           device=w.device))
         rows = sizes.tolist()
         if any(row[2:4] != rows[0][2:4] for row in rows):
             raise ValueError(f"moepeak: the vocab shards of the group must have one hidden size and dtype; "
-                             f"(H, dtype code {B._ZCODE}) per rank: {[tuple(row[2:4]) for row in rows]}")
+                             f"(H, dtype code {B.DTYPE_CODE}) per rank: {[tuple(row[2:4]) for row in rows]}")
         self.P, self.r = tr.world_size, tr.rank
         self.Vs = [row[0] for row in rows]
         self.Ts = [row[1] for row in rows]
@@ -372,11 +371,11 @@ def _ring_transport(transport, group, device):
     process; or a Transport instance, which must span the group. (The choice was
     checked by linear_cross_entropy, the only caller.)"""
     if isinstance(transport, Transport):
-        import torch.distributed as dist  # noqa: WPS433
-        if (transport.world_size, transport.rank) != (dist.get_world_size(group), dist.get_rank(group)):
+        info = group_info(group)
+        if (transport.world_size, transport.rank) != (info.world_size, info.rank):
             raise ValueError(f"moepeak: the transport instance is rank {transport.rank} of "
-                             f"{transport.world_size}, but this process is rank {dist.get_rank(group)} of the "
-                             f"group's {dist.get_world_size(group)}")
+                             f"{transport.world_size}, but this process is rank {info.rank} of the "
+                             f"group's {info.world_size}")
         return transport
     if transport == "nccl":
         return shared_nccl_transport(group, device)
@@ -386,7 +385,6 @@ def _ring_transport(transport, group, device):
 def ring_linear_cross_entropy(x, w, y, bias, group, ring, ignore_index, reduction, eps, zloss, softcap,
                               chunk_tokens: Optional[int], chunk_vocab: Optional[int], transport="auto"):
     """x: [T, H] (contiguous), w: [V_r, H] this rank's vocab shard, y: [T] int64."""
-    from .ring_dtp import REDUCTIONS, _LabelGuard, _sanitize_labels  # noqa: WPS433 (circular at import time)
     if ring not in ("auto", "weights", "activations"):  # "gather" never comes here: linear_cross_entropy
         raise ValueError(f"moepeak: ring must be one of {RINGS}, got {ring!r}")  # runs it (gather_vocab_shards)
     _refuse_bias(bias)
@@ -396,9 +394,7 @@ def ring_linear_cross_entropy(x, w, y, bias, group, ring, ignore_index, reductio
     variant = ring
     if ring == "auto":
         variant = "weights" if geo.Vmax <= geo.Tmax else "activations"
-    if _LabelGuard.pending:
-        _LabelGuard.check()
-    y, _valid, bad = _sanitize_labels(y, geo.V, ignore_index)
+    y, _valid, bad = sanitize_labels(y, geo.V, ignore_index)
     ct, cv = B.blocked_chunks(max(geo.Tmax, 1), x.shape[1], x.dtype, chunk_tokens=chunk_tokens)
     cv = chunk_vocab or cv
     return _RingCE.apply(x, w, y, bad, tr, geo, variant, ignore_index, REDUCTIONS[reduction], float(eps),

@@ -1,7 +1,7 @@
 """Ring-DTP's chunk sizes and `auto`'s schedule choice: integer arithmetic on
-(T, H, V, bytes per element), importing nothing, so that the op (ring_dtp.py,
+(T, H, V, bytes per element), importing nothing, so that the op (ring_dtp_sched.py,
 ring_dtp_blocks.py) and `moepeak plan`'s memory model read the same numbers from
-one place (plan used to restate them).
+one place.
 
 b is the element size of the low-precision buffers: 2 for bf16/fp16 inputs, 0
 for fp32 inputs (the fp32 orders make dZ in place and need no second buffer).
@@ -23,19 +23,19 @@ LOWP_MAX_ROWS = 2048
 BLOCKED_WORKSPACE_BYTES = 256 << 20
 # auto: fused_lowp for at most this many token chunks, i.e. bf16 roundings of the
 # part of a dW row the finish and the centering leave in the GEMMs (why 128: the
-# "Error growth" part of ring_dtp's docstring; measured flat to 128 on the H200).
+# "Error growth" bounds in ring_dtp_sched's docstring reach 128 chunks).
 FUSED_MAX_CHUNKS = 128
 # vocab_outer_lowp: vocab blocks dX is accumulated over: at least 8, more where the
 # block's fp32 dW accumulator [cv, H] would pass LOWP_DW_BLOCK_BYTES (H = 7168,
-# V = 256000: 24 blocks, 298 MiB, where 8 took 875 MiB). The block count costs little
-# error since dX's finish (ring_dtp._backward_blocked): H200, T = 8192, dX 0.98-1.00x
-# naive's at 8 blocks on the grid's shapes (2.4-3.5x before it).
+# V = 256000: 24 blocks, 298 MiB, where 8 would take 875 MiB). The block count costs
+# little error thanks to dX's finish (ring_dtp_sched.backward_blocked; its bounds are
+# in ring_dtp_sched's "Error growth").
 LOWP_DX_BLOCKS = 8
 LOWP_DW_BLOCK_BYTES = 300 << 20
-# The fused modes center X for their dW GEMMs past this many token chunks (ring_dtp._fused;
-# ring_dtp.FUSED_CENTER_CHUNKS is the knob, this its default: uncentered, dW's error on very
-# anisotropic hidden states, x_mean = 3, grows past naive's 2x between 8 chunks, 1.85x, and
-# 16, 2.39x; H200, results/study_dw_error_chunks_s11.log), and the centering's column
+# The fused modes center X for their dW GEMMs past this many token chunks
+# (ring_dtp_sched.fused; ScheduleOptions.center_chunks defaults to it): uncentered, dW's
+# error on very anisotropic hidden states, x_mean = 3, grows past naive's 2x between 8
+# chunks, 1.85x, and 16, 2.39x (ring_dtp_sched's "Error growth"). The centering's column
 # sums go through a [<= COLSUM_GROUPS, V] x fp32 scratch in the chunk's dX rows where the
 # gradient kernel makes them (no memory of its own).
 FUSED_CENTER_CHUNKS = 8
@@ -63,12 +63,9 @@ def fused_chunk_tokens(V: int, b: int, budget: Optional[int] = None, lowp_logits
     lowp logits: Z [ct, V] x b bytes with dZ in place:     ct = budget / (V * b),
                  budget 600 MiB, rounded down to a multiple of 128 and at most
                  LOWP_MAX_ROWS = 2048. The row count matters to the dX GEMM
-                 [ct, V] @ [V, H] (256-row tiles; H200: ct = 1728, 1.7 waves on 132
-                 SMs, 627 TFLOP/s; 2048, 1.94 waves, 726), while more rows bought
-                 nothing (3456 rows: 193.6 vs 190.7 ms for the whole op). At
-                 V = 256000 the 600 MiB give 1152 rows, where 1280 (a whole number
-                 of tiles, 625 MiB) was 0.2% faster at T = 128k and 1024 1.1% slower
-                 (H200, 2026-11-30: 1323.4 / 1326.2 / 1338.5 ms).
+                 [ct, V] @ [V, H] with 256-row tiles: on 132 SMs (H200) 2048 rows
+                 fill 1.94 waves where 1728 fill 1.7, and more rows than 2048 gain
+                 nothing for the whole op. At V = 256000 the 600 MiB give 1152 rows.
     Worked once: V = 151936, bf16 (b = 2):
       fp32 logits 536870912 / (151936 * 6) = 588.9 -> ct = 576 (Z 334 MiB + dZ 167 MiB);
       lowp logits 629145600 / (151936 * 2) = 2070.4 -> ct = 2048 (Z/dZ 594 MiB; with

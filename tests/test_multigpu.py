@@ -121,7 +121,7 @@ def _close(tps):
 # ---------------------------------------------------------------------------
 V, H = 1031, 96           # prime V: shards of 516 and 515 rows
 CT, CV = 64, 200          # several token chunks and vocab blocks per shard
-FLOOR_BF16 = 1e-3         # test_ring_dtp.py's floor for bf16
+FLOOR_BF16 = 1e-3         # tests/ring_dtp_helpers.py's FLOOR for bf16
 ALL_OPTS = dict(label_smoothing=0.1, z_loss=1e-3, softcap=20.0)
 
 

@@ -228,18 +228,18 @@ def test_plan_within_15_percent_of_h200_measurements(context, plan):
 def test_ring_dtp_bytes_follow_the_ops_choice():
     """plan's Ring-DTP bytes are those of the mode the op's auto picks (both read
     ring_dtp_sizes), with each mode's byte formula."""
-    from moepeak import ring_dtp as R
+    from moepeak import ring_dtp_sched as R
     from moepeak import ring_dtp_blocks as B
     from moepeak import ring_dtp_sizes as S
     for T in (1, 2048, 32768, 40960, 40961, 131072):
         for H, V in ((4096, 151936), (1024, 65536), (2048, 256000), (64, 1000)):
-            mode = R._pick_mode(0, True, 1, T, H, V, torch.bfloat16)
+            mode = R.pick_mode(0, True, 1, T, H, V, torch.bfloat16)
             got = P.ring_dtp_vocab_bytes(T, H, V, 2)
             ct = B.fused_chunk_tokens(V, torch.bfloat16, lowp_logits=True)
             if mode == R.MODES["fused_lowp"]:
                 chunks = -(-T // ct)
                 extra = 4 * T if chunks > 1 else 0                        # the dW finish's tc
-                if chunks > R.FUSED_CENTER_CHUNKS:                        # cs, mu (fp32, bf16), ones
+                if chunks > S.FUSED_CENTER_CHUNKS:                        # cs, mu (fp32, bf16), ones
                     extra += 4 * V + 6 * H + 2 * ct
                 assert got == min(ct, T) * V * 2 + 2 * T * H + 32 * T + extra, (T, H, V)
             elif mode == R.MODES["vocab_outer"]:

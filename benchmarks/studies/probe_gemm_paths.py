@@ -4,9 +4,9 @@
   3. Ring-DTP chunk GEMMs: dX and dW+= of one chunk issued on two streams vs one.
   4. The BLAS library torch dispatches plain bf16 GEMMs to (cuBLAS vs cuBLASLt): Ring-DTP's
      three chunk GEMMs and the whole fused_lowp op at T = 32k, H = 4096, V = 151936.
-  5. The cost of fused_lowp's centering (ring_dtp.FUSED_CENTER_CHUNKS): one chunk's gradient
+  5. The cost of fused_lowp's centering (ScheduleOptions.center_chunks): one chunk's gradient
      kernel alone, with the column sum of dZ as a [1, n] x [n, V] GEMM after it, and with the
-     sum made in the kernel (ring_dtp.FUSED_COLSUM); the whole op at T = 32k (16 chunks) with
+     sum made in the kernel (ScheduleOptions.fused_colsum); the whole op at T = 32k (16 chunks) with
      the centering off and on both ways, in rotating rounds.
   6. TunableOp (torch.cuda.tunable: cuBLAS's default plus cuBLASLt's top heuristic algorithms,
      each timed, the fastest kept): Ring-DTP's three chunk GEMMs, the 8192^3 probe and the whole
@@ -176,7 +176,7 @@ def centering(rounds=8):
     peaks = {}
     for r in range(rounds):
         for name, k, fused in arms[r % 3:] + arms[:r % 3]:
-            with ring_dtp_flags(FUSED_CENTER_CHUNKS=k, FUSED_COLSUM=fused):
+            with ring_dtp_flags(center_chunks=k, fused_colsum=fused):
                 clear()
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()

@@ -99,7 +99,7 @@ def ring_cases(log):
     profile("ring: naive + torch.compile", step(lambda: comp(x, w, y)), log)
     profile("ring: moepeak default (fused_lowp, centered at this shape's 16 chunks)",
             step(lambda: moepeak.linear_cross_entropy(x, w, y)), log, cpu_table=True)
-    with ring_dtp_flags(FUSED_CENTER_CHUNKS=1 << 30):  # what the centering adds: the same op without it
+    with ring_dtp_flags(center_chunks=1 << 30):  # what the centering adds: the same op without it
         profile("ring: moepeak default, uncentered", step(lambda: moepeak.linear_cross_entropy(x, w, y)), log)
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss

@@ -1,8 +1,8 @@
 """Study: dW's error against fp64 when Ring-DTP's fused modes accumulate dW in
-bf16 over n token chunks, with and without the finish (ring_dtp._fused: the label
+bf16 over n token chunks, with and without the finish (ring_dtp_sched.fused: the label
 column of every chunk's dZ taken out of the per-chunk GEMMs and added once in fp32,
 ring_dtp_blocks.finish_dw) and with the centering too (the dW GEMMs on X - mu, colsum(dZ) mu^T
-added in the finish; ring_dtp.FUSED_CENTER_CHUNKS), beside vocab_outer_lowp's dX error with and without its
+added in the finish; ScheduleOptions.center_chunks), beside vocab_outer_lowp's dX error with and without its
 mirror, dX's finish (each token's label term tc[t] * W[y_t] taken out of the per-vocab-block
 dX GEMMs and added once in fp32, ring_dtp_blocks.finish_dx). Errors are norm-wise relative,
 divided by naive bf16's (F.linear in bf16, then F.cross_entropy(.float())).
@@ -62,8 +62,8 @@ def grads(fn, x, w, y, dtype=None):
 
 
 # The fused_lowp variants of a cell: finish + centering, finish only, neither.
-VARIANTS = {"center": dict(FUSED_CENTER_CHUNKS=0), "finish": dict(FUSED_CENTER_CHUNKS=1 << 30),
-            "none": dict(FUSED_DW_FINISH=False, FUSED_CENTER_CHUNKS=1 << 30)}
+VARIANTS = {"center": dict(center_chunks=0), "finish": dict(center_chunks=1 << 30),
+            "none": dict(dw_finish=False, center_chunks=1 << 30)}
 
 
 def main():
@@ -99,7 +99,7 @@ def main():
             vo = lambda a, b, c: moepeak.linear_cross_entropy(a, b, c, mode="vocab_outer_lowp")  # noqa: E731
             dx_errs = []
             for how in (True, False):
-                with ring_dtp_flags(LOWP_DX_FINISH=how):
+                with ring_dtp_flags(dx_finish=how):
                     dx_errs.append(relerr(grads(vo, x, w, y)[0], xd) / ex)
             print(f"{labels:8s} {xm:6.1f} {ew:9.2e}  " + "  ".join(f"{c:>26s}" for c in cells)
                   + "  " + " / ".join(f"{e:5.2f}" for e in dx_errs))
