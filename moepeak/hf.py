@@ -204,6 +204,8 @@ def _patch_experts(model, group, options, report):
                 raise ValueError(f"moepeak.hf: group has {P} ranks but {name} has {m.num_experts} experts "
                                  "(expected a multiple of the group size)")
     before = model.config._experts_implementation
+    if before in (None, IMPLEMENTATION):  # loaded with experts_implementation="moepeak": fall back to the default
+        before = "grouped_mm"
     _register()
     model.set_experts_implementation(IMPLEMENTATION)
     on_moepeak, fallback = [], {}
