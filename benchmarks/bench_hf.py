@@ -1,0 +1,234 @@
+"""Long-context training reach of a Hugging Face Qwen3-MoE model: transformers
+as users run it, with Liger-Kernel, and with moepeak.hf.apply_moepeak.
+
+Model (issue 24, about 2.0B parameters, random init): Qwen3MoeForCausalLM, 16
+layers, hidden 2048, 16/4 heads, head_dim 128, 16 experts, top-4,
+moe_intermediate 768, vocab 151936; one sequence of T tokens, T doubling from
+8k until out of memory or a step takes longer than --max-step-s.
+
+Arms (each in its own subprocess, so one arm's patches and allocator state
+never reach the next):
+  hf       fp32 params + bf16 autocast, gradient_checkpointing_enable(),
+           experts through transformers' grouped_mm, the model's own loss
+           (full logits), torch.optim.AdamW(fused=True) on the device.
+  liger    hf + apply_liger_kernel_to_qwen3_moe (fused linear cross-entropy,
+           RMSNorm, SwiGLU, RoPE) + gradient_checkpointing_enable(offload=True)
+           (torch checkpoint under save_on_cpu). Skipped with a note when
+           liger_kernel is not importable.
+  moepeak  bf16 params, moepeak.hf.apply_moepeak (llep_moe experts, the loss
+           without logits, SCO checkpointing) + moepeak.StreamAdamW.
+
+Per (arm, T): --warmup steps then --steps timed steps (wall clock around a
+synchronized step); peak = torch.cuda.max_memory_allocated over the timed
+steps (absolute: weights, grads and optimizer state included, what has to
+fit on the GPU); tokens/s = T / median step time. An OOM is a result (status
+"oom") and ends the arm; so does a step over --max-step-s ("too_slow"). A T
+whose estimated time (the previous T's step x 2.5 per step) no longer fits
+--budget-s is recorded as "budget" and ends the arm. Rows are appended to
+--csv (default benchmarks/results/hf.csv).
+
+One H200, each command under ~9 minutes (see the report / RESULTS.md):
+  python benchmarks/bench_hf.py --arms hf,liger --budget-s 520
+  python benchmarks/bench_hf.py --arms moepeak --T 8192,16384,32768,65536,131072,262144 --budget-s 520
+  python benchmarks/bench_hf.py --arms moepeak --T 524288 --budget-s 540
+CPU smoke run (the test suite runs it): python benchmarks/bench_hf.py --tiny --csv /tmp/hf.csv
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+COLUMNS = ["timestamp", "gpu", "torch", "moepeak", "commit", "transformers", "arm", "T", "status", "peak_gib",
+           "step_s", "step_s_spread", "tokens_per_s", "loss", "params", "note"]
+ARMS = ("hf", "liger", "moepeak")
+# Qwen3-MoE ~2.0B (issue 24): 16 x (10.5M attention + 75.5M experts) + 2 x 311M embeddings.
+FULL = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+            num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=128, num_experts=16,
+            num_experts_per_tok=4)
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2)
+FULL_T = [8192 << i for i in range(7)]  # 8k .. 512k
+TINY_T = [64, 128]
+
+
+def build_model(shape, max_T, dtype, device):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    cfg = Qwen3MoeConfig(**shape, max_position_embeddings=max(max_T, 4096), tie_word_embeddings=False,
+                         use_cache=False, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():  # transformers zero-initialises routers: random ones make routing real
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, cfg.initializer_range)
+    return model.to(dtype)
+
+
+def setup_arm(arm, shape, max_T, device):
+    """(model, optimizer, autocast dtype or None, note)."""
+    note = ""
+    if arm == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_qwen3_moe
+        apply_liger_kernel_to_qwen3_moe()  # patches the qwen3_moe module's classes: before the model is built
+    if arm == "moepeak":
+        import moepeak
+        from moepeak.hf import apply_moepeak
+        model = build_model(shape, max_T, torch.bfloat16, device)
+        report = apply_moepeak(model)
+        note = f"experts on moepeak: {len(report.experts_on_moepeak)}" + "".join(
+            f"; left alone: {line}" for line in report.left_alone)
+        opt = moepeak.StreamAdamW(model.parameters(), lr=1e-4)
+        return model, opt, None, note
+    model = build_model(shape, max_T, torch.float32, device)
+    model.gradient_checkpointing_enable(offload=(arm == "liger"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    return model, opt, torch.bfloat16, note
+
+
+def run_arm(args, arm):
+    shape = TINY if args.tiny else FULL
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    base = dict(arm=arm)
+    if arm == "liger":
+        try:
+            import liger_kernel  # noqa: F401
+        except ImportError as e:
+            return [dict(base, T=0, status="skipped", note=f"liger_kernel not importable: {e}")]
+    model, opt, autocast, note = setup_arm(arm, shape, max(args.T), device)
+    params = sum(p.numel() for p in model.parameters())
+    base.update(params=params)
+    model.train()
+    rows, last_step = [], None
+    for T in args.T:
+        left = args.deadline - time.time()
+        if last_step is not None and last_step * 2.5 * (args.warmup + args.steps) > left:
+            rows.append(dict(base, T=T, status="budget", note=f"{left:.0f} s left, previous step {last_step:.1f} s"))
+            break
+        ids = torch.randint(0, shape["vocab_size"], (1, T), device=device)
+
+        def step():
+            with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
+                out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return out.loss.detach()
+
+        try:
+            for _ in range(args.warmup):
+                step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            times = []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                loss = step()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+        except torch.cuda.OutOfMemoryError as e:
+            del e
+            opt.zero_grad(set_to_none=True)
+            gc.collect()
+            rows.append(dict(base, T=T, status="oom", note=note))
+            break
+        med = statistics.median(times)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+        row = dict(base, T=T, status="ok", peak_gib=f"{peak:.2f}", step_s=f"{med:.3f}",
+                   step_s_spread=f"{max(times) - min(times):.3f}", tokens_per_s=f"{T / med:.0f}",
+                   loss=f"{loss.item():.4f}", note=note)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        last_step = med
+        if med > args.max_step_s:
+            row["status"] = "too_slow"
+            break
+    return rows
+
+
+def machine():
+    import moepeak
+    import transformers
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return dict(timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__,
+                moepeak=moepeak.__version__, commit=commit or os.environ.get("MOEPEAK_COMMIT", "unknown"),
+                transformers=transformers.__version__)
+
+
+def append(path, rows):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    new = not os.path.exists(path)
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS, restval="")
+        if new:
+            w.writeheader()
+        w.writerows(rows)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {ARMS}")
+    ap.add_argument("--T", default=None, help="comma list of sequence lengths (default 8k doubling to 512k)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps per T")
+    ap.add_argument("--steps", type=int, default=1, help="timed steps per T")
+    ap.add_argument("--max-step-s", type=float, default=300.0, help="an arm stops after a step slower than this")
+    ap.add_argument("--budget-s", type=float, default=520.0, help="wall-clock budget of the whole call")
+    ap.add_argument("--csv", default=os.path.join(HERE, "results", "hf.csv"))
+    ap.add_argument("--tiny", action="store_true", help="a tiny config (CPU smoke run)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: run one arm, print rows
+    ap.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.T = [int(t) for t in args.T.split(",")] if args.T else (TINY_T if args.tiny else FULL_T)
+    if args.worker:
+        rows = run_arm(args, args.worker)
+        print("ROWS " + json.dumps(rows), flush=True)
+        return 0
+    arms = [a for a in args.arms.split(",") if a]
+    bad = [a for a in arms if a not in ARMS]
+    if bad:
+        ap.error(f"--arms: unknown {bad}; expected some of {ARMS}")
+    start = time.time()
+    info = machine()
+    for i, arm in enumerate(arms):
+        # each remaining arm gets an equal share of what is left
+        deadline = time.time() + (args.budget_s - (time.time() - start)) / (len(arms) - i)
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", arm, "--deadline", str(deadline),
+               "--T", ",".join(map(str, args.T)), "--warmup", str(args.warmup), "--steps", str(args.steps),
+               "--max-step-s", str(args.max_step_s)] + (["--tiny"] if args.tiny else [])
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [ln for ln in res.stdout.splitlines() if ln.startswith("ROWS ")]
+        if res.returncode != 0 or not lines:
+            tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
+            rows = [dict(arm=arm, T=0, status="error", note=" / ".join(tail)[:500])]
+        else:
+            rows = json.loads(lines[-1][5:])
+        rows = [{**info, **r} for r in rows]
+        append(args.csv, rows)
+        for r in rows:
+            print(f"{r['arm']:8s} T={r['T']:>7} {r['status']:8s} peak={r.get('peak_gib', ''):>7} GiB "
+                  f"step={r.get('step_s', ''):>8} s tok/s={r.get('tokens_per_s', ''):>7} {r.get('note', '')[:80]}",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
