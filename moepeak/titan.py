@@ -273,7 +273,23 @@ class StreamAdamWOptimizers(OptimizersContainer):
             raise ValueError("moepeak.titan.stream_adamw keeps fp32 optimizer state in host RAM; "
                              "implementation='fused_opt_states_bf16' does not apply")
         self._stream_kwargs = dict(bucket_mb=config.bucket_mb, threads=config.threads)
+        # Group keys torch.optim.AdamW has and StreamAdamW lacks, with the values
+        # the stock container would give them: written into state_dict() so a
+        # stock job finds every key it expects when it loads our checkpoint.
+        self._adamw_group_keys = dict(fused=config.implementation == "fused",
+                                      foreach=config.implementation == "foreach", capturable=False,
+                                      differentiable=False, decoupled_weight_decay=True)
         super().__init__(config, model_parts=model_parts)
+
+    def state_dict(self) -> dict:
+        """torchtitan's flat FQN-keyed layout, interchangeable with the stock
+        AdamW container's (same state keys, same param_group keys)."""
+        sd = super().state_dict()
+        for key in [k for k in sd if k.startswith("param_groups.") and k.endswith(".lr")]:
+            prefix = key[:-len("lr")]
+            for name, value in self._adamw_group_keys.items():
+                sd.setdefault(prefix + name, value)
+        return sd
 
     def _build_impl_kwargs(self, config) -> dict:
         return {}  # StreamAdamW has one implementation
