@@ -1,0 +1,239 @@
+"""torchtitan on one GPU: the stock job's best memory settings against the same
+job with moepeak's four overrides (moepeak.titan), one sequence per step.
+
+Model: torchtitan's qwen3 MoE (the 30B-A3B flavor's shapes) cut to ~2.1B
+parameters: H = 2048, 16 layers, 16 experts top-4, F = 768, V = 151936
+(--tiny: the qwen3 MoE debug flavor cut to 2 layers / 8 experts, CPU).
+Both jobs are built from torchtitan's Trainer.Config through its build API,
+with FSDP2 (fully_shard per block and at the root, world size 1,
+bf16 params / fp32 reduce on CUDA):
+  stock    FullAC, ChunkedLossWrapper (8 chunks), CPUOffloadPolicy, AdamW
+  moepeak  --override.imports moepeak.titan.{experts,loss,sco,stream_adamw}
+Attention is torchtitan's ScaledDotProductAttention (causal) in both jobs.
+
+Per job: T doubles from --start-t until an OOM, a step over --max-step-s or
+the time budget; each length runs 1 warm-up + --steps timed steps. Rows
+(timestamp, gpu, torch, moepeak, commit, job, T, status, peak_gib,
+step_s_median, step_s_spread, tokens_per_s) go to benchmarks/results/titan.csv.
+An OOM is a row (status "oom").
+
+    PYTHONPATH=... python benchmarks/bench_titan.py            # one H200
+    python benchmarks/bench_titan.py --tiny --out /tmp/t.csv   # CPU smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import gc
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+ALL = ["experts", "loss", "sco", "stream_adamw"]
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # this checkout's moepeak
+
+
+def build_config(tiny: bool):
+    from torchtitan.distributed.activation_checkpoint import FullAC
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.qwen3 import model_registry
+    from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
+
+    cfg = qwen3_moe_debug()
+    if tiny:
+        n_layers, E, K, F = 2, 8, 2, 64
+    else:
+        cfg.model_spec = model_registry("30B-A3B")
+        n_layers, E, K, F = 16, 16, 4, 768
+    model = cfg.model_spec.model
+    model.layers = model.layers[:n_layers]
+    for layer in model.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        moe = layer.moe
+        moe.num_experts = E
+        inner = moe.routed_experts.inner_experts
+        inner.num_experts, inner.hidden_dim = E, F
+        disp = moe.routed_experts.token_dispatcher
+        disp.num_experts, disp.top_k = E, K
+        moe.router.num_experts, moe.router.top_k, moe.router.gate.out_features = E, K, E
+        if hasattr(attn_rope := layer.attention.rope, "max_seq_len"):
+            attn_rope.max_seq_len = 1 << 22
+    cfg.activation_checkpoint = FullAC.Config()
+    return cfg
+
+
+class Job:
+    def __init__(self, name: str, tiny: bool, device: torch.device):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from torchtitan.components.loss import ChunkedLossWrapper
+        from torchtitan.config.override import OverrideConfig, apply_overrides
+
+        cfg = build_config(tiny)
+        if name == "moepeak":
+            apply_overrides(OverrideConfig(imports=[f"moepeak.titan.{n}" for n in ALL]), cfg)
+        else:
+            cfg.optimizer.implementation = "for-loop" if device.type == "cpu" else "foreach"
+        self.vocab = cfg.model_spec.model.vocab_size
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = cfg.model_spec.model.build()
+        cfg.activation_checkpoint.build().apply(model)
+        kw = {}
+        if device.type == "cuda":
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if name == "stock":
+                kw["offload_policy"] = CPUOffloadPolicy()
+        for block in model.layers.values():
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
+        init_device = "cpu" if "offload_policy" in kw else device
+        model.to_empty(device=init_device)
+        with torch.no_grad():
+            model.init_weights(buffer_device=device)
+        model.train()
+        self.loss_fn = cfg.loss.build()
+        if isinstance(self.loss_fn, ChunkedLossWrapper):
+            self.loss_fn.set_lm_head(model.lm_head)
+            model._skip_lm_head = True
+        self.model, self.device = model, device
+        self.optimizer = cfg.optimizer.build(model_parts=[model])
+
+    def step(self, T: int) -> float:
+        tokens = torch.randint(0, self.vocab, (1, T), device=self.device)
+        labels = torch.randint(0, self.vocab, (1, T), device=self.device)
+        pos = torch.arange(T, device=self.device).unsqueeze(0)
+        sync(self.device)
+        t0 = time.perf_counter()
+        pred = self.model(tokens, positions=pos)
+        loss, _ = self.loss_fn(pred, labels, torch.tensor(float(T), device=self.device))
+        del pred
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        sync(self.device)
+        return time.perf_counter() - t0
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def meta():
+    import moepeak
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
+                                text=True).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return dict(gpu=gpu, torch=torch.__version__, moepeak=moepeak.__version__, commit=commit)
+
+
+def run_job(name, args, device, deadline, writer, info):
+    job = Job(name, args.tiny, device)
+    results = {}
+    T = args.start_t
+    while T <= args.max_t:
+        if time.time() > deadline:
+            print(f"{name}: time budget spent before T={T}", flush=True)
+            break
+        row = dict(info, timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   job=name, T=T)
+        try:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            times = [job.step(T)]
+            if times[0] <= args.max_step_s:
+                times = [job.step(T) for _ in range(args.steps)]
+            peak = (torch.cuda.max_memory_allocated(device) - base) / 2 ** 30 if device.type == "cuda" else 0.0
+            med = statistics.median(times)
+            status = "ok" if med <= args.max_step_s else "slow"
+            row.update(status=status, peak_gib=f"{peak:.3f}", step_s_median=f"{med:.4f}",
+                       step_s_spread=f"{max(times) - min(times):.4f}", tokens_per_s=f"{T / med:.1f}")
+        except Exception as e:  # an OOM is a result
+            if not is_oom(e):
+                raise
+            job.optimizer.zero_grad()
+            gc.collect()
+            row.update(status="oom", peak_gib="", step_s_median="", step_s_spread="", tokens_per_s="")
+        writer.writerow(row)
+        print(row, flush=True)
+        results[T] = row
+        if row["status"] != "ok":
+            break
+        T *= 2
+    del job
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return results
+
+
+FIELDS = ["timestamp", "gpu", "torch", "moepeak", "commit", "job", "T", "status", "peak_gib", "step_s_median",
+          "step_s_spread", "tokens_per_s"]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="debug-size model on the CPU")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "titan.csv"))
+    ap.add_argument("--jobs", default="stock,moepeak")
+    ap.add_argument("--start-t", type=int, default=None)
+    ap.add_argument("--max-t", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--max-step-s", type=float, default=300.0)
+    ap.add_argument("--budget-s", type=float, default=None, help="wall-clock budget per job (default 240 s)")
+    args = ap.parse_args(argv)
+    if args.start_t is None:
+        args.start_t = 64 if args.tiny else 4096
+    if args.max_t is None:
+        args.max_t = 256 if args.tiny else 1 << 21
+    if args.start_t % 8:
+        ap.error("--start-t must be a multiple of 8 (ChunkedLossWrapper's 8 chunks)")
+    budget = args.budget_s if args.budget_s is not None else 240.0
+    if args.tiny:
+        device = torch.device("cpu")
+        backend = "gloo"
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("bench_titan: needs a CUDA GPU (use --tiny on the CPU)")
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group(backend, rank=0, world_size=1)
+    info = meta()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    new = not os.path.exists(args.out)
+    summary = {}
+    with open(args.out, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        if new:
+            writer.writeheader()
+        for name in args.jobs.split(","):
+            summary[name] = run_job(name, args, device, time.time() + budget, writer, info)
+            f.flush()
+    for name, rows in summary.items():
+        ok = [T for T, r in rows.items() if r["status"] == "ok"]
+        print(f"{name}: longest T = {max(ok) if ok else 0}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

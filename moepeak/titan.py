@@ -1,0 +1,311 @@
+"""moepeak's four schedules as torchtitan overrides (optional extra: moepeak[titan]).
+
+A stock torchtitan job turns them on from its command line, without a fork:
+
+    --override.imports moepeak.titan.experts,moepeak.titan.loss,moepeak.titan.sco,moepeak.titan.stream_adamw
+
+Each name is an ``@override`` factory (torchtitan.config.override) that swaps
+one component's Config in the trainer's config tree before anything is built:
+
+  experts       RoutedExperts.Config -> LLEPRoutedExperts.Config: the routed
+                experts run as PipelinedLLEP (moepeak.llep_moe), expert parallel
+                over torchtitan's "ep" mesh dimension when it has more than one
+                rank. The stock GroupedExperts stays the child module, so its
+                parameters and state_dict keys (w1_EFD, w2_EDF, w3_EFD) are
+                unchanged. The router, shared experts and load balancing stay
+                stock.
+  loss          the trainer's loss -> RingDTPLoss.Config: a ChunkedLossWrapper
+                subclass, so the trainer skips the lm_head (its _skip_lm_head
+                path) and hands the loss the final hidden states; the loss is
+                moepeak.linear_cross_entropy, which never forms the logits. An
+                FSDP2-sharded lm_head (DTensor, Shard(0) on a 1-D mesh) runs the
+                vocab-sharded ring over that mesh's group on its local shard.
+  sco           ActivationCheckpointing.Config (full or selective) ->
+                SCOActivationCheckpointing.Config: full AC whose block inputs live
+                in a pinned host arena between forward and backward
+                (moepeak.apply_sco); module tree and state_dict keys unchanged.
+  stream_adamw  OptimizersContainer.Config -> StreamAdamWOptimizers.Config: each
+                "AdamW" param group runs moepeak.StreamAdamW (fp32 state in host
+                RAM); its state dict has torch AdamW's keys, so DCP checkpoints
+                interchange with the stock optimizer's.
+
+Options travel as JSON kwargs on the CLI, e.g.
+    --override.imports 'moepeak.titan.experts={"save_budget_mb": 0}'
+
+Expert weight layout: GroupedExperts stores w1 (gate) and w3 (up) as
+[E, F, D] and w2 as [E, D, F]; llep_moe takes w_gate_up [E, D, 2F] (gate
+columns first) and w_down [E, F, D]. Each forward builds
+    w_gate_up = cat(w1^T, w3^T, dim=2): [E_local, D, 2F] x compute dtype
+    w_down    = w2^T (made contiguous):  [E_local, F, D] x compute dtype
+a per-layer, per-call copy of the layer's expert weights (3·E_local·D·F
+elements, e.g. 16·2048·768·3·2 B = 151 MB in bf16), alive only while that
+layer's forward (and, under activation checkpointing, its recompute and
+backward) runs. Its gradients flow back to w1/w2/w3 through the copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+try:
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss, BaseLoss, IGNORE_INDEX
+    from torchtitan.components.optimizer import OptimizersContainer
+    from torchtitan.config import derive, override
+    from torchtitan.distributed.activation_checkpoint import ActivationCheckpointing
+    from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
+except ImportError as e:  # pragma: no cover - exercised only without torchtitan
+    raise ImportError("moepeak.titan needs torchtitan (pip install 'moepeak[titan]'): " + str(e)) from e
+
+import moepeak
+
+__all__ = ["LLEPRoutedExperts", "RingDTPLoss", "SCOActivationCheckpointing", "StreamAdamWOptimizers",
+           "experts", "loss", "sco", "stream_adamw"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (as torchtitan's GroupedExperts does), else t."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+# ---------------------------------------------------------------------------
+# Experts: PipelinedLLEP
+# ---------------------------------------------------------------------------
+class LLEPRoutedExperts(RoutedExperts):
+    """torchtitan's RoutedExperts with dispatch + experts + combine replaced by
+    moepeak.llep_moe. inner_experts (GroupedExperts) keeps the weights; the
+    token dispatcher is built (no parameters) but not used."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(RoutedExperts.Config):
+        chunk_rows: Optional[int] = None
+        """Rows per destination per chunk (None: llep_moe's default)."""
+        alpha: float = 1.0
+        min_tokens_per_gemm: int = 1024
+        imbalance_threshold: float = 1.3
+        save_budget_mb: Optional[int] = None
+        """Activation cache per MoE layer (MiB; None: llep_moe's default)."""
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        if type(self.inner_experts) is not GroupedExperts:
+            raise ValueError(f"moepeak.titan.experts: inner_experts must be torchtitan's SwiGLU GroupedExperts, "
+                             f"got {type(self.inner_experts).__name__}")
+        self.llep_options = dict(chunk_rows=config.chunk_rows, alpha=config.alpha,
+                                 min_tokens_per_gemm=config.min_tokens_per_gemm,
+                                 imbalance_threshold=config.imbalance_threshold,
+                                 save_budget_mb=config.save_budget_mb)
+        self.ep_group = None
+
+    def parallelize(self, parallel_dims) -> None:
+        if getattr(parallel_dims, "tp_enabled", False) or getattr(parallel_dims, "etp_enabled", False):
+            raise NotImplementedError("moepeak.titan.experts: tensor parallelism of the experts (tp/etp > 1) is "
+                                      "not supported; PipelinedLLEP splits whole experts over the 'ep' dimension")
+        super().parallelize(parallel_dims)
+        ep_mesh = parallel_dims.get_optional_mesh("ep")
+        self.ep_group = ep_mesh.get_group() if ep_mesh is not None and ep_mesh.size() > 1 else None
+
+    def forward(self, x_BLD: torch.Tensor, topk_scores_BLK: torch.Tensor, topk_expert_ids_BLK: torch.Tensor,
+                num_local_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        del num_local_tokens_per_expert_E  # llep_moe plans from the ids themselves
+        B, L, D = x_BLD.shape
+        K = topk_scores_BLK.shape[-1]
+        dtype = x_BLD.dtype
+        ie = self.inner_experts
+        w1, w2, w3 = (_local(w).to(dtype) for w in (ie.w1_EFD, ie.w2_EDF, ie.w3_EFD))
+        w_gate_up = torch.cat([w1.transpose(1, 2), w3.transpose(1, 2)], dim=2)  # [E_local, D, 2F]
+        w_down = w2.transpose(1, 2)  # [E_local, F, D] (llep_moe makes it contiguous)
+        y = moepeak.llep_moe(x_BLD.reshape(B * L, D), topk_expert_ids_BLK.reshape(B * L, K),
+                             topk_scores_BLK.reshape(B * L, K), w_gate_up, w_down, group=self.ep_group,
+                             **self.llep_options)
+        return y.view(B, L, D)
+
+
+@override(target=RoutedExperts.Config, description="moepeak PipelinedLLEP routed experts")
+def experts(cfg: RoutedExperts.Config, **options: Any) -> LLEPRoutedExperts.Config:
+    if type(cfg.inner_experts) is not GroupedExperts.Config:
+        raise ValueError(f"moepeak.titan.experts: PipelinedLLEP computes SwiGLU experts "
+                         f"(silu(x w1) * (x w3)) w2; {type(cfg.inner_experts).__qualname__} "
+                         f"(e.g. gpt_oss's clamped activation with biases) is not supported")
+    return derive(cfg, LLEPRoutedExperts.Config, **options)
+
+
+# ---------------------------------------------------------------------------
+# Loss: Ring-DTP
+# ---------------------------------------------------------------------------
+class RingDTPLoss(ChunkedLossWrapper):
+    """Sum cross-entropy of lm_head(hidden) over the batch, divided by the
+    global valid-token count, computed by moepeak.linear_cross_entropy without
+    the [B, L, V] logits. Being a ChunkedLossWrapper, the trainer sets the
+    lm_head on it and runs the model with _skip_lm_head=True."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ChunkedLossWrapper.Config):
+        ring: str = "auto"
+        """Sharded head: "auto", "weights", "activations" or "gather" (linear_cross_entropy)."""
+        mode: str = "auto"
+        """Unsharded head: linear_cross_entropy's schedule."""
+        chunk_tokens: Optional[int] = None
+        chunk_vocab: Optional[int] = None
+
+    def __init__(self, config: Config, *, compile_config=None):
+        if type(config.loss_fn) is not CrossEntropyLoss.Config:
+            raise ValueError(f"moepeak.titan.loss computes cross-entropy; the inner loss "
+                             f"{type(config.loss_fn).__qualname__} is not supported")
+        self.num_chunks = 1
+        self.loss_fn = None
+        self.lm_head = None
+        self.options = dict(ring=config.ring, mode=config.mode, chunk_tokens=config.chunk_tokens,
+                            chunk_vocab=config.chunk_vocab)
+
+    def head_weight(self):
+        """(weight, bias, group): the lm_head's weight as linear_cross_entropy
+        takes it -- the whole [V, D] matrix, or this rank's dim-0 vocab shard
+        [V/P, D] with the group of its 1-D mesh."""
+        head = self.lm_head
+        if head is None:
+            raise RuntimeError("moepeak.titan.loss: the trainer did not set the lm_head (set_lm_head)")
+        w, b = head.weight, getattr(head, "bias", None)
+        if not hasattr(w, "placements"):
+            return w, b, None
+        from torch.distributed.tensor import Shard
+        if w.device_mesh.ndim != 1 or tuple(w.placements) != (Shard(0),):
+            raise NotImplementedError(f"moepeak.titan.loss: the lm_head weight must be whole or sharded on dim 0 "
+                                      f"over a 1-D mesh (FSDP2); got placements {tuple(w.placements)} on a "
+                                      f"{w.device_mesh.ndim}-D mesh")
+        if b is not None:
+            raise NotImplementedError("moepeak.titan.loss: a sharded lm_head with a bias is not supported")
+        group = w.device_mesh.get_group()
+        return w.to_local(), None, (group if w.device_mesh.size() > 1 else None)
+
+    def __call__(self, pred: torch.Tensor, labels: torch.Tensor, global_valid_tokens=None, **loss_inputs):
+        unknown = sorted(set(loss_inputs) - {"positions"})
+        if unknown:
+            raise ValueError(f"moepeak.titan.loss: unsupported loss inputs {unknown}")
+        if hasattr(pred, "to_local"):
+            raise NotImplementedError("moepeak.titan.loss: DTensor hidden states (tensor/sequence parallel "
+                                      "loss) are not supported")
+        w, b, group = self.head_weight()
+        w = w.to(pred.dtype)
+        b = b.to(pred.dtype) if b is not None else None
+        opts = dict(self.options)
+        if group is None:
+            opts.pop("ring")
+        else:
+            opts.pop("mode")
+        loss = moepeak.linear_cross_entropy(pred, w, labels, bias=b, ignore_index=IGNORE_INDEX, reduction="sum",
+                                            group=group, **opts)
+        if global_valid_tokens is not None:
+            loss = loss / global_valid_tokens
+        return loss, {}
+
+
+@override(target=BaseLoss.Config, fqns=["loss"], description="moepeak Ring-DTP linear cross-entropy")
+def loss(cfg: BaseLoss.Config, **options: Any) -> RingDTPLoss.Config:
+    if type(cfg) is CrossEntropyLoss.Config:
+        return RingDTPLoss.Config(loss_fn=cfg, **options)
+    if type(cfg) is ChunkedLossWrapper.Config:
+        return derive(cfg, RingDTPLoss.Config, **options)
+    raise ValueError(f"moepeak.titan.loss replaces cross-entropy (CrossEntropyLoss or ChunkedLossWrapper); "
+                     f"the job's loss is {type(cfg).__qualname__}")
+
+
+# ---------------------------------------------------------------------------
+# Activation checkpointing: SCO
+# ---------------------------------------------------------------------------
+class SCOActivationCheckpointing(ActivationCheckpointing):
+    """Full activation checkpointing of every transformer block, each block's
+    input kept in a pinned host arena between forward and backward."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ActivationCheckpointing.Config):
+        max_in_flight: int = 2
+        prefetch: int = 1
+        keep_last: bool = True
+        arena_bytes: int = 0
+        max_arena_bytes: Optional[int] = None
+
+    def __init__(self, config: Config, dump_folder: str = ""):
+        super().__init__(config, dump_folder)
+        if not config.preserve_rng_state:
+            raise ValueError("moepeak.titan.sco always preserves the RNG state (preserve_rng_state=False "
+                             "is not supported)")
+        self.sco_config = moepeak.SCOConfig(max_in_flight=config.max_in_flight, prefetch=config.prefetch,
+                                            keep_last=config.keep_last, arena_bytes=config.arena_bytes,
+                                            max_arena_bytes=config.max_arena_bytes)
+
+    def apply(self, model: torch.nn.Module) -> None:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
+        blocks = list(model.get_submodule("layers").children())
+        moepeak.apply_sco(model, blocks, self.sco_config)
+        for block in blocks:
+            # torchtitan's MoE load-balancing hook halves the token counts of
+            # blocks marked as non-reentrant checkpointed (the recompute counts
+            # them twice); SCO recomputes the same way.
+            block.checkpoint_impl = CheckpointImpl.NO_REENTRANT
+
+
+@override(target=ActivationCheckpointing.Config, fqns=["activation_checkpoint"],
+          description="moepeak SCO: full AC with block inputs in pinned host memory")
+def sco(cfg: ActivationCheckpointing.Config, **options: Any) -> SCOActivationCheckpointing.Config:
+    return SCOActivationCheckpointing.Config(preserve_rng_state=cfg.preserve_rng_state,
+                                             determinism_check=cfg.determinism_check, debug=cfg.debug, **options)
+
+
+# ---------------------------------------------------------------------------
+# Optimizer: StreamAdamW
+# ---------------------------------------------------------------------------
+_TORCH_IMPL_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
+class StreamAdamWOptimizers(OptimizersContainer):
+    """torchtitan's optimizer container with every AdamW param group on
+    moepeak.StreamAdamW (same hyperparameters, same state-dict keys)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(OptimizersContainer.Config):
+        bucket_mb: float = 64
+        threads: Optional[int] = None
+
+    def __init__(self, config: Config, *, model_parts):
+        if config.implementation == "fused_opt_states_bf16":
+            raise ValueError("moepeak.titan.stream_adamw keeps fp32 optimizer state in host RAM; "
+                             "implementation='fused_opt_states_bf16' does not apply")
+        self._stream_kwargs = dict(bucket_mb=config.bucket_mb, threads=config.threads)
+        # Group keys torch.optim.AdamW has and StreamAdamW lacks, with the values
+        # the stock container would give them: written into state_dict() so a
+        # stock job finds every key it expects when it loads our checkpoint.
+        self._adamw_group_keys = dict(fused=config.implementation == "fused",
+                                      foreach=config.implementation == "foreach", capturable=False,
+                                      differentiable=False, decoupled_weight_decay=True)
+        super().__init__(config, model_parts=model_parts)
+
+    def state_dict(self) -> dict:
+        """torchtitan's flat FQN-keyed layout, interchangeable with the stock
+        AdamW container's (same state keys, same param_group keys)."""
+        sd = super().state_dict()
+        for key in [k for k in sd if k.startswith("param_groups.") and k.endswith(".lr")]:
+            prefix = key[:-len("lr")]
+            for name, value in self._adamw_group_keys.items():
+                sd.setdefault(prefix + name, value)
+        return sd
+
+    def _build_impl_kwargs(self, config) -> dict:
+        return {}  # StreamAdamW has one implementation
+
+    def _resolve_optimizer_factory(self, name: str):
+        if name != "AdamW":
+            raise NotImplementedError(f"moepeak.titan.stream_adamw replaces AdamW param groups; got optimizer {name!r}")
+        stream_kwargs = self._stream_kwargs
+
+        def build(param_groups, **factory_kwargs):
+            groups = [{k: v for k, v in g.items() if k not in _TORCH_IMPL_KEYS} for g in param_groups]
+            return moepeak.StreamAdamW(groups, **stream_kwargs, **factory_kwargs)
+
+        return build
+
+
+@override(target=OptimizersContainer.Config, fqns=["optimizer"], description="moepeak StreamAdamW")
+def stream_adamw(cfg: OptimizersContainer.Config, **options: Any) -> StreamAdamWOptimizers.Config:
+    return derive(cfg, StreamAdamWOptimizers.Config, **options)
