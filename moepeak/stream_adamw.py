@@ -101,8 +101,10 @@ class StreamAdamW(torch.optim.Optimizer):
         self._host_pipeline = bool(_host_pipeline)
         self._bucket_mb = float(bucket_mb)
         self._slots = (int(grad_slots), int(param_slots))
+        # The keys torch.optim.AdamW's groups carry; fused=True: the kernel is bitwise
+        # torch's fused one, so a torch AdamW loaded from our state_dict runs that kernel too.
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        maximize=maximize)
+                        maximize=maximize, **_TORCH_GROUP_KEYS)
         super().__init__(params, defaults)
         self._devices = {}  # param -> device it had at its first step
         self._gpu_master = {}  # fp32 CUDA param -> its fp32 CPU master (always equal to the param)
@@ -165,6 +167,29 @@ class StreamAdamW(torch.optim.Optimizer):
             self._gpu_master[p] = lp.detach().to("cpu", copy=True).contiguous()
         self._devices.setdefault(p, lp.device)
 
+    def _check_state(self, p, lp, name):
+        """The state tensors the kernel will read and write must be fp32,
+        contiguous, on the CPU and of the param's numel (a param whose .data
+        was replaced, a replaced exp_avg/exp_avg_sq, a loaded state of another
+        size all end here)."""
+        st = self.state[p]
+        held = [(k, st.get(k)) for k in ("exp_avg", "exp_avg_sq")]
+        if lp.dtype != torch.float32:
+            held.append(("master_param", st.get("master_param")))
+        elif self._piped(lp):
+            held.append(("the fp32 master copy", self._gpu_master.get(p)))
+        for key, t in held:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"moepeak.StreamAdamW: {name}: state '{key}' must be a tensor, got {type(t).__name__}")
+            if t.numel() != lp.numel():
+                raise RuntimeError(
+                    f"moepeak.StreamAdamW: {name}: size mismatch: state '{key}' has {t.numel()} elements "
+                    f"(shape {tuple(t.shape)}) but the param has {lp.numel()} (shape {tuple(lp.shape)}); "
+                    "was the param's .data replaced or a state_dict of another model loaded?")
+            if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+                raise TypeError(f"moepeak.StreamAdamW: {name}: state '{key}' must be a contiguous float32 CPU "
+                                f"tensor, got {t.dtype} on {t.device} (contiguous={t.is_contiguous()})")
+
     def _master(self, p, lp):
         if lp.dtype != torch.float32:
             return self.state[p]["master_param"]
@@ -187,6 +212,8 @@ class StreamAdamW(torch.optim.Optimizer):
             return loss
         for _, p, lp, _, _ in entries:
             self._init_state(p, lp)
+        for _, p, lp, _, name in entries:  # every state tensor must fit its param before any pointer reaches C
+            self._check_state(p, lp, name)
         steps = [self.state[p]["step"] for _, p, _, _, _ in entries]
         torch._foreach_add_(steps, 1.0)
         step_vals = torch.stack(steps).tolist()
@@ -283,6 +310,16 @@ class StreamAdamW(torch.optim.Optimizer):
         for g, ng in zip(saved_groups, self.param_groups):
             for pid, p in zip(g["params"], ng["params"]):
                 id_map[pid] = p
+        for pid, st in state_dict["state"].items():  # sizes first: nothing is loaded on a mismatch
+            p = id_map.get(pid)
+            for k in _STATE_TENSORS:
+                t = _local(st.get(k)) if p is not None else None
+                if torch.is_tensor(t) and t.numel() != _local(p).numel() and not (
+                        k == "master_param" and _local(p).dtype == torch.float32):
+                    raise RuntimeError(
+                        f"moepeak.StreamAdamW.load_state_dict: size mismatch for state {pid} ('{k}'): "
+                        f"{t.numel()} elements (shape {tuple(t.shape)}) but the param has {_local(p).numel()} "
+                        f"(shape {tuple(_local(p).shape)})")
         kept, light = {}, {}
         for pid, st in state_dict["state"].items():
             kept[pid] = {k: st[k] for k in _STATE_TENSORS if k in st}
@@ -307,9 +344,13 @@ class StreamAdamW(torch.optim.Optimizer):
         for group in self.param_groups:  # groups saved by torch carry their own keys; ours need these
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
+            for k, v in _TORCH_GROUP_KEYS.items():
+                group[k] = v  # this optimizer always runs its own (fused-equivalent) kernel
 
 
 _EMPTY = torch.empty(0)
+_TORCH_GROUP_KEYS = dict(foreach=None, capturable=False, differentiable=False, fused=True,
+                         decoupled_weight_decay=True)
 
 
 def _bump_versions(tensors):

@@ -584,3 +584,76 @@ def test_host_pipeline_streaming_stores_per_isa(dtype, isa):
         ref.step()
     for a, b in zip(ours_p, ref_p):
         assert torch.equal(a.detach(), b.detach().to(dtype))
+
+
+# ---------------------------------------------------------------------------
+# state sizes, torch interchange (fused key)
+# ---------------------------------------------------------------------------
+def _stepped(dtype=torch.float32, n=64, host_pipeline=False):
+    p = torch.randn(n, dtype=dtype, requires_grad=True)
+    opt = moepeak.StreamAdamW([p], lr=1e-2, _host_pipeline=host_pipeline)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    return p, opt
+
+
+@pytest.mark.parametrize("host_pipeline", [False, True])
+@pytest.mark.parametrize("dtype,new_n", [(torch.float32, 4096), (torch.float32, 16), (torch.bfloat16, 65536),
+                                         (torch.bfloat16, 16)])
+def test_replaced_param_data_of_another_size_raises(dtype, new_n, host_pipeline):
+    p, opt = _stepped(dtype, n=64, host_pipeline=host_pipeline)
+    p.data = torch.randn(new_n, dtype=dtype)
+    p.grad = torch.randn_like(p)
+    before = p.detach().clone()
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[0\].*size mismatch.*64 elements.*"
+                                           rf"has {new_n}"):
+        opt.step()
+    assert torch.equal(p.detach(), before)  # nothing touched
+
+
+@pytest.mark.parametrize("key", ["exp_avg", "exp_avg_sq"])
+def test_replaced_state_tensor_of_another_size_raises(key):
+    p, opt = _stepped()
+    opt.state[p][key] = torch.zeros(1 << 16)
+    p.grad = torch.randn_like(p)
+    with pytest.raises(RuntimeError, match=rf"size mismatch: state '{key}' has 65536 elements"):
+        opt.step()
+    opt.state[p][key] = torch.zeros(64, dtype=torch.float64)
+    with pytest.raises(TypeError, match=rf"state '{key}' must be a contiguous float32 CPU tensor"):
+        opt.step()
+
+
+def test_loaded_state_dict_of_another_size_raises():
+    _, big = _stepped(n=4096)
+    p, opt = _stepped(n=64)
+    before = {k: v.clone() for k, v in opt.state[p].items()}
+    with pytest.raises(RuntimeError, match=r"load_state_dict: size mismatch.*4096 elements.*has 64"):
+        opt.load_state_dict(big.state_dict())
+    assert all(torch.equal(before[k], v) for k, v in opt.state[p].items())
+
+
+def test_state_dict_carries_fused_so_torch_runs_the_same_kernel():
+    torch.manual_seed(0)
+    p = torch.randn(1000, requires_grad=True)
+    q = p.detach().clone().requires_grad_(True)
+    ours = moepeak.StreamAdamW([p], lr=1e-2, weight_decay=0.1)
+    for _ in range(2):
+        p.grad = torch.randn_like(p)
+        ours.step()
+    sd = ours.state_dict()
+    assert sd["param_groups"][0]["fused"] is True
+    with torch.no_grad():
+        q.copy_(p)
+    ref = torch.optim.AdamW([q], lr=1e-2)  # constructed non-fused: the loaded group decides
+    ref.load_state_dict(copy.deepcopy(sd))  # a copy: torch would share our step tensors
+    assert ref.param_groups[0]["fused"] is True
+    for _ in range(3):
+        g = torch.randn_like(p)
+        p.grad, q.grad = g, g.clone()
+        ours.step()
+        ref.step()
+    assert torch.equal(p, q)
+    assert torch.equal(ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
+    back = moepeak.StreamAdamW([p], lr=1e-2)  # and a torch AdamW's dict loads back into ours
+    back.load_state_dict(copy.deepcopy(ref.state_dict()))
+    assert back.param_groups[0]["fused"] is True
