@@ -54,6 +54,8 @@ optimizer calls it.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from . import _C
@@ -97,6 +99,9 @@ class StreamAdamW(torch.optim.Optimizer):
                                  f"(best: {[k for k, v in ISA_CODES.items() if v == best][0]})")
             self._isa = code
         self._threads = threads or 0
+        if self._threads > _C.get_num_threads():  # more than the pool keeps by default: give them back at death
+            _THREAD_REQUESTS[id(self)] = self._threads
+            weakref.finalize(self, _release_threads, id(self))
         # testing hook: CPU params go through the bucket pipeline (memcpy copies)
         self._host_pipeline = bool(_host_pipeline)
         self._bucket_mb = float(bucket_mb)
@@ -349,6 +354,19 @@ class StreamAdamW(torch.optim.Optimizer):
 
 
 _EMPTY = torch.empty(0)
+# live optimizers that asked for more pool threads than the default: id -> threads
+_THREAD_REQUESTS = {}
+
+
+def _release_threads(key):
+    """An optimizer with threads= above the default died: trim the process-wide
+    pool to what the remaining requests (or the default) need."""
+    _THREAD_REQUESTS.pop(key, None)
+    need = max([_C.get_num_threads(), *_THREAD_REQUESTS.values()])
+    try:
+        _C.pool_trim(need - 1)  # the calling thread runs one range itself
+    except Exception:  # interpreter shutdown
+        pass
 _TORCH_GROUP_KEYS = dict(foreach=None, capturable=False, differentiable=False, fused=True,
                          decoupled_weight_decay=True)
 

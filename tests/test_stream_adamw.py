@@ -657,3 +657,73 @@ def test_state_dict_carries_fused_so_torch_runs_the_same_kernel():
     back = moepeak.StreamAdamW([p], lr=1e-2)  # and a torch AdamW's dict loads back into ours
     back.load_state_dict(copy.deepcopy(ref.state_dict()))
     assert back.param_groups[0]["fused"] is True
+
+
+def _threads_of_process():
+    import os
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="needs /proc")
+def test_oversized_thread_pool_released_when_optimizer_dies():
+    import gc
+    want = _C.get_num_threads() + 6
+    p = torch.randn(16384 * want, requires_grad=True)  # one pool grain per requested thread
+    p.grad = torch.randn_like(p)
+    moepeak.StreamAdamW([p], lr=1e-3).step()  # warm-up: torch's and the default pool's threads exist
+    base_workers, base_threads = _C.pool_workers(), _threads_of_process()
+    for i in range(200):
+        opt = moepeak.StreamAdamW([p], lr=1e-3, threads=want)
+        if i % 10 == 0:  # every tenth steps (the pool grows to the request); all 200 are dropped
+            opt.step()
+            assert _C.pool_workers() >= want - 1  # the request was served
+        del opt
+        gc.collect()
+        assert _C.pool_workers() <= max(base_workers, _C.get_num_threads() - 1)
+    assert _threads_of_process() <= base_threads
+
+
+def test_adamw_plan_step_rejects_overflowing_arguments():
+    # A malformed call must raise, never reach memory: run it in a child so a
+    # crash (the unchecked overflow) fails this test instead of killing pytest.
+    import subprocess
+    import sys
+    code = r'''
+import array, torch
+from moepeak import _C
+segs = array.array("q", [0, 0, 4, 0, 0])
+plan = _C.adamw_plan_create(segs, array.array("q", [0, 1]), 1, 64, 64, 3, 2, True)
+p, m, v, g = (torch.zeros(4) for _ in range(4))
+hyp = array.array("d", [1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0])
+bad = [
+    [p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(), p.data_ptr(), (1 << 63) - 1, 0, 0],  # huge numel
+    [p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(), p.data_ptr(), 2, 0, 0],  # segment beyond the param
+    [p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(), 0, 4, 0, 0],  # null param
+    [0, m.data_ptr(), v.data_ptr(), g.data_ptr(), p.data_ptr(), 4, 0, 0],  # null master
+]
+for row in bad:
+    try:
+        _C.adamw_plan_step(plan, array.array("q", row), hyp, 0, 0, 1, 1 << 30, 16)
+    except ValueError:
+        pass
+    else:
+        raise SystemExit(f"accepted {row}")
+for tt, tv in ((0, 16), (1 << 30, 16), (1, -1), (1, 1 << 20)):
+    try:
+        _C.adamw_plan_step(plan, array.array("q", [p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(),
+                                                   p.data_ptr(), 4, 0, 0]), hyp, 0, 0, 1, tt, tv)
+    except ValueError:
+        pass
+    else:
+        raise SystemExit(f"accepted torch_threads={tt} torch_vlen={tv}")
+for seg in ([0, (1 << 63) - 8, 16, 0, 0], [0, 0, 4, 1 << 62, 0], [0, 0, -1, 0, 0]):
+    try:
+        _C.adamw_plan_create(array.array("q", seg), array.array("q", [0, 1]), 1, 64, 64, 3, 2, True)
+    except ValueError:
+        pass
+    else:
+        raise SystemExit(f"plan accepted {seg}")
+print("ok")
+'''
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stdout, r.stderr[-2000:])
