@@ -1,4 +1,4 @@
-/* adamw.c: OffloadStreamAdamW's C side: the bindings of the CPU AdamW kernel
+/* adamw.c: StreamAdamW's C side: the bindings of the CPU AdamW kernel
  * and the per-step bucket pipeline, driven from C with the GIL released.
  *
  * The pipeline (one step, nb buckets, G grad slots, P param slots):
@@ -19,7 +19,7 @@
  * pinned slots are allocated once per plan and never grow. No GPU memory is
  * allocated: copies go straight between the torch tensors and pinned slots.
  *
- * Plan buffers (built once in Python, moepeak/stream_adamw.py):
+ * Plan buffers (built once in Python, moepeak/stream_adamw_op.py):
  *   segs:  [nseg, 5] int64 (param index, first element, n, gslot byte offset,
  *          pslot byte offset); a segment is a piece of one parameter.
  *   bucket_seg: [nb + 1] int64, bucket b holds segments bucket_seg[b] ..
@@ -42,6 +42,13 @@
 
 #define PTR_COLS 8
 #define HYP_COLS 6
+/* Bounds every binding checks before touching memory, chosen so that no
+ * product or sum of checked values below can overflow int64:
+ * numel and offsets < 2^48 elements (1 PiB of fp32), bytes < 2^52. */
+#define MAX_NUMEL ((int64_t)1 << 48)
+#define MAX_BYTES ((int64_t)1 << 52)
+#define MAX_TORCH_THREADS 4096
+#define MAX_TORCH_VLEN 64
 
 /* Parse the per-step buffers into coefficient records. Returns 0 and sets a
  * Python error on a malformed buffer. */
@@ -54,6 +61,11 @@ static int parse_step(Py_buffer *ptrs, Py_buffer *hyper, int tthreads, int tvlen
                  "(got %zd and %zd bytes)", PTR_COLS, HYP_COLS, ptrs->len, hyper->len);
     return 0;
   }
+  if (tthreads < 1 || tthreads > MAX_TORCH_THREADS || tvlen < 0 || tvlen > MAX_TORCH_VLEN) {
+    PyErr_Format(PyExc_ValueError, "moepeak: adamw torch_threads must be in [1, %d] and torch_vlen in [0, %d], "
+                 "got %d and %d", MAX_TORCH_THREADS, MAX_TORCH_VLEN, tthreads, tvlen);
+    return 0;
+  }
   const int64_t *P = (const int64_t *)ptrs->buf;
   const double *H = (const double *)hyper->buf;
   *coef = (mp_adamw_coef *)malloc(sizeof(mp_adamw_coef) * (size_t)(n > 0 ? n : 1));
@@ -63,10 +75,15 @@ static int parse_step(Py_buffer *ptrs, Py_buffer *hyper, int tthreads, int tvlen
   }
   for (Py_ssize_t i = 0; i < n; i++) {
     const int64_t *r = P + i * PTR_COLS;
-    if (r[5] < 0 || r[6] < 0 || r[6] > 2 || r[7] < 0 || r[7] > 2) {
+    /* numel in [0, MAX_NUMEL), dtype codes in range, and a row with a grad
+     * and elements names its master, exp_avg and exp_avg_sq */
+    if (r[5] < 0 || r[5] >= MAX_NUMEL || r[6] < 0 || r[6] > 2 || r[7] < 0 || r[7] > 2 ||
+        (r[3] != 0 && r[5] > 0 && (r[0] == 0 || r[1] == 0 || r[2] == 0))) {
       free(*coef);
       *coef = NULL;
-      PyErr_Format(PyExc_ValueError, "moepeak: adamw ptrs row %zd is malformed", i);
+      PyErr_Format(PyExc_ValueError, "moepeak: adamw ptrs row %zd is malformed (numel %lld must be in [0, 2^48), "
+                   "dtype codes %lld, %lld in [0, 2], master/exp_avg/exp_avg_sq non-null)", i, (long long)r[5],
+                   (long long)r[6], (long long)r[7]);
       return 0;
     }
     const double *h = H + i * HYP_COLS;
@@ -77,10 +94,15 @@ static int parse_step(Py_buffer *ptrs, Py_buffer *hyper, int tthreads, int tvlen
   return 1;
 }
 
-static int check_isa(int isa) {
+static int check_isa_threads(int isa, int threads) {
   if (isa < 0 || isa > mp_cpu_best_isa()) {
     PyErr_Format(PyExc_ValueError, "moepeak: isa must be in [0, %d] on this CPU (0 scalar, 1 avx2, 2 avx512), got %d",
                  mp_cpu_best_isa(), isa);
+    return 0;
+  }
+  if (threads < 0 || threads > 256) {
+    PyErr_Format(PyExc_ValueError, "moepeak: adamw threads must be in [0, 256] (0: the pool's default), got %d",
+                 threads);
     return 0;
   }
   return 1;
@@ -97,7 +119,7 @@ static PyObject *py_adamw_cpu(PyObject *self, PyObject *args) {
   PyObject *ret = NULL;
   Py_ssize_t n = 0;
   if (!PyArg_ParseTuple(args, "y*y*iiii", &ptrs, &hyper, &isa, &threads, &tthreads, &tvlen)) return NULL;
-  if (!check_isa(isa) || !parse_step(&ptrs, &hyper, tthreads, tvlen, &n, &coef)) goto fail;
+  if (!check_isa_threads(isa, threads) || !parse_step(&ptrs, &hyper, tthreads, tvlen, &n, &coef)) goto fail;
   segs = (mp_adamw_seg *)calloc((size_t)(n > 0 ? n : 1), sizeof(mp_adamw_seg));
   if (!segs) {
     PyErr_NoMemory();
@@ -113,12 +135,7 @@ static PyObject *py_adamw_cpu(PyObject *self, PyObject *args) {
     segs[ns++] = s;
   }
   mp_status st;
-  Py_BEGIN_ALLOW_THREADS st = mp_adamw_run(segs, ns, isa, threads);
-  Py_END_ALLOW_THREADS
-  if (st != MP_OK) {
-    mp_raise_status(st);
-    goto fail;
-  }
+  MP_CALL_NOGIL(st, mp_adamw_run(segs, ns, isa, threads));
   ret = Py_None;
   Py_INCREF(ret);
 fail:
@@ -265,8 +282,9 @@ static PyObject *py_adamw_plan_create(PyObject *self, PyObject *args) {
 #endif
   int64_t nseg = segs.len / (Py_ssize_t)(5 * sizeof(int64_t));
   int64_t nb = bseg.len / (Py_ssize_t)sizeof(int64_t) - 1;
-  if (segs.len != nseg * 5 * (Py_ssize_t)sizeof(int64_t) || nb < 1 || gslots < 2 || pslots < 1 || gbytes <= 0 ||
-      pbytes <= 0 || nparam < 1) {
+  if (segs.len != nseg * 5 * (Py_ssize_t)sizeof(int64_t) || nb < 1 || gslots < 2 || gslots > 64 || pslots < 1 ||
+      pslots > 64 || gbytes <= 0 || gbytes >= MAX_BYTES || pbytes <= 0 || pbytes >= MAX_BYTES || nparam < 1 ||
+      nparam >= MAX_NUMEL) {
     PyErr_SetString(PyExc_ValueError, "moepeak: adamw_plan_create: malformed plan");
     goto fail;
   }
@@ -300,22 +318,17 @@ static PyObject *py_adamw_plan_create(PyObject *self, PyObject *args) {
   }
   for (int64_t k = 0; k < nseg; k++) {
     const int64_t *r = p->segs + 5 * k;
-    if (r[0] < 0 || r[0] >= nparam || r[1] < 0 || r[2] <= 0 || r[3] < 0 || r[4] < 0) {
+    /* every field bounded: r[1] + r[2] and r[3] + 4 * r[2] cannot overflow */
+    if (r[0] < 0 || r[0] >= nparam || r[1] < 0 || r[1] >= MAX_NUMEL || r[2] <= 0 || r[2] >= MAX_NUMEL ||
+        r[3] < 0 || r[3] >= gbytes || r[4] < 0 || r[4] >= pbytes) {
       PyErr_Format(PyExc_ValueError, "moepeak: adamw_plan_create: segment %lld malformed", (long long)k);
       goto fail;
     }
   }
   p->work = (mp_adamw_seg *)calloc((size_t)p->max_bucket_segs, sizeof(mp_adamw_seg));
   if (!p->work) goto nomem;
-  {
-    mp_status st;
-    Py_BEGIN_ALLOW_THREADS st = plan_alloc(p);
-    Py_END_ALLOW_THREADS
-    if (st != MP_OK) {
-      mp_raise_status(st);
-      goto fail;
-    }
-  }
+  mp_status st;
+  MP_CALL_NOGIL(st, plan_alloc(p));
   cap = PyCapsule_New(p, "moepeak.adamw_plan", plan_capsule_free);
   if (!cap) goto fail;
   p = NULL;
@@ -397,7 +410,7 @@ static PyObject *py_adamw_plan_step(PyObject *self, PyObject *args) {
     return NULL;
   adamw_plan *p = (adamw_plan *)PyCapsule_GetPointer(cap, "moepeak.adamw_plan");
   if (!p) goto fail;
-  if (!check_isa(isa) || !parse_step(&ptrs, &hyper, tthreads, tvlen, &n, &coef)) goto fail;
+  if (!check_isa_threads(isa, threads) || !parse_step(&ptrs, &hyper, tthreads, tvlen, &n, &coef)) goto fail;
   if (n != p->nparam) {
     PyErr_Format(PyExc_ValueError, "moepeak: adamw_plan_step: plan has %lld params, got %zd", (long long)p->nparam, n);
     goto fail;
@@ -407,20 +420,17 @@ static PyObject *py_adamw_plan_step(PyObject *self, PyObject *args) {
   for (int64_t k = 0; k < p->nseg; k++) {
     const int64_t *s = p->segs + 5 * k, *r = P + s[0] * PTR_COLS;
     if (r[3] == 0) continue; /* no grad this step: skipped, never touched */
-    if (s[1] + s[2] > r[5] || (size_t)(s[3] + s[2] * dt_size((int)r[6])) > p->gslot_bytes ||
-        (size_t)(s[4] + s[2] * dt_size((int)r[7])) > p->pslot_bytes) {
+    /* overflow-safe: s[1], s[2], r[5] < 2^48 and s[3], s[4] < 2^52 (checked at creation / in parse_step) */
+    if (s[2] > r[5] || s[1] > r[5] - s[2] || r[4] == 0 ||
+        s[2] * dt_size((int)r[6]) > (int64_t)p->gslot_bytes - s[3] ||
+        s[2] * dt_size((int)r[7]) > (int64_t)p->pslot_bytes - s[4]) {
       PyErr_Format(PyExc_ValueError, "moepeak: adamw_plan_step: segment %lld does not fit its param or slot "
-                   "(the plan was built for other shapes or dtypes)", (long long)k);
+                   "(the plan was built for other shapes or dtypes, or the param pointer is null)", (long long)k);
       goto fail;
     }
   }
   mp_status st;
-  Py_BEGIN_ALLOW_THREADS st = run_pipeline(p, (const int64_t *)ptrs.buf, coef, (uintptr_t)cur, isa, threads);
-  Py_END_ALLOW_THREADS
-  if (st != MP_OK) {
-    mp_raise_status(st);
-    goto fail;
-  }
+  MP_CALL_NOGIL(st, run_pipeline(p, (const int64_t *)ptrs.buf, coef, (uintptr_t)cur, isa, threads));
   ret = Py_None;
   Py_INCREF(ret);
 fail:

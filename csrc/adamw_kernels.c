@@ -1,4 +1,4 @@
-/* adamw_kernels.c: the CPU AdamW update of OffloadStreamAdamW.
+/* adamw_kernels.c: the CPU AdamW update of StreamAdamW.
  *
  * What it computes, per element i of a segment (fp32 master p, fp32 m, v; the
  * gradient g read as fp32/bf16/fp16 and widened to fp32):
@@ -17,7 +17,7 @@
  * as torch's release builds compile it, so the fp32 results are bitwise equal
  * to torch.optim.AdamW(fused=True). Note the second fma: torch's source
  * writes v*b2 + c2*g*g, but GCC (-ffp-contract=fast, C++) contracts it into
- * fma(c2*g, g, v*b2); we measured that against torch 2.13. This file is
+ * fma(c2*g, g, v*b2) (torch 2.13 release builds; the bitwise tests check it). This file is
  * compiled with -std=c11, where GCC never contracts, so both fused
  * multiply-adds are explicit (fmaf / _mm*_fmadd_ps) and nothing else is.
  *

@@ -1,4 +1,4 @@
-/* adamw_kernels.h: the CPU AdamW kernel of OffloadStreamAdamW (adamw_kernels.c),
+/* adamw_kernels.h: the CPU AdamW kernel of StreamAdamW (adamw_kernels.c),
  * shared by the binding and the bucket pipeline (adamw.c). */
 #ifndef MP_ADAMW_KERNELS_H
 #define MP_ADAMW_KERNELS_H

@@ -348,12 +348,12 @@ static PyObject *py_ce_fold(PyObject *self, PyObject *args) {
     return mp_raise_no_cuda("ce_fold");
 #endif
   } else {
-    Py_BEGIN_ALLOW_THREADS
-    st = mp_parallel_for(t, CE_ROW_GRAIN, 0, ce_fold_rows, &a);
-    Py_END_ALLOW_THREADS
+    MP_CALL_NOGIL(st, mp_parallel_for(t, CE_ROW_GRAIN, 0, ce_fold_rows, &a));
   }
   if (st != MP_OK) return mp_raise_status(st);
   Py_RETURN_NONE;
+fail:
+  return NULL;
 }
 
 /* ce_grad(z, z_dtype, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, ls, q, g, g_stride, eps, n_classes,
@@ -431,12 +431,12 @@ static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
                       "(on CPU: ring_dtp_blocks.colsum_acc_ after the gradient)");
       return NULL;
     }
-    Py_BEGIN_ALLOW_THREADS
-    st = mp_parallel_for(t, CE_ROW_GRAIN, 0, ce_grad_rows, &a);
-    Py_END_ALLOW_THREADS
+    MP_CALL_NOGIL(st, mp_parallel_for(t, CE_ROW_GRAIN, 0, ce_grad_rows, &a));
   }
   if (st != MP_OK) return mp_raise_status(st);
   Py_RETURN_NONE;
+fail:
+  return NULL;
 }
 
 /* ce_scale(t, dtype, n, g, cuda, stream): t: [n] x dtype (0 fp32, 1 bf16, 2 fp16), contiguous;
@@ -462,12 +462,12 @@ static PyObject *py_ce_scale(PyObject *self, PyObject *args) {
   } else {
     ce_scale_args a = {(void *)(uintptr_t)t, dtype, *(const float *)(uintptr_t)g};
     if (a.g == 1.0f) Py_RETURN_NONE; /* x * 1 == x exactly: nothing to do */
-    Py_BEGIN_ALLOW_THREADS
-    st = mp_parallel_for(n, CE_SCALE_GRAIN, 0, ce_scale_range, &a);
-    Py_END_ALLOW_THREADS
+    MP_CALL_NOGIL(st, mp_parallel_for(n, CE_SCALE_GRAIN, 0, ce_scale_range, &a));
   }
   if (st != MP_OK) return mp_raise_status(st);
   Py_RETURN_NONE;
+fail:
+  return NULL;
 }
 
 /* ce_dw_finish(dw, dtype, ldw, v0, nv, x, ldx, h, sy, perm, tcs, t, cs, mu, flags, cuda, stream): dw:
@@ -511,12 +511,12 @@ static PyObject *py_ce_dw_finish(PyObject *self, PyObject *args) {
                            (const int64_t *)(uintptr_t)sy, (const int64_t *)(uintptr_t)perm,
                            (const float *)(uintptr_t)tc, t, (const float *)(uintptr_t)cs,
                            (const float *)(uintptr_t)mu};
-    Py_BEGIN_ALLOW_THREADS
-    st = mp_parallel_for(nv, 16, 0, ce_dw_finish_range, &a);
-    Py_END_ALLOW_THREADS
+    MP_CALL_NOGIL(st, mp_parallel_for(nv, 16, 0, ce_dw_finish_range, &a));
   }
   if (st != MP_OK) return mp_raise_status(st);
   Py_RETURN_NONE;
+fail:
+  return NULL;
 }
 
 /* ce_sub_row(out, ldo, x, ldx, mu, n, h, dtype, cuda, stream): out: [n, ldo], x: [n, ldx], mu: [h],
@@ -546,12 +546,12 @@ static PyObject *py_ce_sub_row(PyObject *self, PyObject *args) {
   } else {
     ce_sub_row_args a = {(void *)(uintptr_t)out, ldo, (const void *)(uintptr_t)x, ldx, (const void *)(uintptr_t)mu,
                          h, dtype};
-    Py_BEGIN_ALLOW_THREADS
-    st = mp_parallel_for(n, 16, 0, ce_sub_row_range, &a);
-    Py_END_ALLOW_THREADS
+    MP_CALL_NOGIL(st, mp_parallel_for(n, 16, 0, ce_sub_row_range, &a));
   }
   if (st != MP_OK) return mp_raise_status(st);
   Py_RETURN_NONE;
+fail:
+  return NULL;
 }
 
 /* ce_dx_finish(dx, dtype, ldx, w, ldw, v0, nv, h, labels, tc, t, cuda, stream): dx: [t, ldx] and
@@ -584,12 +584,12 @@ static PyObject *py_ce_dx_finish(PyObject *self, PyObject *args) {
   } else {
     ce_dx_finish_args a = {(void *)(uintptr_t)dx, dtype, ldx, (const void *)(uintptr_t)w, ldw, v0, nv, h,
                            (const int64_t *)(uintptr_t)labels, (const float *)(uintptr_t)tc};
-    Py_BEGIN_ALLOW_THREADS
-    st = mp_parallel_for(t, 16, 0, ce_dx_finish_range, &a);
-    Py_END_ALLOW_THREADS
+    MP_CALL_NOGIL(st, mp_parallel_for(t, 16, 0, ce_dx_finish_range, &a));
   }
   if (st != MP_OK) return mp_raise_status(st);
   Py_RETURN_NONE;
+fail:
+  return NULL;
 }
 
 PyMethodDef mp_ce_methods[] = {

@@ -23,17 +23,32 @@ static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
   Py_RETURN_NONE;
 }
 
+static PyObject *py_pool_workers(PyObject *self, PyObject *args) {
+  (void)self;
+  (void)args;
+  return PyLong_FromLong(mp_pool_workers());
+}
+
+static PyObject *py_pool_trim(PyObject *self, PyObject *arg) {
+  (void)self;
+  long keep = PyLong_AsLong(arg);
+  if (keep == -1 && PyErr_Occurred()) return NULL;
+  if (keep < 0 || keep > 256) {
+    PyErr_Format(PyExc_ValueError, "moepeak: pool_trim keep must be in [0, 256], got %ld", keep);
+    return NULL;
+  }
+  mp_status st;
+  MP_CALL_NOGIL(st, (mp_pool_trim((int)keep), MP_OK));
+  Py_RETURN_NONE;
+fail:
+  return NULL;
+}
+
 #if MP_WITH_CUDA
 #define MP_CALL(expr)                         \
   do {                                        \
     mp_status st_ = (expr);                   \
     if (st_ != MP_OK) return mp_raise_status(st_); \
-  } while (0)
-#define MP_CALL_NOGIL(expr)                   \
-  do {                                        \
-    mp_status st_;                            \
-    Py_BEGIN_ALLOW_THREADS st_ = (expr);      \
-    Py_END_ALLOW_THREADS if (st_ != MP_OK) return mp_raise_status(st_); \
   } while (0)
 #define MP_NEED_CUDA(name) (void)0
 #else
@@ -79,8 +94,11 @@ static PyObject *py_host_alloc(PyObject *self, PyObject *arg) {
   }
 #if MP_WITH_CUDA
   void *p = NULL;
-  MP_CALL_NOGIL(mp_cu_host_alloc(&p, (size_t)n));
+  mp_status st;
+  MP_CALL_NOGIL(st, mp_cu_host_alloc(&p, (size_t)n));
   return PyLong_FromVoidPtr(p);
+fail:
+  return NULL;
 #else
   MP_NEED_CUDA("pinned host memory (host_alloc)");
 #endif
@@ -91,8 +109,11 @@ static PyObject *py_host_free(PyObject *self, PyObject *arg) {
   void *p = PyLong_AsVoidPtr(arg);
   if (p == NULL && PyErr_Occurred()) return NULL;
 #if MP_WITH_CUDA
-  if (p) MP_CALL_NOGIL(mp_cu_host_free(p));
+  mp_status st;
+  if (p) MP_CALL_NOGIL(st, mp_cu_host_free(p));
   Py_RETURN_NONE;
+fail:
+  return NULL;
 #else
   MP_NEED_CUDA("host_free");
 #endif
@@ -107,8 +128,11 @@ static PyObject *py_host_register(PyObject *self, PyObject *args) {
     return NULL;
   }
 #if MP_WITH_CUDA
-  MP_CALL_NOGIL(mp_cu_host_register((void *)(uintptr_t)p, (size_t)n));
+  mp_status st;
+  MP_CALL_NOGIL(st, mp_cu_host_register((void *)(uintptr_t)p, (size_t)n));
   Py_RETURN_NONE;
+fail:
+  return NULL;
 #else
   MP_NEED_CUDA("host_register");
 #endif
@@ -119,8 +143,11 @@ static PyObject *py_host_unregister(PyObject *self, PyObject *arg) {
   void *p = PyLong_AsVoidPtr(arg);
   if (p == NULL && PyErr_Occurred()) return NULL;
 #if MP_WITH_CUDA
-  MP_CALL_NOGIL(mp_cu_host_unregister(p));
+  mp_status st;
+  MP_CALL_NOGIL(st, mp_cu_host_unregister(p));
   Py_RETURN_NONE;
+fail:
+  return NULL;
 #else
   MP_NEED_CUDA("host_unregister");
 #endif
@@ -174,8 +201,11 @@ static PyObject *py_stream_synchronize(PyObject *self, PyObject *arg) {
   unsigned long long s = PyLong_AsUnsignedLongLong(arg);
   if (PyErr_Occurred()) return NULL;
 #if MP_WITH_CUDA
-  MP_CALL_NOGIL(mp_cu_stream_synchronize((uintptr_t)s));
+  mp_status st;
+  MP_CALL_NOGIL(st, mp_cu_stream_synchronize((uintptr_t)s));
   Py_RETURN_NONE;
+fail:
+  return NULL;
 #else
   (void)s;
   MP_NEED_CUDA("stream_synchronize");
@@ -244,8 +274,11 @@ static PyObject *py_event_synchronize(PyObject *self, PyObject *arg) {
   unsigned long long e = PyLong_AsUnsignedLongLong(arg);
   if (PyErr_Occurred()) return NULL;
 #if MP_WITH_CUDA
-  MP_CALL_NOGIL(mp_cu_event_synchronize((uintptr_t)e));
+  mp_status st;
+  MP_CALL_NOGIL(st, mp_cu_event_synchronize((uintptr_t)e));
   Py_RETURN_NONE;
+fail:
+  return NULL;
 #else
   (void)e;
   MP_NEED_CUDA("event_synchronize");
@@ -269,6 +302,8 @@ static PyObject *py_event_query(PyObject *self, PyObject *arg) {
 PyMethodDef mp_core_methods[] = {
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "Threads the CPU kernels use by default."},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n): default CPU kernel threads (0 = all)."},
+    {"pool_workers", py_pool_workers, METH_NOARGS, "Worker threads of the CPU pool alive now."},
+    {"pool_trim", py_pool_trim, METH_O, "pool_trim(keep): join the pool's workers beyond the first `keep`."},
     {"device_count", py_device_count, METH_NOARGS, "CUDA devices visible to moepeak's runtime (0 in a CPU build)."},
     {"set_device", py_set_device, METH_O, "set_device(index)"},
     {"host_alloc", py_host_alloc, METH_O, "host_alloc(nbytes) -> ptr: pinned (page-locked) host memory."},

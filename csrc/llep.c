@@ -177,8 +177,11 @@ static PyObject *py_llep_count(PyObject *self, PyObject *args) {
     return mp_raise_no_cuda("llep count");
 #endif
   }
-  Py_BEGIN_ALLOW_THREADS mp_llep_count_cpu((const int64_t *)P_(ids), n, E, (int64_t *)P_(cnt));
-  Py_END_ALLOW_THREADS Py_RETURN_NONE;
+  mp_status st;
+  MP_CALL_NOGIL(st, (mp_llep_count_cpu((const int64_t *)P_(ids), n, E, (int64_t *)P_(cnt)), MP_OK));
+  Py_RETURN_NONE;
+fail:
+  return NULL;
 }
 
 static PyObject *py_llep_route_cpu(PyObject *self, PyObject *args) {
@@ -188,11 +191,12 @@ static PyObject *py_llep_route_cpu(PyObject *self, PyObject *args) {
   int E, P;
   if (!PyArg_ParseTuple(args, "KLiiKKKK", &ids, &n, &E, &P, &Ar, &cum, &blk, &out)) return NULL;
   mp_status st;
-  Py_BEGIN_ALLOW_THREADS st = mp_llep_route_cpu((const int64_t *)P_(ids), n, E, P, (const int64_t *)P_(Ar),
-                                                (const int64_t *)P_(cum), (const int64_t *)P_(blk),
-                                                (int64_t *)P_(out));
-  Py_END_ALLOW_THREADS if (st != MP_OK) return mp_raise_status(st);
+  MP_CALL_NOGIL(st, mp_llep_route_cpu((const int64_t *)P_(ids), n, E, P, (const int64_t *)P_(Ar),
+                                   (const int64_t *)P_(cum), (const int64_t *)P_(blk),
+                                   (int64_t *)P_(out)));
   Py_RETURN_NONE;
+fail:
+  return NULL;
 }
 
 static PyObject *py_llep_route_cuda(PyObject *self, PyObject *args) {
@@ -234,9 +238,10 @@ static PyObject *py_llep_gather(PyObject *self, PyObject *args) {
   }
   gather_ctx g = {(const char *)P_(src), (const int64_t *)P_(idx), div, row_bytes, (char *)P_(out)};
   mp_status st;
-  Py_BEGIN_ALLOW_THREADS st = mp_parallel_for(rows, 64, 0, gather_range, &g);
-  Py_END_ALLOW_THREADS if (st != MP_OK) return mp_raise_status(st);
+  MP_CALL_NOGIL(st, mp_parallel_for(rows, 64, 0, gather_range, &g));
   Py_RETURN_NONE;
+fail:
+  return NULL;
 }
 
 static PyObject *py_llep_combine(PyObject *self, PyObject *args) {
@@ -262,9 +267,10 @@ static PyObject *py_llep_combine(PyObject *self, PyObject *args) {
   }
   combine_ctx k = {(float *)P_(acc), P_(y), dtype, (const int64_t *)P_(idx), (const float *)P_(w), rows, div, H};
   mp_status st;
-  Py_BEGIN_ALLOW_THREADS st = mp_parallel_for(H, 64, 0, combine_range, &k);
-  Py_END_ALLOW_THREADS if (st != MP_OK) return mp_raise_status(st);
+  MP_CALL_NOGIL(st, mp_parallel_for(H, 64, 0, combine_range, &k));
   Py_RETURN_NONE;
+fail:
+  return NULL;
 }
 
 static PyObject *py_llep_down_bwd(PyObject *self, PyObject *args) {
@@ -289,9 +295,10 @@ static PyObject *py_llep_down_bwd(PyObject *self, PyObject *args) {
   }
   down_bwd_ctx k = {P_(D), P_(a), dtype, (const float *)P_(w), (const float *)P_(wp), (float *)P_(dwr), I};
   mp_status st;
-  Py_BEGIN_ALLOW_THREADS st = mp_parallel_for(rows, 16, 0, down_bwd_range, &k);
-  Py_END_ALLOW_THREADS if (st != MP_OK) return mp_raise_status(st);
+  MP_CALL_NOGIL(st, mp_parallel_for(rows, 16, 0, down_bwd_range, &k));
   Py_RETURN_NONE;
+fail:
+  return NULL;
 }
 
 PyMethodDef mp_llep_methods[] = {

@@ -1,7 +1,20 @@
 /* module.c: the moepeak._C extension module (CPython C API only, multi-phase
  * init). Each component contributes one method table (mp_python.h); this
  * file adds them all and the attributes that describe the build. It also
- * owns the thread-local error message every C function reports through. */
+ * owns the thread-local error message every C function reports through.
+ *
+ * Module state: m_size = 0, and the few globals stay static, because each is
+ * process-wide by nature rather than per module object:
+ *  - the CPU thread pool (threadpool.c): one set of worker threads for the
+ *    process; two interpreters each with a pool would oversubscribe the cores;
+ *  - the dlopen'ed libnccl and its symbol table (nccl.c): the library torch
+ *    already loaded, once per process;
+ *  - the live-communicator table (nccl_bind.c): NCCL communicators belong to
+ *    the process and its devices;
+ *  - the CUDA runtime state (device, primary context) is per process already;
+ *  - the error message is thread-local, not module-wide.
+ * No global holds a Python object, so module state would carry nothing a
+ * sub-interpreter or a re-import could observe differently. */
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>

@@ -71,6 +71,8 @@ typedef void (*mp_range_fn)(void *ctx, int64_t begin, int64_t end, int worker);
 mp_status mp_parallel_for(int64_t n, int64_t grain, int nthreads, mp_range_fn fn, void *ctx);
 int mp_pool_default_threads(void);
 void mp_pool_set_default_threads(int n);
+int mp_pool_workers(void);     /* worker threads alive now (excluding callers) */
+void mp_pool_trim(int keep);   /* join workers beyond the first `keep` (waits for a running job) */
 
 /* CPU features detected at run time (csrc/cpu_features.c). */
 enum { MP_ISA_SCALAR = 0, MP_ISA_AVX2 = 1, MP_ISA_AVX512 = 2 };

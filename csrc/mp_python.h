@@ -12,12 +12,26 @@
 /* Raise the Python exception that matches a failed mp_status; returns NULL. */
 PyObject *mp_raise_status(mp_status st);
 
+/* The one no-GIL call idiom of every binding: evaluate `expr` (an mp_status
+ * expression that touches no Python object) with the GIL released into `st`;
+ * on failure raise the matching Python exception and `goto fail` (the
+ * binding's cleanup label, which returns NULL). */
+#define MP_CALL_NOGIL(st, expr)            \
+  do {                                     \
+    Py_BEGIN_ALLOW_THREADS(st) = (expr);   \
+    Py_END_ALLOW_THREADS                   \
+    if ((st) != MP_OK) {                   \
+      mp_raise_status(st);                 \
+      goto fail;                           \
+    }                                      \
+  } while (0)
+
 /* Raise RuntimeError("moepeak was built without CUDA ...") for `what`. */
 PyObject *mp_raise_no_cuda(const char *what);
 
 /* Method tables, one per component (csrc/<component>.c). */
 extern PyMethodDef mp_core_methods[];      /* cuda_rt.c: pinned memory, streams, events, pool */
-extern PyMethodDef mp_adamw_methods[];     /* adamw.c: OffloadStreamAdamW */
+extern PyMethodDef mp_adamw_methods[];     /* adamw.c: StreamAdamW */
 extern PyMethodDef mp_ce_methods[];        /* ce.c: Ring-DTP cross-entropy kernels */
 extern PyMethodDef mp_sco_methods[];       /* sco.c: selective checkpoint offload */
 extern PyMethodDef mp_llep_methods[];      /* llep.c: PipelinedLLEP planner + permutation */

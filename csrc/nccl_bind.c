@@ -16,14 +16,6 @@
  * called; a bad one raises ValueError/TypeError naming it.
  * =========================================================================*/
 
-/* Run an mp_status expression with the GIL released; raise on failure. */
-#define MP_NOGIL_OR_RAISE(expr)                                        \
-  do {                                                                 \
-    mp_status st_;                                                     \
-    Py_BEGIN_ALLOW_THREADS st_ = (expr);                               \
-    Py_END_ALLOW_THREADS if (st_ != MP_OK) return mp_raise_status(st_); \
-  } while (0)
-
 static int mp_need_lib(void) {
   mp_status st = mp_nccl_load(NULL);
   if (st != MP_OK) {
@@ -219,12 +211,7 @@ static PyObject *py_nccl_comm_init(PyObject *self, PyObject *args) {
   c->rank = rank;
   c->device = device;
   mp_status st;
-  Py_BEGIN_ALLOW_THREADS st = mp_nccl_comm_init(&id, nranks, rank, device, &c->comm);
-  Py_END_ALLOW_THREADS
-  if (st != MP_OK) {
-    mp_raise_status(st);
-    goto fail;
-  }
+  MP_CALL_NOGIL(st, mp_nccl_comm_init(&id, nranks, rank, device, &c->comm));
   if (mp_comm_register(c) < 0) {
     (void)mp_nccl.CommAbort(c->comm);
     PyErr_Format(PyExc_RuntimeError, "moepeak: more than %d live NCCL communicators", MP_MAX_COMMS);
@@ -297,8 +284,11 @@ static PyObject *py_nccl_group_end(PyObject *self, PyObject *args) {
   (void)self;
   (void)args;
   if (mp_need_lib() < 0) return NULL;
-  MP_NOGIL_OR_RAISE(mp_nccl_group_end());
+  mp_status st;
+  MP_CALL_NOGIL(st, mp_nccl_group_end());
   Py_RETURN_NONE;
+fail:
+  return NULL;
 }
 
 /* nccl_send(comm, ptr, count, dtype, peer, stream) / nccl_recv(...): one half;
@@ -339,8 +329,11 @@ static PyObject *py_nccl_send_recv(PyObject *self, PyObject *args) {
       mp_arg_peer(c, dst, "dst") < 0 || mp_arg_peer(c, src, "src") < 0 || mp_arg_dtype(dt) < 0 ||
       mp_arg_ptr(so, "stream", 0, &stream) < 0)
     return NULL;
-  MP_NOGIL_OR_RAISE(mp_nccl_send_recv(c, (const void *)sptr, scount, dst, (void *)rptr, rcount, src, dt, stream));
+  mp_status st;
+  MP_CALL_NOGIL(st, mp_nccl_send_recv(c, (const void *)sptr, scount, dst, (void *)rptr, rcount, src, dt, stream));
   Py_RETURN_NONE;
+fail:
+  return NULL;
 }
 
 /* nccl_all_to_all_v(comm, send_ptr, send_counts, recv_ptr, recv_counts, dtype, stream):
@@ -362,14 +355,10 @@ static PyObject *py_nccl_all_to_all_v(PyObject *self, PyObject *args) {
       mp_arg_dtype(dt) < 0 || mp_arg_ptr(so, "stream", 0, &stream) < 0)
     goto done;
   mp_status st;
-  Py_BEGIN_ALLOW_THREADS st = mp_nccl_all_to_all_v(c, (const char *)sptr, sc, (char *)rptr, rc, dt, stream);
-  Py_END_ALLOW_THREADS
-  if (st != MP_OK) {
-    mp_raise_status(st);
-    goto done;
-  }
+  MP_CALL_NOGIL(st, mp_nccl_all_to_all_v(c, (const char *)sptr, sc, (char *)rptr, rc, dt, stream));
   ret = Py_None;
   Py_INCREF(ret);
+fail:
 done:
   free(counts);
   return ret;
@@ -402,8 +391,11 @@ static PyObject *py_nccl_all_reduce(PyObject *self, PyObject *args) {
     PyErr_Format(PyExc_ValueError, "moepeak: op code must be in [0, %d) (sum, prod, max, min), got %d", MP_OP_COUNT, op);
     return NULL;
   }
-  MP_NOGIL_OR_RAISE(mp_nccl_all_reduce(c, (const void *)sptr, (void *)rptr, count, dt, op, stream));
+  mp_status st;
+  MP_CALL_NOGIL(st, mp_nccl_all_reduce(c, (const void *)sptr, (void *)rptr, count, dt, op, stream));
   Py_RETURN_NONE;
+fail:
+  return NULL;
 }
 
 /* nccl_all_gather(comm, send_ptr, recv_ptr, count, dtype, stream): count = elements per rank. */
@@ -416,8 +408,11 @@ static PyObject *py_nccl_all_gather(PyObject *self, PyObject *args) {
   uint64_t count;
   uintptr_t sptr, rptr, stream;
   if (mp_arg_collective(h, spo, rpo, co, dt, so, &c, &count, &sptr, &rptr, &stream) < 0) return NULL;
-  MP_NOGIL_OR_RAISE(mp_nccl_all_gather(c, (const void *)sptr, (void *)rptr, count, dt, stream));
+  mp_status st;
+  MP_CALL_NOGIL(st, mp_nccl_all_gather(c, (const void *)sptr, (void *)rptr, count, dt, stream));
   Py_RETURN_NONE;
+fail:
+  return NULL;
 }
 
 PyMethodDef mp_transport_methods[] = {

@@ -3,7 +3,7 @@
  *
  * What lives here (the Python schedule in moepeak/sco.py decides *when*):
  *  - sco_arena_alloc(nbytes) / sco_arena_free(ptr): one page-locked host chunk
- *    per call (cudaHostAlloc, portable; cuda/sco.cu). The arena is a handful of such
+ *    per call (cudaHostAlloc, portable). The arena is a handful of such
  *    chunks allocated once and reused for every iteration; there is no
  *    per-tensor pinning (first pinning costs about 1 s/GiB, and torch's caching
  *    host allocator rounds each request up to a power of two).
@@ -23,9 +23,6 @@
 #include "mp_python.h"
 
 #if MP_WITH_CUDA
-/* cuda/sco.cu: cudaHostAlloc that leaves no stale "last error" behind. */
-mp_status mp_sco_host_alloc(void **ptr, size_t nbytes);
-
 /* Enqueue wait -> copy -> record on `stream`. 0 for wait_event / done_event
  * means "none". */
 static mp_status sco_copy_impl(void *dst, const void *src, size_t nbytes, uintptr_t stream,
@@ -36,6 +33,23 @@ static mp_status sco_copy_impl(void *dst, const void *src, size_t nbytes, uintpt
   if (done_event) MP_TRY(st, mp_cu_event_record(done_event, stream));
 fail:
   return st;
+}
+#endif
+
+#if MP_WITH_CUDA
+/* One pinned arena chunk; a refusal becomes MP_ERR_NOMEM (MemoryError) with
+ * SCO's advice and the driver's message. MP_CUDA_CHECK has already cleared
+ * the non-sticky CUDA error a refused cudaHostAlloc leaves behind. */
+static mp_status sco_host_alloc(void **ptr, long long n) {
+  mp_status st = mp_cu_host_alloc(ptr, (size_t)n);
+  if (st == MP_OK && *ptr != NULL) return MP_OK;
+  char cause[512];
+  snprintf(cause, sizeof cause, "%s", mp_last_error());
+  mp_set_error(__FILE__, __LINE__,
+               "SCO could not allocate %lld bytes (%.2f GiB) of pinned host memory for its arena (%s); lower "
+               "the depth x sequence offloaded, set SCOConfig(arena_bytes=...) smaller, or free host RAM",
+               n, (double)n / (double)(1ull << 30), cause);
+  return MP_ERR_NOMEM;
 }
 #endif
 
@@ -52,20 +66,10 @@ static PyObject *py_sco_arena_alloc(PyObject *self, PyObject *arg) {
 #if MP_WITH_CUDA
   void *p = NULL;
   mp_status st;
-  Py_BEGIN_ALLOW_THREADS st = mp_sco_host_alloc(&p, (size_t)n);
-  Py_END_ALLOW_THREADS
-  if (st != MP_OK || p == NULL) {
-    /* PyErr_Format has no %f: format the GiB figure with snprintf first. */
-    char gib[32];
-    snprintf(gib, sizeof gib, "%.2f", (double)n / (double)(1ull << 30));
-    PyErr_Format(PyExc_MemoryError,
-                 "moepeak: SCO could not allocate %lld bytes (%s GiB) of pinned host memory for its "
-                 "arena (%s); lower the depth x sequence offloaded, set SCOConfig(arena_bytes=...) "
-                 "smaller, or free host RAM",
-                 n, gib, mp_last_error());
-    return NULL;
-  }
+  MP_CALL_NOGIL(st, sco_host_alloc(&p, n));
   return PyLong_FromVoidPtr(p);
+fail:
+  return NULL;
 #else
   return mp_raise_no_cuda("SCO pinned arena (sco_arena_alloc)");
 #endif
@@ -76,13 +80,11 @@ static PyObject *py_sco_arena_free(PyObject *self, PyObject *arg) {
   void *p = PyLong_AsVoidPtr(arg);
   if (p == NULL && PyErr_Occurred()) return NULL;
 #if MP_WITH_CUDA
-  if (p) {
-    mp_status st;
-    Py_BEGIN_ALLOW_THREADS st = mp_cu_host_free(p);
-    Py_END_ALLOW_THREADS
-    if (st != MP_OK) return mp_raise_status(st);
-  }
+  mp_status st;
+  if (p) MP_CALL_NOGIL(st, mp_cu_host_free(p));
   Py_RETURN_NONE;
+fail:
+  return NULL;
 #else
   return mp_raise_no_cuda("SCO pinned arena (sco_arena_free)");
 #endif

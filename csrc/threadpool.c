@@ -6,7 +6,12 @@
  *    range w (w >= 1) of that job, the caller runs range 0, and the caller
  *    waits until `pending` drops to 0 before returning (so `ctx` may live on
  *    the caller's stack).
- *  - Workers are created lazily and never destroyed (they sleep on `cv`).
+ *  - Workers are created lazily (joinable, indices 1..nworkers) and sleep on
+ *    `cv`; mp_pool_trim(k) retires workers k+1..nworkers (they see
+ *    idx > keep, leave their loop, and are joined) so a request for more
+ *    threads than the default does not hold them for the process's lifetime.
+ *  - The pool is process-wide state on purpose: one set of worker threads
+ *    shared by every component and every interpreter of the process.
  */
 #include <pthread.h>
 #include <sched.h>
@@ -23,6 +28,7 @@ typedef struct {
   pthread_cond_t cv;        /* workers wait for a new generation */
   pthread_cond_t done_cv;   /* caller waits for pending == 0 */
   int nworkers;             /* threads created so far (excluding callers) */
+  int keep;                 /* workers with index > keep leave (MP_MAX_THREADS: none) */
   uint64_t generation;
   int active;               /* ranges in the current job (including range 0) */
   int pending;              /* ranges not yet finished by workers */
@@ -32,7 +38,8 @@ typedef struct {
 } mp_pool;
 
 static mp_pool pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-                       PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, 0, NULL, NULL};
+                       PTHREAD_COND_INITIALIZER, 0, MP_MAX_THREADS, 0, 0, 0, 0, 0, NULL, NULL};
+static pthread_t worker_thread[MP_MAX_THREADS + 1]; /* [idx] for idx in 1..nworkers */
 static int default_threads = 0;
 /* Generation each worker was created at (set under `mu` by its creator), so a
  * worker created for the job being published cannot miss that job. */
@@ -64,7 +71,8 @@ static void *worker_main(void *arg) {
   pthread_mutex_lock(&pool.mu);
   uint64_t seen = start_generation[idx];
   for (;;) {
-    while (pool.generation == seen) pthread_cond_wait(&pool.cv, &pool.mu);
+    while (pool.generation == seen && idx <= pool.keep) pthread_cond_wait(&pool.cv, &pool.mu);
+    if (idx > pool.keep) break; /* retired by mp_pool_trim (never during a job: it holds run_lock) */
     seen = pool.generation;
     if (idx >= pool.active) continue;
     pthread_mutex_unlock(&pool.mu);
@@ -72,7 +80,36 @@ static void *worker_main(void *arg) {
     pthread_mutex_lock(&pool.mu);
     if (--pool.pending == 0) pthread_cond_signal(&pool.done_cv);
   }
+  pthread_mutex_unlock(&pool.mu);
   return NULL;
+}
+
+int mp_pool_workers(void) {
+  pthread_mutex_lock(&pool.mu);
+  int n = pool.nworkers;
+  pthread_mutex_unlock(&pool.mu);
+  return n;
+}
+
+void mp_pool_trim(int keep) {
+  if (keep < 0) keep = 0;
+  pthread_mutex_lock(&pool.run_lock); /* no job in flight while workers leave */
+  pthread_mutex_lock(&pool.mu);
+  int n = pool.nworkers;
+  if (keep >= n) {
+    pthread_mutex_unlock(&pool.mu);
+    pthread_mutex_unlock(&pool.run_lock);
+    return;
+  }
+  pool.keep = keep;
+  pthread_cond_broadcast(&pool.cv);
+  pthread_mutex_unlock(&pool.mu);
+  for (int idx = keep + 1; idx <= n; idx++) pthread_join(worker_thread[idx], NULL);
+  pthread_mutex_lock(&pool.mu);
+  pool.nworkers = keep;
+  pool.keep = MP_MAX_THREADS;
+  pthread_mutex_unlock(&pool.mu);
+  pthread_mutex_unlock(&pool.run_lock);
 }
 
 mp_status mp_parallel_for(int64_t n, int64_t grain, int nthreads, mp_range_fn fn, void *ctx) {
@@ -90,13 +127,8 @@ mp_status mp_parallel_for(int64_t n, int64_t grain, int nthreads, mp_range_fn fn
   pthread_mutex_lock(&pool.run_lock);
   pthread_mutex_lock(&pool.mu);
   while (pool.nworkers < nthreads - 1) {
-    pthread_t t;
-    pthread_attr_t attr;
     start_generation[pool.nworkers + 1] = pool.generation;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    int rc = pthread_create(&t, &attr, worker_main, (void *)(intptr_t)(pool.nworkers + 1));
-    pthread_attr_destroy(&attr);
+    int rc = pthread_create(&worker_thread[pool.nworkers + 1], NULL, worker_main, (void *)(intptr_t)(pool.nworkers + 1));
     if (rc != 0) {
       if (pool.nworkers == 0) { /* no helpers at all: run serially */
         pthread_mutex_unlock(&pool.mu);

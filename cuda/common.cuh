@@ -1,6 +1,10 @@
 // common.cuh: what every CUDA C file of moepeak includes.
 // MP_CUDA_CHECK records file:line and cudaGetErrorString and jumps to the
-// caller's `fail:` label with `st` set (DESIGN.md section 4, C errors).
+// caller's `fail:` label with `st` set (DESIGN.md section 4, C errors). On a
+// failure it also calls cudaGetLastError(), which clears a non-sticky error
+// (a refused cudaHostAlloc, a bad launch configuration) so the next launch
+// check anywhere in the process does not report it as its own; a sticky error
+// (a device fault) stays, as the runtime keeps it for every later call.
 #pragma once
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -13,6 +17,7 @@
     cudaError_t mp_e_ = (expr);                                                 \
     if (mp_e_ != cudaSuccess) {                                                 \
       mp_set_error(__FILE__, __LINE__, "%s: %s", #expr, cudaGetErrorString(mp_e_)); \
+      (void)cudaGetLastError(); /* clear it when not sticky */                  \
       (st) = MP_ERR_CUDA;                                                       \
       goto fail;                                                                \
     }                                                                           \

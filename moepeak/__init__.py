@@ -7,7 +7,7 @@ the arithmetic), each with a GPU working set fixed at launch:
   Ring-DTP            moepeak.linear_cross_entropy,
                       moepeak.RingDTPLinearCrossEntropy                 (lm_head + cross-entropy)
   SCO                 moepeak.sco_checkpoint, moepeak.apply_sco         (checkpoint boundaries)
-  OffloadStreamAdamW  moepeak.StreamAdamW                               (optimizer state)
+  StreamAdamW         moepeak.StreamAdamW                               (optimizer state)
 
 Public names are resolved lazily, so `import moepeak` stays cheap and a
 component's import cost is paid only when it is used.

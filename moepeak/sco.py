@@ -5,117 +5,58 @@ its input (the hidden state, x_k: [.., T, H] x dtype), alive from the block's
 forward until its backward, so L blocks hold L·T·H·b bytes on the GPU. SCO
 moves exactly that tensor (never weights, never tensors saved outside
 checkpointed blocks) into a slot of a pinned host arena and brings it back
-just before the block recomputes.
+just before the block recomputes. This module is the face (SCOConfig,
+sco_checkpoint, apply_sco) and the checkpoint mechanics; the arena, streams
+and events are the engine in moepeak/sco_engine.py.
 
-Checkpoint mechanics (why not torch.utils.checkpoint + hooks): torch's
-non-reentrant checkpoint keeps the block's original args in its recompute
-closure, so the GPU input would stay alive whatever we copy. Here
-`sco_checkpoint` runs fn once with grad enabled under saved-tensor hooks that
-store *nothing* (each saved tensor becomes a _Holder index), exactly like
-torch's non-reentrant checkpoint, and keeps the block input only in the SCO
-engine. The first unpack in backward reloads the input, replays fn under the
-forward's RNG and autocast state, and hands out the recomputed saved tensors.
-The outer graph, its AccumulateGrad nodes and module hooks (FSDP2's) are the
-ones of a plain forward, so gradients are bitwise those of
-torch.utils.checkpoint(use_reentrant=False) and FSDP2 composes the same way.
-
-Schedule (one engine per device and SCOConfig; compute = torch's current stream):
-  forward block k:  copy stream waits on compute (event), D2H x_k -> slot k,
-                    records copy_ev[k]; x_k is referenced until copy_ev[k] is
-                    known complete (polled) or compute waits on it; with more
-                    than W copies in flight compute waits on copy_ev[k-W] and
-                    drops x_{k-W} (its memory is reused only by later compute work).
-  backward block k: (first unpack) if x_k was not prefetched, load it now;
-                    compute waits on load_ev[k]; then prefetch x_{k-1..k-depth}
-                    on the load stream into torch.empty buffers allocated on
-                    compute (load waits on compute and on copy_ev).
-  next iteration:   slots are handed out by a bump pointer that rewinds when no
-                    boundary is live; the first copy after a rewind waits on
-                    the load stream's last event (a slot is never overwritten
-                    before its previous H2D read it).
-GPU working set ≈ (kept + recomputing + prefetch depth + W) boundaries, flat in L.
-Never blocks the host between free() calls: no event/stream synchronize, no
-pinned allocation once the arena is sized, events come from a pool (the GPU
-test counts these calls). Every CUDA entry point runs under _bound(), which
-binds the device's primary context for both cudarts on the calling thread
-(autograd's device thread included).
-On CPU tensors the same hooks and slot bookkeeping run with nothing to copy.
+Checkpoint mechanics. torch's non-reentrant checkpoint keeps the block's
+boundary input in its recompute closure, so the GPU input would stay alive
+whatever we copy. sco_checkpoint therefore does what that checkpoint does,
+except for the boundary:
+  forward (grad enabled):
+    1. rec = engine.offload(x): the boundary x (the first tensor positional
+       argument, else the first tensor keyword argument) goes to its arena
+       slot; from here only the engine references x, until its copy landed.
+    2. Every other tensor positional argument is kept as a saved tensor of the
+       autograd engine (as torch's checkpoint keeps its inputs), so an in-place
+       change to it before backward raises torch's "modified by an inplace
+       operation" error. Keyword arguments other than the boundary are held by
+       reference (as torch's checkpoint holds them).
+    3. fn(*args, **kwargs) runs once under saved-tensor hooks whose pack
+       stores only an index (a _Holder): nothing fn saves is kept. The outer
+       graph (and every hook FSDP2 put on it) is the graph of a plain forward.
+  backward (the first unpack of one of the block's holders in a graph task):
+    4. x' = engine.reload(rec) (waits on its load event, prefetches the previous
+       block's input) the first time; x' is then held by the frame so a second
+       backward (retain_graph=True) can replay again. fn is replayed on
+       (x', the saved arguments) under enable_grad with the forward's CPU/CUDA
+       RNG and autocast state, recording every saved tensor, and stops once the
+       forward's count is reached (torch's early stop). Holder i returns
+       recomputed tensor i of its graph task, once.
+  create_graph=True: the unpacked tensors are re-attached to the forward graph
+  by autograd itself (as for torch's checkpoint), so second-order terms flow.
+Same ops on the same values in the same order => the saved tensors are
+bitwise those of the forward, and so are all gradients (bitwise those of
+torch.utils.checkpoint(use_reentrant=False)); FSDP2 composes the same way.
 """
 from __future__ import annotations
 
-import collections
-import contextlib
-import ctypes
+import uuid
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch
+import torch.utils.checkpoint as _tuc
 
-from . import _C
-from ._ext import current_stream_handle, require_cuda_build
+from .sco_engine import SCOEngine
 
-_ALIGN = 512  # slot alignment in the arena (bytes): keeps every slot DMA-friendly
-
-
-# ---------------------------------------------------------------------------
-# Ops. Both copy raw bytes of a contiguous tensor; host is a uint8 [nbytes]
-# CPU view of an arena slot. CUDA: async on torch's current stream (the caller
-# orders it with events). CPU: a plain copy. They mutate their destination,
-# and torch refuses register_autograd for mutating ops: gradients flow through
-# sco_checkpoint's recompute, never through these copies.
-# ---------------------------------------------------------------------------
-def _check_pair(src_name, src, dst_name, dst):
-    for n, t in ((src_name, src), (dst_name, dst)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"moepeak: {n} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_contiguous():
-            raise ValueError(f"moepeak: {n} must be contiguous, got strides {t.stride()}")
-    nb_s = src.numel() * src.element_size()
-    nb_d = dst.numel() * dst.element_size()
-    if nb_s != nb_d:
-        raise ValueError(f"moepeak: {src_name} has {nb_s} bytes but {dst_name} has {nb_d}")
-    return nb_s
+try:  # the autograd engine's saved tensor (version-checked on unpack), as torch's checkpoint uses
+    from torch._C._autograd import _make_saved_tensor
+except ImportError:  # older torch: hold the argument by reference and check its version ourselves
+    _make_saved_tensor = None
 
 
-def _copy_bytes(op: str, src: torch.Tensor, dst: torch.Tensor, dev: torch.device, nbytes: int,
-                host: torch.Tensor) -> None:
-    """The body of both ops: `host` must be CPU; a CUDA side copies async on the
-    current stream (moepeak's copy engine), a CPU pair copies bytes in place."""
-    if host.device.type != "cpu":
-        raise ValueError(f"moepeak: host must be a CPU tensor, got {host.device}")
-    if dev.type == "cuda":
-        require_cuda_build(op)
-        _C.sco_copy(dst.data_ptr(), src.data_ptr(), nbytes, current_stream_handle(dev), 0, 0)
-    elif nbytes:
-        dst.view(-1).view(torch.uint8).copy_(src.reshape(-1).view(torch.uint8))
-
-
-@torch.library.custom_op("moepeak::sco_offload", mutates_args=("host",))
-def sco_offload(x: torch.Tensor, host: torch.Tensor) -> None:
-    """Copy x's bytes into host (CPU, pinned for CUDA x), async on the current stream."""
-    _copy_bytes("sco_offload", src=x, dst=host, dev=x.device, nbytes=_check_pair("x", x, "host", host), host=host)
-
-
-@sco_offload.register_fake
-def _(x, host):
-    return None
-
-
-@torch.library.custom_op("moepeak::sco_reload", mutates_args=("out",))
-def sco_reload(host: torch.Tensor, out: torch.Tensor) -> None:
-    """Copy host's bytes into out (a tensor of the boundary's shape), async on the current stream."""
-    _copy_bytes("sco_reload", src=host, dst=out, dev=out.device, nbytes=_check_pair("host", host, "out", out),
-                host=host)
-
-
-@sco_reload.register_fake
-def _(host, out):
-    return None
-
-
-# ---------------------------------------------------------------------------
-# Configuration, arena, engine
-# ---------------------------------------------------------------------------
 @dataclass
 class SCOConfig:
     """Knobs of the SCO schedule; also owns the engines (arena, streams, events).
@@ -137,7 +78,7 @@ class SCOConfig:
     grow: bool = True
     grow_bytes: int = 1 << 30
     max_arena_bytes: Optional[int] = None
-    _engines: Dict[Any, "_Engine"] = field(default_factory=dict, repr=False, compare=False)
+    _engines: Dict[Any, SCOEngine] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
         for name in ("max_in_flight", "prefetch"):
@@ -154,13 +95,13 @@ class SCOConfig:
         if not self.grow and self.arena_bytes == 0:
             raise ValueError("moepeak: SCOConfig(grow=False) needs arena_bytes > 0 (the fixed arena size)")
 
-    def engine(self, device) -> "_Engine":
+    def engine(self, device) -> SCOEngine:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         eng = self._engines.get(device)
         if eng is None:
-            eng = self._engines[device] = _Engine(self, device)
+            eng = self._engines[device] = SCOEngine(self, device)
         return eng
 
     def stats(self, device=None) -> dict:
@@ -172,13 +113,17 @@ class SCOConfig:
                 raise ValueError(f"moepeak: SCOConfig.stats(device=None) is ambiguous: engines on "
                                  f"{sorted(str(d) for d in self._engines)}; pass the device")
             if not self._engines:
-                return _Engine.empty_stats()
+                return SCOEngine.empty_stats()
             return next(iter(self._engines.values())).stats()
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         eng = self._engines.get(device)
-        return eng.stats() if eng is not None else _Engine.empty_stats()
+        return eng.stats() if eng is not None else SCOEngine.empty_stats()
+
+    def devices(self) -> list:
+        """The devices this config has an engine on (one engine is made per device at first use)."""
+        return list(self._engines)
 
     def free(self) -> None:
         """Free every engine's pinned arena (raises if boundaries are still live)."""
@@ -186,324 +131,270 @@ class SCOConfig:
             eng.free()
 
 
-class _Arena:
-    """Pinned host chunks (CUDA) or virtual offsets (CPU), handed out by a bump
-    pointer that rewinds when no slot is live. Slot = (chunk index, offset)."""
-
-    def __init__(self, cfg: SCOConfig, pinned: bool, counts: collections.Counter):
-        self.cfg, self.pinned, self.counts = cfg, pinned, counts
-        self.chunks: List[list] = []  # [ptr, nbytes, ctypes buffer, uint8 tensor view]
-        self.cur, self.off = 0, 0
-        self.cap = cfg.max_arena_bytes if cfg.grow else cfg.arena_bytes
-        if cfg.arena_bytes:
-            self._add_chunk(cfg.arena_bytes)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c[1] for c in self.chunks)
-
-    def _add_chunk(self, n: int) -> None:
-        if self.pinned:
-            ptr = _C.sco_arena_alloc(n)  # MemoryError naming the size on failure
-            buf = (ctypes.c_uint8 * n).from_address(ptr)
-            view = torch.frombuffer(buf, dtype=torch.uint8)
-        else:
-            ptr, buf, view = 0, None, None
-        self.chunks.append([ptr, n, buf, view])
-        self.counts["arena_chunks"] += 1  # cudaHostAlloc: slow, blocking; never in steady state
-
-    def rewind(self) -> None:
-        self.cur, self.off = 0, 0
-
-    def take(self, nbytes: int):
-        need = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-        while self.cur < len(self.chunks):
-            if self.off + need <= self.chunks[self.cur][1]:
-                slot = (self.cur, self.off)
-                self.off += need
-                return slot
-            self.cur, self.off = self.cur + 1, 0
-        grow = max(need, self.cfg.grow_bytes if self.cfg.grow else 0)
-        if not self.cfg.grow or (self.cap is not None and self.nbytes + grow > self.cap):
-            if self.cap is not None and self.cfg.grow and self.nbytes + need <= self.cap:
-                grow = need  # fits when growing by exactly what is needed
-            else:
-                raise RuntimeError(
-                    f"moepeak: SCO arena too small and cannot grow: a boundary of {nbytes} bytes does not fit "
-                    f"(arena {self.nbytes} bytes in use this iteration, cap "
-                    f"{self.cap if self.cap is not None else 'none'}, grow={self.cfg.grow}); raise "
-                    "SCOConfig.arena_bytes / max_arena_bytes. Nothing was kept on the GPU instead."
-                )
-        self._add_chunk(grow)
-        self.cur, self.off = len(self.chunks) - 1, need
-        return (self.cur, 0)
-
-    def view(self, slot, nbytes: int) -> torch.Tensor:
-        c, off = slot
-        return self.chunks[c][3][off:off + nbytes]
-
-    def free(self) -> None:
-        while self.chunks:
-            ptr = self.chunks.pop()[0]
-            if ptr:
-                _C.sco_arena_free(ptr)
-        self.rewind()
-
-
-class _Boundary:
-    """One block input held by the engine. state: kept | offloaded | loading | loaded | consumed."""
-
-    __slots__ = ("seq", "shape", "dtype", "device", "requires_grad", "nbytes", "slot",
-                 "state", "gpu", "cpu", "buf", "copy_ev", "load_ev")
-
-    def __init__(self, seq, x):
-        self.seq, self.shape, self.dtype, self.device = seq, x.shape, x.dtype, x.device
-        self.requires_grad = x.requires_grad
-        self.nbytes = x.numel() * x.element_size()
-        self.slot = None
-        self.state = "new"
-        self.gpu = self.cpu = self.buf = None
-        self.copy_ev = self.load_ev = 0
-
-
-_COUNTERS = ("offloads", "offloaded_bytes", "kept", "reloads", "prefetches", "compute_waits",
-             "max_in_flight", "discarded", "arena_chunks", "events_created")
-
-
-class _Engine:
-    def __init__(self, cfg: SCOConfig, device: torch.device):
-        self.cfg, self.device = cfg, device
-        self.is_cuda = device.type == "cuda"
-        self.counts = collections.Counter({k: 0 for k in _COUNTERS})
-        self.events: List[int] = []  # pool of idle events (moepeak runtime handles)
-        if self.is_cuda:
-            require_cuda_build("sco_checkpoint")
-            with self._bound():
-                self.copy_stream = torch.cuda.Stream(device)
-                self.load_stream = torch.cuda.Stream(device)
-                self.ready_ev = self._event()  # re-recorded on compute before each side-stream use
-                self.load_tail_ev = self._event()  # last event on the load stream
-                self.arena = _Arena(cfg, pinned=True, counts=self.counts)  # arena_bytes allocated now
-        else:
-            self.arena = _Arena(cfg, pinned=False, counts=self.counts)
-        self.live: "collections.OrderedDict[int, _Boundary]" = collections.OrderedDict()
-        self.inflight: "collections.deque[_Boundary]" = collections.deque()
-        self.seq = 0
-        self.loads_pending_rewind = False
-        self.log: List[tuple] = []  # (what, seq, ...) for schedule tests; cleared on rewind
-        # Test knob: GPU cycles of torch.cuda._sleep enqueued on the side stream
-        # before every copy, so a missing event shows up as wrong numbers.
-        self.delay_cycles = 0
-
-    # -- helpers ------------------------------------------------------------
-    @contextlib.contextmanager
-    def _bound(self):
-        """Make this engine's device current for torch's cudart *and* moepeak's
-        own (statically linked) cudart on the calling thread, restoring torch's
-        device on exit. Each runtime keeps its own per-thread current device,
-        and on a fresh thread (autograd's device thread runs our backward) no
-        context may be bound yet: torch's guard skips cudaSetDevice when its
-        device already matches, so nothing would bind the primary context
-        before a cuBLAS call. cudaSetDevice through moepeak binds it (CUDA >= 12),
-        which also keeps event_create on the right device."""
-        with torch.cuda.device(self.device):
-            _C.set_device(self.device.index)
-            yield
-
-    def _event(self) -> int:
-        """An event from the pool (events are reused: none are created in steady state)."""
-        if self.events:
-            return self.events.pop()
-        self.counts["events_created"] += 1
-        return _C.event_create()  # callers hold _bound()
-
-    def _compute(self) -> int:
-        return current_stream_handle(self.device)
-
-    def _drop_gpu(self, rec: _Boundary, wait: bool) -> None:
-        """Drop rec's reference to its GPU input. wait=True: compute waits on the
-        copy first (so a later compute allocation reusing it comes after the copy)."""
-        if rec.gpu is None:
-            return
-        if wait:
-            _C.stream_wait_event(self._compute(), rec.copy_ev)
-        rec.gpu = None
-        try:
-            self.inflight.remove(rec)
-        except ValueError:
-            pass
-
-    def _poll(self) -> None:
-        while self.inflight and _C.event_query(self.inflight[0].copy_ev):
-            self.inflight.popleft().gpu = None
-
-    # -- forward ------------------------------------------------------------
-    def offload(self, x: torch.Tensor, keep: bool) -> _Boundary:
-        """Block forward starts: x goes to a slot (or stays, keep=True)."""
-        with self._bound() if self.is_cuda else contextlib.nullcontext():
-            return self._offload(x, keep)
-
-    def _offload(self, x: torch.Tensor, keep: bool) -> _Boundary:
-        rec = _Boundary(self.seq, x)
-        self.seq += 1
-        if not self.live:  # a new iteration: every slot is free again
-            self.arena.rewind()
-            self.log.clear()
-            self.loads_pending_rewind = self.is_cuda
-        if keep:
-            rec.state, rec.gpu = "kept", x
-            self.counts["kept"] += 1
-            self.live[rec.seq] = rec
-            self.log.append(("keep", rec.seq))
-            return rec
-        rec.slot = self.arena.take(rec.nbytes)  # raises before anything is enqueued
-        if self.is_cuda:
-            self._offload_cuda(rec, x)
-        else:
-            rec.cpu = x  # already in host memory: nothing to copy
-        rec.state = "offloaded"
-        self.counts["offloads"] += 1
-        self.counts["offloaded_bytes"] += rec.nbytes
-        self.counts["max_in_flight"] = max(self.counts["max_in_flight"], len(self.inflight))
-        self.live[rec.seq] = rec
-        self.log.append(("offload", rec.seq, rec.slot))
-        return rec
-
-    def _offload_cuda(self, rec: _Boundary, x: torch.Tensor) -> None:
-        """Enqueue x's D2H into rec's slot; never blocks the host. x stays
-        referenced (rec.gpu) until its copy is known complete: _poll sees the
-        event done, or compute was made to wait on it (W rule / reload)."""
-        self._poll()
-        xc = x.contiguous()
-        host = self.arena.view(rec.slot, rec.nbytes)
-        rec.copy_ev = self._event()
-        cs = self.copy_stream.cuda_stream
-        _C.event_record(self.ready_ev, self._compute())
-        _C.stream_wait_event(cs, self.ready_ev)  # x is produced
-        if self.loads_pending_rewind:  # slots were last read by the previous iteration's loads
-            _C.stream_wait_event(cs, self.load_tail_ev)
-            self.loads_pending_rewind = False
-        with torch.cuda.stream(self.copy_stream):
-            if self.delay_cycles:
-                torch.cuda._sleep(self.delay_cycles)
-            torch.ops.moepeak.sco_offload(xc, host)
-        _C.event_record(rec.copy_ev, cs)
-        rec.gpu = xc  # alive until copy_ev completes
-        self.inflight.append(rec)
-        while len(self.inflight) > self.cfg.max_in_flight:
-            self._drop_gpu(self.inflight[0], wait=True)
-            self.counts["compute_waits"] += 1
-
-    # -- backward -----------------------------------------------------------
-    def _load(self, rec: _Boundary) -> None:
-        """Start bringing rec back (H2D on the load stream, or nothing on CPU)."""
-        if self.is_cuda:
-            buf = torch.empty(rec.shape, dtype=rec.dtype, device=self.device)  # on compute
-            rec.load_ev = self._event()
-            ls = self.load_stream.cuda_stream
-            _C.event_record(self.ready_ev, self._compute())
-            _C.stream_wait_event(ls, self.ready_ev)  # buf's previous users are done
-            _C.stream_wait_event(ls, rec.copy_ev)  # the D2H landed in the slot
-            with torch.cuda.stream(self.load_stream):
-                if self.delay_cycles:
-                    torch.cuda._sleep(self.delay_cycles)
-                torch.ops.moepeak.sco_reload(self.arena.view(rec.slot, rec.nbytes), buf)
-            _C.event_record(rec.load_ev, ls)
-            _C.event_record(self.load_tail_ev, ls)
-            rec.buf = buf
-            rec.state = "loading"
-        else:
-            rec.buf, rec.cpu = rec.cpu, None
-            rec.state = "loaded"
-
-    def reload(self, rec: _Boundary) -> torch.Tensor:
-        """Block rec.seq's backward starts (before its recompute is enqueued):
-        return its input, then enqueue the prefetch of the previous ones, so
-        their H2D overlaps this block's recompute and backward. Compute waits
-        only on rec's own load event, right before rec's replay."""
-        with self._bound() if self.is_cuda else contextlib.nullcontext():
-            return self._reload(rec)
-
-    def _reload(self, rec: _Boundary) -> torch.Tensor:
-        if rec.state == "consumed":
-            raise RuntimeError(
-                "moepeak: SCO boundary already consumed: backward through an offloaded checkpoint "
-                "boundary a second time (retain_graph=True / double backward) is not supported"
-            )
-        if self.is_cuda:
-            self._poll()
-        if rec.state == "kept":
-            x, rec.gpu = rec.gpu, None
-            self.log.append(("reload", rec.seq, "kept"))
-        else:
-            if rec.state == "offloaded":
-                self._load(rec)
-                self.log.append(("load", rec.seq))
-            if self.is_cuda:
-                _C.stream_wait_event(self._compute(), rec.load_ev)
-                self._drop_gpu(rec, wait=False)  # compute is now after load, which is after the copy
-            x, rec.buf = rec.buf, None
-            self.counts["reloads"] += 1
-            self.log.append(("reload", rec.seq))
-        self._release(rec)
-        # prefetch: the `prefetch` most recent live boundaries before rec still on the host
-        todo = [r for r in reversed(self.live.values()) if r.seq < rec.seq and r.state == "offloaded"]
-        for r in todo[: self.cfg.prefetch]:
-            self._load(r)
-            self.counts["prefetches"] += 1
-            self.log.append(("prefetch", r.seq))
-        return x
-
-    def _release(self, rec: _Boundary) -> None:
-        for ev in (rec.copy_ev, rec.load_ev):
-            if ev:
-                self.events.append(ev)
-        rec.copy_ev = rec.load_ev = 0
-        rec.state = "consumed"
-        self.live.pop(rec.seq, None)
-
-    def discard(self, rec: _Boundary) -> None:
-        """The block's graph died without a backward (or fn raised): free its slot safely."""
-        if rec.state == "consumed":
-            return
-        if self.is_cuda:
-            with self._bound():
-                if rec.gpu is not None and rec.copy_ev:
-                    self._drop_gpu(rec, wait=True)
-                if rec.buf is not None and rec.load_ev:
-                    _C.stream_wait_event(self._compute(), rec.load_ev)
-        rec.gpu = rec.buf = rec.cpu = None
-        self._release(rec)
-        self.counts["discarded"] += 1
-
-    @staticmethod
-    def empty_stats() -> dict:
-        """stats() of an engine that has seen nothing (every counter present, 0)."""
-        d = {k: 0 for k in _COUNTERS}
-        d.update(live=0, gpu_held=0, arena_bytes=0, log=[])
-        return d
-
-    def stats(self) -> dict:
-        d = dict(self.counts)
-        held = {id(r) for r in self.live.values() if r.gpu is not None or r.buf is not None}
-        held |= {id(r) for r in self.inflight if r.gpu is not None}  # discarded but copy not yet seen done
-        d.update(live=len(self.live), gpu_held=len(held), arena_bytes=self.arena.nbytes, log=list(self.log))
-        return d
-
-    def free(self) -> None:
-        if self.live:
-            raise RuntimeError(f"moepeak: SCO arena cannot be freed: {len(self.live)} boundaries are still live")
-        if self.is_cuda:  # explicit teardown: the one place SCO blocks the host
-            with self._bound():
-                torch.cuda.current_stream(self.device).synchronize()
-                self.copy_stream.synchronize()
-                self.load_stream.synchronize()
-                self.inflight.clear()
-                self.arena.free()
-        else:
-            self.arena.free()
-
-
 _DEFAULT = SCOConfig()
 
-from ._sco_ckpt import apply_sco, sco_checkpoint  # noqa: E402,F401  (the checkpoint mechanics)
+
+def _autocast_state(device_type: str):
+    try:
+        return (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type),
+                torch.is_autocast_cache_enabled())
+    except (TypeError, AttributeError, RuntimeError):  # older torch: cuda / cpu only
+        if device_type == "cpu":
+            return (torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype(), torch.is_autocast_cache_enabled())
+        return (torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype(), torch.is_autocast_cache_enabled())
+
+
+class _StopReplay(Exception):
+    """Raised by the replay's pack hook once fn has saved as many tensors as in
+    the forward: the ops after the last save (typically the block's last GEMM
+    and its residual add) only produce outputs nobody reads. A pack hook runs
+    before the op's kernel, so the final Linear's GEMM is never launched
+    (torch's non-reentrant checkpoint stops its recompute the same way)."""
+
+
+class _Holder:
+    """What the autograd graph stores instead of a saved tensor: (frame, index)."""
+
+    __slots__ = ("frame", "idx", "__weakref__")
+
+    def __init__(self, frame, idx):
+        self.frame, self.idx = frame, idx
+
+
+class _Kept:
+    """A non-boundary tensor argument kept for the replay: an autograd saved
+    tensor (unpack raises if the argument was modified in place since the
+    forward), or, without torch's saved-tensor binding, the tensor and its
+    version counter value at forward time."""
+
+    __slots__ = ("saved", "tensor", "version")
+
+    def __init__(self, t: torch.Tensor):
+        if _make_saved_tensor is not None:
+            self.saved, self.tensor, self.version = _make_saved_tensor(t, is_output=False), None, None
+        else:
+            self.saved, self.tensor, self.version = None, t, t._version
+
+    def unpack(self) -> torch.Tensor:
+        if self.saved is not None:
+            return self.saved.unpack()
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: an argument of sco_checkpoint is at version {self.tensor._version}; expected "
+                f"version {self.version} instead")
+        return self.tensor
+
+
+def _graph_task_id() -> int:
+    gid = torch._C._current_graph_task_id()
+    return gid if gid != -1 else uuid.uuid4().int  # unpack outside a backward: a one-off id
+
+
+class _Frame:
+    """One sco_checkpoint call: everything needed to replay fn.
+
+    args: the positional arguments with the boundary slot None and every other
+    tensor a _Kept; kwargs: keyword arguments (boundary key None when the
+    boundary came by keyword). x: the boundary once reloaded (None before the
+    first backward). recomputed: graph task id -> [n_packed] saved tensors of
+    that task's replay (entries set to None as they are handed out)."""
+
+    def __init__(self, fn, args, kwargs, where, engine: SCOEngine, preserve_rng: bool, boundary: torch.Tensor):
+        self.fn, self.where, self.engine = fn, where, engine
+        self.args = [_Kept(a) if isinstance(a, torch.Tensor) and i != where else a for i, a in enumerate(args)]
+        self.kwargs = dict(kwargs)
+        if isinstance(where, int):
+            self.args[where] = None  # x lives in the engine only
+        else:
+            self.kwargs[where] = None
+        self.rec = None
+        self.x = None
+        self.n_packed = 0
+        self.meta = []  # (shape, dtype) per saved tensor, checked after each replay
+        self.recomputed: Dict[int, list] = {}
+        self.preserve = preserve_rng
+        self.dev_type = boundary.device.type
+        self.cpu_rng = torch.get_rng_state() if preserve_rng else None
+        self.had_cuda = preserve_rng and torch.cuda.is_available() and torch.cuda.is_initialized()
+        tensors = [a for a in args if isinstance(a, torch.Tensor)] or [boundary]
+        self.rng_devices, self.rng_states = (_tuc.get_device_states(*tensors) if self.had_cuda else ([], []))
+        self.autocast = {d: _autocast_state(d) for d in {"cpu", self.dev_type}}
+
+    # forward pack hook: keep nothing but the index
+    def pack(self, t: torch.Tensor):
+        h = _Holder(self, self.n_packed)
+        self.n_packed += 1
+        self.meta.append((t.shape, t.dtype))
+        return h
+
+    def unpack(self, h: _Holder):
+        gid = _graph_task_id()
+        store = self.recomputed.get(gid)
+        if store is None:
+            store = self.recomputed[gid] = self._replay()
+        t = store[h.idx]
+        if t is None:
+            raise RuntimeError(
+                "moepeak: sco_checkpoint: a saved tensor was unpacked twice in one backward (torch's checkpoint "
+                "refuses this too: read ctx.saved_tensors once)")
+        store[h.idx] = None
+        return t
+
+    def _inputs(self):
+        if self.x is None:
+            x = self.engine.reload(self.rec)
+            self.x = x.detach()
+        x = self.x.detach().requires_grad_(self.rec.requires_grad)
+        args = [a.unpack() if isinstance(a, _Kept) else a for a in self.args]
+        kwargs = dict(self.kwargs)
+        if isinstance(self.where, int):
+            args[self.where] = x
+        else:
+            kwargs[self.where] = x
+        return args, kwargs
+
+    def _replay(self) -> list:
+        args, kwargs = self._inputs()
+        store = []
+
+        def pack(t):
+            store.append(t.detach())
+            if len(store) == self.n_packed:
+                raise _StopReplay  # every saved tensor is back: the rest of fn is wasted work
+            return None
+
+        def unpack(_):
+            raise RuntimeError("moepeak: SCO's recompute graph is never backpropagated")
+
+        with torch.random.fork_rng(devices=self.rng_devices, enabled=self.preserve), torch.enable_grad():
+            if self.preserve:
+                torch.set_rng_state(self.cpu_rng)
+                if self.had_cuda:
+                    _tuc.set_device_states(self.rng_devices, self.rng_states)
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(pack, unpack), _autocast_ctx(self.autocast):
+                    self.fn(*args, **kwargs)
+            except _StopReplay:
+                pass
+        if len(store) != self.n_packed or any(
+            s.shape != m[0] or s.dtype != m[1] for s, m in zip(store, self.meta)
+        ):
+            raise RuntimeError(
+                f"moepeak: sco_checkpoint's recompute saved {len(store)} tensors but the forward saved "
+                f"{self.n_packed} (or shapes/dtypes differ): fn must run the same ops on every call"
+            )
+        return store
+
+
+class _autocast_ctx:
+    def __init__(self, states):
+        self.ctxs = [torch.autocast(device_type=d, enabled=e, dtype=dt, cache_enabled=c)
+                     for d, (e, dt, c) in states.items()]
+
+    def __enter__(self):
+        for c in self.ctxs:
+            c.__enter__()
+
+    def __exit__(self, *exc):
+        for c in reversed(self.ctxs):
+            c.__exit__(*exc)
+        return False
+
+
+def sco_checkpoint(fn, *args, use_reentrant: Optional[bool] = None, preserve_rng_state: bool = True,
+                   sco_config: Optional[SCOConfig] = None, sco_keep_on_gpu: bool = False, **kwargs):
+    """torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs),
+    with the block's boundary input (its first tensor positional argument, the
+    hidden state, or, when no positional argument is a tensor, its first
+    tensor keyword argument) kept in a pinned host arena slot between forward
+    and backward.
+
+    Other tensor positional arguments are kept as autograd saved tensors, as
+    torch does (an in-place change before backward raises); keyword arguments
+    are held by reference. Under torch.no_grad() fn just runs (nothing saved,
+    nothing offloaded). sco_keep_on_gpu=True keeps the input on the GPU (the
+    last block). backward(retain_graph=True) followed by a second backward and
+    create_graph=True work as with torch's checkpoint. Gradients are bitwise
+    those of torch's non-reentrant checkpoint on the same fn.
+    """
+    if use_reentrant:
+        raise ValueError("moepeak: sco_checkpoint implements use_reentrant=False semantics only")
+    if not callable(fn):
+        raise TypeError(f"moepeak: sco_checkpoint fn must be callable, got {type(fn).__name__}")
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    where = next((i for i, a in enumerate(args) if isinstance(a, torch.Tensor)), None)
+    if where is None:
+        where = next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
+    if where is None:
+        raise TypeError("moepeak: sco_checkpoint needs a tensor argument, positional or keyword (the block's "
+                        "hidden-state input)")
+    x = args[where] if isinstance(where, int) else kwargs[where]
+    if x.layout != torch.strided:
+        raise TypeError(f"moepeak: sco_checkpoint boundary input must be a dense tensor, got layout {x.layout}")
+    cfg = sco_config if sco_config is not None else _DEFAULT
+    if not isinstance(cfg, SCOConfig):
+        raise TypeError(f"moepeak: sco_config must be an SCOConfig, got {type(cfg).__name__}")
+    engine = cfg.engine(x.device)
+    frame = _Frame(fn, args, kwargs, where, engine, preserve_rng_state, x)
+    rec = engine.offload(x.detach(), keep=sco_keep_on_gpu)  # raises (arena full) before fn runs
+    rec.requires_grad = x.requires_grad
+    frame.rec = rec
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack):
+            out = fn(*args, **kwargs)
+    except BaseException:
+        engine.discard(rec)
+        raise
+    # The slot is freed when the block's graph dies, backward or not.
+    weakref.finalize(frame, _discard_quietly, engine, rec)
+    return out
+
+
+def _discard_quietly(engine, rec):
+    try:
+        engine.discard(rec)
+    except Exception:  # interpreter shutdown: CUDA may be gone already
+        pass
+
+
+def apply_sco(model: torch.nn.Module, blocks, config: Optional[SCOConfig] = None):
+    """Checkpoint-and-offload each decoder block of `model` (in place).
+
+    blocks: a list/tuple of modules, an nn.ModuleList, or a module class (all
+    submodules of that class, in registration order). Each block's forward is
+    wrapped so that in training with grad enabled it runs under
+    sco_checkpoint; in eval or under no_grad it runs as is (no offload). The
+    module tree and state_dict keys are unchanged, so fully_shard (FSDP2) can
+    be applied to the blocks before or after. Returns model.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"moepeak: apply_sco model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(blocks, type):
+        mods = [m for m in model.modules() if isinstance(m, blocks)]
+    elif isinstance(blocks, torch.nn.Module) and not isinstance(blocks, torch.nn.ModuleList):
+        mods = [blocks]
+    else:
+        mods = list(blocks)
+    if not mods:
+        raise ValueError(f"moepeak: apply_sco found no blocks matching {blocks!r}")
+    for m in mods:
+        if not isinstance(m, torch.nn.Module):
+            raise TypeError(f"moepeak: apply_sco blocks must be nn.Modules, got {type(m).__name__}")
+        if getattr(m, "_moepeak_sco", None) is not None:
+            raise ValueError(f"moepeak: apply_sco already applied to block {type(m).__name__}")
+    cfg = config if config is not None else _DEFAULT
+    for i, m in enumerate(mods):
+        keep = cfg.keep_last and i == len(mods) - 1
+        orig = m.forward
+
+        def forward(*a, _orig=orig, _keep=keep, _ref=weakref.ref(m), **k):
+            mod = _ref()
+            if mod is None or not mod.training or not torch.is_grad_enabled():
+                return _orig(*a, **k)
+            return sco_checkpoint(_orig, *a, sco_config=cfg, sco_keep_on_gpu=_keep, **k)
+
+        m.forward = forward
+        m._moepeak_sco = cfg
+    return model

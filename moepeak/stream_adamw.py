@@ -1,4 +1,4 @@
-"""OffloadStreamAdamW: AdamW with fp32 master weights, exp_avg and exp_avg_sq in
+"""StreamAdamW: AdamW with fp32 master weights, exp_avg and exp_avg_sq in
 host RAM, streamed through the GPU copy engines bucket by bucket.
 
 API
@@ -48,243 +48,356 @@ no maximize).
   amsgrad/maximize. Every check runs before any parameter is touched.
 
 The torch op ``moepeak::stream_adamw`` (mutating: params, masters, exp_avgs,
-exp_avg_sqs) does one step on flat lists; the optimizer calls it.
+exp_avg_sqs; moepeak/stream_adamw_op.py) does one step on flat lists; the
+optimizer calls it.
 """
+
 from __future__ import annotations
 
-import array
-import itertools
 import weakref
-from typing import List, Optional
 
 import torch
 
 from . import _C
-from ._ext import require_cuda_build
+from ._ext import HAS_CUDA_BUILD
+from .stream_adamw_op import DTYPE_CODES, ISA_CODES, PLAN_IDS, PLANS, BucketPlan, stream_adamw, stream_adamw_step
 
-_ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
-_DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_DT_SIZE = {0: 4, 1: 2, 2: 2}
-_SEG_ALIGN = 64  # bytes: each segment starts on a cache line of its slot
+_STATE_TENSORS = ("exp_avg", "exp_avg_sq", "master_param")
 
 
-# --------------------------------------------------------------------------
-# torch's scalar-tail model (see csrc/adamw_kernels.c): found once by running
-# torch's fused CPU AdamW on a probe and keeping the model that matches it.
-# --------------------------------------------------------------------------
-_TAIL_MODEL = {}
+def _local(t):
+    """The local shard of a DTensor (FSDP2), else t itself."""
+    if t is not None and hasattr(t, "_local_tensor") and type(t).__name__ == "DTensor":
+        return t._local_tensor
+    return t
 
 
-def _ptr_row(master, m, v, grad, lp, n, gdt, ldt):
-    return [master, m, v, grad, lp, n, gdt, ldt]
+class StreamAdamW(torch.optim.Optimizer):
+    """AdamW with fp32 state in host RAM and a bucket-pipelined step (the
+    contract is this module's docstring)."""
 
-
-def torch_tail_model():
-    """(torch_threads, vlen) that make our CPU kernel bitwise torch's fused
-    AdamW with torch's current thread count; (1, 0) if no model matches."""
-    T = torch.get_num_threads()
-    if T in _TAIL_MODEL:
-        return _TAIL_MODEL[T]
-    gen = torch.Generator().manual_seed(1234)
-    n = 160 * T + 37
-    p0 = torch.randn(n, generator=gen)
-    m0 = torch.randn(n, generator=gen) * 1e-2
-    v0 = torch.rand(n, generator=gen) * 1e-3
-    g = torch.randn(n, generator=gen)
-    ref = p0.clone().requires_grad_(True)
-    opt = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.0, fused=True)
-    opt.state[ref] = {"step": torch.tensor(2.0), "exp_avg": m0.clone(), "exp_avg_sq": v0.clone()}
-    ref.grad = g.clone()
-    opt.step()
-    want = opt.state[ref]["exp_avg_sq"]
-    model = (1, 0)
-    for cand in [(1, 8), (1, 16), (T, 8), (T, 16)]:
-        p, m, v = p0.clone(), m0.clone(), v0.clone()
-        ptrs = array.array("q", _ptr_row(p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(), 0, n, 0, 0))
-        hyp = array.array("d", [1e-2, 0.9, 0.999, 1e-8, 0.0, 3.0])
-        _C.adamw_cpu(ptrs, hyp, 0, 1, cand[0], cand[1])
-        if torch.equal(v, want) and torch.equal(p, ref.detach()):
-            model = cand
-            break
-    _TAIL_MODEL[T] = model
-    return model
-
-
-# --------------------------------------------------------------------------
-# bucket plans for CUDA params (pinned slot rings live in the C plan)
-# --------------------------------------------------------------------------
-_PLANS: "weakref.WeakValueDictionary[int, _Plan]" = weakref.WeakValueDictionary()
-_plan_ids = itertools.count(1)
-
-
-class _Plan:
-    """Bucket layout of a fixed list of CUDA params and its C pipeline.
-
-    segs: [nseg, 5] int64 (param index, first element, n, gslot byte offset,
-    pslot byte offset); bucket_seg: [nb + 1]. Worked example, bucket_mb = 64
-    (16 Mi fp32 elements per bucket), bf16 params of 40 Mi + 3 x 2 Mi
-    elements: buckets = [16Mi of p0], [16Mi of p0], [8Mi of p0 + 3 x 2Mi],
-    so nb = 3; gslot_bytes = pslot_bytes = 32 MiB; pinned = 3 x 32 + 2 x 32
-    = 160 MiB whatever the model size.
-    """
-
-    def __init__(self, key, device, bucket_mb, grad_slots, param_slots, host=False):
-        numels, gdts, ldts = key
-        bucket_elems = max(16, int(bucket_mb * (1 << 20)) // 4)
-        segs, bucket_seg = [], [0]
-        cur = goff = poff = 0
-        gmax = pmax = 0
-        for i, n in enumerate(numels):
-            off = 0
-            while off < n:
-                take = min(n - off, bucket_elems - cur)
-                segs += [i, off, take, goff, poff]
-                goff += -(-take * _DT_SIZE[gdts[i]] // _SEG_ALIGN) * _SEG_ALIGN
-                poff += -(-take * _DT_SIZE[ldts[i]] // _SEG_ALIGN) * _SEG_ALIGN
-                gmax, pmax = max(gmax, goff), max(pmax, poff)
-                cur += take
-                off += take
-                if cur == bucket_elems:
-                    bucket_seg.append(len(segs) // 5)
-                    cur = goff = poff = 0
-        if cur > 0:
-            bucket_seg.append(len(segs) // 5)
-        self.key = key
-        self.nparam = len(numels)
-        self.nbuckets = len(bucket_seg) - 1
-        self.pinned_bytes = 0 if host else grad_slots * gmax + param_slots * pmax
-        args = (array.array("q", segs), array.array("q", bucket_seg), len(numels), gmax, pmax, grad_slots,
-                param_slots, host)
-        if host:  # the same schedule on CPU tensors, memcpy for the copies (tests)
-            self.capsule = _C.adamw_plan_create(*args)
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, amsgrad=False,
+                 maximize=False, bucket_mb=64, threads=None, isa=None, grad_slots=3, param_slots=2,
+                 _host_pipeline=False):
+        _check_hyper("lr", lr, betas, eps, weight_decay, amsgrad, maximize)
+        if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
+            raise ValueError(f"moepeak.StreamAdamW: bucket_mb must be > 0, got {bucket_mb!r}")
+        if grad_slots < 2 or param_slots < 1:
+            raise ValueError(f"moepeak.StreamAdamW: need grad_slots >= 2 and param_slots >= 1, got "
+                             f"{grad_slots}, {param_slots}")
+        if threads is not None and not (isinstance(threads, int) and 1 <= threads <= 256):
+            raise ValueError(f"moepeak.StreamAdamW: threads must be None or an int in [1, 256], got {threads!r}")
+        best = _C.cpu_best_isa()
+        if isa is None:
+            self._isa = best
         else:
-            with torch.cuda.device(device):
-                self.capsule = _C.adamw_plan_create(*args)
+            code = ISA_CODES.get(isa, isa)
+            if not isinstance(code, int) or code not in (0, 1, 2):
+                raise ValueError(f"moepeak.StreamAdamW: isa must be one of {sorted(ISA_CODES)} or None, got {isa!r}")
+            if code > best:
+                raise ValueError(f"moepeak.StreamAdamW: isa={isa!r} is not supported by this CPU "
+                                 f"(best: {[k for k, v in ISA_CODES.items() if v == best][0]})")
+            self._isa = code
+        self._threads = threads or 0
+        if self._threads > _C.get_num_threads():  # more than the pool keeps by default: give them back at death
+            _THREAD_REQUESTS[id(self)] = self._threads
+            weakref.finalize(self, _release_threads, id(self))
+        # testing hook: CPU params go through the bucket pipeline (memcpy copies)
+        self._host_pipeline = bool(_host_pipeline)
+        self._bucket_mb = float(bucket_mb)
+        self._slots = (int(grad_slots), int(param_slots))
+        # The keys torch.optim.AdamW's groups carry; fused=True: the kernel is bitwise
+        # torch's fused one, so a torch AdamW loaded from our state_dict runs that kernel too.
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, **_TORCH_GROUP_KEYS)
+        super().__init__(params, defaults)
+        self._devices = {}  # param -> device it had at its first step
+        self._gpu_master = {}  # fp32 CUDA param -> its fp32 CPU master (always equal to the param)
+        self._plan = None
+        self._plan_id = next(PLAN_IDS)
+        self._grad_dt = {}  # param -> dtype code of its last grad (for the plan's slot sizes)
+
+    # ------------------------------------------------------------------ checks
+    def _collect(self):
+        """Validate every param with a grad (nothing is touched on failure);
+        return [(group, param, local param, local grad)]."""
+        out = []
+        for gi, group in enumerate(self.param_groups):
+            _check_hyper(f"param_groups[{gi}]['lr']", group["lr"], group["betas"], group["eps"],
+                         group["weight_decay"], group.get("amsgrad", False), group.get("maximize", False))
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                name = f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}, dtype {p.dtype})"
+                lp, lg = _local(p), _local(p.grad)
+                if p.grad.is_sparse or lg.layout != torch.strided:
+                    raise TypeError(f"moepeak.StreamAdamW: {name} has a sparse grad; StreamAdamW needs dense grads")
+                if lp.is_complex() or lg.is_complex():
+                    raise TypeError(f"moepeak.StreamAdamW: {name}: complex params/grads are not supported")
+                if lp.dtype not in DTYPE_CODES or lg.dtype not in DTYPE_CODES:
+                    raise TypeError(f"moepeak.StreamAdamW: {name}: param and grad must be float32, bfloat16 or "
+                                    f"float16, got {lp.dtype} and {lg.dtype}")
+                if lg.shape != lp.shape:
+                    raise ValueError(f"moepeak.StreamAdamW: {name}: grad shape {tuple(lg.shape)} != param shape")
+                if not lp.is_contiguous() or not lg.is_contiguous():
+                    raise ValueError(f"moepeak.StreamAdamW: {name}: param and grad must be contiguous")
+                if lg.device != lp.device:
+                    raise ValueError(f"moepeak.StreamAdamW: {name}: grad on {lg.device} but param on {lp.device}")
+                if lp.device.type not in ("cpu", "cuda"):
+                    raise ValueError(f"moepeak.StreamAdamW: {name}: params must be on cpu or cuda, got {lp.device}")
+                if lp.is_cuda and not HAS_CUDA_BUILD:
+                    raise RuntimeError(f"moepeak.StreamAdamW: {name} is on CUDA but moepeak._C was built without "
+                                       "CUDA; rebuild with nvcc on PATH")
+                seen = self._devices.get(p)
+                if seen is not None and seen != lp.device:
+                    raise ValueError(f"moepeak.StreamAdamW: {name} moved from {seen} to {lp.device} between steps; "
+                                     "create the optimizer after moving the model")
+                out.append((group, p, lp, lg, name))
+        cuda_devs = {lp.device for _, _, lp, _, _ in out if lp.is_cuda}
+        if len(cuda_devs) > 1:
+            raise ValueError(f"moepeak.StreamAdamW: CUDA params must all be on one device, got {sorted(map(str, cuda_devs))}")
+        return out
+
+    # ------------------------------------------------------------------ state
+    def _init_state(self, p, lp):
+        st = self.state[p]
+        if "step" not in st:
+            st["step"] = torch.tensor(0.0, dtype=torch.float32)
+        for k in ("exp_avg", "exp_avg_sq"):
+            if k not in st:
+                st[k] = torch.zeros(lp.shape, dtype=torch.float32)
+        if lp.dtype != torch.float32 and "master_param" not in st:
+            st["master_param"] = lp.detach().to("cpu", torch.float32).contiguous()
+        if lp.dtype == torch.float32 and self._piped(lp) and p not in self._gpu_master:
+            self._gpu_master[p] = lp.detach().to("cpu", copy=True).contiguous()
+        self._devices.setdefault(p, lp.device)
+
+    def _check_state(self, p, lp, name):
+        """The state tensors the kernel will read and write must be fp32,
+        contiguous, on the CPU and of the param's numel (a param whose .data
+        was replaced, a replaced exp_avg/exp_avg_sq, a loaded state of another
+        size all end here)."""
+        st = self.state[p]
+        held = [(k, st.get(k)) for k in ("exp_avg", "exp_avg_sq")]
+        if lp.dtype != torch.float32:
+            held.append(("master_param", st.get("master_param")))
+        elif self._piped(lp):
+            held.append(("the fp32 master copy", self._gpu_master.get(p)))
+        for key, t in held:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"moepeak.StreamAdamW: {name}: state '{key}' must be a tensor, got {type(t).__name__}")
+            if t.numel() != lp.numel():
+                raise RuntimeError(
+                    f"moepeak.StreamAdamW: {name}: size mismatch: state '{key}' has {t.numel()} elements "
+                    f"(shape {tuple(t.shape)}) but the param has {lp.numel()} (shape {tuple(lp.shape)}); "
+                    "was the param's .data replaced or a state_dict of another model loaded?")
+            if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+                raise TypeError(f"moepeak.StreamAdamW: {name}: state '{key}' must be a contiguous float32 CPU "
+                                f"tensor, got {t.dtype} on {t.device} (contiguous={t.is_contiguous()})")
+
+    def _master(self, p, lp):
+        if lp.dtype != torch.float32:
+            return self.state[p]["master_param"]
+        if self._piped(lp):
+            return self._gpu_master[p]
+        return lp
+
+    def _piped(self, lp):
+        return lp.is_cuda or self._host_pipeline
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        entries = self._collect()  # raises before anything is modified
+        if not entries:
+            return loss
+        for _, p, lp, _, _ in entries:
+            self._init_state(p, lp)
+        for _, p, lp, _, name in entries:  # every state tensor must fit its param before any pointer reaches C
+            self._check_state(p, lp, name)
+        steps = [self.state[p]["step"] for _, p, _, _, _ in entries]
+        torch._foreach_add_(steps, 1.0)
+        step_vals = torch.stack(steps).tolist()
+        params, grads, masters, ms, vs = [], [], [], [], []
+        lrs, b1s, b2s, epss, wds = [], [], [], [], []
+        plan_index = self._cuda_plan(entries)
+        for group, p, lp, lg, _ in entries:
+            st = self.state[p]
+            mst = self._master(p, lp)
+            params.append(lp if (self._piped(lp) or lp.dtype != torch.float32) else _EMPTY)
+            grads.append(lg)
+            masters.append(mst)
+            ms.append(st["exp_avg"])
+            vs.append(st["exp_avg_sq"])
+            lrs.append(float(group["lr"]))
+            b1s.append(float(group["betas"][0]))
+            b2s.append(float(group["betas"][1]))
+            epss.append(float(group["eps"]))
+            wds.append(float(group["weight_decay"]))
+        compiling = torch.compiler.is_compiling() if hasattr(torch, "compiler") else False
+        fn = stream_adamw if compiling else stream_adamw_step
+        fn(params, grads, masters, ms, vs, step_vals, lrs, b1s, b2s, epss, wds, isa=self._isa,
+                     threads=self._threads, bucket_mb=self._bucket_mb, grad_slots=self._slots[0],
+                     param_slots=self._slots[1], plan_id=self._plan_id, plan_index=plan_index,
+                     host_pipeline=self._host_pipeline)
+        if not compiling:  # what the op's dispatcher would do for the params (autograd's in-place check)
+            _bump_versions([lp for _, _, lp, _, _ in entries])
+        return loss
+
+    def _cuda_plan(self, entries):
+        """Keep one bucket plan over EVERY non-empty CUDA param of the
+        optimizer (so a param whose grad is None this step, e.g. an expert
+        that got no tokens, does not force new pinned slots); return, for the
+        CUDA entries of this step in order, their rows in the plan."""
+        for _, p, _, lg, _ in entries:
+            self._grad_dt[p] = DTYPE_CODES[lg.dtype]
+        layout = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                lp = _local(p)
+                if self._piped(lp) and lp.numel() > 0:
+                    layout.append((p, lp.numel(), self._grad_dt.get(p, DTYPE_CODES.get(lp.dtype, 0)), DTYPE_CODES.get(lp.dtype, 0)))
+        if not layout:
+            return None
+        key = (tuple(x[1] for x in layout), tuple(x[2] for x in layout), tuple(x[3] for x in layout))
+        if self._plan is None or self._plan.key != key:
+            self._plan = None  # free the old pinned slots first
+            self._plan = BucketPlan(key, _local(layout[0][0]).device, self._bucket_mb, *self._slots,
+                               host=self._host_pipeline)
+            PLANS[self._plan_id] = self._plan
+        row = {p: i for i, (p, _, _, _) in enumerate(layout)}
+        idx = [row[p] for _, p, lp, _, _ in entries if self._piped(lp) and lp.numel() > 0]
+        return idx or None
+
+    def pinned_bytes(self):
+        """Pinned host bytes held by the bucket pipeline (0 before the first CUDA step)."""
+        return 0 if self._plan is None else self._plan.pinned_bytes
+
+    # ------------------------------------------------------------------ state_dict
+    def state_dict(self):
+        """torch's layout. The state of an FSDP2 (DTensor) param lives in host RAM
+        as a plain tensor of the *local shard's* shape; here it is returned as a
+        DTensor with the param's mesh, placements, global shape and stride, so
+        torch.distributed.checkpoint saves every rank's shard (a plain tensor
+        would be taken for a replicated one and only one rank's copy kept).
+        self.state is not changed (the per-param dicts are copied)."""
+        sd = super().state_dict()
+        idx_param = {}
+        for g, sg in zip(self.param_groups, sd["param_groups"]):
+            idx_param.update(zip(sg["params"], g["params"]))
+        for idx, st in list(sd["state"].items()):
+            p = idx_param.get(idx)
+            if p is None or type(p).__name__ != "DTensor":
+                continue
+            from torch.distributed.tensor import DTensor
+            lshape = tuple(_local(p).shape)
+            st = dict(st)
+            for k in _STATE_TENSORS:
+                v = st.get(k)
+                if torch.is_tensor(v) and type(v).__name__ != "DTensor" and v.dim() > 0 \
+                        and tuple(v.shape) == lshape:
+                    st[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
+                                               shape=p.shape, stride=p.stride())
+            sd["state"][idx] = st
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """Accepts our own state dicts and torch.optim.AdamW's, with state
+        tensors as DTensors (this rank's shard is taken) or plain local-shard
+        tensors. The fp32 tensors are kept on the CPU in fp32 (torch's loader
+        would cast them to the param's dtype and device)."""
+        saved_groups = state_dict["param_groups"]
+        id_map = {}
+        for g, ng in zip(saved_groups, self.param_groups):
+            for pid, p in zip(g["params"], ng["params"]):
+                id_map[pid] = p
+        for pid, st in state_dict["state"].items():  # sizes first: nothing is loaded on a mismatch
+            p = id_map.get(pid)
+            for k in _STATE_TENSORS:
+                t = _local(st.get(k)) if p is not None else None
+                if torch.is_tensor(t) and t.numel() != _local(p).numel() and not (
+                        k == "master_param" and _local(p).dtype == torch.float32):
+                    raise RuntimeError(
+                        f"moepeak.StreamAdamW.load_state_dict: size mismatch for state {pid} ('{k}'): "
+                        f"{t.numel()} elements (shape {tuple(t.shape)}) but the param has {_local(p).numel()} "
+                        f"(shape {tuple(_local(p).shape)})")
+        kept, light = {}, {}
+        for pid, st in state_dict["state"].items():
+            kept[pid] = {k: st[k] for k in _STATE_TENSORS if k in st}
+            light[pid] = {k: v for k, v in st.items() if k not in _STATE_TENSORS}
+        super().load_state_dict({"state": light, "param_groups": saved_groups})
+        self._gpu_master.clear()
+        self._plan = None
+        for pid, tensors in kept.items():
+            p = id_map.get(pid)
+            if p is None:
+                continue
+            st = self.state[p]
+            lp = _local(p)
+            if "step" in st:
+                # a copy: the loaded dict's step tensor must not advance with this optimizer
+                st["step"] = torch.as_tensor(st["step"]).detach().to("cpu", torch.float32, copy=True).reshape(())
+            for k, t in tensors.items():
+                t = _local(t)
+                if k == "master_param" and lp.dtype == torch.float32:
+                    continue  # an fp32 param is its own master
+                st[k] = t.detach().to("cpu", torch.float32, copy=True).reshape(lp.shape).contiguous()
+        for group in self.param_groups:  # groups saved by torch carry their own keys; ours need these
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            for k, v in _TORCH_GROUP_KEYS.items():
+                group[k] = v  # this optimizer always runs its own (fused-equivalent) kernel
 
 
-def _get_plan(plan_id, key, device, bucket_mb, grad_slots, param_slots, host):
-    plan = _PLANS.get(plan_id) if plan_id > 0 else None
-    if plan is not None and plan.key == key:
-        return plan
-    return _Plan(key, device, bucket_mb, grad_slots, param_slots, host)
+_EMPTY = torch.empty(0)
+# live optimizers that asked for more pool threads than the default: id -> threads
+_THREAD_REQUESTS = {}
 
 
-# --------------------------------------------------------------------------
-# the torch op
-# --------------------------------------------------------------------------
-def _stream_adamw_impl(
-    params: List[torch.Tensor],
-    grads: List[torch.Tensor],
-    masters: List[torch.Tensor],
-    exp_avgs: List[torch.Tensor],
-    exp_avg_sqs: List[torch.Tensor],
-    steps: List[float],
-    lrs: List[float],
-    beta1s: List[float],
-    beta2s: List[float],
-    epss: List[float],
-    weight_decays: List[float],
-    isa: int = -1,
-    threads: int = 0,
-    bucket_mb: float = 64.0,
-    grad_slots: int = 3,
-    param_slots: int = 2,
-    plan_id: int = 0,
-    plan_index: Optional[List[int]] = None,
-    host_pipeline: bool = False,
-) -> None:
-    """One AdamW step. masters/exp_avgs/exp_avg_sqs: fp32 CPU tensors, updated
-    in place. params[i]: the tensor that receives the new value in its own
-    dtype (a CUDA param, a bf16/fp16 CPU param), or an empty tensor when the
-    master is the param itself (fp32 CPU). grads[i]: on params[i]'s device
-    (on the CPU for fp32 CPU params), fp32/bf16/fp16. steps: already
-    incremented. Arguments are validated by StreamAdamW before this runs.
-    plan_id/plan_index (StreamAdamW's): the bucket plan to reuse and, for
-    each CUDA entry in order, its row in that plan (the plan covers every
-    CUDA param of the optimizer, so params without a grad do not change it).
-    host_pipeline (tests): run CPU params through the bucket pipeline with
-    memcpy in place of the copy engines (params[i] then is the CPU param)."""
-    n = len(masters)
-    if not (len(params) == len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n):
-        raise ValueError("moepeak.stream_adamw: params, grads, masters, exp_avgs, exp_avg_sqs differ in length")
-    for name, lst in (("steps", steps), ("lrs", lrs), ("beta1s", beta1s), ("beta2s", beta2s), ("epss", epss),
-                      ("weight_decays", weight_decays)):
-        if len(lst) != n:
-            raise ValueError(f"moepeak.stream_adamw: {name} has {len(lst)} entries, expected {n}")
-    if isa < 0:
-        isa = _C.cpu_best_isa()
-    tthreads, tvlen = torch_tail_model()
-    cpu_rows, cpu_hyp, cuda_idx = [], [], []
-    for i in range(n):
-        mst, p, g = masters[i], params[i], grads[i]
-        if mst.dtype != torch.float32 or mst.device.type != "cpu":
-            raise TypeError(f"moepeak.stream_adamw: masters[{i}] must be fp32 on the CPU")
-        if mst.numel() == 0:
-            continue  # nothing to update (and no bucket segment)
-        if p.is_cuda or host_pipeline:
-            cuda_idx.append(i)
-            continue
-        lp = 0 if p.numel() == 0 else p.data_ptr()
-        cpu_rows += _ptr_row(mst.data_ptr(), exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr(), g.data_ptr(), lp,
-                             mst.numel(), _DT[g.dtype], _DT[p.dtype] if lp else 0)
-        cpu_hyp += [lrs[i], beta1s[i], beta2s[i], epss[i], weight_decays[i], steps[i]]
-    if cpu_rows:
-        _C.adamw_cpu(array.array("q", cpu_rows), array.array("d", cpu_hyp), isa, threads, tthreads, tvlen)
-    if cuda_idx:
-        if not host_pipeline:
-            require_cuda_build("moepeak.stream_adamw")
-        device = params[cuda_idx[0]].device
-        rows, hyp, numels, gdts, ldts = [], [], [], [], []
-        for i in cuda_idx:
-            p, g = params[i], grads[i]
-            if p.device != device:
-                raise ValueError(f"moepeak.stream_adamw: CUDA params must share one device; params[{i}] is on "
-                                 f"{p.device}, params[{cuda_idx[0]}] on {device}")
-            numels.append(p.numel())
-            gdts.append(_DT[g.dtype])
-            ldts.append(_DT[p.dtype])
-            rows += _ptr_row(masters[i].data_ptr(), exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr(), g.data_ptr(),
-                             p.data_ptr(), p.numel(), gdts[-1], ldts[-1])
-            hyp += [lrs[i], beta1s[i], beta2s[i], epss[i], weight_decays[i], steps[i]]
-        if plan_index:
-            plan = _PLANS.get(plan_id)
-            if plan is None or len(plan_index) != len(cuda_idx):
-                raise ValueError("moepeak.stream_adamw: plan_index given without its live plan")
-            full = [0] * (8 * plan.nparam)
-            full_h = [0.0] * (6 * plan.nparam)
-            for j, slot in enumerate(plan_index):
-                full[8 * slot:8 * slot + 8] = rows[8 * j:8 * j + 8]
-                full_h[6 * slot:6 * slot + 6] = hyp[6 * j:6 * j + 6]
-            rows, hyp = full, full_h
-        else:
-            plan = _get_plan(plan_id, (tuple(numels), tuple(gdts), tuple(ldts)), device, bucket_mb, grad_slots,
-                             param_slots, host_pipeline)
-        step_args = (array.array("q", rows), array.array("d", hyp))
-        if host_pipeline:
-            _C.adamw_plan_step(plan.capsule, *step_args, 0, isa, threads, tthreads, tvlen)
-        else:
-            with torch.cuda.device(device):
-                stream = torch.cuda.current_stream(device).cuda_stream
-                _C.adamw_plan_step(plan.capsule, *step_args, stream, isa, threads, tthreads, tvlen)
+def _release_threads(key):
+    """An optimizer with threads= above the default died: trim the process-wide
+    pool to what the remaining requests (or the default) need."""
+    _THREAD_REQUESTS.pop(key, None)
+    need = max([_C.get_num_threads(), *_THREAD_REQUESTS.values()])
+    try:
+        _C.pool_trim(need - 1)  # the calling thread runs one range itself
+    except Exception:  # interpreter shutdown
+        pass
+_TORCH_GROUP_KEYS = dict(foreach=None, capturable=False, differentiable=False, fused=True,
+                         decoupled_weight_decay=True)
 
 
-
-# The op. StreamAdamW.step calls _stream_adamw_impl directly when not under
-# torch.compile (the dispatcher's per-tensor alias checks and version bumps
-# of five lists cost ~10 ms per step for a few hundred params) and bumps the
-# params' version counters itself; the op is what torch.compile/opcheck see.
-stream_adamw = torch.library.custom_op("moepeak::stream_adamw",
-                                       mutates_args=("params", "masters", "exp_avgs", "exp_avg_sqs"))(
-    _stream_adamw_impl)
-
-@stream_adamw.register_fake
-def _(params, grads, masters, exp_avgs, exp_avg_sqs, steps, lrs, beta1s, beta2s, epss, weight_decays, isa=-1,
-      threads=0, bucket_mb=64.0, grad_slots=3, param_slots=2, plan_id=0, plan_index=None, host_pipeline=False):
-    return None
+def _bump_versions(tensors):
+    try:
+        torch._C._increment_version(tensors)  # one call for the list (torch >= 2.5)
+    except TypeError:
+        for t in tensors:
+            torch._C._increment_version(t)
 
 
-# No register_autograd: torch refuses autograd formulas for mutating
-# (non-functional) ops ("Cannot register autograd formula for non-functional
-# operator"), and an optimizer step runs under torch.no_grad() anyway.
-
-from ._stream_adamw_optim import StreamAdamW  # noqa: E402,F401  (the public class)
+def _check_hyper(lr_name, lr, betas, eps, weight_decay, amsgrad, maximize):
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"moepeak.StreamAdamW: {lr_name} tensor must have one element")
+        lr = float(lr)
+    if not isinstance(lr, (int, float)) or not lr >= 0.0:
+        raise ValueError(f"moepeak.StreamAdamW: {lr_name} must be a float >= 0, got {lr!r}")
+    if not isinstance(eps, (int, float)) or not eps >= 0.0:
+        raise ValueError(f"moepeak.StreamAdamW: eps must be >= 0, got {eps!r}")
+    try:
+        b1, b2 = betas
+    except (TypeError, ValueError):
+        raise ValueError(f"moepeak.StreamAdamW: betas must be a pair of floats, got {betas!r}") from None
+    for i, b in enumerate((b1, b2)):
+        if not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
+            raise ValueError(f"moepeak.StreamAdamW: betas[{i}] must be in [0, 1), got {b!r}")
+    if not isinstance(weight_decay, (int, float)) or not weight_decay >= 0.0:
+        raise ValueError(f"moepeak.StreamAdamW: weight_decay must be >= 0, got {weight_decay!r}")
+    if amsgrad:
+        raise ValueError("moepeak.StreamAdamW: amsgrad=True is not supported (use torch.optim.AdamW)")
+    if maximize:
+        raise ValueError("moepeak.StreamAdamW: maximize=True is not supported")

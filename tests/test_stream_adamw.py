@@ -8,7 +8,7 @@ import torch
 
 import moepeak
 from moepeak import _C
-from moepeak.stream_adamw import stream_adamw
+from moepeak.stream_adamw_op import stream_adamw
 from refs import adamw_step_ref
 
 BEST = _C.cpu_best_isa()
@@ -584,3 +584,146 @@ def test_host_pipeline_streaming_stores_per_isa(dtype, isa):
         ref.step()
     for a, b in zip(ours_p, ref_p):
         assert torch.equal(a.detach(), b.detach().to(dtype))
+
+
+# ---------------------------------------------------------------------------
+# state sizes, torch interchange (fused key)
+# ---------------------------------------------------------------------------
+def _stepped(dtype=torch.float32, n=64, host_pipeline=False):
+    p = torch.randn(n, dtype=dtype, requires_grad=True)
+    opt = moepeak.StreamAdamW([p], lr=1e-2, _host_pipeline=host_pipeline)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    return p, opt
+
+
+@pytest.mark.parametrize("host_pipeline", [False, True])
+@pytest.mark.parametrize("dtype,new_n", [(torch.float32, 4096), (torch.float32, 16), (torch.bfloat16, 65536),
+                                         (torch.bfloat16, 16)])
+def test_replaced_param_data_of_another_size_raises(dtype, new_n, host_pipeline):
+    p, opt = _stepped(dtype, n=64, host_pipeline=host_pipeline)
+    p.data = torch.randn(new_n, dtype=dtype)
+    p.grad = torch.randn_like(p)
+    before = p.detach().clone()
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[0\].*size mismatch.*64 elements.*"
+                                           rf"has {new_n}"):
+        opt.step()
+    assert torch.equal(p.detach(), before)  # nothing touched
+
+
+@pytest.mark.parametrize("key", ["exp_avg", "exp_avg_sq"])
+def test_replaced_state_tensor_of_another_size_raises(key):
+    p, opt = _stepped()
+    opt.state[p][key] = torch.zeros(1 << 16)
+    p.grad = torch.randn_like(p)
+    with pytest.raises(RuntimeError, match=rf"size mismatch: state '{key}' has 65536 elements"):
+        opt.step()
+    opt.state[p][key] = torch.zeros(64, dtype=torch.float64)
+    with pytest.raises(TypeError, match=rf"state '{key}' must be a contiguous float32 CPU tensor"):
+        opt.step()
+
+
+def test_loaded_state_dict_of_another_size_raises():
+    _, big = _stepped(n=4096)
+    p, opt = _stepped(n=64)
+    before = {k: v.clone() for k, v in opt.state[p].items()}
+    with pytest.raises(RuntimeError, match=r"load_state_dict: size mismatch.*4096 elements.*has 64"):
+        opt.load_state_dict(big.state_dict())
+    assert all(torch.equal(before[k], v) for k, v in opt.state[p].items())
+
+
+def test_state_dict_carries_fused_so_torch_runs_the_same_kernel():
+    torch.manual_seed(0)
+    p = torch.randn(1000, requires_grad=True)
+    q = p.detach().clone().requires_grad_(True)
+    ours = moepeak.StreamAdamW([p], lr=1e-2, weight_decay=0.1)
+    for _ in range(2):
+        p.grad = torch.randn_like(p)
+        ours.step()
+    sd = ours.state_dict()
+    assert sd["param_groups"][0]["fused"] is True
+    with torch.no_grad():
+        q.copy_(p)
+    ref = torch.optim.AdamW([q], lr=1e-2)  # constructed non-fused: the loaded group decides
+    ref.load_state_dict(copy.deepcopy(sd))  # a copy: torch would share our step tensors
+    assert ref.param_groups[0]["fused"] is True
+    for _ in range(3):
+        g = torch.randn_like(p)
+        p.grad, q.grad = g, g.clone()
+        ours.step()
+        ref.step()
+    assert torch.equal(p, q)
+    assert torch.equal(ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
+    back = moepeak.StreamAdamW([p], lr=1e-2)  # and a torch AdamW's dict loads back into ours
+    back.load_state_dict(copy.deepcopy(ref.state_dict()))
+    assert back.param_groups[0]["fused"] is True
+
+
+def _threads_of_process():
+    import os
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="needs /proc")
+def test_oversized_thread_pool_released_when_optimizer_dies():
+    import gc
+    want = _C.get_num_threads() + 6
+    p = torch.randn(16384 * want, requires_grad=True)  # one pool grain per requested thread
+    p.grad = torch.randn_like(p)
+    moepeak.StreamAdamW([p], lr=1e-3).step()  # warm-up: torch's and the default pool's threads exist
+    base_workers, base_threads = _C.pool_workers(), _threads_of_process()
+    for i in range(200):
+        opt = moepeak.StreamAdamW([p], lr=1e-3, threads=want)
+        if i % 10 == 0:  # every tenth steps (the pool grows to the request); all 200 are dropped
+            opt.step()
+            assert _C.pool_workers() >= want - 1  # the request was served
+        del opt
+        gc.collect()
+        assert _C.pool_workers() <= max(base_workers, _C.get_num_threads() - 1)
+    assert _threads_of_process() <= base_threads
+
+
+def test_adamw_plan_step_rejects_overflowing_arguments():
+    # A malformed call must raise, never reach memory: run it in a child so a
+    # crash (the unchecked overflow) fails this test instead of killing pytest.
+    import subprocess
+    import sys
+    code = r'''
+import array, torch
+from moepeak import _C
+segs = array.array("q", [0, 0, 4, 0, 0])
+plan = _C.adamw_plan_create(segs, array.array("q", [0, 1]), 1, 64, 64, 3, 2, True)
+p, m, v, g = (torch.zeros(4) for _ in range(4))
+hyp = array.array("d", [1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0])
+bad = [
+    [p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(), p.data_ptr(), (1 << 63) - 1, 0, 0],  # huge numel
+    [p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(), p.data_ptr(), 2, 0, 0],  # segment beyond the param
+    [p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(), 0, 4, 0, 0],  # null param
+    [0, m.data_ptr(), v.data_ptr(), g.data_ptr(), p.data_ptr(), 4, 0, 0],  # null master
+]
+for row in bad:
+    try:
+        _C.adamw_plan_step(plan, array.array("q", row), hyp, 0, 0, 1, 1 << 30, 16)
+    except ValueError:
+        pass
+    else:
+        raise SystemExit(f"accepted {row}")
+for tt, tv in ((0, 16), (1 << 30, 16), (1, -1), (1, 1 << 20)):
+    try:
+        _C.adamw_plan_step(plan, array.array("q", [p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(),
+                                                   p.data_ptr(), 4, 0, 0]), hyp, 0, 0, 1, tt, tv)
+    except ValueError:
+        pass
+    else:
+        raise SystemExit(f"accepted torch_threads={tt} torch_vlen={tv}")
+for seg in ([0, (1 << 63) - 8, 16, 0, 0], [0, 0, 4, 1 << 62, 0], [0, 0, -1, 0, 0]):
+    try:
+        _C.adamw_plan_create(array.array("q", seg), array.array("q", [0, 1]), 1, 64, 64, 3, 2, True)
+    except ValueError:
+        pass
+    else:
+        raise SystemExit(f"plan accepted {seg}")
+print("ok")
+'''
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stdout, r.stderr[-2000:])
