@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from moepeak import llep_sched
+from moepeak.testing import force_grouped_mm, grouped_mm_enabled
 from moepeak.llep import llep_moe
 
 try:
@@ -86,8 +87,7 @@ def _grouped_vs_loop(rank, P, group):
     es = slice(rank * (E // P), (rank + 1) * (E // P))
     outs = []
     for grouped in (False, True):
-        llep_sched.GROUPED_ON_CPU[0] = grouped
-        try:
+        with force_grouped_mm(True, on_cpu=grouped):
             leaves = [x[lo:hi].to(torch.bfloat16).requires_grad_(), tw[lo:hi].float().requires_grad_(),
                       wgu[es].to(torch.bfloat16).requires_grad_(), wd[es].to(torch.bfloat16).requires_grad_()]
             y = llep_moe(leaves[0], ids[lo:hi], leaves[1], leaves[2], leaves[3], group=group, chunk_rows=24,
@@ -96,9 +96,7 @@ def _grouped_vs_loop(rank, P, group):
             outs.append((y.detach(),) + torch.autograd.grad(y, leaves, gy[lo:hi].to(torch.bfloat16)))
             # backward's own Ctx reset the counter: > 0 means its GEMMs went grouped
             assert (llep_sched.LAST_STATS["grouped_mm"] > 0) == grouped, llep_sched.LAST_STATS
-            assert llep_sched._GROUPED_MM_OK[0]
-        finally:
-            llep_sched.GROUPED_ON_CPU[0] = False
+            assert grouped_mm_enabled()  # no grouped GEMM raised and fell back
     for a, b in zip(*outs):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
