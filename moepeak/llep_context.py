@@ -82,6 +82,7 @@ class Ctx:
         self.layouts: Dict[int, lp.ChunkLayout] = {}
         # experts whose weight gradient (0: gate_up, 1: down) holds a partial sum
         self.touched = (set(), set())
+        self._staging = [None, None]  # see staging()
         LAST_STATS.update(n_chunks=self.n, chunk_rows=C, spilled=self.plan.spilled, borrowed=list(self.borrowed),
                           max_rows=0, grouped_mm=0, grouped_dw=0)
 
@@ -124,6 +125,17 @@ class Ctx:
                 buf[pos:pos + k].copy_(self.send_index[a:a + k])
             pos += k
         return buf[:pos]
+
+    def staging(self, which: int) -> torch.Tensor:
+        """A row-major [H, 2I] (which 0) or [I, H] (1) matrix in the weights'
+        dtype, made on first use and reused for the rest of the call: where an
+        expert's weights (or weight gradient) are not row-major, the
+        per-expert GEMMs go through it (moepeak/llep_gemm.py)."""
+        buf = self._staging[which]
+        if buf is None:
+            W = self.wgu if which == 0 else self.wd
+            buf = self._staging[which] = W.new_empty(W.shape[1:])
+        return buf
 
     def new_dw(self, which: int) -> torch.Tensor:
         """An unwritten weight gradient like w_gate_up (which 0) or w_down (1):

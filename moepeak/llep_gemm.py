@@ -3,12 +3,19 @@ through torch._grouped_mm where it works (CUDA bf16, H and I multiples of 8)
 and one torch.mm per expert otherwise.
 
 Rows arrive grouped expert-ascending (ecount[e] rows of expert e, e in
-[0, E)). Weights may have any strides; the two per-expert layouts GEMMs take
-without a copy are row-major (stride(-1) == 1, moepeak's own [E, H, 2I]) and
-column-major (stride(-2) == 1, Hugging Face's [E, 2I, H] seen through
-transpose(1, 2)). A grouped weight gradient is computed in the weights'
-orientation (dW^T = right^T left for column-major weights), so it can be the
-gradient tensor itself, strides and all, without a copy.
+[0, E)). Weights may have any strides, e.g. row-major per expert (moepeak's
+own [E, H, 2I]) or column-major (Hugging Face's [E, 2I, H] seen through
+transpose(1, 2)); the stack is never copied whole.
+  * grouped path: torch._grouped_mm takes row- and column-major stacks as
+    they are; a grouped weight gradient is computed in the weights'
+    orientation (dW^T = right^T left for column-major weights), so it can be
+    the gradient tensor itself, strides and all, without a copy.
+  * per-expert path: a BLAS sums in an order that depends on the operands'
+    layout (MKL's fp32 sgemm does), so each expert's matrix is presented
+    row-major: an expert that is not is staged, one at a time, in
+    ctx.staging(which) [H, 2I] or [I, H] (param dtype; one expert's weights,
+    allocated once per call), and its weight gradient is formed there and
+    copied out. Results are then bitwise those of contiguous weights.
 
 Whether torch._grouped_mm is used is process state: on by default where torch
 has it, switched off for the process the first time it raises (per-expert
@@ -115,10 +122,15 @@ def mm(ctx: Ctx, inp, grp: "Groups", which: int, transpose: bool, out):
     off = 0
     for e, c in enumerate(grp.ecount):
         if c:
-            W = ctx.weights(e)[which]
+            W = _row_major(ctx, ctx.weights(e)[which], which)
             torch.mm(inp[off:off + c], W.t() if transpose else W, out=out[off:off + c])
             off += c
     return out[:rows]
+
+
+def _row_major(ctx: Ctx, W, which: int):
+    """Expert matrix W itself when row-major, else a copy in ctx.staging(which)."""
+    return W if W.is_contiguous() else ctx.staging(which).copy_(W)
 
 
 def _grouped_dw(left, right, offs, col_major: bool):
@@ -187,10 +199,15 @@ def dw_accumulate(ctx: Ctx, left, right, grp: "Groups", which: int, dW_local, dW
                 g = dW_local[which][e - ctx.r * ctx.El]
             else:
                 g = dW_borrowed[which][ctx.slot[e]]
+            dst = g if g.is_contiguous() else ctx.staging(which)
             if e in touched:
-                g.addmm_(left[off:off + c].t(), right[off:off + c])
+                if dst is not g:
+                    dst.copy_(g)
+                dst.addmm_(left[off:off + c].t(), right[off:off + c])
             else:  # first rows of e: dW starts uninitialised (see llep_sched.backward)
-                torch.mm(left[off:off + c].t(), right[off:off + c], out=g)
+                torch.mm(left[off:off + c].t(), right[off:off + c], out=dst)
+            if dst is not g:
+                g.copy_(dst)
             touched.add(e)
         off += c
 
