@@ -101,7 +101,7 @@ def default_chunk_rows(P: int) -> int:
     against an 80-141 GiB GPU, large enough for full GEMMs. P > 1: 16384,
     because the double-buffered send/receive rings make the backward working
     set C * (16H + 7I) * 2 bytes: 2.0 GiB at the same shapes (4.0 GiB at
-    C = 32768, measured on 2 H200s). A chunk still gives each destination
+    C = 32768). A chunk still gives each destination
     up to 16384 rows: full-size expert GEMMs."""
     return 32768 if P == 1 else max(16384, P)
 
