@@ -206,3 +206,24 @@ def test_cache_cuda_equals_recompute(grouped):
             else:
                 assert torch.equal(a, b), f"{name} differs with {slots} cache slots"
         assert peak <= peaks[0] + slots * slot_bytes + (1 << 20), (peaks, slots, slot_bytes)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_hf_layout_cuda(grouped):
+    """Hugging Face's weights ([E, 2I, H] / [E, H, I] seen through
+    transpose(1, 2)) on the GPU in bf16: torch._grouped_mm takes the
+    column-major stacks as they are (no staging), the gradients come back in
+    the views' strides, and the result equals contiguous weights up to GEMM
+    summation order."""
+    try:
+        from tests.test_llep_hf_layout import _grads
+    except ImportError:
+        from test_llep_hf_layout import _grads
+    prob = _to(_problem(1000, 128, 64, 16, 4, torch.float32, seed=9, frac=0.5), dev)
+    with force_grouped_mm(grouped):
+        ref = _grads(*prob, torch.bfloat16, False, chunk_rows=512)
+        got = _grads(*prob, torch.bfloat16, True, chunk_rows=512)   # asserts the gradient strides
+        st = dict(llep_sched.LAST_STATS)
+    assert (st["grouped_mm"] > 0 and st["grouped_dw"] > 0) == (grouped and hasattr(torch, "_grouped_mm")), st
+    for name, a, b in zip(NAMES, got, ref):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2, msg=name)
