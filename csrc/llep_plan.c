@@ -19,8 +19,7 @@
  *      (and their gradient) on the helper whatever its load, so this keeps
  *      the borrowed set -- memory outside the chunk working set -- to the
  *      few hot experts; a plan that spills cold experts whole can borrow
- *      nearly all E/P experts of a rank (measured: +6 GiB at E = 128,
- *      H = I = 2880 on 2 GPUs).
+ *      nearly all E/P experts of a rank (docs/notes/llep_history.md).
  *   2. Spill pass, the residuals R[e] > 0 by R descending (ties: lower id):
  *      repeatedly, with d the least-assigned other rank (ties: lower rank):
  *      if R < min_tokens the owner keeps R (a share below min_tokens is

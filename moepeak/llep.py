@@ -10,8 +10,14 @@ Ops (in order: custom_op, register_fake, register_autograd, then the public API)
   moepeak::llep_dispatch_backward(dy, x, ...) -> (dx, d topk_weights, dW_gate_up, dW_down)
   moepeak::llep_combine_(acc, y, idx, w, div): acc[idx // div] += w[idx] * y (fp32 acc)
 
-Process groups cannot be op arguments, so the group travels as a registry key
-(a string) resolved in this process.
+Process groups cannot be op arguments, so the group travels as a key
+(moepeak/process_groups.register_group) resolved in this process; a key
+whose group was destroyed raises a clear error.
+
+Weights may have any strides: moepeak's own [E, H, 2I] / [E, I, H], or
+Hugging Face's gate_up_proj [E, 2I, H] / down_proj [E, H, I] seen through
+transpose(1, 2), are used as they are (sliced per expert, never copied
+whole); their gradients come back with the weights' shape and strides.
 """
 from __future__ import annotations
 
@@ -24,41 +30,26 @@ import torch.nn.functional as F
 from . import llep_plan as lp
 from . import llep_sched as sched
 from ._ext import check_tensor
+from .process_groups import lookup_group, register_group
 from .transport import get_transport
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-# Activation-cache budget (save_budget_mb=None picks it from the group size).
-# P = 1: at T = 256k (C = 32768, H = I = 2880, bf16) the layer peaked at
-# 11.9-12.1 GiB without it; 1536 MiB holds 2 slots (1080 MiB), the peak stays
-# under 14 GiB (13.0-13.1 measured on an H200), and it covers T = 16k entirely
-# (fwd+bwd 29.7 vs 35.0 ms without). P > 1: none -- measured on 2 H200s at
-# E = 128, T = 32k per rank, 95:4 routing, it cost 1.3 GiB (5.67 -> 6.98 GiB,
-# a fifth of the layer's peak) for 8% time, and without it the layer is
-# already 1.43x standard EP's throughput at 38% of its peak.
+# Activation-cache budget (save_budget_mb=None picks it from the group size):
+# on one rank it keeps the peak bounded while caching every chunk of short
+# inputs; on several ranks the cache costs more peak than the time it saves
+# (measured in benchmarks/bench_llep.py; see benchmarks/RESULTS.md).
 DEFAULT_SAVE_BUDGET_MB = 1536
 
 
 def default_save_budget_mb(P: int) -> int:
+    """The activation-cache budget (MiB) save_budget_mb=None picks for P ranks."""
     return DEFAULT_SAVE_BUDGET_MB if P == 1 else 0
 
 
-_GROUPS = {}
-
-
-def _group_key(group) -> str:
-    if group is None:
-        return ""
-    key = f"pg{id(group)}"
-    _GROUPS[key] = group
-    return key
-
-
 def _transport(key: str):
-    if not key:
-        return None
-    if key not in _GROUPS:
-        raise ValueError(f"moepeak: unknown process group key {key!r} (groups are registered by llep_moe)")
-    return get_transport(_GROUPS[key])
+    """The transport of the group registered under `key` (None for "": one rank)."""
+    group = lookup_group(key)
+    return get_transport(group) if group is not None else None
 
 
 # ---------------------------------------------------------------------------
@@ -117,8 +108,8 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, topk_ids, topk_weights, w_gate_up, w_down, output[1])
     ctx.args = inputs[5:10]
     ctx.mark_non_differentiable(output[1])
-    # No zero-filled gradient for the cache output (it would cost the whole cache
-    # budget again in backward; measured on the H200 before this line).
+    # No zero-filled gradient for the cache output (it would cost the whole
+    # cache budget again in backward).
     ctx.set_materialize_grads(False)
 
 
@@ -208,6 +199,10 @@ def llep_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     x [..., H]; topk_ids, topk_weights [T, K] (T = x.numel() // H; ids are
     global expert ids in [0, E_local * P)); w_gate_up [E_local, H, 2I] (gate
     columns [:I], up [I:]); w_down [E_local, I, H]. Returns y shaped like x.
+    The weights may have any strides and are never copied whole: Hugging
+    Face's gate_up_proj [E, 2I, H] and down_proj [E, H, I] are passed as
+    gate_up_proj.transpose(1, 2) and down_proj.transpose(1, 2); their
+    gradients have the weights' strides.
     Every rank of `group` must call it (with its own tokens; T may differ).
     Differentiable in x, topk_weights, w_gate_up and w_down.
     alpha, min_tokens_per_gemm, imbalance_threshold: the LLEP plan
@@ -240,7 +235,7 @@ def llep_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
                               x.element_size()) if grad else 0
     shape = x.shape
     y, _ = llep_dispatch(x.reshape(T, H).contiguous(), topk_ids.contiguous(), topk_weights.contiguous(),
-                         w_gate_up.contiguous(), w_down.contiguous(), _group_key(group), int(C), float(alpha),
+                         w_gate_up, w_down, register_group(group), int(C), float(alpha),
                          int(min_tokens_per_gemm), float(imbalance_threshold), int(slots))
     return y.view(shape)
 

@@ -24,7 +24,8 @@ import torch
 from . import _C
 from ._ext import check_tensor, current_stream_handle, require_cuda_build
 
-_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# dtype -> the code csrc/llep.c uses for it (also part of the config fingerprint)
+DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 # ---------------------------------------------------------------------------
@@ -100,7 +101,7 @@ def default_chunk_rows(P: int) -> int:
     against an 80-141 GiB GPU, large enough for full GEMMs. P > 1: 16384,
     because the double-buffered send/receive rings make the backward working
     set C * (16H + 7I) * 2 bytes: 2.0 GiB at the same shapes (4.0 GiB at
-    C = 32768, measured on 2 H200s). A chunk still gives each destination
+    C = 32768). A chunk still gives each destination
     up to 16384 rows: full-size expert GEMMs."""
     return 32768 if P == 1 else max(16384, P)
 
@@ -161,7 +162,7 @@ def combine_rows(acc: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, w, div: 
     """acc[idx[i] // div] += w[idx[i]] * y[i] in fp32 (w None: weight 1)."""
     rows = idx.numel()
     if rows:
-        _C.llep_combine(acc.data_ptr(), y.data_ptr(), _DTYPE_CODE[y.dtype], idx.data_ptr(),
+        _C.llep_combine(acc.data_ptr(), y.data_ptr(), DTYPE_CODE[y.dtype], idx.data_ptr(),
                         0 if w is None else w.data_ptr(), rows, int(div), acc.shape[1], _is_cuda(acc),
                         current_stream_handle(acc.device))
 
@@ -170,7 +171,7 @@ def down_bwd(D: torch.Tensor, a: torch.Tensor, w: torch.Tensor, wp: torch.Tensor
     """The down projection's backward epilogue over rows r (csrc/llep.h):
     dwr[r] = <D[r], a[r]> / wp[r]; D[r], a[r] *= w[r] / wp[r] in place.
     D, a [rows, I] (same float dtype, contiguous); w, wp, dwr [>= rows] fp32."""
-    check_tensor("D", D, dtypes=tuple(_DTYPE_CODE), ndim=2, contiguous=True)
+    check_tensor("D", D, dtypes=tuple(DTYPE_CODE), ndim=2, contiguous=True)
     check_tensor("a", a, dtypes=(D.dtype,), ndim=2, device=D.device, contiguous=True)
     if a.shape != D.shape:
         raise ValueError(f"moepeak: a must have D's shape {tuple(D.shape)}, got {tuple(a.shape)}")
@@ -180,7 +181,7 @@ def down_bwd(D: torch.Tensor, a: torch.Tensor, w: torch.Tensor, wp: torch.Tensor
         if t.numel() < rows:
             raise ValueError(f"moepeak: {name} must hold at least rows={rows} elements, got {t.numel()}")
     if rows:
-        _C.llep_down_bwd(D.data_ptr(), a.data_ptr(), _DTYPE_CODE[D.dtype], w.data_ptr(), wp.data_ptr(),
+        _C.llep_down_bwd(D.data_ptr(), a.data_ptr(), DTYPE_CODE[D.dtype], w.data_ptr(), wp.data_ptr(),
                          dwr.data_ptr(), rows, D.shape[1], _is_cuda(D), current_stream_handle(D.device))
 
 

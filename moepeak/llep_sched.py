@@ -1,420 +1,35 @@
 """PipelinedLLEP schedules: forward and backward, readable top to bottom.
 
 Per call (forward, and again in backward: nothing routing-sized is saved):
-  1. count picks per expert (kernel), all-gather a config fingerprint, then the
-     P x E load matrix (one small all-gather each; bad ids and differing
-     configs are reported on every rank, so no rank is left hanging);
-  2. plan (C, identical everywhere), n chunks, this rank's send list (route);
-  3. lend spilled experts' weights to their helpers (one all-to-all-v);
-  4. chunk loop. Forward: dispatch(j+1) is issued before GEMM(j), combine(j)
-     is issued after GEMM(j) and finished after GEMM(j+1). Backward: the same
-     with chunks in reverse order and x, dy and the pick weights travelling;
-     dx rows and d(topk_weights) come back; borrowed experts' weight gradients
-     return to their owner at the end and are summed there.
+the per-call state (moepeak/llep_context.py: counts, plan, send list, lent
+weights), then the chunk loop. Forward: dispatch(j+1) is issued before
+GEMM(j), combine(j) is issued after GEMM(j) and finished after GEMM(j+1).
+Backward: the same with chunks in reverse order and x, dy and the pick weights
+travelling; dx rows and d(topk_weights) come back; borrowed experts' weight
+gradients return to their owner at the end and are summed there.
 
-Buffers (the working set, allocated once per call from C, never from the
-routing; names as in the code; b = bytes per element of x):
-  forward, P = 1:  xr [C, H], h [C, 2I], a [C, I], o [C, H]          (b each)
-  forward, P > 1:  sx, rx, yb, back: 2 x [C, H] each (double-buffered send,
-                   receive, combine-send, combine-receive); gx [C, H] grouped
-                   rows; h [C, 2I]; a [C, I]; o [C, H]
-  backward, P = 1: xr, gr, o, do [C, H]; h, dh [C, 2I]; s, a, da [C, I];
-                   wr, wp, dwr [C] fp32
-  backward, P > 1: sx, sg, rx, rg, dxb, back: 2 x [C, H]; gx, gg, o, do
-                   [C, H]; h, dh [C, 2I]; s, a, da [C, I]; sw, rw, dwb, dwback
-                   2 x [C] fp32; wr, wp, dwr [C] fp32
-  plus int64 index rings (3 x [C] send indices, [C] perm and inverse perm).
-  With torch._grouped_mm (CUDA bf16) the GEMM outputs h, o, da are not
-  allocated in the workspace (counted all the same): each GEMM's own output,
-  at most [C, N], is used in place, no copy; the grouped weight gradient's
-  result [G, H, 2I] (or [G, I, H]) has G = C // H (C // I) experts at most,
-  no larger than the [C, 2I] ([C, H]) buffer it replaces. Worked once: C =
-  32768, H = I = 2880, bf16: G = 11, [11, 2880, 5760] x 2 B = 348 MiB, vs
-  [32768, 5760] x 2 B = 360 MiB. Per chunk the host does no device read:
-  offsets come from the chunk layout (host) in one copy per GEMM grouping.
-  Activation cache (fixed at launch by save_budget_mb, kept from forward to
-  backward): cache [slots, C*2I] (b each), slot j = chunk j's h [C, 2I];
-  slots = min(budget // (b*C*2I), ceil(T*K / (C//P))), so its bytes are <=
-  the budget whatever the routing; backward recomputes h only for chunks
-  j >= slots. Backward never recomputes o = a W_down: d(pick weight) =
-  <dy, o> = <dy W_down^T, a>, and dy W_down^T is the GEMM backward makes
-  anyway (see compute() in backward). Bound of one call: working_set_bound().
-  Outside the working set: fp32 accumulators [T, H] (forward y, backward dx),
-  the send list [T*K] int64, and borrowed experts' weights (and their grads).
+The buffers are allocated once per call from C, never from the routing
+(moepeak/llep_workspace.py lists them); the GEMMs are moepeak/llep_gemm.py.
+Per chunk the host does no device read: offsets come from the chunk layout
+(host) in one copy per GEMM grouping. Backward never recomputes o = a W_down:
+d(pick weight) = <dy, o> = <dy W_down^T, a>, and dy W_down^T is the GEMM
+backward makes anyway (see compute() in backward).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Optional
 
 import torch
 
+from . import llep_gemm as gemm
 from . import llep_plan as lp
+from .llep_context import LAST_STATS, Ctx
+from .llep_workspace import Workspace, cache_slots, slot_elems, workspace_bytes, working_set_bound
 
-# Statistics of the last call (tests and benchmarks read them).
-LAST_STATS: Dict[str, object] = {}
-
-_GROUPED_MM_OK = [hasattr(torch, "_grouped_mm")]
-# Tests only: exercise the grouped path on CPU where torch supports it.
-GROUPED_ON_CPU = [False]
 # Backward divides d(weight) sums by the pick weight w; below this |w| (and at
 # w = 0) dy is left unscaled instead and the row scaled by w afterwards. With
 # |w| >= 2^-24, w * dy stays a normal bf16/fp32 number for any |dy| > 2^-102.
 _TINY_W = 2.0 ** -24
-
-
-class Workspace:
-    """Every working-set buffer of one call; frozen before the chunk loop so
-    that nothing routing-dependent can be allocated inside it."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.nbytes = 0
-        self.frozen = False
-
-    def alloc(self, shape, dtype) -> torch.Tensor:
-        if self.frozen:
-            raise RuntimeError("moepeak: internal error: workspace allocation inside the chunk loop")
-        t = torch.empty(shape, dtype=dtype, device=self.device)
-        self.nbytes += t.numel() * t.element_size()
-        return t
-
-    def gemm_out(self, shape, dtype, grouped: bool) -> Optional[torch.Tensor]:
-        """A GEMM output buffer. With torch._grouped_mm the GEMM allocates its
-        own [rows <= C, N] output (no copy into the workspace), so the buffer is
-        only counted (the bound is the same), not allocated: None."""
-        if not grouped:
-            return self.alloc(shape, dtype)
-        self.nbytes += torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        return None
-
-    def ring(self, k: int, shape, dtype) -> List[torch.Tensor]:
-        return [self.alloc(shape, dtype) for _ in range(k)]
-
-
-def slot_elems(C: int, I: int) -> int:
-    """Elements of one activation-cache slot: h [C, 2I] (o is never cached:
-    backward does not need it)."""
-    return C * 2 * I
-
-
-def cache_slots(budget_bytes: int, T: int, K: int, C: int, I: int, P: int, b: int) -> int:
-    """Chunks whose forward intermediates fit the launch-time byte budget.
-    From shapes and the budget only (never the routing): at most
-    budget // (b * C * 2I) slots, and no more than ceil(T*K / (C//P)),
-    the chunks this rank's own T*K picks can need (exactly the chunk count at
-    P = 1; at P > 1 the global count may differ either way, which only
-    changes how many chunks are recomputed, never a result). Worked once: budget 1536 MiB, C = 32768,
-    I = 2880, bf16: one slot is 32768 x 5760 x 2 B = 360 MiB, so 4 slots
-    (1440 MiB): T = 16k, K = 4 (2 chunks) recomputes nothing; T = 256k (32
-    chunks) recomputes 28."""
-    per = b * slot_elems(C, I)
-    if budget_bytes <= 0 or per <= 0:
-        return 0
-    return int(min(budget_bytes // per, -(-T * K // (C // P))))
-
-
-def workspace_bytes(C: int, H: int, I: int, P: int, b: int, backward: bool) -> int:
-    """The working set in bytes, from C alone (see the module docstring)."""
-    idx = 8 * C * (3 + 2) if P > 1 else 0
-    if not backward:
-        if P == 1:
-            return b * C * (2 * H + 3 * I)
-        return b * C * (10 * H + 3 * I) + idx
-    if P == 1:
-        return b * C * (4 * H + 7 * I) + 12 * C
-    return b * C * (16 * H + 7 * I) + 4 * C * 11 + idx
-
-
-def working_set_bound(C: int, H: int, I: int, P: int, b: int, backward: bool, save_budget_bytes: int) -> int:
-    """Bytes above the [T, H]-sized tensors and weight gradients: the working
-    set plus the activation cache (alive in both passes), from C and the
-    launch-time budget alone."""
-    return workspace_bytes(C, H, I, P, b, backward) + max(0, save_budget_bytes)
-
-
-class Ctx:
-    """Everything one call derives from its inputs; identical control flow on
-    every rank."""
-
-    def __init__(self, x, topk_ids, topk_weights, w_gate_up, w_down, tr, C, alpha, m, lam):
-        self.x, self.wgu, self.wd, self.tr, self.C = x, w_gate_up, w_down, tr, C
-        self.T, self.H = x.shape
-        self.K = topk_ids.shape[1]
-        self.El, _, twoI = w_gate_up.shape
-        self.I = twoI // 2
-        self.P = tr.world_size if tr is not None else 1
-        self.r = tr.rank if tr is not None else 0
-        self.E = self.El * self.P
-        dev = x.device
-        self.ids = topk_ids.reshape(-1).to(torch.int64).contiguous()
-        self.wflat = topk_weights.reshape(-1).to(torch.float32).contiguous()
-        cnt = lp.count(self.ids, self.E)
-        fp = lp.config_fingerprint(E=self.E, K=self.K, H=self.H, I=self.I, C=C, m=m, alpha=float(alpha),
-                                   lam=float(lam), dtype=lp._DTYPE_CODE[x.dtype], cuda=int(x.is_cuda))
-        fpt = torch.tensor(fp, dtype=torch.int64)
-        if tr is not None:
-            fps = torch.empty(self.P, len(fp), dtype=torch.int64, device=dev)
-            tr.all_gather(fps, fpt.to(dev))
-            fps = fps.cpu()
-            bad = [s for s in range(self.P) if not torch.equal(fps[s], fps[0])]
-            if bad:
-                raise ValueError(f"moepeak: llep_moe configuration differs across ranks {bad} vs rank 0 "
-                                 "(num_experts, top_k, hidden/intermediate size, chunk_rows, alpha, "
-                                 "min_tokens_per_gemm, imbalance_threshold, dtype and device type must agree)")
-            loads = torch.empty(self.P, self.E + 1, dtype=torch.int64, device=dev)
-            tr.all_gather(loads, cnt)
-            loads = loads.cpu()
-        else:
-            loads = cnt.cpu()[None]
-        badr = [s for s in range(self.P) if int(loads[s, self.E]) != 0]
-        if badr:
-            raise ValueError(f"moepeak: topk_ids has {int(loads[badr[0], self.E])} id(s) outside "
-                             f"[0, num_experts={self.E}) on rank(s) {badr}")
-        self.load = loads[:, :self.E].contiguous()
-        self.plan = lp.llep_plan(self.load, alpha, m, lam)
-        self.n = lp.num_chunks(self.plan.S, C)
-        self.send_index = lp.route(self.ids, self.E, self.plan, self.r, self.load[self.r])
-        # Borrowed experts (run here, owned elsewhere) and lent ones (ours, run
-        # on d). Both ascending by expert id, so grouped by owner.
-        Q = self.plan.Q
-        own = range(self.r * self.El, (self.r + 1) * self.El)
-        self.borrowed = [e for e in range(self.E) if e // self.El != self.r and int(Q[e, self.r]) > 0]
-        self.lend = [[e for e in own if d != self.r and int(Q[e, d]) > 0] for d in range(self.P)]
-        self.slot = {e: i for i, e in enumerate(self.borrowed)}
-        self.per = self.H * 2 * self.I + self.I * self.H  # elements of one expert's weights
-        self.bgu = self.bd = None
-        if self.plan.spilled:
-            self._lend_weights()
-        self.layouts: Dict[int, lp.ChunkLayout] = {}
-        # experts whose weight gradient (0: gate_up, 1: down) holds a partial sum
-        self.touched = (set(), set())
-        LAST_STATS.update(n_chunks=self.n, chunk_rows=C, spilled=self.plan.spilled, borrowed=list(self.borrowed),
-                          max_rows=0, grouped_mm=0, grouped_dw=0)
-
-    # ---- weights ---------------------------------------------------------
-    def _lend_weights(self):
-        parts = [torch.cat([self.wgu[e - self.r * self.El].reshape(-1), self.wd[e - self.r * self.El].reshape(-1)])
-                 for d in range(self.P) for e in self.lend[d]]
-        send = torch.cat(parts) if parts else self.wgu.new_empty(0)
-        recv_counts = [sum(1 for e in self.borrowed if e // self.El == o) * self.per for o in range(self.P)]
-        recv = self.wgu.new_empty(len(self.borrowed) * self.per)
-        self.tr.all_to_all_v(send, [len(l) * self.per for l in self.lend], recv, recv_counts).wait()
-        self.bflat = recv.view(len(self.borrowed), self.per)
-        n1 = self.H * 2 * self.I
-        self.bgu = [self.bflat[i, :n1].view(self.H, 2 * self.I) for i in range(len(self.borrowed))]
-        self.bd = [self.bflat[i, n1:].view(self.I, self.H) for i in range(len(self.borrowed))]
-
-    def weights(self, e: int):
-        if e // self.El == self.r:
-            return self.wgu[e - self.r * self.El], self.wd[e - self.r * self.El]
-        i = self.slot[e]
-        return self.bgu[i], self.bd[i]
-
-    def layout(self, j: int) -> lp.ChunkLayout:
-        lay = self.layouts.get(j)
-        if lay is None:
-            lay = lp.chunk_layout(self.plan, self.r, self.n, j, self.C)
-            LAST_STATS["max_rows"] = max(int(LAST_STATS["max_rows"]), lay.rows, sum(lay.send_len))
-            self.layouts = {j: lay}  # keep one: layouts are cheap to recompute
-        return lay
-
-    def send_idx(self, lay: lp.ChunkLayout, buf: torch.Tensor) -> torch.Tensor:
-        """Chunk's send indices (dst-major) as one contiguous int64 tensor."""
-        if self.P == 1:
-            a = lay.send_start[0]
-            return self.send_index[a:a + lay.send_len[0]]
-        pos = 0
-        for d in range(self.P):
-            a, k = lay.send_start[d], lay.send_len[d]
-            if k:
-                buf[pos:pos + k].copy_(self.send_index[a:a + k])
-            pos += k
-        return buf[:pos]
-
-    # ---- expert GEMMs (torch) ---------------------------------------------
-    def _grouped_ok(self) -> bool:
-        return (_GROUPED_MM_OK[0] and (self.x.is_cuda or GROUPED_ON_CPU[0]) and self.x.dtype == torch.bfloat16
-                and self.H % 8 == 0 and self.I % 8 == 0)
-
-    def _stack(self, experts, kind, which: int):
-        """[G, ., .] weight stack (which 0: w_gate_up, 1: w_down) of a run of
-        experts that are consecutive in their storage (local block or slots)."""
-        if kind == "l":
-            e0 = experts[0] - self.r * self.El
-            W = self.wgu if which == 0 else self.wd
-            return W[e0:e0 + len(experts)]
-        n1 = self.H * 2 * self.I
-        i0 = self.slot[experts[0]]
-        blk = self.bflat[i0:i0 + len(experts)]
-        return blk[:, :n1].unflatten(1, (self.H, 2 * self.I)) if which == 0 else blk[:, n1:].unflatten(1, (self.I, self.H))
-
-    def groups(self, ecount) -> "Groups":
-        return Groups(self, ecount)
-
-    def mm(self, inp, grp: "Groups", which: int, transpose: bool, out):
-        """Rows of e times W_e (or W_e^T) for each expert e, rows grouped
-        expert-ascending; which 0: w_gate_up, 1: w_down. Returns the [rows, N]
-        result: torch._grouped_mm's own output where it works (CUDA bf16; out
-        may then be None: no copy into the workspace), else `out` filled by one
-        torch.mm per expert."""
-        rows = inp.shape[0]
-        N = (self.H if transpose else 2 * self.I) if which == 0 else (self.I if transpose else self.H)
-        if rows == 0:
-            return inp.new_empty(0, N) if out is None else out[:0]
-        if grp.grouped:
-            try:
-                res = None
-                for a, b, experts, kind, offs in grp.segments:
-                    W = self._stack(experts, kind, which)
-                    r = torch._grouped_mm(inp[a:b], W.transpose(1, 2) if transpose else W, offs=offs)
-                    if a == 0 and b == rows:
-                        res = r  # one segment (always at P = 1): no copy
-                    else:
-                        if res is None:
-                            res = inp.new_empty(rows, N) if out is None else out[:rows]
-                        res[a:b].copy_(r)
-                LAST_STATS["grouped_mm"] = int(LAST_STATS.get("grouped_mm", 0)) + 1
-                return res
-            except (RuntimeError, TypeError, NotImplementedError):
-                _GROUPED_MM_OK[0] = False  # unsupported here: per-expert GEMMs from now on
-                grp.grouped = False
-        if out is None:  # only after a grouped failure: this call's buffer
-            out = inp.new_empty(rows, N)
-        off = 0
-        for e, c in enumerate(grp.ecount):
-            if c:
-                W = self.weights(e)[which]
-                torch.mm(inp[off:off + c], W.t() if transpose else W, out=out[off:off + c])
-                off += c
-        return out[:rows]
-
-    def new_dw(self, which: int) -> torch.Tensor:
-        """An unwritten weight gradient like w_gate_up (which 0) or w_down (1)."""
-        return torch.empty_like(self.wgu if which == 0 else self.wd)
-
-    def dw_accumulate(self, left, right, grp: "Groups", which: int, dW_local, dW_borrowed):
-        """dW_e += left[rows of e]^T @ right[rows of e] (param dtype).
-        dW_local[which] is None until the first call: on the grouped path the
-        first chunk's grouped GEMM over all local experts (2D x 2D, offsets
-        along the rows; experts without rows there get an unused slice, written
-        or zeroed later) *is* the weight gradient [E_local, ., .], no copy.
-        After that, experts whose gradient is still untouched (unwritten) get
-        it from one torch._grouped_mm per run of at most G experts and a copy
-        into dW; G is chosen so that the [G, ., .] result is no larger than one
-        [C, 2I] (or [C, H]) buffer. Experts already touched by an earlier chunk
-        use addmm_ (one rounding into the running sum: the same rounding as
-        the per-expert path)."""
-        touched = self.touched[which]
-        done = set()  # experts of this call already written by a grouped run
-        if grp.grouped:
-            try:
-                if dW_local[which] is None:
-                    for a0, b0, experts, kind, offs in grp.segments:
-                        if kind == "l":
-                            dW_local[which] = torch._grouped_mm(left[a0:b0].t(), right[a0:b0], offs=offs)
-                            ex = [e for e in experts if grp.ecount[e]]
-                            touched.update(ex)
-                            done.update(ex)
-                for a0, experts, kind, offs in grp.dw_runs(which, touched):
-                    b0 = a0 + int(sum(grp.ecount[e] for e in experts))
-                    r = torch._grouped_mm(left[a0:b0].t(), right[a0:b0], offs=offs)
-                    if kind == "l":
-                        e0 = experts[0] - self.r * self.El
-                        dW_local[which][e0:e0 + len(experts)].copy_(r)
-                    else:
-                        for i, e in enumerate(experts):
-                            dW_borrowed[which][self.slot[e]].copy_(r[i])
-                    r = None  # freed before the next run's result exists: one [G, ., .] at a time
-                    touched.update(experts)
-                    done.update(experts)
-                LAST_STATS["grouped_dw"] = int(LAST_STATS.get("grouped_dw", 0)) + 1
-            except (RuntimeError, TypeError, NotImplementedError):
-                _GROUPED_MM_OK[0] = False
-                grp.grouped = False
-        if dW_local[which] is None:
-            dW_local[which] = self.new_dw(which)
-        off = 0
-        for e, c in enumerate(grp.ecount):
-            if c and e not in done:
-                if e // self.El == self.r:
-                    g = dW_local[which][e - self.r * self.El]
-                else:
-                    g = dW_borrowed[which][self.slot[e]]
-                if e in touched:
-                    g.addmm_(left[off:off + c].t(), right[off:off + c])
-                else:  # first rows of e: dW starts uninitialised (see backward)
-                    torch.mm(left[off:off + c].t(), right[off:off + c], out=g)
-                touched.add(e)
-            off += c
-
-
-class Groups:
-    """One chunk's expert grouping, computed on the host from ecount (no device
-    read): segments of grouped rows whose experts form one weight stack, with
-    their grouped_mm offsets (int32, cumulative rows within the segment) moved
-    to the device in ONE host-to-device copy per chunk, shared by every GEMM
-    of the chunk."""
-
-    def __init__(self, ctx: Ctx, ecount):
-        self.ctx, self.ecount = ctx, ecount
-        self.grouped = ctx._grouped_ok()
-        self.segments = []
-        if not self.grouped:
-            return
-        lo, hi = ctx.r * ctx.El, (ctx.r + 1) * ctx.El
-        below = [e for e in ctx.borrowed if e < lo]
-        above = [e for e in ctx.borrowed if e >= hi]
-        host, spans, row = [], [], 0
-        for experts, kind in ((below, "b"), (list(range(lo, hi)), "l"), (above, "b")):
-            counts = [ecount[e] for e in experts]
-            nrows = sum(counts)
-            if nrows:
-                c, acc = len(host), 0
-                for k in counts:
-                    acc += k
-                    host.append(acc)
-                spans.append((row, row + nrows, experts, kind, c, len(host)))
-            row += nrows
-        self.host = host
-        self.dev = torch.tensor(host, dtype=torch.int32).to(ctx.x.device, non_blocking=True) if host else None
-        self.segments = [(a, b, ex, kind, self.dev[c0:c1]) for a, b, ex, kind, c0, c1 in spans]
-
-    def dw_runs(self, which: int, touched):
-        """Runs for the grouped weight gradient: consecutive experts of one
-        segment with rows in this chunk and an untouched gradient, at most G
-        per run. Returns [(first row, experts, kind, offs on the device)]. The
-        few experts left out (touched ones) go to addmm_."""
-        ctx = self.ctx
-        G = max(1, ctx.C // (ctx.H if which == 0 else ctx.I))
-        runs, host = [], []
-        for a, b, experts, kind, _ in self.segments:
-            row, cur, start = a, [], a
-            for e in experts:
-                c = self.ecount[e]
-                if c == 0:
-                    continue
-                if e in touched or len(cur) == G or (cur and cur[-1] + 1 != e):
-                    if cur:
-                        runs.append((start, cur))
-                    cur = []
-                if e not in touched:
-                    if not cur:
-                        start = row
-                    cur.append(e)
-                row += c
-            if cur:
-                runs.append((start, cur))
-        out = []
-        for start, ex in runs:
-            acc, c0 = 0, len(host)
-            for e in ex:
-                acc += self.ecount[e]
-                host.append(acc)
-            out.append((start, ex, "l" if ex[0] // ctx.El == ctx.r else "b", c0, len(host)))
-        if not host:
-            return []
-        dev = torch.tensor(host, dtype=torch.int32).to(ctx.x.device, non_blocking=True)
-        return [(s, ex, kind, dev[c0:c1]) for s, ex, kind, c0, c1 in out]
 
 
 def _act(h, I, s, a, rows):
@@ -431,7 +46,7 @@ def forward(ctx: Ctx, cache: Optional[torch.Tensor] = None) -> torch.Tensor:
                       cache_bytes=cache.numel() * cache.element_size() if cache is not None else 0)
     acc = torch.zeros(ctx.T, H, dtype=torch.float32, device=x.device)
     ws = Workspace(x.device)
-    gmm = ctx._grouped_ok()
+    gmm = gemm.grouped_ok(ctx)
     h = ws.gemm_out((C, 2 * I), x.dtype, gmm)
     a = ws.alloc((C, I), x.dtype)
     o = ws.gemm_out((C, H), x.dtype, gmm)
@@ -521,14 +136,14 @@ def _experts_fwd(ctx, xg, ecount, h, a, o, slot=None):
     torch._grouped_mm's own output) for backward to use instead of a
     recompute; the values are the very same either way."""
     rows, I = xg.shape[0], ctx.I
-    grp = ctx.groups(ecount)
-    hh = ctx.mm(xg, grp, 0, False, h if slot is None else slot)
+    grp = gemm.Groups(ctx, ecount)
+    hh = gemm.mm(ctx, xg, grp, 0, False, h if slot is None else slot)
     if slot is not None:
         hh = _keep(hh, slot[:rows])
     torch.ops.aten.silu.out(hh[:, :I], out=a[:rows])
     a[:rows].mul_(hh[:, I:])                                         # a = silu(gate) * up
     hh = None
-    return ctx.mm(a[:rows], grp, 1, False, o)
+    return gemm.mm(ctx, a[:rows], grp, 1, False, o)
 
 
 def _zero_tail(slot, rows):
@@ -590,7 +205,7 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True, cache: Optional[t
         dWb = ([bgrad[i, :n1].view(H, 2 * I) for i in range(nb)], [bgrad[i, n1:].view(I, H) for i in range(nb)])
 
     ws = Workspace(dev)
-    gmm = ctx._grouped_ok()
+    gmm = gemm.grouped_ok(ctx)
     h, dh = ws.gemm_out((C, 2 * I), dt, gmm), ws.alloc((C, 2 * I), dt)
     s, a, da = ws.alloc((C, I), dt), ws.alloc((C, I), dt), ws.gemm_out((C, I), dt, gmm)
     o, do = ws.gemm_out((C, H), dt, gmm), ws.alloc((C, H), dt)
@@ -612,35 +227,35 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True, cache: Optional[t
         leaves fp16's normal range already at |w dy| < 2^-14, so there d(weight)
         comes from a recomputed o (one GEMM more), as before."""
         rows = xg.shape[0]
-        grp = ctx.groups(ecount)
+        grp = gemm.Groups(ctx, ecount)
         if slot is None:
-            hh = ctx.mm(xg, grp, 0, False, h)                        # [rows, 2I]
+            hh = gemm.mm(ctx, xg, grp, 0, False, h)                        # [rows, 2I]
         else:
             hh = slot[:rows]                                         # (the cache is only read)
         _act(hh, I, s, a, rows)
         if dt == torch.float16:
-            oo = ctx.mm(a[:rows], grp, 1, False, o)                  # [rows, H]
+            oo = gemm.mm(ctx, a[:rows], grp, 1, False, o)                  # [rows, H]
             torch.mul(oo, gg, out=do[:rows])                         # dy . expert output, per row
             torch.sum(do[:rows], 1, dtype=torch.float32, out=dwr[:rows])
             oo = None
             torch.mul(gg, wg.unsqueeze(1), out=do[:rows])            # d(expert output) = w * dy
-            dda = ctx.mm(do[:rows], grp, 1, True, da)                # [rows, I]
+            dda = gemm.mm(ctx, do[:rows], grp, 1, True, da)                # [rows, I]
         else:
             w1 = wp[:rows]
             w1.copy_(wg).masked_fill_(wg.abs() < _TINY_W, 1.0)       # wp: w, or 1 for tiny |w|
             torch.mul(gg, w1.unsqueeze(1), out=do[:rows])            # d(expert output) = wp * dy
-            dda = ctx.mm(do[:rows], grp, 1, True, da)                # [rows, I]: (wp dy) W_down^T
+            dda = gemm.mm(ctx, do[:rows], grp, 1, True, da)                # [rows, I]: (wp dy) W_down^T
             lp.down_bwd(dda, a[:rows], wg, w1, dwr)                  # d(weight); tiny-w rows rescaled
         if need_dw:
-            ctx.dw_accumulate(a[:rows], do[:rows], grp, 1, dW, dWb)  # a rows already carry w / wp
+            gemm.dw_accumulate(ctx, a[:rows], do[:rows], grp, 1, dW, dWb)  # a rows already carry w / wp
         torch.mul(dda, s[:rows], out=dh[:rows, I:])                  # d up = da * silu(gate)
         torch.mul(dda, hh[:, I:], out=s[:rows])                      # d silu(gate) = da * up
         dda = None
         torch.ops.aten.silu_backward.grad_input(s[:rows], hh[:, :I], grad_input=dh[:rows, :I])
         hh = None
         if need_dw:
-            ctx.dw_accumulate(xg, dh[:rows], grp, 0, dW, dWb)
-        return ctx.mm(dh[:rows], grp, 0, True, o)                    # dx rows [rows, H]
+            gemm.dw_accumulate(ctx, xg, dh[:rows], grp, 0, dW, dWb)
+        return gemm.mm(ctx, dh[:rows], grp, 0, True, o)                    # dx rows [rows, H]
 
     if P == 1:
         xr, gr = ws.alloc((C, H), dt), ws.alloc((C, H), dt)
@@ -738,3 +353,6 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True, cache: Optional[t
                 dW[1][le].add_(recv[i, n1:].view(I, H))
                 i += 1
     return dx.to(dt), dtw, dW[0], dW[1]
+
+__all__ = ["Ctx", "LAST_STATS", "forward", "backward", "cache_slots", "slot_elems", "workspace_bytes",
+           "working_set_bound"]

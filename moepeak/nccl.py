@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from . import _C
 from ._ext import HAS_CUDA_BUILD, check_tensor
+from .process_groups import group_info
 from .transport import Handle, Transport
 
 # ncclDataType_t codes (NCCL's public ABI; csrc/nccl.c checks the range).
@@ -116,7 +117,7 @@ class NcclHandle(Handle):
         self._transport = None
 
 
-def _counts(name: str, counts, world_size: int) -> List[int]:
+def normalize_counts(name: str, counts, world_size: int) -> List[int]:
     """Per-rank row counts as a list of ints >= 0, one per rank."""
     if isinstance(counts, torch.Tensor):
         if counts.device.type != "cpu":
@@ -152,11 +153,8 @@ class NcclTransport(Transport):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("moepeak: NcclTransport needs torch.distributed initialized (to broadcast the "
                                "NCCL unique id over the group); call torch.distributed.init_process_group first")
-        self.group = group if group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
-        if self.rank < 0:
-            raise ValueError("moepeak: this process is not a member of the given group")
+        info = group_info(group)
+        self.group, self.rank, self.world_size = info.group, info.rank, info.world_size
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
         device = torch.device(device)
@@ -166,8 +164,7 @@ class NcclTransport(Transport):
 
         with torch.cuda.device(device):
             uid = [_C.nccl_get_unique_id() if self.rank == 0 else None]
-            root = 0 if self.group is dist.group.WORLD else dist.get_global_rank(self.group, 0)
-            dist.broadcast_object_list(uid, src=root, group=self.group)
+            dist.broadcast_object_list(uid, src=info.global_ranks[0], group=self.group)
             if not isinstance(uid[0], bytes):
                 raise RuntimeError(f"moepeak: the NCCL unique id broadcast from rank 0 arrived as {type(uid[0])}")
             # Blocks (GIL released) until every rank of the group has joined.
@@ -228,8 +225,8 @@ class NcclTransport(Transport):
         if send.dtype != recv.dtype or send.shape[1:] != recv.shape[1:]:
             raise ValueError(f"moepeak: all_to_all_v send and recv rows must match: send {send.dtype} "
                              f"{tuple(send.shape)}, recv {recv.dtype} {tuple(recv.shape)}")
-        sc = _counts("send_counts", send_counts, self.world_size)
-        rc = _counts("recv_counts", recv_counts, self.world_size)
+        sc = normalize_counts("send_counts", send_counts, self.world_size)
+        rc = normalize_counts("recv_counts", recv_counts, self.world_size)
         if sum(sc) != send.shape[0]:
             raise ValueError(f"moepeak: send_counts sum to {sum(sc)} rows but send has {send.shape[0]}")
         if sum(rc) != recv.shape[0]:
@@ -267,6 +264,11 @@ class NcclTransport(Transport):
         torch.cuda.current_stream(self.device).wait_event(ev)
 
     # ---- health and shutdown -----------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """Whether close() has released the communicator."""
+        return self._comm is None
+
     def check(self) -> None:
         """Raise RuntimeError if NCCL reported an asynchronous error (e.g. a peer died)."""
         code, msg = _C.nccl_comm_async_error(self._comm_or_raise())
@@ -299,7 +301,7 @@ class NcclTransport(Transport):
                 time.sleep(1e-3)
         except Exception:  # CUDA already torn down, or a sticky error: do not block
             abort = True
-        _release(comm, abort, max(5.0, deadline - time.monotonic()))
+        release_communicator(comm, abort, max(5.0, deadline - time.monotonic()))
 
     def __del__(self):
         # Garbage collection is not coordinated across ranks: never the
@@ -314,7 +316,7 @@ class NcclTransport(Transport):
         return f"NcclTransport(rank={self.rank}, world_size={self.world_size}, device={self.device}, {state})"
 
 
-def _release(comm: int, abort: bool, timeout: float) -> None:
+def release_communicator(comm: int, abort: bool, timeout: float) -> None:
     """ncclCommDestroy/ncclCommAbort (GIL released in C) on a daemon thread,
     joined for at most `timeout` s: a peer that never arrives, or an abort that
     waits on one, cannot hang this process (a stuck thread is abandoned)."""

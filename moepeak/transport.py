@@ -19,6 +19,8 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from .process_groups import group_info
+
 
 class Handle:
     """An in-flight operation. wait() makes its result usable on the current
@@ -64,16 +66,9 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 
 class TorchDistTransport(Transport):
     def __init__(self, group: Optional[dist.ProcessGroup] = None):
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("moepeak: a group was given but torch.distributed is not initialized "
-                               "(call torch.distributed.init_process_group first)")
-        self.group = group if group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
-        if self.rank < 0:
-            raise ValueError("moepeak: this process is not a member of the given group")
-        self._global = [dist.get_global_rank(self.group, r) if self.group is not dist.group.WORLD else r
-                        for r in range(self.world_size)]
+        info = group_info(group)
+        self.group, self.rank, self.world_size = info.group, info.rank, info.world_size
+        self._global = info.global_ranks  # group rank -> global rank (what P2P ops address)
 
     def send_recv(self, send, dst, recv, src):
         ops = []
@@ -137,7 +132,7 @@ def shared_nccl_transport(group, device: torch.device) -> Transport:
            device.index if device.index is not None else torch.cuda.current_device())
     with _SHARED_LOCK:
         t = _SHARED_NCCL.get(key)
-        if t is None or t._comm is None:  # closed by the user: make a new one
+        if t is None or t.closed:  # closed by the user: make a new one
             t = NcclTransport(key[0], torch.device("cuda", key[1]))
             _SHARED_NCCL[key] = t
         return t

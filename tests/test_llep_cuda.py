@@ -8,6 +8,7 @@ import torch
 from moepeak import llep_plan as lp
 from moepeak import llep_sched
 from moepeak.llep import llep_combine_
+from moepeak.testing import force_grouped_mm
 
 try:
     from tests import refs
@@ -114,15 +115,11 @@ def test_layer_p1_bf16_cuda(grouped, frac):
     prob = _to(_problem(1000, 128, 64, 16, 4, torch.float32, seed=9, frac=frac), dev)
     truth = _dense_grads(*prob)
     bf = _dense_grads(*[t.to(torch.bfloat16) if t.is_floating_point() else t for t in prob])
-    saved = llep_sched._GROUPED_MM_OK[0]
-    llep_sched._GROUPED_MM_OK[0] = grouped and hasattr(torch, "_grouped_mm")
-    try:
+    with force_grouped_mm(grouped):
         got = _op_grads(*prob, torch.bfloat16, chunk_rows=512)
         st = dict(llep_sched.LAST_STATS)
         # grouped: forward/dX GEMMs and the 2D x 2D weight gradients went grouped
         assert (st["grouped_mm"] > 0 and st["grouped_dw"] > 0) == grouped, st
-    finally:
-        llep_sched._GROUPED_MM_OK[0] = saved
     for name, a, b, t in zip(NAMES, got, bf, truth):
         ea = (a.double() - t).abs().max().item()
         eb = (b.double() - t).abs().max().item()
@@ -161,19 +158,15 @@ def test_grouped_peak_not_above_per_expert_cuda():
     workspace buffers, and gives the same result."""
     T, H, I, E, K, C = 4096, 256, 256, 16, 4, 2048
     prob = _to(_problem(T, H, I, E, K, torch.float32, seed=4, frac=0.5), dev)
-    saved = llep_sched._GROUPED_MM_OK[0]
     peaks, outs = [], []
-    try:
-        for grouped in (False, True):
-            llep_sched._GROUPED_MM_OK[0] = grouped and hasattr(torch, "_grouped_mm")
+    for grouped in (False, True):
+        with force_grouped_mm(grouped):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
             outs.append(_op_grads(*prob, torch.bfloat16, chunk_rows=C))
             torch.cuda.synchronize()
             peaks.append(torch.cuda.max_memory_allocated() - base)
-    finally:
-        llep_sched._GROUPED_MM_OK[0] = saved
     if hasattr(torch, "_grouped_mm"):
         assert peaks[1] <= peaks[0], peaks
     for name, a, b in zip(NAMES, outs[1], outs[0]):
@@ -193,10 +186,8 @@ def test_cache_cuda_equals_recompute(grouped):
         from test_llep import _slot_grads
     T, H, I, E, K, C = 4096, 256, 256, 16, 4, 2048
     prob = _to(_problem(T, H, I, E, K, torch.float32, seed=6, frac=0.95), dev)
-    saved = llep_sched._GROUPED_MM_OK[0]
-    llep_sched._GROUPED_MM_OK[0] = grouped and hasattr(torch, "_grouped_mm")
     outs, peaks = [], []
-    try:
+    with force_grouped_mm(grouped):
         for slots in (0, 3, 8):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -207,8 +198,6 @@ def test_cache_cuda_equals_recompute(grouped):
             st = dict(llep_sched.LAST_STATS)
             assert st["cached_chunks"] == slots and st["recomputed_chunks"] == 8 - slots, st
             assert (st["grouped_mm"] > 0) == (grouped and hasattr(torch, "_grouped_mm")), st
-    finally:
-        llep_sched._GROUPED_MM_OK[0] = saved
     slot_bytes = 2 * llep_sched.slot_elems(C, I)
     for got, slots, peak in zip(outs[1:], (3, 8), peaks[1:]):
         for name, a, b in zip(NAMES, got, outs[0]):
@@ -217,3 +206,24 @@ def test_cache_cuda_equals_recompute(grouped):
             else:
                 assert torch.equal(a, b), f"{name} differs with {slots} cache slots"
         assert peak <= peaks[0] + slots * slot_bytes + (1 << 20), (peaks, slots, slot_bytes)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_hf_layout_cuda(grouped):
+    """Hugging Face's weights ([E, 2I, H] / [E, H, I] seen through
+    transpose(1, 2)) on the GPU in bf16: torch._grouped_mm takes the
+    column-major stacks as they are (no staging), the gradients come back in
+    the views' strides, and the result equals contiguous weights up to GEMM
+    summation order."""
+    try:
+        from tests.test_llep_hf_layout import _grads
+    except ImportError:
+        from test_llep_hf_layout import _grads
+    prob = _to(_problem(1000, 128, 64, 16, 4, torch.float32, seed=9, frac=0.5), dev)
+    with force_grouped_mm(grouped):
+        ref = _grads(*prob, torch.bfloat16, False, chunk_rows=512)
+        got = _grads(*prob, torch.bfloat16, True, chunk_rows=512)   # asserts the gradient strides
+        st = dict(llep_sched.LAST_STATS)
+    assert (st["grouped_mm"] > 0 and st["grouped_dw"] > 0) == (grouped and hasattr(torch, "_grouped_mm")), st
+    for name, a, b in zip(NAMES, got, ref):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2, msg=name)

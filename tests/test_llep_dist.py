@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from moepeak import llep_sched
+from moepeak.testing import force_grouped_mm, grouped_mm_enabled
 from moepeak.llep import llep_moe
 
 try:
@@ -86,8 +87,7 @@ def _grouped_vs_loop(rank, P, group):
     es = slice(rank * (E // P), (rank + 1) * (E // P))
     outs = []
     for grouped in (False, True):
-        llep_sched.GROUPED_ON_CPU[0] = grouped
-        try:
+        with force_grouped_mm(True, on_cpu=grouped):
             leaves = [x[lo:hi].to(torch.bfloat16).requires_grad_(), tw[lo:hi].float().requires_grad_(),
                       wgu[es].to(torch.bfloat16).requires_grad_(), wd[es].to(torch.bfloat16).requires_grad_()]
             y = llep_moe(leaves[0], ids[lo:hi], leaves[1], leaves[2], leaves[3], group=group, chunk_rows=24,
@@ -96,11 +96,61 @@ def _grouped_vs_loop(rank, P, group):
             outs.append((y.detach(),) + torch.autograd.grad(y, leaves, gy[lo:hi].to(torch.bfloat16)))
             # backward's own Ctx reset the counter: > 0 means its GEMMs went grouped
             assert (llep_sched.LAST_STATS["grouped_mm"] > 0) == grouped, llep_sched.LAST_STATS
-            assert llep_sched._GROUPED_MM_OK[0]
-        finally:
-            llep_sched.GROUPED_ON_CPU[0] = False
+            assert grouped_mm_enabled()  # no grouped GEMM raised and fell back
     for a, b in zip(*outs):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+def _hf_layout(rank, P, group):
+    """Weights passed as Hugging Face's transposed views ([E, 2I, H] and
+    [E, H, I] storage) give bitwise the contiguous-weight result over P ranks,
+    spilled experts (weights lent and gradients returned) included; the
+    gradients have the views' strides."""
+    global E
+    E = 8
+    tokens = [50 + 3 * r for r in range(P)]
+    x, ids, tw, wgu, wd, gy = _global_problem(tokens, 0.95, 13)
+    lo, hi = sum(tokens[:rank]), sum(tokens[:rank + 1])
+    es = slice(rank * (E // P), (rank + 1) * (E // P))
+    outs = []
+    for hf in (False, True):
+        gu, d = wgu[es].float(), wd[es].float()
+        if hf:
+            gu, d = gu.transpose(1, 2).contiguous().transpose(1, 2), d.transpose(1, 2).contiguous().transpose(1, 2)
+        leaves = [x[lo:hi].float().requires_grad_(), tw[lo:hi].float().requires_grad_(),
+                  gu.requires_grad_(), d.requires_grad_()]
+        y = llep_moe(leaves[0], ids[lo:hi], leaves[1], leaves[2], leaves[3], group=group, chunk_rows=24,
+                     min_tokens_per_gemm=2)
+        assert llep_sched.LAST_STATS["spilled"]
+        grads = torch.autograd.grad(y, leaves, gy[lo:hi].float())
+        assert grads[2].stride() == gu.stride() and grads[3].stride() == d.stride()
+        outs.append((y.detach(),) + grads)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def _evicted_group(rank, world):
+    """A group registered by llep_moe is evicted once destroyed and dropped;
+    its key then raises a clear error instead of reaching a dead group."""
+    import gc
+
+    from moepeak.llep import llep_dispatch
+    from moepeak.process_groups import lookup_group, register_group, registered_group_count
+    g = dist.new_group(list(range(world)))
+    x, ids, tw = torch.randn(5, H), torch.randint(0, 8, (5, K)), torch.rand(5, K)
+    wgu, wd = torch.randn(8 // world, H, 2 * I), torch.randn(8 // world, I, H)
+    assert llep_moe(x, ids, tw, wgu, wd, group=g).shape == x.shape
+    key = register_group(g)
+    assert lookup_group(key) is g and register_group(g) == key
+    n = registered_group_count()
+    dist.destroy_process_group(g)
+    del g
+    gc.collect()
+    assert registered_group_count() == n - 1
+    with pytest.raises(ValueError, match="no longer exists"):
+        lookup_group(key)
+    with pytest.raises(ValueError, match="no longer exists"):
+        llep_dispatch(x, ids, tw, wgu, wd, key, 8, 1.0, 1024, 1.3, 0)
 
 
 def _ranks_main(rank, world):
@@ -112,10 +162,12 @@ def _ranks_main(rank, world):
         _cases(rank, 2, g2)
         _errors(rank, g2)
         _module(rank, g2)
+        _hf_layout(rank, 2, g2)
         if _cpu_grouped_mm():
             _grouped_vs_loop(rank, 2, g2)
     if rank < 3:
         _cases(rank, 3, g3)
+    _evicted_group(rank, world)
 
 
 def _module(rank, group):

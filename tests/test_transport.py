@@ -149,17 +149,17 @@ def test_get_transport_nccl_refuses_cpu():
 
 
 def test_count_lists_validated():
-    from moepeak.nccl import _counts
-    assert _counts("send_counts", [3, 0, 2], 3) == [3, 0, 2]
-    assert _counts("send_counts", torch.tensor([1, 2]), 2) == [1, 2]
+    from moepeak.nccl import normalize_counts
+    assert normalize_counts("send_counts", [3, 0, 2], 3) == [3, 0, 2]
+    assert normalize_counts("send_counts", torch.tensor([1, 2]), 2) == [1, 2]
     with pytest.raises(ValueError, match=r"send_counts\[1\] must be >= 0, got -2"):
-        _counts("send_counts", [1, -2], 2)
+        normalize_counts("send_counts", [1, -2], 2)
     with pytest.raises(ValueError, match="one count per rank \\(3\\), got 2"):
-        _counts("recv_counts", [1, 2], 3)
+        normalize_counts("recv_counts", [1, 2], 3)
     with pytest.raises(TypeError, match="recv_counts must be a sequence of ints"):
-        _counts("recv_counts", [1.5, 2], 2)
+        normalize_counts("recv_counts", [1.5, 2], 2)
     with pytest.raises(ValueError, match="1-D integer tensor"):
-        _counts("recv_counts", torch.tensor([1.0, 2.0]), 2)
+        normalize_counts("recv_counts", torch.tensor([1.0, 2.0]), 2)
 
 
 def test_benchmark_script_refuses_without_gpu():
@@ -278,20 +278,20 @@ _FAKE_SCRIPT = textwrap.dedent(r"""
 
     # NcclTransport's release on a deadline thread (imports torch: after the fake is loaded)
     import time, warnings
-    from moepeak.nccl import _release
+    from moepeak.nccl import release_communicator
     c3 = C.nccl_comm_init(uid, 1, 0, -1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _release(c3, False, 5.0)                   # quick: no warning
+        release_communicator(c3, False, 5.0)                   # quick: no warning
     raises(ValueError, ["not a live"], C.nccl_comm_destroy, c3)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        _release(c3, False, 5.0)                   # stale handle: a warning, not an exception
+        release_communicator(c3, False, 5.0)                   # stale handle: a warning, not an exception
         assert any("releasing the NCCL communicator failed" in str(x.message) for x in w), w
         os.environ["FAKE_NCCL_SLOW_DESTROY"] = "1"
         c4 = C.nccl_comm_init(uid, 1, 0, -1)
         t0 = time.monotonic()
-        _release(c4, False, 0.5)                   # a destroy that outlasts its deadline: returns anyway
+        release_communicator(c4, False, 0.5)                   # a destroy that outlasts its deadline: returns anyway
         assert time.monotonic() - t0 < 2.5 and any("did not finish" in str(x.message) for x in w)
     print("FAKE OK")
 """)

@@ -1,0 +1,282 @@
+"""PipelinedLLEP's expert GEMMs: one chunk's rows times each expert's weights,
+through torch._grouped_mm where it works (CUDA bf16, H and I multiples of 8)
+and one torch.mm per expert otherwise.
+
+Rows arrive grouped expert-ascending (ecount[e] rows of expert e, e in
+[0, E)). Weights may have any strides, e.g. row-major per expert (moepeak's
+own [E, H, 2I]) or column-major (Hugging Face's [E, 2I, H] seen through
+transpose(1, 2)); the stack is never copied whole.
+  * grouped path: torch._grouped_mm takes row- and column-major stacks as
+    they are; a grouped weight gradient is computed in the weights'
+    orientation (dW^T = right^T left for column-major weights), so it can be
+    the gradient tensor itself, strides and all, without a copy.
+  * per-expert path: a BLAS sums in an order that depends on the operands'
+    layout (MKL's fp32 sgemm does), so each expert's matrix is presented
+    row-major: an expert that is not is staged, one at a time, in
+    ctx.staging(which) [H, 2I] or [I, H] (param dtype; one expert's weights,
+    allocated once per call), and its weight gradient is formed there and
+    copied out. Results are then bitwise those of contiguous weights.
+
+Whether torch._grouped_mm is used is process state: on by default where torch
+has it, switched off for the process the first time it raises (per-expert
+GEMMs from then on; results are the same). set_grouped_mm changes it (for
+tests and benchmarks: moepeak.testing.force_grouped_mm).
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from .llep_context import LAST_STATS, Ctx
+
+_GROUPED_ERRORS = (RuntimeError, TypeError, NotImplementedError)
+# enabled: try torch._grouped_mm (CUDA); on_cpu: also on CPU tensors where torch supports it
+_STATE = {"enabled": hasattr(torch, "_grouped_mm"), "on_cpu": False}
+
+
+def grouped_mm_settings() -> Tuple[bool, bool]:
+    """(enabled, on_cpu): whether torch._grouped_mm is tried, and whether also on CPU."""
+    return bool(_STATE["enabled"]), bool(_STATE["on_cpu"])
+
+
+def set_grouped_mm(enabled: bool, on_cpu: bool = False) -> Tuple[bool, bool]:
+    """Set whether torch._grouped_mm is tried (never where torch lacks it) and
+    whether also on CPU tensors; returns the previous settings."""
+    prev = grouped_mm_settings()
+    _STATE["enabled"] = bool(enabled) and hasattr(torch, "_grouped_mm")
+    _STATE["on_cpu"] = bool(on_cpu)
+    return prev
+
+
+def column_major(W: torch.Tensor) -> bool:
+    """Each expert's matrix W[e] is stored column-major (stride(-2) == 1)."""
+    return W.stride(-2) == 1 and W.stride(-1) != 1 and W.shape[-1] > 1
+
+
+def _grouped_operand_ok(W: torch.Tensor) -> bool:
+    """torch._grouped_mm takes a weight stack whose matrices are row- or
+    column-major with the other stride and the start 16-byte aligned."""
+    b = W.element_size()
+    if W.stride(-1) == 1:
+        lead = W.stride(-2)
+    elif W.stride(-2) == 1:
+        lead = W.stride(-1)
+    else:
+        return False
+    return (lead * b) % 16 == 0 and (W.stride(0) * b) % 16 == 0 and W.data_ptr() % 16 == 0
+
+
+def grouped_ok(ctx: Ctx) -> bool:
+    """This call's GEMMs go through torch._grouped_mm."""
+    return (_STATE["enabled"] and (ctx.x.is_cuda or _STATE["on_cpu"]) and ctx.x.dtype == torch.bfloat16
+            and ctx.H % 8 == 0 and ctx.I % 8 == 0 and _grouped_operand_ok(ctx.wgu) and _grouped_operand_ok(ctx.wd))
+
+
+def _disable_grouped(grp: "Groups") -> None:
+    _STATE["enabled"] = False  # unsupported here: per-expert GEMMs from now on
+    grp.grouped = False
+
+
+def _stack(ctx: Ctx, experts, kind, which: int):
+    """[G, ., .] weight stack (which 0: w_gate_up, 1: w_down) of a run of
+    experts that are consecutive in their storage (local block or slots): a view."""
+    if kind == "l":
+        e0 = experts[0] - ctx.r * ctx.El
+        W = ctx.wgu if which == 0 else ctx.wd
+        return W[e0:e0 + len(experts)]
+    n1 = ctx.H * 2 * ctx.I
+    i0 = ctx.slot[experts[0]]
+    blk = ctx.bflat[i0:i0 + len(experts)]
+    return blk[:, :n1].unflatten(1, (ctx.H, 2 * ctx.I)) if which == 0 else blk[:, n1:].unflatten(1, (ctx.I, ctx.H))
+
+
+def mm(ctx: Ctx, inp, grp: "Groups", which: int, transpose: bool, out):
+    """Rows of e times W_e (or W_e^T) for each expert e, rows grouped
+    expert-ascending; which 0: w_gate_up, 1: w_down. Returns the [rows, N]
+    result: torch._grouped_mm's own output where it works (out may then be
+    None: no copy into the workspace), else `out` filled by one torch.mm per
+    expert."""
+    rows = inp.shape[0]
+    N = (ctx.H if transpose else 2 * ctx.I) if which == 0 else (ctx.I if transpose else ctx.H)
+    if rows == 0:
+        return inp.new_empty(0, N) if out is None else out[:0]
+    if grp.grouped:
+        try:
+            res = None
+            for a, b, experts, kind, offs in grp.segments:
+                W = _stack(ctx, experts, kind, which)
+                r = torch._grouped_mm(inp[a:b], W.transpose(1, 2) if transpose else W, offs=offs)
+                if a == 0 and b == rows:
+                    res = r  # one segment (always at P = 1): no copy
+                else:
+                    if res is None:
+                        res = inp.new_empty(rows, N) if out is None else out[:rows]
+                    res[a:b].copy_(r)
+            LAST_STATS["grouped_mm"] = int(LAST_STATS.get("grouped_mm", 0)) + 1
+            return res
+        except _GROUPED_ERRORS:
+            _disable_grouped(grp)
+    if out is None:  # only after a grouped failure: this call's buffer
+        out = inp.new_empty(rows, N)
+    off = 0
+    for e, c in enumerate(grp.ecount):
+        if c:
+            W = _row_major(ctx, ctx.weights(e)[which], which)
+            torch.mm(inp[off:off + c], W.t() if transpose else W, out=out[off:off + c])
+            off += c
+    return out[:rows]
+
+
+def _row_major(ctx: Ctx, W, which: int):
+    """Expert matrix W itself when row-major, else a copy in ctx.staging(which)."""
+    return W if W.is_contiguous() else ctx.staging(which).copy_(W)
+
+
+def _grouped_dw(left, right, offs, col_major: bool):
+    """[G, ., .] = left[rows of g]^T @ right[rows of g] per group g; with
+    col_major the result is computed transposed, so each matrix is
+    column-major (the layout of column-major weights)."""
+    if col_major:
+        return torch._grouped_mm(right.t(), left, offs=offs).transpose(1, 2)
+    return torch._grouped_mm(left.t(), right, offs=offs)
+
+
+def dw_accumulate(ctx: Ctx, left, right, grp: "Groups", which: int, dW_local, dW_borrowed):
+    """dW_e += left[rows of e]^T @ right[rows of e] (param dtype).
+    dW_local[which] is None until the first call: on the grouped path the
+    first chunk's grouped GEMM over all local experts (2D x 2D, offsets
+    along the rows; experts without rows there get an unused slice, written
+    or zeroed later) *is* the weight gradient [E_local, ., .], no copy, when
+    its strides are the weights' (row- or column-major weights of a dense
+    stack); otherwise dW is allocated like the weights (ctx.new_dw).
+    After that, experts whose gradient is still untouched (unwritten) get
+    it from one torch._grouped_mm per run of at most G experts and a copy
+    into dW; G is chosen so that the [G, ., .] result is no larger than one
+    [C, 2I] (or [C, H]) buffer. Experts already touched by an earlier chunk
+    use addmm_ (one rounding into the running sum: the same rounding as
+    the per-expert path)."""
+    touched = ctx.touched[which]
+    done = set()  # experts of this call already written by a grouped run
+    W = ctx.wgu if which == 0 else ctx.wd
+    col = column_major(W)
+    if grp.grouped:
+        try:
+            if dW_local[which] is None:
+                for a0, b0, experts, kind, offs in grp.segments:
+                    if kind == "l":
+                        r = _grouped_dw(left[a0:b0], right[a0:b0], offs, col)
+                        if r.stride() == W.stride():
+                            dW_local[which] = r
+                            ex = [e for e in experts if grp.ecount[e]]
+                            touched.update(ex)
+                            done.update(ex)
+                        r = None
+                if dW_local[which] is None:
+                    dW_local[which] = ctx.new_dw(which)
+            for a0, experts, kind, offs in grp.dw_runs(which, touched):
+                b0 = a0 + int(sum(grp.ecount[e] for e in experts))
+                if kind == "l":
+                    r = _grouped_dw(left[a0:b0], right[a0:b0], offs, col)
+                    e0 = experts[0] - ctx.r * ctx.El
+                    dW_local[which][e0:e0 + len(experts)].copy_(r)
+                else:
+                    r = torch._grouped_mm(left[a0:b0].t(), right[a0:b0], offs=offs)
+                    for i, e in enumerate(experts):
+                        dW_borrowed[which][ctx.slot[e]].copy_(r[i])
+                r = None  # freed before the next run's result exists: one [G, ., .] at a time
+                touched.update(experts)
+                done.update(experts)
+            LAST_STATS["grouped_dw"] = int(LAST_STATS.get("grouped_dw", 0)) + 1
+        except _GROUPED_ERRORS:
+            _disable_grouped(grp)
+    if dW_local[which] is None:
+        dW_local[which] = ctx.new_dw(which)
+    off = 0
+    for e, c in enumerate(grp.ecount):
+        if c and e not in done:
+            if e // ctx.El == ctx.r:
+                g = dW_local[which][e - ctx.r * ctx.El]
+            else:
+                g = dW_borrowed[which][ctx.slot[e]]
+            dst = g if g.is_contiguous() else ctx.staging(which)
+            if e in touched:
+                if dst is not g:
+                    dst.copy_(g)
+                dst.addmm_(left[off:off + c].t(), right[off:off + c])
+            else:  # first rows of e: dW starts uninitialised (see llep_sched.backward)
+                torch.mm(left[off:off + c].t(), right[off:off + c], out=dst)
+            if dst is not g:
+                g.copy_(dst)
+            touched.add(e)
+        off += c
+
+
+class Groups:
+    """One chunk's expert grouping, computed on the host from ecount (no device
+    read): segments of grouped rows whose experts form one weight stack, with
+    their grouped_mm offsets (int32, cumulative rows within the segment) moved
+    to the device in ONE host-to-device copy per chunk, shared by every GEMM
+    of the chunk."""
+
+    def __init__(self, ctx: Ctx, ecount):
+        self.ctx, self.ecount = ctx, ecount
+        self.grouped = grouped_ok(ctx)
+        self.segments = []
+        if not self.grouped:
+            return
+        lo, hi = ctx.r * ctx.El, (ctx.r + 1) * ctx.El
+        below = [e for e in ctx.borrowed if e < lo]
+        above = [e for e in ctx.borrowed if e >= hi]
+        host, spans, row = [], [], 0
+        for experts, kind in ((below, "b"), (list(range(lo, hi)), "l"), (above, "b")):
+            counts = [ecount[e] for e in experts]
+            nrows = sum(counts)
+            if nrows:
+                c, acc = len(host), 0
+                for k in counts:
+                    acc += k
+                    host.append(acc)
+                spans.append((row, row + nrows, experts, kind, c, len(host)))
+            row += nrows
+        self.host = host
+        self.dev = torch.tensor(host, dtype=torch.int32).to(ctx.x.device, non_blocking=True) if host else None
+        self.segments = [(a, b, ex, kind, self.dev[c0:c1]) for a, b, ex, kind, c0, c1 in spans]
+
+    def dw_runs(self, which: int, touched):
+        """Runs for the grouped weight gradient: consecutive experts of one
+        segment with rows in this chunk and an untouched gradient, at most G
+        per run. Returns [(first row, experts, kind, offs on the device)]. The
+        few experts left out (touched ones) go to addmm_."""
+        ctx = self.ctx
+        G = max(1, ctx.C // (ctx.H if which == 0 else ctx.I))
+        runs, host = [], []
+        for a, b, experts, kind, _ in self.segments:
+            row, cur, start = a, [], a
+            for e in experts:
+                c = self.ecount[e]
+                if c == 0:
+                    continue
+                if e in touched or len(cur) == G or (cur and cur[-1] + 1 != e):
+                    if cur:
+                        runs.append((start, cur))
+                    cur = []
+                if e not in touched:
+                    if not cur:
+                        start = row
+                    cur.append(e)
+                row += c
+            if cur:
+                runs.append((start, cur))
+        out = []
+        for start, ex in runs:
+            acc, c0 = 0, len(host)
+            for e in ex:
+                acc += self.ecount[e]
+                host.append(acc)
+            out.append((start, ex, "l" if ex[0] // ctx.El == ctx.r else "b", c0, len(host)))
+        if not host:
+            return []
+        dev = torch.tensor(host, dtype=torch.int32).to(ctx.x.device, non_blocking=True)
+        return [(s, ex, kind, dev[c0:c1]) for s, ex, kind, c0, c1 in out]
+

@@ -1,0 +1,104 @@
+"""PipelinedLLEP's working set: the buffers one call allocates, from the chunk
+size C alone (never from the routing), and the activation cache's size.
+
+Buffers (allocated once per call, before the chunk loop; names as in
+moepeak/llep_sched.py; b = bytes per element of x):
+  forward, P = 1:  xr [C, H], h [C, 2I], a [C, I], o [C, H]          (b each)
+  forward, P > 1:  sx, rx, yb, back: 2 x [C, H] each (double-buffered send,
+                   receive, combine-send, combine-receive); gx [C, H] grouped
+                   rows; h [C, 2I]; a [C, I]; o [C, H]
+  backward, P = 1: xr, gr, o, do [C, H]; h, dh [C, 2I]; s, a, da [C, I];
+                   wr, wp, dwr [C] fp32
+  backward, P > 1: sx, sg, rx, rg, dxb, back: 2 x [C, H]; gx, gg, o, do
+                   [C, H]; h, dh [C, 2I]; s, a, da [C, I]; sw, rw, dwb, dwback
+                   2 x [C] fp32; wr, wp, dwr [C] fp32
+  plus int64 index rings (3 x [C] send indices, [C] perm and inverse perm).
+  With torch._grouped_mm (CUDA bf16) the GEMM outputs h, o, da are not
+  allocated in the workspace (counted all the same): each GEMM's own output,
+  at most [C, N], is used in place, no copy; the grouped weight gradient's
+  result [G, H, 2I] (or [G, I, H]) has G = C // H (C // I) experts at most,
+  no larger than the [C, 2I] ([C, H]) buffer it replaces. Worked once: C =
+  32768, H = I = 2880, bf16: G = 11, [11, 2880, 5760] x 2 B = 348 MiB, vs
+  [32768, 5760] x 2 B = 360 MiB.
+Activation cache (fixed at launch by save_budget_mb, kept from forward to
+  backward): cache [slots, C*2I] (b each), slot j = chunk j's h [C, 2I];
+  slots = min(budget // (b*C*2I), ceil(T*K / (C//P))), so its bytes are <=
+  the budget whatever the routing; backward recomputes h only for chunks
+  j >= slots.
+Outside the working set: fp32 accumulators [T, H] (forward y, backward dx),
+  the send list [T*K] int64, and borrowed experts' weights (and their grads).
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+class Workspace:
+    """Every working-set buffer of one call; frozen before the chunk loop so
+    that nothing routing-dependent can be allocated inside it."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.nbytes = 0
+        self.frozen = False
+
+    def alloc(self, shape, dtype) -> torch.Tensor:
+        if self.frozen:
+            raise RuntimeError("moepeak: internal error: workspace allocation inside the chunk loop")
+        t = torch.empty(shape, dtype=dtype, device=self.device)
+        self.nbytes += t.numel() * t.element_size()
+        return t
+
+    def gemm_out(self, shape, dtype, grouped: bool) -> Optional[torch.Tensor]:
+        """A GEMM output buffer. With torch._grouped_mm the GEMM allocates its
+        own [rows <= C, N] output (no copy into the workspace), so the buffer is
+        only counted (the bound is the same), not allocated: None."""
+        if not grouped:
+            return self.alloc(shape, dtype)
+        self.nbytes += torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        return None
+
+    def ring(self, k: int, shape, dtype) -> List[torch.Tensor]:
+        return [self.alloc(shape, dtype) for _ in range(k)]
+
+
+def slot_elems(C: int, I: int) -> int:
+    """Elements of one activation-cache slot: h [C, 2I] (o is never cached:
+    backward does not need it)."""
+    return C * 2 * I
+
+
+def cache_slots(budget_bytes: int, T: int, K: int, C: int, I: int, P: int, b: int) -> int:
+    """Chunks whose forward intermediates fit the launch-time byte budget.
+    From shapes and the budget only (never the routing): at most
+    budget // (b * C * 2I) slots, and no more than ceil(T*K / (C//P)),
+    the chunks this rank's own T*K picks can need (exactly the chunk count at
+    P = 1; at P > 1 the global count may differ either way, which only
+    changes how many chunks are recomputed, never a result). Worked once: budget 1536 MiB, C = 32768,
+    I = 2880, bf16: one slot is 32768 x 5760 x 2 B = 360 MiB, so 4 slots
+    (1440 MiB): T = 16k, K = 4 (2 chunks) recomputes nothing; T = 256k (32
+    chunks) recomputes 28."""
+    per = b * slot_elems(C, I)
+    if budget_bytes <= 0 or per <= 0:
+        return 0
+    return int(min(budget_bytes // per, -(-T * K // (C // P))))
+
+
+def workspace_bytes(C: int, H: int, I: int, P: int, b: int, backward: bool) -> int:
+    """The working set in bytes, from C alone (see the module docstring)."""
+    idx = 8 * C * (3 + 2) if P > 1 else 0
+    if not backward:
+        if P == 1:
+            return b * C * (2 * H + 3 * I)
+        return b * C * (10 * H + 3 * I) + idx
+    if P == 1:
+        return b * C * (4 * H + 7 * I) + 12 * C
+    return b * C * (16 * H + 7 * I) + 4 * C * 11 + idx
+
+
+def working_set_bound(C: int, H: int, I: int, P: int, b: int, backward: bool, save_budget_bytes: int) -> int:
+    """Bytes above the [T, H]-sized tensors and weight gradients: the working
+    set plus the activation cache (alive in both passes), from C and the
+    launch-time budget alone."""
+    return workspace_bytes(C, H, I, P, b, backward) + max(0, save_budget_bytes)

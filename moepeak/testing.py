@@ -1,0 +1,36 @@
+"""Testing hooks: switches tests and benchmarks may turn, and nothing else.
+
+Each hook is a context manager that restores the previous state on exit, so a
+failing test cannot leak its setting into the next one.
+
+  force_grouped_mm(enabled, on_cpu=False)
+      PipelinedLLEP's expert GEMMs through torch._grouped_mm (enabled=True;
+      never where torch lacks it) or one torch.mm per expert (False); with
+      on_cpu=True the grouped path is also taken on CPU tensors where torch
+      supports it. Results are the same either way (up to GEMM summation order).
+  grouped_mm_enabled()
+      Whether the grouped path is still on (it switches itself off for the
+      process the first time torch._grouped_mm raises).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from . import llep_gemm
+
+
+@contextlib.contextmanager
+def force_grouped_mm(enabled: bool = True, *, on_cpu: bool = False) -> Iterator[None]:
+    prev = llep_gemm.set_grouped_mm(enabled, on_cpu)
+    try:
+        yield
+    finally:
+        llep_gemm.set_grouped_mm(*prev)
+
+
+def grouped_mm_enabled() -> bool:
+    return llep_gemm.grouped_mm_settings()[0]
+
+
+__all__ = ["force_grouped_mm", "grouped_mm_enabled"]
