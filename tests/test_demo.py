@@ -149,9 +149,9 @@ def test_demo_fsdp2_gloo_save_resume(tmp_path, monkeypatch):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_interrupt_in_process_frees_sco_arena(device, monkeypatch):
     """KeyboardInterrupt mid-run: no live SCO boundary and no pinned arena left."""
-    import moepeak.data as D
-    import moepeak.models as M
-    made, orig_use, orig_batch, n = [], M.MoELM._use_sco, D.TokenStream.batch, [0]
+    import moepeak.demo.data as D
+    import moepeak.demo.models as M
+    made, orig_use, orig_batch, n = [], M.MoELM.use_sco, D.TokenStream.batch, [0]
 
     def use_sco(self):
         orig_use(self)
@@ -162,7 +162,7 @@ def test_interrupt_in_process_frees_sco_arena(device, monkeypatch):
         if n[0] == 4:  # during the 4th step, after 3 forward/backward passes
             raise KeyboardInterrupt
         return orig_batch(self, *a, **k)
-    monkeypatch.setattr(M.MoELM, "_use_sco", use_sco)
+    monkeypatch.setattr(M.MoELM, "use_sco", use_sco)
     monkeypatch.setattr(D.TokenStream, "batch", batch)
     argv = TINY + ["--steps", "10", "--no-peaks", "--device", device]
     if device == "cuda":

@@ -7,8 +7,8 @@ import torch
 
 from moepeak import cli
 from moepeak import plan as P
-from moepeak.models import DenseMoE, MoEConfig, MoELM, PlainLMHead
-from moepeak.peaks import SavedBytes
+from moepeak.demo.models import DenseMoE, MoEConfig, MoELM, PlainLMHead
+from moepeak.demo.peaks import SavedBytes
 
 # Published total parameter counts (billions) of the presets.
 PUBLISHED = {"Qwen3-30B-A3B": 30.5, "Qwen3-235B-A22B": 235.1, "DeepSeek-V3": 671.0,
@@ -149,8 +149,8 @@ def test_boundary_formula_equals_model_tensors():
     model = MoELM(cfg)
     ids = torch.randint(0, 259, (2, 40))
     kept = []
-    orig = model._run_block
-    model._run_block = lambda blk, x: (kept.append(x.numel() * x.element_size()), orig(blk, x))[1]
+    orig = model.run_block
+    model.run_block = lambda blk, x: (kept.append(x.numel() * x.element_size()), orig(blk, x))[1]
     model.hidden_states(ids)
     m = P.ModelShape(layers=3, hidden=32, experts=4, top_k=2, intermediate=32, vocab=264, heads=2, kv_heads=1)
     assert sum(kept) == P.peaks(m, P.Setup(gpus=1, act_bytes=4, batch=2), 40, "plain")["boundaries"]
@@ -178,7 +178,7 @@ def test_saved_tensor_terms_match_autograd_on_cpu():
     """The plan's per-token saved bytes of RMSNorm, the router + DenseMoE (plain) and the
     router + PipelinedLLEPMoE (moepeak), measured on CPU with saved_tensors_hooks."""
     import torch
-    from moepeak.models import DenseMoE, RMSNorm, available, component
+    from moepeak.demo.models import DenseMoE, RMSNorm, available, component
     T, H, I, E, K = 512, 64, 48, 8, 2
     m = P.ModelShape(layers=1, hidden=H, experts=E, top_k=K, intermediate=I, vocab=256, heads=4, kv_heads=2)
     s = P.Setup(gpus=1, imbalance=1.0)
