@@ -33,13 +33,16 @@ def _dispatch(argv) -> int:
     return 2
 
 
-def main(argv=None) -> int:
-    """Run one subcommand; returns its exit status. A reader that closes the pipe
+def main(argv=None):
+    """Run one subcommand; returns its exit status (for sys.exit). A reader that closes the pipe
     early (`moepeak plan ... | head`) ends the command quietly, as for other Unix
     tools: exit status 141 (128 + SIGPIPE), no traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        code = _dispatch(argv)
+        try:
+            code = _dispatch(argv)
+        except SystemExit as e:  # argparse's --help and usage errors: flush below as well
+            code = e.code
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
         return code
     except BrokenPipeError:

@@ -248,3 +248,68 @@ def test_ring_dtp_bytes_follow_the_ops_choice():
                 assert mode == R.MODES["vocab_outer_lowp"], (T, H, V, mode)
                 cv = min(V, S.lowp_dx_block_cols(V, H))  # the fp32 dW block's rows (dw_b in the op)
                 assert got == B.BLOCKED_WORKSPACE_BYTES + 4 * cv * H + 2 * T * H + 32 * T + 4 * T, (T, H, V)
+
+
+# ---------------------------------------------- what a reader sees: help, legend, plot
+
+
+def test_help_shows_defaults_every_flag_and_the_row_legend():
+    text = P.build_parser().format_help()
+    flat = " ".join(text.split())  # argparse wraps lines at the terminal width
+    assert "(default: 131072)" in flat and "(default: 8)" in flat and "(default: 141.0)" in flat
+    for row in ("fixed", "block", "head_act", "total"):
+        assert f"\n  {row} " in text, row
+    # every option has words of its own beside its default
+    entries = text.split("options:")[1].split("rows (GiB per GPU)")[0]
+    for opt in ("--preset", "--layers", "--hidden", "--experts", "--top-k", "--intermediate", "--vocab",
+                "--heads", "--kv-heads", "--head-dim", "--context", "--gpus", "--gpu-mem",
+                "--imbalance", "--act-bytes", "--plot"):
+        i = entries.index(f"  {opt} ")
+        nxt = entries.find("\n  --", i + 1)
+        desc = entries[i:nxt if nxt > 0 else None].split(None, 2)[-1]
+        assert len(desc.replace("(default:", "").split()) >= 3, (opt, desc)
+
+
+def test_report_explains_its_rows(capsys):
+    assert cli.main(["plan", "--preset", "Qwen3-30B-A3B"]) == 0
+    out = capsys.readouterr().out
+    assert P.ROW_LEGEND in out
+
+
+def test_plot_spec_title_limit_range_and_requested_context():
+    m, s = P.PRESETS["Qwen3-30B-A3B"], P.Setup(gpus=8)
+    spec = P.plot_spec(m, s, context=262144, name="Qwen3-30B-A3B")
+    assert "Qwen3-30B-A3B" in spec["title"] and "8 GPU(s)" in spec["title"]
+    assert spec["limit_gib"] == 141.0 and "141 GiB" in spec["limit_label"]
+    assert spec["context"] == 262144
+    fits = P.longest_context(m, s, "moepeak")
+    assert spec["fits"]["moepeak"] == fits and spec["contexts"][-1] > fits  # the axis reaches past it
+    assert spec["contexts"][-1] > 262144
+    # moepeak's GPU optimizer state is 0 at every context: no legend entry that draws nothing
+    assert "moepeak optimizer" in spec["not_drawn"] and "not drawn" in spec["title"]
+    for c in spec["curves"]:
+        assert any(y > 0 for y in c["gib"]), c["label"]
+    assert "moepeak: optimizer" not in [c["label"] for c in spec["curves"]]
+    assert {"plain: total", "moepeak: total"} <= {c["label"] for c in spec["curves"]}
+
+
+def _run_piped(cmd):
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    return subprocess.run(["bash", "-c", f"{sys.executable} -m moepeak {cmd}"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args", ["--help", "plan --help", "plan --preset Qwen3-30B-A3B"])
+def test_closed_pipe_prints_no_traceback(args):
+    """`moepeak ... | head -1`, and a reader that closes the pipe before anything is
+    written (the write then fails for certain): no BrokenPipeError on stderr."""
+    p = _run_piped(f"{args} | head -1")
+    assert p.returncode == 0 and p.stdout.strip() and p.stderr == "", (p.stdout, p.stderr)
+    p = _run_piped(f"{args} | (exec 0<&-; sleep 0)" + "; exit ${PIPESTATUS[0]}")
+    assert p.stderr == "", p.stderr
+    # argparse's own --help swallows the write error and exits 0; moepeak's output: 141
+    assert p.returncode == (0 if args == "plan --help" else 141) or p.returncode == 141, p.returncode
