@@ -70,7 +70,7 @@ def _full(model, local, grads=False):
 
 DEMO = ["--device", "cpu", "--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1",
         "--experts", "4", "--top-k", "2", "--intermediate", "32", "--vocab", "264", "--seq-len", "64",
-        "--batch", "2", "--lr", "1e-2", "--quiet", "--data-mb", "1", "--no-peaks", "--steps", "3"]
+        "--batch", "2", "--lr", "1e-2", "--quiet", "--data-mb", "1", "--no-peaks", "--no-compare", "--steps", "3"]
 
 
 def _cp_rank(rank, world, arms, batches, dtype, out_path, demo=False):
