@@ -1,7 +1,7 @@
 """The demo's PNG: one panel per thing the run measured, none left empty.
 
-    loss        moepeak's loss per global step; plain PyTorch's (same weights, same
-                batches) drawn over it for the steps it ran
+    loss        moepeak's loss per global step and its trailing 10-step mean; plain
+                PyTorch's (same weights, same batches) drawn over it for the steps it ran
     difference  |moepeak - plain PyTorch| per step (log scale; only with a comparison)
     peaks       the four measured peaks, moepeak vs plain PyTorch (single-process runs)
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional
 
 MiB = 2 ** 20
+SMOOTH_STEPS = 10  # the loss panel's trailing mean
 
 
 def plot_run(path: str, losses: List[float], start: int, plain: Dict, table: Optional[List[Dict]],
@@ -32,7 +33,12 @@ def plot_run(path: str, losses: List[float], start: int, plain: Dict, table: Opt
     ax = dict(zip(panels, axes[0]))
 
     a = ax["loss"]
-    a.plot(range(1, len(losses) + 1), losses, lw=1.6, label="moepeak")
+    a.plot(range(1, len(losses) + 1), losses, lw=1.0, label="moepeak")
+    k = min(SMOOTH_STEPS, len(losses))
+    if k > 1:  # each step sees other text: the trend is clearer as a trailing mean
+        means = [sum(losses[i + 1 - k:i + 1]) / k for i in range(k - 1, len(losses))]
+        a.plot(range(k, len(losses) + 1), means, lw=2.2, color="tab:blue", alpha=0.45,
+               label=f"moepeak, mean of {k} steps")
     if plain_losses:
         xs = range(start + 1, start + len(plain_losses) + 1)
         a.plot(xs, plain_losses, "--", lw=1.2, color="tab:orange",
