@@ -47,9 +47,9 @@ def plot_run(path: str, losses: List[float], start: int, plain: Dict, table: Opt
     a.set_ylabel("loss (nats/byte)")
     note = plain.get("note")
     if note:
-        a.text(0.98, 0.97, f"plain PyTorch: {note}", transform=a.transAxes, ha="right", va="top",
+        a.text(0.02, 0.03, f"plain PyTorch: {note}", transform=a.transAxes, ha="left", va="bottom",
                fontsize=7, wrap=True)
-    a.legend(loc="lower left", fontsize=8)
+    a.legend(loc="upper right", fontsize=8)
     a.set_title("training loss")
 
     if diffs:

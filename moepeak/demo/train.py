@@ -537,7 +537,7 @@ def _run(a, res: Run, stop: StopRequest) -> Dict:
         say(f"plain PyTorch: {plain['note']}")
 
     if a.plot and rank == 0:
-        title = (f"moepeak demo: {param_count(cfg) / 1e6:.0f} M params, {job.tok_step} tokens/step, "
+        title = (f"moepeak demo: {param_count(cfg) / 1e6:.3g} M params, {job.tok_step} tokens/step, "
                  f"{str(train['dtype']).replace('torch.', '')}, {device.type} x{world}")
         plot_run(a.plot, losses, start, plain, table, title, say)
     return {"losses": losses, "start": start, "step_times": step_times, "peak": peak_seen, "cfg": cfg,
