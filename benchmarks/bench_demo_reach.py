@@ -8,7 +8,7 @@ completes, moepeak's four schedules on vs off, and tokens/s at each length.
 
 Model: moepeak.demo.DEFAULTS["cuda"] (L=4, H=1024, 8/2 heads, E=16, K=2, I=512,
 V=65536, bf16), batch 1, one sequence of `seq_len` tokens split over the P
-ranks (each holds seq_len/P; attention all-gathers K/V, moepeak.context_parallel).
+ranks (each holds seq_len/P; attention all-gathers K/V, moepeak.demo.context_parallel).
     moepeak arm: PipelinedLLEP (experts split over the ranks), Ring-DTP head
                  (vocab shards over the ranks), SCO, StreamAdamW; FSDP2 on the rest.
     plain arm:   FSDP2 on everything, dense MoE, F.linear + F.cross_entropy on full
@@ -82,10 +82,10 @@ def _child(arm, seq_len, steps, rank, world, port, d, device_kind, out_file, sim
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # our own store, not torchrun's
     res = {"status": "error", "rank": rank}
     try:
-        from moepeak.context_parallel import cp_slice
-        from moepeak.data import TokenStream
-        from moepeak.demo import _shard
-        from moepeak.models import MoEConfig, MoELM, build_optimizer, resolve
+        from moepeak.demo.context_parallel import cp_slice
+        from moepeak.demo.data import TokenStream
+        from moepeak.demo import shard_model
+        from moepeak.demo.models import MoEConfig, MoELM, build_optimizer, resolve
         cuda = device_kind == "cuda"
         if cuda:
             torch.cuda.set_device(rank)
@@ -108,7 +108,7 @@ def _child(arm, seq_len, steps, rank, world, port, d, device_kind, out_file, sim
         cfg.validate(world_size=world, seq_len=seq_len)
         model = MoELM(cfg, group=dist.group.WORLD, world_size=world, device=dev,
                       dtype=getattr(torch, d["dtype"]), seed=0)
-        local = _shard(model, world)
+        local = shard_model(model, world)
         opt = build_optimizer(model.parameters(), opt_kind, lr=1e-3, weight_decay=0.0)
         data = TokenStream("auto", max_bytes=8 << 20)
         times, losses = [], []

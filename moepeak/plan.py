@@ -121,6 +121,24 @@ PRESETS: Dict[str, ModelShape] = {
 
 PEAKS = ("dispatch", "vocab", "boundaries", "optimizer")
 
+# What the table's rows beside the four peaks hold (report() prints it under the table;
+# `moepeak plan --help` shows it too).
+ROW_LEGEND = """\
+rows (GiB per GPU):
+  dispatch    the MoE layer's forward + backward (expert dispatch, combine, their saved rows)
+  vocab       the lm_head + cross-entropy's forward + backward (the [T, V] logits in plain)
+  boundaries  the checkpoint inputs kept from forward to backward, one [T, H] per block in plain
+  optimizer   AdamW's state on the GPU (moepeak's StreamAdamW keeps it in host RAM: 0)
+  fixed       always resident: parameters + gradients (plain: fp32 grads; moepeak: params and
+              grads in the activation dtype), FSDP2's two all-gathered blocks when P > 1,
+              the RoPE tables
+  block       the saved tensors of the one block being recomputed in backward (norms,
+              attention, router) and the gradient flowing into it
+  head_act    what the head's backward holds besides the vocab peak: the final RMSNorm's
+              saved tensors and the head's input
+  total       fixed + optimizer + boundaries + max(block + dispatch, head_act + vocab): the
+              step's peak (the block's backward and the head's backward do not overlap)"""
+
 
 @dataclass
 class Setup:
@@ -171,7 +189,7 @@ def ring_dtp_vocab_bytes(T: int, H: int, V: int, b: int, budget_mb: Optional[flo
 def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
     """Bytes per GPU of each peak and of the fixed part, for plan 'plain' or 'moepeak'.
 
-    Every per-token term below is read off the code that allocates it (moepeak/models.py's
+    Every per-token term below is read off the code that allocates it (moepeak/demo/models.py's
     blocks, the components' autograd), not fitted; tests/test_plan.py checks the saved-
     tensor terms on CPU with autograd hooks and the totals against GPU measurements.
     """
@@ -285,27 +303,74 @@ def report(m: ModelShape, s: Setup, context: int) -> str:
         fits = "fits" if r["total"] <= cap else "does NOT fit"
         rows.append(f"{p}: binding peak = {r['binding']}; {fits}; longest context that fits: "
                     f"{longest_context(m, s, p)} tokens")
+    rows.append("")
+    rows.append(ROW_LEGEND)
     return "\n".join(rows)
 
 
-def plot(m: ModelShape, s: Setup, path: str, max_context: int = 1 << 21) -> bool:
+def plot_spec(m: ModelShape, s: Setup, context: Optional[int] = None,
+              name: Optional[str] = None) -> Dict:
+    """What plot() draws, as data: the contexts (x, tokens; a power-of-two grid from 4096
+    to 4x past the longest context that fits and the requested one), one curve per peak
+    and the total for each plan (GiB per GPU; a peak that is zero at every context has
+    nothing to draw on a log axis and is listed under "not_drawn" instead), the memory
+    limit, the longest contexts that fit and the title."""
+    fits = {p: longest_context(m, s, p) for p in ("plain", "moepeak")}
+    right = 4 * max([1 << 16, context or 0] + list(fits.values()))
+    ctxs = [1 << k for k in range(12, right.bit_length())]
+    curves, not_drawn = [], []
+    for p in ("plain", "moepeak"):
+        rows = [peaks(m, s, c, p) for c in ctxs]
+        for k in PEAKS + ("total",):
+            ys = [r[k] / GiB for r in rows]
+            if any(y > 0 for y in ys):
+                curves.append({"plan": p, "peak": k, "label": f"{p}: {k}", "gib": ys})
+            else:
+                not_drawn.append(f"{p} {k}")
+    label = name or f"{m.params() / 1e9:.1f} B-param MoE"
+    title = f"moepeak plan: {label} on {s.gpus} GPU(s) of {s.gpu_mem_gib:g} GiB"
+    if not_drawn:
+        title += "\n(zero at every context, not drawn: " + ", ".join(not_drawn) + ")"
+    return {"contexts": ctxs, "curves": curves, "not_drawn": not_drawn, "fits": fits,
+            "limit_gib": s.gpu_mem_gib, "limit_label": f"GPU memory ({s.gpu_mem_gib:g} GiB)",
+            "context": context, "title": title}
+
+
+def plot(m: ModelShape, s: Setup, path: str, context: Optional[int] = None,
+         name: Optional[str] = None) -> bool:
+    """PNG of plot_spec(): each peak and the total per GPU against context (log-log),
+    plain dashed and moepeak solid, the GPU memory as a labelled line, the longest
+    contexts that fit as grey verticals and the requested `context` as a dotted brown one.
+    False when matplotlib is absent."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("moepeak plan: matplotlib is not installed (pip install matplotlib); skipping --plot")
+        print("moepeak plan: matplotlib is not installed (pip install moepeak[plot]); skipping --plot")
         return False
-    ctxs = [1 << k for k in range(12, max(13, max_context.bit_length()))]
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for p, style in (("plain", "--"), ("moepeak", "-")):
-        for k in PEAKS + ("total",):
-            ax.plot(ctxs, [peaks(m, s, c, p)[k] / GiB for c in ctxs], style, label=f"{p}: {k}")
-    ax.axhline(s.gpu_mem_gib, color="k", lw=0.8)
+    spec = plot_spec(m, s, context, name)
+    ctxs = spec["contexts"]
+    styles = {"plain": "--", "moepeak": "-"}
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for c in spec["curves"]:
+        i = (PEAKS + ("total",)).index(c["peak"])
+        ax.plot(ctxs, c["gib"], styles[c["plan"]], color=f"C{i}", lw=2.2 if c["peak"] == "total" else 1.2,
+                label=c["label"])
+    ax.axhline(spec["limit_gib"], color="k", lw=1.0, label=spec["limit_label"])
+    for p, n in spec["fits"].items():
+        if n:
+            ax.axvline(n, color="0.5", ls=styles[p], lw=0.8)
+            ax.annotate(f"{p} fits to {n:,}", (n, spec["limit_gib"]), rotation=90, fontsize=7,
+                        ha="right", va="top", xytext=(-2, -4), textcoords="offset points")
+    if context:
+        ax.axvline(context, color="C5", ls=":", lw=1.8, label=f"requested context ({context:,} tokens)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("context (tokens)")
+    ax.set_xlim(ctxs[0], ctxs[-1])
+    ax.set_xlabel("context (tokens, all GPUs together)")
     ax.set_ylabel("GiB per GPU")
+    ax.set_title(spec["title"], fontsize=10)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -314,16 +379,38 @@ def plot(m: ModelShape, s: Setup, path: str, max_context: int = 1 << 21) -> bool
 
 
 def add_args(ap: argparse.ArgumentParser):
-    ap.add_argument("--preset", choices=sorted(PRESETS), default=None)
-    for f in ("layers", "hidden", "experts", "top-k", "intermediate", "vocab", "heads", "kv-heads",
-              "head-dim"):
-        ap.add_argument(f"--{f}", type=int, default=None)
-    ap.add_argument("--context", type=int, default=131072, help="tokens per sequence")
-    ap.add_argument("--gpus", type=int, default=8)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                    help="a public model's shape (the flags below override its fields; default %(default)s: "
+                         "give them all)")
+    for f, what in (("layers", "decoder blocks L"), ("hidden", "hidden size H"),
+                    ("experts", "routed experts E"), ("top-k", "experts per token K"),
+                    ("intermediate", "expert intermediate size I"), ("vocab", "vocabulary size V"),
+                    ("heads", "attention heads"), ("kv-heads", "key/value heads (default %(default)s: the preset's, else --heads)"),
+                    ("head-dim", "attention head size (default %(default)s: the preset's, else "
+                                 "hidden / heads)")):
+        ap.add_argument(f"--{f}", type=int, default=None,
+                        help=what if "%(default)" in what else what + " (default %(default)s: the preset's)")
+    ap.add_argument("--context", type=int, default=131072,
+                    help="tokens per sequence (split over the GPUs by context parallelism)")
+    ap.add_argument("--gpus", type=int, default=8, help="GPUs P (experts and context split over them)")
     ap.add_argument("--gpu-mem", type=float, default=141.0, help="GiB per GPU")
-    ap.add_argument("--imbalance", type=float, default=1.5, help="rho for plain EP")
-    ap.add_argument("--act-bytes", type=int, default=2, choices=(2, 4))
-    ap.add_argument("--plot", default=None, help="PNG path: peak vs context per component")
+    ap.add_argument("--imbalance", type=float, default=1.5,
+                    help="routing imbalance rho for plain expert parallelism (the busiest GPU gets "
+                         "rho x the mean rows; capped to [1, P])")
+    ap.add_argument("--act-bytes", type=int, default=2, choices=(2, 4),
+                    help="bytes per activation element (2: bf16/fp16, 4: fp32)")
+    ap.add_argument("--plot", default=None,
+                    help="PNG path: peak vs context per component (needs matplotlib: moepeak[plot]; "
+                         "default %(default)s: no plot)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+        pass
+    ap = argparse.ArgumentParser(prog="moepeak plan", description=__doc__.split("\n\n")[0],
+                                 epilog=ROW_LEGEND, formatter_class=Formatter)
+    add_args(ap)
+    return ap
 
 
 def from_args(a) -> (ModelShape, Setup):
@@ -351,8 +438,7 @@ def from_args(a) -> (ModelShape, Setup):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="moepeak plan", description=__doc__.split("\n\n")[0])
-    add_args(ap)
+    ap = build_parser()
     a = ap.parse_args(argv)
     try:
         m, s = from_args(a)
@@ -360,6 +446,6 @@ def main(argv=None) -> int:
         ap.error(str(e))
     print(report(m, s, a.context))
     if a.plot:
-        if plot(m, s, a.plot):
+        if plot(m, s, a.plot, context=a.context, name=a.preset):
             print(f"wrote {a.plot}")
     return 0

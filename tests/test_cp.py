@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
-from moepeak.context_parallel import causal_attention, cp_slice
-from moepeak.data import TokenStream
-from moepeak.models import MoEConfig, MoELM, available, build_optimizer
+from moepeak.demo.context_parallel import causal_attention, cp_slice
+from moepeak.demo.data import TokenStream
+from moepeak.demo.models import MoEConfig, MoELM, available, build_optimizer
 
 TINY = dict(vocab_size=264, hidden=32, layers=2, heads=4, kv_heads=2, experts=4, top_k=2,
             intermediate=32)
@@ -70,12 +70,12 @@ def _full(model, local, grads=False):
 
 DEMO = ["--device", "cpu", "--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1",
         "--experts", "4", "--top-k", "2", "--intermediate", "32", "--vocab", "264", "--seq-len", "64",
-        "--batch", "2", "--lr", "1e-2", "--quiet", "--data-mb", "1", "--no-peaks", "--steps", "3"]
+        "--batch", "2", "--lr", "1e-2", "--quiet", "--data-mb", "1", "--no-peaks", "--no-compare", "--steps", "3"]
 
 
 def _cp_rank(rank, world, arms, batches, dtype, out_path, demo=False):
     import torch.distributed as dist
-    from moepeak.demo import _shard
+    from moepeak.demo import shard_model
     dev = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     if dev.type == "cuda":  # fp32 means fp32 (torch's default, made explicit)
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -85,7 +85,7 @@ def _cp_rank(rank, world, arms, batches, dtype, out_path, demo=False):
         sw, opt_kind = ARMS[arm]
         cfg = MoEConfig(**TINY, **sw, context_parallel=True)
         model = MoELM(cfg, group=dist.group.WORLD, world_size=world, device=dev, dtype=dtype, seed=7)
-        local = _shard(model, world)
+        local = shard_model(model, world)
         opt = build_optimizer(model.parameters(), opt_kind, lr=LR, weight_decay=WD)
         r = {"loss": [], "grads": [], "params": [_full(model, local)]}
         for x, y in batches:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
-from moepeak.data import TokenStream
-from moepeak.models import MoEConfig, MoELM, available, build_optimizer
+from moepeak.demo.data import TokenStream
+from moepeak.demo.models import MoEConfig, MoELM, available, build_optimizer
 
 SWITCH = {"moe": "llep", "head": "ring_dtp", "checkpoint": "sco", "optimizer": "stream"}
 TINY = dict(vocab_size=264, hidden=32, layers=2, heads=4, kv_heads=2, experts=4, top_k=2,
@@ -125,12 +125,12 @@ def test_plain_reference_is_sensitive():
 
 def _rank_fn(rank, world, switches, batches, out_path):
     import torch.distributed as dist
-    from moepeak.demo import _shard
+    from moepeak.demo import shard_model
     torch.manual_seed(0)
     plain = MoEConfig(**TINY, moe="dense", head="plain", checkpoint="torch")
     cfg = plain.replace(**{s: SWITCH[s] for s in switches if s != "optimizer"})
     model = MoELM(cfg, group=dist.group.WORLD, world_size=world, seed=7)
-    local = _shard(model, world)  # params whose gradient is summed over ranks
+    local = shard_model(model, world)  # params whose gradient is summed over ranks
     opt = build_optimizer(model.parameters(), "stream" if "optimizer" in switches else "torch",
                           lr=1e-2, weight_decay=0.1)
     losses = []

@@ -3,7 +3,7 @@ references, identical parameters in every schedule setting, deterministic init."
 import pytest
 import torch
 
-from moepeak.models import (Attention, DenseMoE, MoEConfig, MoELM, Rotary, apply_rope, available,
+from moepeak.demo.models import (Attention, DenseMoE, MoEConfig, MoELM, Rotary, apply_rope, available,
                             param_count, resolve)
 from refs import ref_causal_attention, ref_moe
 

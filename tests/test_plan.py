@@ -7,8 +7,8 @@ import torch
 
 from moepeak import cli
 from moepeak import plan as P
-from moepeak.models import DenseMoE, MoEConfig, MoELM, PlainLMHead
-from moepeak.peaks import SavedBytes
+from moepeak.demo.models import DenseMoE, MoEConfig, MoELM, PlainLMHead
+from moepeak.demo.peaks import SavedBytes
 
 # Published total parameter counts (billions) of the presets.
 PUBLISHED = {"Qwen3-30B-A3B": 30.5, "Qwen3-235B-A22B": 235.1, "DeepSeek-V3": 671.0,
@@ -149,8 +149,8 @@ def test_boundary_formula_equals_model_tensors():
     model = MoELM(cfg)
     ids = torch.randint(0, 259, (2, 40))
     kept = []
-    orig = model._run_block
-    model._run_block = lambda blk, x: (kept.append(x.numel() * x.element_size()), orig(blk, x))[1]
+    orig = model.run_block
+    model.run_block = lambda blk, x: (kept.append(x.numel() * x.element_size()), orig(blk, x))[1]
     model.hidden_states(ids)
     m = P.ModelShape(layers=3, hidden=32, experts=4, top_k=2, intermediate=32, vocab=264, heads=2, kv_heads=1)
     assert sum(kept) == P.peaks(m, P.Setup(gpus=1, act_bytes=4, batch=2), 40, "plain")["boundaries"]
@@ -178,7 +178,7 @@ def test_saved_tensor_terms_match_autograd_on_cpu():
     """The plan's per-token saved bytes of RMSNorm, the router + DenseMoE (plain) and the
     router + PipelinedLLEPMoE (moepeak), measured on CPU with saved_tensors_hooks."""
     import torch
-    from moepeak.models import DenseMoE, RMSNorm, available, component
+    from moepeak.demo.models import DenseMoE, RMSNorm, available, component
     T, H, I, E, K = 512, 64, 48, 8, 2
     m = P.ModelShape(layers=1, hidden=H, experts=E, top_k=K, intermediate=I, vocab=256, heads=4, kv_heads=2)
     s = P.Setup(gpus=1, imbalance=1.0)
@@ -248,3 +248,68 @@ def test_ring_dtp_bytes_follow_the_ops_choice():
                 assert mode == R.MODES["vocab_outer_lowp"], (T, H, V, mode)
                 cv = min(V, S.lowp_dx_block_cols(V, H))  # the fp32 dW block's rows (dw_b in the op)
                 assert got == B.BLOCKED_WORKSPACE_BYTES + 4 * cv * H + 2 * T * H + 32 * T + 4 * T, (T, H, V)
+
+
+# ---------------------------------------------- what a reader sees: help, legend, plot
+
+
+def test_help_shows_defaults_every_flag_and_the_row_legend():
+    text = P.build_parser().format_help()
+    flat = " ".join(text.split())  # argparse wraps lines at the terminal width
+    assert "(default: 131072)" in flat and "(default: 8)" in flat and "(default: 141.0)" in flat
+    for row in ("fixed", "block", "head_act", "total"):
+        assert f"\n  {row} " in text, row
+    # every option has words of its own beside its default
+    entries = text.split("options:")[1].split("rows (GiB per GPU)")[0]
+    for opt in ("--preset", "--layers", "--hidden", "--experts", "--top-k", "--intermediate", "--vocab",
+                "--heads", "--kv-heads", "--head-dim", "--context", "--gpus", "--gpu-mem",
+                "--imbalance", "--act-bytes", "--plot"):
+        i = entries.index(f"  {opt} ")
+        nxt = entries.find("\n  --", i + 1)
+        desc = entries[i:nxt if nxt > 0 else None].split(None, 2)[-1]
+        assert len(desc.replace("(default:", "").split()) >= 3, (opt, desc)
+
+
+def test_report_explains_its_rows(capsys):
+    assert cli.main(["plan", "--preset", "Qwen3-30B-A3B"]) == 0
+    out = capsys.readouterr().out
+    assert P.ROW_LEGEND in out
+
+
+def test_plot_spec_title_limit_range_and_requested_context():
+    m, s = P.PRESETS["Qwen3-30B-A3B"], P.Setup(gpus=8)
+    spec = P.plot_spec(m, s, context=262144, name="Qwen3-30B-A3B")
+    assert "Qwen3-30B-A3B" in spec["title"] and "8 GPU(s)" in spec["title"]
+    assert spec["limit_gib"] == 141.0 and "141 GiB" in spec["limit_label"]
+    assert spec["context"] == 262144
+    fits = P.longest_context(m, s, "moepeak")
+    assert spec["fits"]["moepeak"] == fits and spec["contexts"][-1] > fits  # the axis reaches past it
+    assert spec["contexts"][-1] > 262144
+    # moepeak's GPU optimizer state is 0 at every context: no legend entry that draws nothing
+    assert "moepeak optimizer" in spec["not_drawn"] and "not drawn" in spec["title"]
+    for c in spec["curves"]:
+        assert any(y > 0 for y in c["gib"]), c["label"]
+    assert "moepeak: optimizer" not in [c["label"] for c in spec["curves"]]
+    assert {"plain: total", "moepeak: total"} <= {c["label"] for c in spec["curves"]}
+
+
+def _run_piped(cmd):
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    return subprocess.run(["bash", "-c", f"{sys.executable} -m moepeak {cmd}"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args", ["--help", "plan --help", "plan --preset Qwen3-30B-A3B"])
+def test_closed_pipe_prints_no_traceback(args):
+    """`moepeak ... | head -1`, and a reader that closes the pipe before anything is
+    written (the write then fails for certain): no BrokenPipeError on stderr."""
+    p = _run_piped(f"{args} | head -1")
+    assert p.returncode == 0 and p.stdout.strip() and p.stderr == "", (p.stdout, p.stderr)
+    p = _run_piped(f"{args} | (exec 0<&-; sleep 0)" + "; exit ${PIPESTATUS[0]}")
+    assert p.stderr == "", p.stderr
+    # argparse's own --help swallows the write error and exits 0; moepeak's output: 141
+    assert p.returncode == (0 if args == "plan --help" else 141) or p.returncode == 141, p.returncode

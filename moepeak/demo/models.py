@@ -15,7 +15,7 @@ moepeak with plain PyTorch.
 
 Context parallelism (MoEConfig.context_parallel, with a group of P > 1 ranks):
 forward takes this rank's contiguous slice [B, T/P] of the sequences
-(context_parallel.cp_slice); attention all-gathers K/V; the loss is scaled so
+(moepeak.demo.context_parallel.cp_slice); attention all-gathers K/V; the loss is scaled so
 that its mean over the ranks is the full sequences' mean loss. Same parameters.
 
 Parameter names and layouts (E_local = experts / expert-parallel ranks):
@@ -50,12 +50,13 @@ HEAD_CHOICES = ("ring_dtp", "plain")
 CKPT_CHOICES = ("sco", "torch", "none")
 OPTIM_CHOICES = ("stream", "torch")
 
-# Which moepeak module provides each schedule's public name.
+# The public moepeak name behind each schedule switch (resolved through the
+# package's lazy top-level names, so the demo does not depend on module layout).
 _COMPONENT = {
-    "moe": ("llep", "PipelinedLLEPMoE"),
-    "head": ("ring_dtp", "RingDTPLinearCrossEntropy"),
-    "checkpoint": ("sco", "sco_checkpoint"),
-    "optimizer": ("stream_adamw", "StreamAdamW"),
+    "moe": "PipelinedLLEPMoE",
+    "head": "RingDTPLinearCrossEntropy",
+    "checkpoint": "sco_checkpoint",
+    "optimizer": "StreamAdamW",
 }
 _MOEPEAK_SETTING = {"moe": "llep", "head": "ring_dtp", "checkpoint": "sco", "optimizer": "stream"}
 _PLAIN_SETTING = {"moe": "dense", "head": "plain", "checkpoint": "torch", "optimizer": "torch"}
@@ -63,9 +64,9 @@ _PLAIN_SETTING = {"moe": "dense", "head": "plain", "checkpoint": "torch", "optim
 
 def component(switch: str):
     """The moepeak object behind `switch`, or raise ImportError saying why not."""
-    mod, name = _COMPONENT[switch]
+    name = _COMPONENT[switch]
     try:
-        return getattr(importlib.import_module(f"moepeak.{mod}"), name)
+        return getattr(importlib.import_module("moepeak"), name)
     except (ImportError, AttributeError) as e:
         raise ImportError(f"moepeak.{name} is not available in this build ({type(e).__name__}: {e})") from e
 
@@ -366,14 +367,15 @@ class MoELM(nn.Module):
                 blk.attn.cp = (group, self.world, self.rank)
         self._ckpt, self.sco_config = None, None
         if cfg.checkpoint == "sco":
-            self._use_sco()
+            self.use_sco()
         self.reset_parameters(seed)
 
-    def _use_sco(self):
-        """This model's own SCO config (its pinned arena is freed by close())."""
+    def use_sco(self):
+        """Make SCO this model's checkpoint schedule, with its own SCO config
+        (self.sco_config; its pinned arena is freed by close()). Idempotent."""
         if self._ckpt is None:
             self._ckpt = component("checkpoint")
-            self.sco_config = importlib.import_module("moepeak.sco").SCOConfig()
+            self.sco_config = importlib.import_module("moepeak").SCOConfig()
 
     def close(self):
         """Free the pinned SCO arena now (it would otherwise live until exit)."""
@@ -408,7 +410,9 @@ class MoELM(nn.Module):
             return self.cfg.vocab_size
         return local
 
-    def _run_block(self, blk, x):
+    def run_block(self, blk, x):
+        """One block under cfg.checkpoint ("sco", "torch" or "none"; no checkpointing
+        when grad is off). hidden_states() calls it for every block."""
         if not torch.is_grad_enabled() or self.cfg.checkpoint == "none":
             return blk(x)
         if self.cfg.checkpoint == "sco":
@@ -418,7 +422,7 @@ class MoELM(nn.Module):
     def hidden_states(self, input_ids):
         x = self.embed(input_ids)
         for blk in self.layers:
-            x = self._run_block(blk, x)
+            x = self.run_block(blk, x)
         return self.norm(x)
 
     def forward(self, input_ids, labels):
@@ -472,7 +476,7 @@ def resolve(cfg: MoEConfig, optimizer: str, *, want_moepeak: Dict[str, bool]):
     for sw in ("moe", "head", "checkpoint", "optimizer"):
         on = want_moepeak.get(sw, True)
         if on and not available(sw):
-            notes.append(f"{sw}: moepeak.{_COMPONENT[sw][1]} is not available in this build; "
+            notes.append(f"{sw}: moepeak.{_COMPONENT[sw]} is not available in this build; "
                          f"using plain PyTorch ({_PLAIN_SETTING[sw]})")
             on = False
         settings[sw] = _MOEPEAK_SETTING[sw] if on else _PLAIN_SETTING[sw]

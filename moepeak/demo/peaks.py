@@ -104,7 +104,7 @@ def _boundaries(model, ids, device, mode):
     old = model.cfg.checkpoint
     model.cfg.checkpoint = mode
     if mode == "sco":
-        model._use_sco()
+        model.use_sco()
     try:
         if device.type == "cuda":
             torch.cuda.synchronize(device)

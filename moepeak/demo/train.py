@@ -1,0 +1,589 @@
+"""The demo job: argument parsing, one training loop used for moepeak's run and
+for plain PyTorch's comparison run, checkpoint save/resume, and clean exit on
+Ctrl-C (see moepeak.demo for what the demo shows).
+
+run(argv) is the whole job as a function (tests call it); it returns a dict
+with the losses (moepeak's and plain PyTorch's), the peak table and the settings.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import math
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import warnings
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import __version__
+from . import peaks as peakmod
+from .context_parallel import cp_slice
+from .data import TokenStream
+from .models import MoEConfig, MoELM, build_optimizer, param_count, resolve
+from .plot import plot_run
+
+GiB = 2 ** 30
+
+# Learning rate: linear warm-up over `warmup` steps to `lr`, then cosine decay to
+# --min-lr-ratio x lr at the last step. The GPU model (245 M params, 131072 tokens
+# a step) takes a peak of 6e-4 after 20 warm-up steps; a peak of 2e-3 stalls it
+# near 2.7 nats/byte with loss spikes.
+DEFAULTS = {
+    "cuda": dict(layers=4, hidden=1024, heads=8, kv_heads=2, experts=16, top_k=2, intermediate=512,
+                 vocab=65536, seq_len=131072, batch=1, steps=150, lr=6e-4, dtype="bfloat16",
+                 warmup=20, chunk_rows=None, compare_steps=40),
+    "cpu": dict(layers=2, hidden=64, heads=4, kv_heads=2, experts=8, top_k=2, intermediate=64,
+                vocab=264, seq_len=256, batch=4, steps=120, lr=3e-3, dtype="float32",
+                # 2048 routed rows a step: chunks of 256 rows bound the dispatch working set
+                # (the GPU default, 32768 rows, would exceed the whole tiny layer)
+                warmup=10, chunk_rows=256, compare_steps=None),  # None: every step
+}
+DESCRIPTION = ("train a small MoE LM with all four moepeak schedules, overlay plain PyTorch's loss "
+               "on the same weights and batches, and measure the four memory peaks against plain "
+               "PyTorch's (see moepeak.demo)")
+SCHEDULES = (("llep", "moe", "PipelinedLLEP expert dispatch"),
+             ("ring_dtp", "head", "Ring-DTP vocabulary projection + CE"),
+             ("sco", "checkpoint", "SCO checkpoint-boundary offload"),
+             ("stream_adamw", "optimizer", "StreamAdamW optimizer (state in host RAM)"))
+
+
+DEVICE_DEFAULT = " (default %(default)s: the device's, moepeak.demo.DEFAULTS)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="moepeak demo", description=DESCRIPTION,
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--device", default=None, help="cuda or cpu (default %(default)s: cuda if available)")
+    g = ap.add_argument_group("model size")
+    for f, what in (("layers", "decoder blocks"), ("hidden", "hidden size H"),
+                    ("heads", "attention heads"), ("kv-heads", "key/value heads (GQA)"),
+                    ("experts", "routed experts E"), ("top-k", "experts per token K"),
+                    ("intermediate", "expert intermediate size I"),
+                    ("vocab", "vocabulary rows V (>= 259: bytes + specials; the rest pad)")):
+        g.add_argument(f"--{f}", type=int, default=None, help=what + DEVICE_DEFAULT)
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="parameter and activation dtype" + DEVICE_DEFAULT)
+    t = ap.add_argument_group("training")
+    t.add_argument("--seq-len", type=int, default=None, help="tokens per sequence" + DEVICE_DEFAULT)
+    t.add_argument("--batch", type=int, default=None,
+                   help="sequences per step (per rank without context parallelism)" + DEVICE_DEFAULT)
+    t.add_argument("--context-parallel", action=argparse.BooleanOptionalAction, default=None,
+                   help="under torchrun: shard each sequence over the ranks (default %(default)s: on when "
+                        "WORLD_SIZE > 1; --seq-len must be divisible by WORLD_SIZE)")
+    t.add_argument("--steps", type=int, default=None, help="optimizer steps" + DEVICE_DEFAULT)
+    t.add_argument("--lr", type=float, default=None, help="peak learning rate" + DEVICE_DEFAULT)
+    t.add_argument("--warmup", type=int, default=None,
+                   help="linear LR warmup steps (then cosine decay to --min-lr-ratio x lr)" + DEVICE_DEFAULT)
+    t.add_argument("--lr-horizon", type=int, default=None,
+                   help="step at which the cosine reaches its floor (default %(default)s: the last step of this "
+                        "run; give the same value to a run and its --resume to get one curve)")
+    t.add_argument("--min-lr-ratio", type=float, default=0.1, help="the cosine's floor, x lr")
+    t.add_argument("--seed", type=int, default=0, help="initialisation and data seed")
+    t.add_argument("--data", choices=("auto", "stdlib", "synthetic"), default="auto",
+                   help="corpus: the Python stdlib's sources, or a synthetic Markov language")
+    t.add_argument("--data-mb", type=float, default=8.0, help="corpus size cap (MiB)")
+    s = ap.add_argument_group("schedules (each on by default; --plain turns all four off)")
+    for flag, _, what in SCHEDULES:
+        s.add_argument(f"--{flag.replace('_', '-')}", action=argparse.BooleanOptionalAction,
+                       default=True, help=what)
+    s.add_argument("--plain", action="store_true", help="plain PyTorch: dense MoE, F.cross_entropy, "
+                   "torch.utils.checkpoint, torch.optim.AdamW")
+    s.add_argument("--no-checkpoint", action="store_true", help="no activation checkpointing at all")
+    s.add_argument("--bucket-mb", type=float, default=None, help="StreamAdamW bucket size in MiB (default %(default)s: StreamAdamW's)")
+    s.add_argument("--chunk-rows", type=int, default=None,
+                   help="PipelinedLLEP chunk budget" + DEVICE_DEFAULT)
+    c = ap.add_argument_group("comparison with plain PyTorch")
+    c.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
+                   help="after the run, train the same model from the same weights on the same "
+                        "batches in plain PyTorch and overlay its loss (default %(default)s: on, except under "
+                        "torchrun on GPUs, where an OOM on one rank would stall the others)")
+    c.add_argument("--compare-steps", type=int, default=None,
+                   help="steps of the plain run (default %(default)s: every step on CPU, the first "
+                        f"{DEFAULTS['cuda']['compare_steps']} on a GPU); it stops early at an OOM")
+    o = ap.add_argument_group("output")
+    o.add_argument("--save", default=None, help="directory: torch.distributed.checkpoint at the end (default %(default)s: no save)")
+    o.add_argument("--resume", default=None, help="directory written by --save: continue from it (default %(default)s: start afresh)")
+    o.add_argument("--plot", default=None,
+                   help="PNG path: loss curves and peak table (needs matplotlib: pip install "
+                        "moepeak[plot]; default %(default)s: no plot)")
+    o.add_argument("--no-peaks", action="store_true", help="skip the per-component peak measurement")
+    o.add_argument("--log-every", type=int, default=None, help="progress line every N steps "
+                   "(default %(default)s: steps/10; on a terminal the bar updates every step)")
+    o.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    return ap
+
+
+class Run:
+    """Everything the job owns, so that Ctrl-C (or any error) can release it."""
+
+    def __init__(self):
+        self.model = None
+        self.opt = None
+        self.pg_owned = False
+
+    def release_model(self):
+        """Close and drop the model and optimizer (SCO's pinned arena, StreamAdamW's
+        host state and threads), then return cached GPU memory."""
+        for obj in (self.opt, self.model):
+            for m in ([obj] if obj is self.opt else (obj.modules() if obj is not None else [])):
+                fn = getattr(m, "close", None)
+                if callable(fn):
+                    with contextlib.suppress(Exception):
+                        fn()
+        self.opt = self.model = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def close(self):
+        self.release_model()
+        if self.pg_owned and dist.is_initialized():
+            dist.destroy_process_group()
+            self.pg_owned = False
+
+
+class StopRequest:
+    """SIGINT handler for the training loops: the first Ctrl-C asks the job to stop
+    at the next step boundary (stop_point raises KeyboardInterrupt there), so no
+    step, collective or optimizer copy is cut in half; a second Ctrl-C raises at once.
+    Installed only from the main thread (signal handlers cannot be set elsewhere)."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = None
+
+    def _handler(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+            self._old = None
+        return False
+
+    def stop_point(self):
+        if self.requested:
+            raise KeyboardInterrupt
+
+
+def _config_from_args(a, dev_kind: str):
+    d = DEFAULTS[dev_kind]
+    pick = lambda k, v: d[k] if v is None else v
+    cfg = MoEConfig(vocab_size=pick("vocab", a.vocab), hidden=pick("hidden", a.hidden),
+                    layers=pick("layers", a.layers), heads=pick("heads", a.heads),
+                    kv_heads=pick("kv_heads", a.kv_heads), experts=pick("experts", a.experts),
+                    top_k=pick("top_k", a.top_k), intermediate=pick("intermediate", a.intermediate),
+                    checkpoint="none" if a.no_checkpoint else "sco",
+                    chunk_rows=pick("chunk_rows", a.chunk_rows))
+    train = dict(seq_len=pick("seq_len", a.seq_len), batch=pick("batch", a.batch),
+                 steps=pick("steps", a.steps), lr=pick("lr", a.lr), warmup=pick("warmup", a.warmup),
+                 dtype=getattr(torch, pick("dtype", a.dtype)),
+                 compare_steps=pick("compare_steps", a.compare_steps))
+    return cfg, train
+
+
+def _validate_train(train, a):
+    bad = []
+    if train["seq_len"] < 2:
+        bad.append(f"--seq-len must be >= 2, got {train['seq_len']}")
+    if train["batch"] < 1:
+        bad.append(f"--batch must be >= 1, got {train['batch']}")
+    if train["warmup"] < 0:
+        bad.append(f"--warmup must be >= 0, got {train['warmup']}")
+    if a.lr_horizon is not None and a.lr_horizon < 1:
+        bad.append(f"--lr-horizon must be >= 1, got {a.lr_horizon}")
+    if not 0.0 <= a.min_lr_ratio <= 1.0:
+        bad.append(f"--min-lr-ratio must be in [0, 1], got {a.min_lr_ratio}")
+    if train["steps"] < 0:
+        bad.append(f"--steps must be >= 0, got {train['steps']}")
+    if train["compare_steps"] is not None and train["compare_steps"] < 0:
+        bad.append(f"--compare-steps must be >= 0, got {train['compare_steps']}")
+    if not (train["lr"] > 0 and math.isfinite(train["lr"])):
+        bad.append(f"--lr must be a positive number, got {train['lr']}")
+    if a.resume and not os.path.isdir(a.resume):
+        bad.append(f"--resume {a.resume!r} is not a directory written by --save")
+    if bad:
+        raise ValueError("moepeak demo: " + "; ".join(bad))
+
+
+def _host_mem_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 50
+
+
+def shard_model(model: MoELM, world: int) -> set:
+    """FSDP2 on what every rank replicates. Experts (split by the EP group) stay
+    rank-local; the Ring-DTP head weight becomes a Shard(0) DTensor the ring
+    uses in place (its gradient arrives averaged over the ranks, as FSDP2's do).
+    Returns the params whose gradient is a sum over ranks (the caller divides
+    their .grad by `world` after backward)."""
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    # Gradients are reduce-scattered in fp32 and rounded once to the param
+    # dtype (a bf16 reduction would round the sum of the ranks' partial
+    # gradients once more than one process does).
+    from torch.distributed.device_mesh import init_device_mesh
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    # The mesh's device type is the model's: without it FSDP2 picks CUDA
+    # whenever a GPU is visible and would move a CPU model's params there.
+    mesh = init_device_mesh("cuda" if model.embed.weight.is_cuda else "cpu", (world,))
+    summed = set()
+    for blk in model.layers:
+        mine = {blk.moe.w_gate_up, blk.moe.w_down} if model.cfg.moe == "llep" else set()
+        summed |= mine
+        fully_shard(blk, mesh=mesh, ignored_params=mine or None, mp_policy=mp)
+    ignored = set(summed)
+    if model.cfg.head == "ring_dtp":
+        model.head.shard_(mesh)
+        ignored |= set(model.head.parameters())
+    fully_shard(model, mesh=mesh, ignored_params=ignored or None, mp_policy=mp)
+    return summed
+
+
+class Progress:
+    def __init__(self, total: int, enabled: bool, every: int, label: str = ""):
+        self.total, self.enabled, self.every = total, enabled, max(1, every)
+        self.tty = enabled and sys.stderr.isatty()
+        self.label = label
+
+    def update(self, step: int, loss: float, tok_s: float, peak: Optional[float]):
+        if not self.enabled:
+            return
+        done = step + 1
+        if not self.tty and done % self.every and done != self.total:
+            return
+        w = 24
+        fill = int(w * done / max(1, self.total))
+        pk = f" peak {peak / GiB:6.2f} GiB" if peak is not None else ""
+        line = (f"{self.label}[{'#' * fill}{'.' * (w - fill)}] step {done:>5}/{self.total} "
+                f"loss {loss:7.4f} {tok_s / 1e3:8.1f}k tok/s{pk}")
+        if self.tty:
+            sys.stderr.write("\r" + line)
+            if done == self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+        else:
+            print(line, flush=True)
+
+
+def warmup_cosine(warmup: int, horizon: int, floor: float):
+    """LR multiplier at global step s: linear warmup (s+1)/warmup over the first
+    `warmup` steps, then cosine from 1 down to `floor` at step `horizon`, flat after.
+    E.g. warmup=15, horizon=150, floor=0.1: s=0 -> 0.067, s=14 -> 1, s=82 -> 0.55, s>=150 -> 0.1."""
+    def f(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / warmup
+        frac = min(1.0, (s - warmup) / max(1, horizon - warmup))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * frac))
+    return f
+
+
+def _ckpt_state(model, opt, local_names, rank):
+    """(replicated/DTensor part, rank-local part). Rank-local params (experts of
+    this EP rank, the Ring-DTP vocab shard) differ between ranks under the same
+    name, so DCP would treat them as replicated and keep one copy: they are
+    stored under a per-rank key instead, with their optimizer state."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    msd, osd = get_state_dict(model, opt)  # StreamAdamW returns DTensor state for FSDP2 params
+    local = {"model": {}, "optim": {}}
+    for n in local_names:
+        local["model"][n] = msd.pop(n)
+        if n in osd.get("state", {}):
+            local["optim"][n] = osd["state"].pop(n)
+    return msd, osd, local
+
+
+def save(path: str, model, opt, step: int, losses: List[float], local_names=(), rank=0):
+    import torch.distributed.checkpoint as dcp
+    msd, osd, local = _ckpt_state(model, opt, local_names, rank)
+    sd = {"model": msd, "optim": osd, "meta": {"step": step, "losses": list(losses)}}
+    if local_names:
+        sd[f"local_rank{rank}"] = local
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(sd, checkpoint_id=path)
+
+
+def load(path: str, model, opt, local_names=(), rank=0):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    msd, osd, local = _ckpt_state(model, opt, local_names, rank)
+    sd = {"model": msd, "optim": osd, "meta": {"step": 0, "losses": []}}
+    if local_names:
+        sd[f"local_rank{rank}"] = local
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(sd, checkpoint_id=path)
+    sd["model"].update(local["model"])
+    sd["optim"].setdefault("state", {}).update(local["optim"])
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    return int(sd["meta"]["step"]), list(sd["meta"]["losses"])
+
+
+def run(argv=None) -> Dict:
+    a = build_parser().parse_args(argv)
+    res = Run()
+    try:
+        with StopRequest() as stop:
+            return _run(a, res, stop)
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt):
+            print("\nmoepeak demo: interrupted; releasing pinned memory, GPU memory and process groups",
+                  file=sys.stderr)
+        # drop the finished frames' locals (the autograd graph, live SCO boundaries)
+        # so that close() can free the pinned arena and GPU memory right away
+        traceback.clear_frames(e.__traceback__)
+        raise
+    finally:
+        res.close()
+
+
+class _Job:
+    """What both training loops share: ranks, device, data, batch shape, LR schedule."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _train(job: _Job, model: MoELM, opt, start: int, steps: int, local_params, stop: StopRequest,
+           progress: Progress, measure_first_step: bool = False, losses: Optional[List[float]] = None):
+    """Train `steps` optimizer steps from global step `start`. Returns (losses,
+    step_times, peak GPU bytes seen, first-step optimizer measurements); the
+    losses are appended to `losses` when given (what an exception leaves is kept).
+    Stops between steps on a Ctrl-C (on every rank at the same step: the request
+    travels with the loss all-reduce)."""
+    device, world, cuda = job.device, job.world, job.device.type == "cuda"
+    for g in opt.param_groups:  # a loaded checkpoint may have stored a scheduled lr
+        g["lr"] = g["initial_lr"] = job.lr
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: job.lr_at(start + i))
+    losses = [] if losses is None else losses
+    step_times, opt_meas, peak_seen = [], {}, 0
+    # under several ranks a stop is taken only once every rank knows of it (from the
+    # all-reduce), so that no rank is left waiting in a collective of the next step
+    agreed_stop = False
+    stop_now = (lambda: agreed_stop) if world > 1 else (lambda: stop.requested)
+    for step in range(start, start + steps):
+        if stop_now():
+            raise KeyboardInterrupt
+        if job.cp:  # one batch for the group, each rank takes its slice of every sequence
+            x, y = (cp_slice(t, job.rank, world).to(device) for t in job.data.batch(step, job.B, job.T))
+        else:
+            x, y = job.data.batch(step, job.B, job.T, rank=job.rank, device=device)
+        t0 = time.perf_counter()
+        loss = model(x, y)
+        loss.backward()
+        if local_params and world > 1:
+            # rank-local params got the sum over ranks of each rank's loss gradient;
+            # FSDP averaged the rest: divide to match (global loss = mean over ranks;
+            # under context parallelism MoELM scales each rank's loss so that this mean
+            # is the full sequences' mean loss).
+            for p in local_params:
+                if p.grad is not None:
+                    p.grad.div_(world)
+        first = measure_first_step and cuda and step == start
+        if first:  # isolate the first optimizer step (state is created there)
+            peak_seen = max(peak_seen, torch.cuda.max_memory_allocated(device))
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        opt.step()
+        if first:
+            torch.cuda.synchronize(device)
+            opt_meas = {"step_peak": torch.cuda.max_memory_allocated(device) - before,
+                        "state": torch.cuda.memory_allocated(device) - before}
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        # [loss, stop requested]: one all-reduce tells every rank the mean loss and
+        # whether any rank was interrupted
+        lv = torch.stack([loss.detach().float().reshape(()),
+                          torch.tensor(float(stop.requested), device=loss.device)])
+        if world > 1:
+            dist.all_reduce(lv)
+            lv[0] /= world
+        lv, stopping = lv.tolist()
+        agreed_stop = stopping > 0
+        dt = time.perf_counter() - t0
+        step_times.append(dt)
+        losses.append(lv)
+        if cuda:
+            peak_seen = max(peak_seen, torch.cuda.max_memory_allocated(device))
+        if not math.isfinite(lv):
+            raise FloatingPointError(f"moepeak demo: loss is {lv} at step {step}")
+        progress.update(step - start, lv, job.tok_step / dt, peak_seen if cuda else None)
+    if stop_now():
+        raise KeyboardInterrupt
+    return losses, step_times, peak_seen, opt_meas
+
+
+def _run(a, res: Run, stop: StopRequest) -> Dict:
+    # ---- where, and how many ranks
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    dev_name = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dev_name not in ("cuda", "cpu"):
+        raise ValueError(f"moepeak demo: --device must be cuda or cpu, got {a.device!r}")
+    if dev_name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("moepeak demo: --device cuda, but torch sees no CUDA device")
+    cfg, train = _config_from_args(a, dev_name)
+    cp = world > 1 and (a.context_parallel is None or a.context_parallel)
+    cfg = cfg.replace(context_parallel=cp)
+    want = {"moe": a.llep, "head": a.ring_dtp, "checkpoint": a.sco, "optimizer": a.stream_adamw}
+    if a.plain:
+        want = dict.fromkeys(want, False)
+    # ---- validate everything before any work
+    _validate_train(train, a)
+    cfg.validate(world_size=world, seq_len=train["seq_len"], batch=train["batch"], dtype=train["dtype"],
+                 arena_limit_bytes=_host_mem_bytes() // 2)
+    cfg, opt_kind, notes = resolve(cfg, "stream", want_moepeak=want)
+    rank, group = 0, None
+    if world > 1:
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if dev_name == "cuda" else "gloo")
+            res.pg_owned = True
+        rank, group = dist.get_rank(), dist.group.WORLD
+    if dev_name == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    say = (lambda *x: print(*x, flush=True)) if (rank == 0 and not a.quiet) else (lambda *x: None)
+    T, B, steps = train["seq_len"], train["batch"], train["steps"]
+    data = TokenStream(a.data, seed=a.seed, max_bytes=max(1 << 16, int(a.data_mb * 2 ** 20)))
+    job = _Job(world=world, rank=rank, device=device, cp=cp, data=data, B=B, T=T, lr=train["lr"],
+               tok_step=B * T if cp else B * T * world)  # tokens per optimizer step, all ranks
+
+    say(f"moepeak {__version__} demo on {device} x{world}, torch {torch.__version__}")
+    say(f"model: {param_count(cfg) / 1e6:.1f} M params; L={cfg.layers} H={cfg.hidden} heads={cfg.heads}/"
+        f"{cfg.kv_heads} E={cfg.experts} K={cfg.top_k} I={cfg.intermediate} V={cfg.vocab_size} "
+        f"{str(train['dtype']).replace('torch.', '')}")
+    split = (f"step, context parallel over {world} ranks ({B} x {T // world} tokens per rank)" if cp
+             else "step per rank")
+    say(f"data: {data.source} ({len(data) / 1e6:.1f} M byte tokens); {B} x {T} = {B * T} tokens per "
+        f"{split}, {steps} steps")
+    say(f"learning rate: {train['lr']:g} peak, {train['warmup']} warm-up steps, cosine to "
+        f"{a.min_lr_ratio:g} x")
+    say("schedules: moe=%s head=%s checkpoint=%s optimizer=%s" % (cfg.moe, cfg.head, cfg.checkpoint, opt_kind))
+    for n in notes:
+        say("  note: " + n)
+
+    # ---- model + optimizer
+    def build(cfg, opt_kind):
+        model = MoELM(cfg, group=group, world_size=world, device=device, dtype=train["dtype"], seed=a.seed)
+        res.model = model
+        local_params = shard_model(model, world) if world > 1 else set()
+        res.opt = build_optimizer(model.parameters(), opt_kind, lr=train["lr"], weight_decay=0.0,
+                                  bucket_mb=a.bucket_mb)
+        return model, res.opt, local_params
+
+    model, opt, local_params = build(cfg, opt_kind)
+    local_names = sorted(n for n, p in model.named_parameters()
+                         if p in local_params)  # rank-local: saved per rank
+    start, losses = 0, []
+    if a.resume:
+        start, losses = load(a.resume, model, opt, local_names, rank)
+        say(f"resumed from {a.resume} at step {start}")
+    # the LR schedule is a function of the global step, so a resumed run continues it
+    job.lr_at = warmup_cosine(train["warmup"], a.lr_horizon or (start + steps), a.min_lr_ratio)
+
+    # ---- train
+    every = a.log_every or max(1, steps // 10)
+    show = rank == 0 and not a.quiet
+    new, step_times, peak_seen, opt_meas = _train(job, model, opt, start, steps, local_params, stop,
+                                                  Progress(steps, show, every), measure_first_step=True)
+    losses += new
+    cuda = device.type == "cuda"
+    if steps:
+        k = max(1, min(10, len(new) // 5))
+        say(f"loss: first {sum(new[:k]) / k:.4f} -> last {sum(new[-k:]) / k:.4f} "
+            f"(mean of {k} steps)" + (f"; peak GPU memory {peak_seen / GiB:.2f} GiB" if cuda else ""))
+    if a.save:
+        save(a.save, model, opt, start + steps, losses, local_names, rank)
+        say(f"saved step {start + steps} to {a.save}")
+
+    table = None
+    if not a.no_peaks and world > 1:
+        say("(the per-component peak table is measured in single-process runs only)")
+    if not a.no_peaks and world == 1:
+        stop.stop_point()
+        table = peakmod.measure(model, cfg, opt_kind, opt, data, B, T, device, opt_meas)
+        say(peakmod.format_table(table, cfg, B * T, device))
+
+    # ---- the same model, weights and batches in plain PyTorch
+    plain = _compare(a, job, train, cfg, opt_kind, start, steps, res, build, stop, say, show, every)
+    if plain["losses"]:
+        n = len(plain["losses"])
+        plain["max_abs_diff"] = max(abs(p - m) for p, m in zip(plain["losses"], new))
+        say(f"plain PyTorch, same weights and batches: {n} step(s), max |loss - moepeak's| = "
+            f"{plain['max_abs_diff']:.3g}")
+    if plain["note"]:
+        say(f"plain PyTorch: {plain['note']}")
+
+    if a.plot and rank == 0:
+        title = (f"moepeak demo: {param_count(cfg) / 1e6:.3g} M params, {job.tok_step} tokens/step, "
+                 f"{str(train['dtype']).replace('torch.', '')}, {device.type} x{world}")
+        plot_run(a.plot, losses, start, plain, table, title, say)
+    return {"losses": losses, "start": start, "step_times": step_times, "peak": peak_seen, "cfg": cfg,
+            "optimizer": opt_kind, "peaks": table, "tokens_per_step": job.tok_step, "notes": notes,
+            "data": data.source, "plain": plain}
+
+
+def _compare(a, job, train, cfg, opt_kind, start, steps, res, build, stop, say, show, every) -> Dict:
+    """Plain PyTorch from the same initial weights over the same batches (steps start ..
+    start+n-1). Returns {"losses": [...], "note": why it is shorter or absent}."""
+    plain_cfg = cfg.plain()
+    out = {"losses": [], "note": "", "oom_step": None}
+    n = steps if train["compare_steps"] is None else min(steps, train["compare_steps"])
+    on = a.compare if a.compare is not None else not (job.world > 1 and job.device.type == "cuda")
+    if (cfg.moe, cfg.head, cfg.checkpoint, opt_kind) == (plain_cfg.moe, plain_cfg.head,
+                                                          plain_cfg.checkpoint, "torch"):
+        out["note"] = "this run is plain PyTorch already"
+    elif not on or n == 0:
+        out["note"] = "comparison off (--compare to turn it on)" if not on else "--compare-steps 0"
+    elif start:
+        out["note"] = "no comparison for a resumed run (plain PyTorch would need the steps before it)"
+    if out["note"]:
+        return out
+    res.release_model()  # moepeak's model and optimizer: free their memory for the plain run
+    model, opt, local_params = build(plain_cfg, "torch")
+    say(f"plain PyTorch ({plain_cfg.moe} MoE, {plain_cfg.head} head + F.cross_entropy, checkpoint="
+        f"{plain_cfg.checkpoint}, torch.optim.AdamW), same weights and batches, {n} steps:")
+    prog = Progress(n, show, every if a.log_every else max(1, n // 10), label="plain   ")
+    try:
+        _train(job, model, opt, start, n, local_params, stop, prog, losses=out["losses"])
+    except torch.cuda.OutOfMemoryError:
+        # one process unless --compare was given under torchrun (see its help)
+        out["oom_step"] = start + len(out["losses"])
+        out["note"] = f"out of GPU memory at step {out['oom_step'] + 1} ({job.tok_step} tokens per step)"
+    finally:
+        model = opt = None
+        res.release_model()
+    return out
+
+
+def main(argv=None) -> int:
+    try:
+        run(argv)
+    except KeyboardInterrupt:
+        return 130
+    except ValueError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    return 0
