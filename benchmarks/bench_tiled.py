@@ -19,10 +19,8 @@ An OOM is a result (written as such). Rows go to benchmarks/results/tiled.csv.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import os
-import subprocess
 import sys
 import time
 
@@ -32,28 +30,17 @@ import torch.utils.checkpoint as torch_ckpt
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
-from _common import append_rows, is_oom  # noqa: E402
-import moepeak  # noqa: E402
+from _common import append_results, is_oom  # noqa: E402
 from moepeak.tiled import demo_block_spec, tiled_block  # noqa: E402
 
-try:
-    from moepeak.demo import models as demo_models  # noqa: E402
-except ImportError:
-    from moepeak import models as demo_models  # noqa: E402
+from moepeak.demo import models as demo_models  # noqa: E402
 
 K128 = 131072
 DEFAULT_T = {"untiled": [K128, 2 * K128, 4 * K128], "tiled": [K128, 2 * K128, 4 * K128, 8 * K128, 16 * K128]}
-FIELDS = ["timestamp_utc", "gpu", "torch", "moepeak", "commit", "arm", "T", "tile_tokens", "H", "heads", "kv_heads",
+FIELDS = ["arm", "T", "tile_tokens", "H", "heads", "kv_heads",
           "experts", "top_k", "intermediate", "dtype", "status", "resident_gib", "peak_gib", "kb_per_token",
           "bf16_TH_equiv", "ms"]
 
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def build_block(args, device, dtype):
@@ -120,7 +107,7 @@ def main(argv=None):
     ap.add_argument("--I", type=int, default=768)
     ap.add_argument("--chunk-rows", dest="chunk_rows", type=int, default=None, help="PipelinedLLEP chunk budget")
     ap.add_argument("--tiny", action="store_true", help="CPU-sized smoke run (H = 64, T <= 512)")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "tiled.csv"))
+    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="folder of tiled.csv")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16
@@ -130,15 +117,14 @@ def main(argv=None):
     else:
         Ts = {a: args.T or DEFAULT_T[a] for a in args.arms}
     blk = build_block(args, device, dtype)
-    base = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-            "moepeak": moepeak.__version__, "commit": _commit(), "H": args.H, "heads": args.heads,
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    base = {"H": args.H, "heads": args.heads,
             "kv_heads": args.kv_heads, "experts": args.E, "top_k": args.K, "intermediate": args.I, "dtype": "bf16"}
     for T in sorted({t for a in args.arms for t in Ts[a]}):
         for arm in args.arms:
             if T not in Ts[arm]:
                 continue
-            row = dict(base, timestamp_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       arm=arm, T=T, tile_tokens=args.tile if arm == "tiled" else "")
+            row = dict(base, arm=arm, T=T, tile_tokens=args.tile if arm == "tiled" else "")
             try:
                 resident, peak, ms = measure(blk, args, arm, T, device, dtype)
                 row.update(status="ok", resident_gib=f"{resident / 2**30:.3f}", peak_gib=f"{peak / 2**30:.3f}",
@@ -156,7 +142,7 @@ def main(argv=None):
             print(",".join(str(row.get(k, "")) for k in ("arm", "T", "status", "peak_gib", "kb_per_token",
                                                           "bf16_TH_equiv", "ms")), flush=True)
             if not args.tiny or args.out != ap.get_default("out"):
-                append_rows(args.out, [row], fieldnames=FIELDS)
+                append_results(args.out, "tiled", [row], fields=FIELDS, gpu=gpu)
 
 
 if __name__ == "__main__":

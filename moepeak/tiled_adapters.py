@@ -50,7 +50,7 @@ def demo_block_spec(block: torch.nn.Module, x: torch.Tensor) -> TiledBlockSpec:
         return _rope(q, c, s), _rope(k, c, s), v
 
     def attn_core(q, k, v):
-        from . import context_parallel as CP
+        from .demo import context_parallel as CP
         if attn.cp is not None:
             k, v = CP.gather_kv(k, v, *attn.cp)
         if nkv != nh:
