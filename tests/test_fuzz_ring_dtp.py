@@ -73,7 +73,9 @@ def _run(p, dtype=torch.float32, **over):
     return loss.detach(), grads
 
 
-def _assert_close(name, got, want, rtol=2e-5, atol=2e-5):
+def _assert_close(name, got, want, rtol=2e-5, atol=2e-5, torch_fp32=None):
+    """|got - want| <= atol + rtol |want| (+ twice plain PyTorch's own fp32 error when given:
+    DESIGN's yardstick, which matters where large logits cancel); NaN only where want is NaN."""
     got, want = got.double(), want.double()
     assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     if got.numel() == 0:
@@ -81,18 +83,22 @@ def _assert_close(name, got, want, rtol=2e-5, atol=2e-5):
     both_nan = torch.isnan(got) & torch.isnan(want)
     diff = torch.where(both_nan, torch.zeros_like(got), (got - want).abs())
     tol = atol + rtol * want.abs().nan_to_num(0.0, 0.0, 0.0)
+    if torch_fp32 is not None:
+        tol = tol + 2 * (torch_fp32.double() - want).abs().nan_to_num(0.0, 0.0, 0.0)
     bad = ~(diff <= tol)
     assert not bad.any(), (f"{name}: {int(bad.sum())} of {got.numel()} off, max diff "
                            f"{diff.nan_to_num(math.inf).max().item():.3g}, mean diff {diff.nanmean().item():.3g}")
 
 
 def _compare(p, **over):
+    """moepeak (fp32) against the fp64 reference, within twice plain PyTorch's fp32 error."""
     loss, grads = _run(p, None, **over)
     rloss, rgrads = _run(p, torch.float64, **over)
+    tloss, tgrads = _run(p, torch.float32, **over)
     assert loss.dtype == torch.float32
-    _assert_close("loss", loss, rloss)
-    for name, g, r in zip(("d_hidden", "d_weight", "d_bias"), grads, rgrads):
-        _assert_close(name, g, r)
+    _assert_close("loss", loss, rloss, torch_fp32=tloss)
+    for name, g, r, t in zip(("d_hidden", "d_weight", "d_bias"), grads, rgrads, tgrads):
+        _assert_close(name, g, r, torch_fp32=t)
 
 
 @given(problems())
@@ -105,15 +111,9 @@ def test_linear_cross_entropy_large_masking_bias(p, big):
     """Finite but large bias entries (a soft vocabulary mask) stay exact."""
     gen = torch.Generator().manual_seed(p["seed"] + 1)
     mask = torch.rand(p["V"], generator=gen) < 0.3
-    loss, grads = None, None
     p = dict(p, bias=False)
     bias = torch.where(mask, torch.tensor(big), torch.zeros(()))
-    b1, b2 = bias.clone().requires_grad_(True), bias.clone().requires_grad_(True)
-    got, gg = _run(p, None, bias=b1)
-    want, rg = _run(p, torch.float64, bias=b2)
-    _assert_close("loss", got, want)
-    for name, g, r in zip(("d_hidden", "d_weight"), gg, rg):
-        _assert_close(name, g, r)
+    _compare(p, bias=bias.requires_grad_(True))
 
 
 # ---------------------------------------------------------------------------
@@ -146,12 +146,7 @@ def test_minus_inf_bias_mask(p):
     # labels only on unmasked slots, so the reference loss is finite
     keep = (bias == 0).nonzero().flatten().tolist()
     p["labels"] = [keep[i % len(keep)] if y != p["ignore_index"] else y for i, y in enumerate(p["labels"])]
-    b1, b2 = bias.clone().requires_grad_(True), bias.clone().requires_grad_(True)
-    got, gg = _run(p, None, bias=b1)
-    want, rg = _run(p, torch.float64, bias=b2)
-    _assert_close("loss", got, want)
-    for name, g, r in zip(("d_hidden", "d_weight"), gg, rg):
-        _assert_close(name, g, r)
+    _compare(p, bias=bias.requires_grad_(True))
 
 
 def _small_problem():
