@@ -26,6 +26,11 @@ mkdir -p "$WORK/.logs"
 (cd "$WORK" && MOEPEAK_CUDA=0 MOEPEAK_SANITIZE=address,undefined python setup.py -q build_ext --inplace >"$WORK/.logs/build.txt" 2>&1) \
   || { cat "$WORK/.logs/build.txt"; exit 1; }
 
+# the extension really carries the sanitizer runtimes (a silently plain build would pass everything)
+for lib in libasan libubsan; do
+  readelf -d "$WORK"/moepeak/_C*.so | grep -q "NEEDED.*$lib" || { echo "sanitize: _C is not linked to $lib"; exit 1; }
+done
+
 export LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so.6)"
 export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=0:log_path=$WORK/.logs/asan:suppressions=$ROOT/.ci/asan.supp"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:log_path=$WORK/.logs/ubsan"
