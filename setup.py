@@ -7,6 +7,13 @@ Environment:
   (unset)          CUDA if nvcc is found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin).
   MOEPEAK_CUDA_ARCH  gencode list, default "90" (sm_90 SASS + compute_90 PTX).
   MOEPEAK_DEBUG=1  -O0 -g.
+  MOEPEAK_SANITIZE=address,undefined  build the C code with these -fsanitize=
+                   checks (-O1 -g, frame pointers kept), for the sanitizer CI
+                   job (.ci/sanitize.sh). The CUDA objects are not instrumented:
+                   pair it with MOEPEAK_CUDA=0. Loading the result needs the
+                   sanitizer runtime preloaded (LD_PRELOAD=$(gcc
+                   -print-file-name=libasan.so)), since python itself is not
+                   instrumented.
 
 No torch is imported here, so `pip install .` works with build isolation.
 The CUDA runtime is linked statically (libcudart_static), so the extension
@@ -107,14 +114,28 @@ class BuildExtWithCuda(build_ext):
         ext.libraries += ["cudart_static", "rt", "stdc++"]
 
 
+def _sanitize_flags():
+    """-fsanitize flags from MOEPEAK_SANITIZE (a comma list; empty: none)."""
+    v = os.environ.get("MOEPEAK_SANITIZE", "").strip()
+    if not v:
+        return []
+    known = {"address", "undefined", "thread", "leak"}
+    bad = [s for s in v.split(",") if s.strip() not in known]
+    if bad:
+        raise RuntimeError(f"MOEPEAK_SANITIZE: unknown sanitizer(s) {bad}; choose from {sorted(known)}")
+    # -fno-sanitize-recover: every UBSan finding aborts (a report must fail the run, not scroll by).
+    return [f"-fsanitize={v}", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all", "-g", "-O1"]
+
+
 debug = os.environ.get("MOEPEAK_DEBUG") == "1"
+sanitize = _sanitize_flags()
 ext = Extension(
     "moepeak._C",
     sources=sorted(glob.glob(os.path.join("csrc", "*.c"))),
     include_dirs=[os.path.join(HERE, "csrc")],
     extra_compile_args=["-std=c11", "-Wall", "-Wextra", "-pthread", "-fvisibility=hidden"]
-    + (["-O0", "-g"] if debug else ["-O3"]),
-    extra_link_args=["-pthread"],
+    + (["-O0", "-g"] if debug else ([] if sanitize else ["-O3"])) + sanitize,
+    extra_link_args=["-pthread"] + sanitize,
     libraries=["dl", "m"],
     define_macros=[("_GNU_SOURCE", "1")],
 )

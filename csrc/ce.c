@@ -39,6 +39,7 @@
 #include <string.h>
 
 #include "ce.h"
+#include "mp_checks.h"
 #include "mp_half.h"
 #include "mp_python.h"
 
@@ -307,14 +308,41 @@ static ce_args ce_block_args(unsigned long long z, long long ldz, long long t, l
   return a;
 }
 
-static int ce_check_sizes(const ce_args *a) {
+static int ce_check_sizes(const char *fn, const ce_args *a, int cuda) {
   if (a->t < 0 || a->v < 0 || a->ldz < a->v || a->n_classes < 0) {
     PyErr_Format(PyExc_ValueError,
                  "moepeak._C.ce: bad block sizes t=%lld v=%lld ldz=%lld (need t, v >= 0 and ldz >= v)",
                  (long long)a->t, (long long)a->v, (long long)a->ldz);
     return -1;
   }
+  /* global columns: v0 >= 0, v0 + v in int64 (the kernels form v0 + nv and
+   * y - v0); z [t, ldz] addressable; softcap c: 0 (none) or finite > 0 */
+  if (mp_check_min(fn, "v0", a->v0, 0) || mp_check_min(fn, "v_valid", a->v_valid, 0) ||
+      mp_check_sum(fn, "v0 + v", a->v0, a->v) ||
+      mp_check_extent(fn, "z's bytes (t x ldz x 4)", a->t, a->ldz, 4, NULL) ||
+      mp_check_ptr(fn, "z", (uintptr_t)a->z, a->v ? a->t : 0) ||
+      mp_check_ptr(fn, "labels", (uintptr_t)a->labels, a->t) || mp_check_finite(fn, "softcap", a->softcap))
+    return -1;
+  if (a->softcap < 0.f) {
+    PyErr_Format(PyExc_ValueError, "moepeak._C.%s: softcap must be 0 (none) or > 0", fn);
+    return -1;
+  }
+  /* CPU labels: ignore_index or >= 0 (ring_dtp.py maps labels outside the
+   * vocabulary to ignore_index), so y - v0 never overflows */
+  if (!cuda)
+    for (int64_t i = 0; i < a->t; i++)
+      if (a->labels[i] < 0 && a->labels[i] != a->ignore_index) {
+        PyErr_Format(PyExc_ValueError, "moepeak._C.%s: labels[%lld] = %lld must be >= 0 or ignore_index (%lld)", fn,
+                     (long long)i, (long long)a->labels[i], (long long)a->ignore_index);
+        return -1;
+      }
   return 0;
+}
+
+/* Per-row fp32 vectors [t] the block kernels read or write. */
+static int ce_check_rows(const char *fn, long long t, const char *n1, unsigned long long p1, const char *n2,
+                         unsigned long long p2, const char *n3, unsigned long long p3) {
+  return mp_check_ptr(fn, n1, p1, t) || mp_check_ptr(fn, n2, p2, t) || mp_check_ptr(fn, n3, p3, t);
 }
 
 /* ce_fold(z, z_dtype, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, s, zy, zsum, sx, cuda, stream)
@@ -332,7 +360,9 @@ static PyObject *py_ce_fold(PyObject *self, PyObject *args) {
   a.m = (float *)(uintptr_t)m; a.s = (float *)(uintptr_t)s;
   a.zy = (float *)(uintptr_t)zy; a.zsum = (float *)(uintptr_t)zsum; a.sx = (float *)(uintptr_t)sx;
   a.n_classes = 1;
-  if (ce_check_sizes(&a)) return NULL;
+  if (ce_check_sizes("ce_fold", &a, cuda) || ce_check_rows("ce_fold", t, "m", m, "s", s, "zy", zy) ||
+      ce_check_rows("ce_fold", t, "zsum", zsum, "sx", sx, "zsum", zsum))
+    return NULL;
   if (z_dtype < 0 || z_dtype > 2 || (!cuda && z_dtype != 0)) {
     PyErr_Format(PyExc_ValueError, "moepeak._C.ce_fold: z_dtype must be 0 (fp32) on CPU, 0..2 on CUDA, got %d",
                  z_dtype);
@@ -383,7 +413,16 @@ static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
   a.q = (const float *)(uintptr_t)q;
   a.g_stride = g_stride;
   a.eps = (float)eps; a.zloss = (float)zloss; a.n_classes = n_classes;
-  if (ce_check_sizes(&a)) return NULL;
+  const char *fn = "ce_grad";
+  if (ce_check_sizes(fn, &a, cuda) || ce_check_rows(fn, t, "m", mrow, "ls", ls, "q", q) ||
+      mp_check_ptr(fn, "g", g, t ? (g_stride ? t : 1) : 0) || mp_check_ptr(fn, "out", out, v ? t : 0) ||
+      mp_check_finite(fn, "eps", eps) || mp_check_finite(fn, "zloss", zloss))
+    return NULL;
+  if (out != z && mp_check_extent(fn, "out's bytes (t x ldo x 4)", t, ldo, 4, NULL)) return NULL;
+  if (part && (mp_check_min(fn, "ldp", ldp, 0) || mp_check_min(fn, "gmax", gmax, 0) ||
+               mp_check_extent(fn, "part's bytes (gmax x ldp x 4)", gmax, ldp, 4, NULL) ||
+               mp_check_ptr(fn, "cs", cs, v)))
+    return NULL;
   if (n_classes < 1 || (g_stride != 0 && g_stride != 1) || out_dtype < 0 || out_dtype > 2) {
     PyErr_Format(PyExc_ValueError, "moepeak._C.ce_grad: need n_classes >= 1 (got %lld), g_stride 0 or 1 "
                  "(got %lld), out_dtype 0..2 (got %d)", n_classes, g_stride, out_dtype);
@@ -451,6 +490,9 @@ static PyObject *py_ce_scale(PyObject *self, PyObject *args) {
     PyErr_Format(PyExc_ValueError, "moepeak._C.ce_scale: need dtype 0..2 (got %d) and n >= 0 (got %lld)", dtype, n);
     return NULL;
   }
+  if (mp_check_extent("ce_scale", "t's bytes (n x 4)", n, 4, 1, NULL) || mp_check_ptr("ce_scale", "t", t, n) ||
+      mp_check_ptr("ce_scale", "g", g, n ? 1 : 0))
+    return NULL;
   if (n == 0) Py_RETURN_NONE;
   mp_status st = MP_OK;
   if (cuda) {
@@ -495,6 +537,20 @@ static PyObject *py_ce_dw_finish(PyObject *self, PyObject *args) {
                                       "the rank-1 term (cs, mu)");
     return NULL;
   }
+  const char *fn = "ce_dw_finish";
+  const long long esz = dtype == CE_F32 ? 4 : 2;
+  if (mp_check_min(fn, "v0", v0, 0) || mp_check_sum(fn, "v0 + nv", v0, nv) ||
+      mp_check_extent(fn, "dw's bytes (nv x ldw x size)", nv, ldw, esz, NULL) ||
+      mp_check_extent(fn, "x's bytes (t x ldx x size)", t, ldx, esz, NULL) ||
+      mp_check_ptr(fn, "dw", dw, h ? nv : 0) || mp_check_ptr(fn, "x", x, h ? t : 0) || mp_check_ptr(fn, "sy", sy, t) ||
+      mp_check_ptr(fn, "perm", perm, t) || mp_check_ptr(fn, "tcs", tc, t))
+    return NULL;
+  /* perm: token rows of x, each in [0, t) (CPU: read here; CUDA: the caller's) */
+  if (!cuda)
+    for (long long k = 0; k < t; k++) {
+      const long long p = ((const int64_t *)(uintptr_t)perm)[k];
+      if (mp_check_range(fn, "perm[k]", p, 0, t)) return NULL;
+    }
   if (nv == 0 || h == 0 || (t == 0 && !cs)) Py_RETURN_NONE;
   mp_status st = MP_OK;
   if (cuda) {
@@ -534,6 +590,13 @@ static PyObject *py_ce_sub_row(PyObject *self, PyObject *args) {
                  "dtype=%d n=%lld h=%lld ldo=%lld ldx=%lld)", dtype, n, h, ldo, ldx);
     return NULL;
   }
+  const char *fn = "ce_sub_row";
+  const long long esz = dtype == CE_F32 ? 4 : 2;
+  if (mp_check_extent(fn, "out's bytes (n x ldo x size)", n, ldo, esz, NULL) ||
+      mp_check_extent(fn, "x's bytes (n x ldx x size)", n, ldx, esz, NULL) ||
+      mp_check_ptr(fn, "out", out, h ? n : 0) || mp_check_ptr(fn, "x", x, h ? n : 0) ||
+      mp_check_ptr(fn, "mu", mu, n ? h : 0))
+    return NULL;
   if (n == 0 || h == 0) Py_RETURN_NONE;
   mp_status st = MP_OK;
   if (cuda) {
@@ -571,6 +634,25 @@ static PyObject *py_ce_dx_finish(PyObject *self, PyObject *args) {
                  "(got dtype=%d t=%lld nv=%lld h=%lld ldx=%lld ldw=%lld)", dtype, t, nv, h, ldx, ldw);
     return NULL;
   }
+  const char *fn = "ce_dx_finish";
+  const long long esz = dtype == CE_F32 ? 4 : 2;
+  if (mp_check_min(fn, "v0", v0, 0) || mp_check_sum(fn, "v0 + nv", v0, nv) ||
+      mp_check_extent(fn, "dx's bytes (t x ldx x size)", t, ldx, esz, NULL) ||
+      mp_check_extent(fn, "w's bytes (nv x ldw x size)", nv, ldw, esz, NULL) ||
+      mp_check_ptr(fn, "dx", dx, h ? t : 0) || mp_check_ptr(fn, "w", w, h ? nv : 0) ||
+      mp_check_ptr(fn, "labels", labels, t) || mp_check_ptr(fn, "tc", tc, t))
+    return NULL;
+  /* CPU labels: any value (ignore_index, other shards' rows), but labels[t] - v0 must not overflow */
+  if (!cuda)
+    for (long long i = 0; i < t; i++) {
+      long long r;
+      const long long y = ((const int64_t *)(uintptr_t)labels)[i];
+      if (__builtin_sub_overflow(y, v0, &r)) {
+        PyErr_Format(PyExc_ValueError, "moepeak._C.%s: labels[%lld] = %lld minus v0 = %lld overflows int64", fn, i,
+                     y, v0);
+        return NULL;
+      }
+    }
   if (nv == 0 || h == 0 || t == 0) Py_RETURN_NONE;
   mp_status st = MP_OK;
   if (cuda) {

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "llep.h"
+#include "mp_checks.h"
 #include "mp_half.h"
 #include "mp_python.h"
 
@@ -121,6 +122,30 @@ static void down_bwd_range(void *c, int64_t b, int64_t e, int wk) {
 /* ---- bindings ------------------------------------------------------------ */
 #define P_(x) ((void *)(uintptr_t)(x))
 
+/* The planner tables' extents for P ranks and E experts: load [P, E], Q [E, P],
+ * A [E, P, P], S [P, P] x int64, in bytes; ValueError when any overflows. */
+static int llep_check_tables(const char *fn, int P, int E) {
+  if (mp_check_min(fn, "P (ranks)", P, 1) || mp_check_min(fn, "E (experts)", E, 1)) return -1;
+  return mp_check_extent(fn, "the A table's bytes (E x P x P x 8)", (long long)E * P, P, 8, NULL) ||
+         mp_check_extent(fn, "the S table's bytes (P x P x 8)", P, P, 8, NULL);
+}
+
+/* The row-index table idx [rows] (CPU): every idx[i] >= 0 and
+ * (idx[i] / div) * row_elems fits in int64, so the kernels' row offsets are
+ * well-defined (rows past the source's end are the caller's contract). */
+static int llep_check_row_index(const char *fn, const int64_t *idx, long long rows, long long div,
+                                long long row_elems) {
+  for (long long i = 0; i < rows; i++) {
+    long long off;
+    if (idx[i] < 0 || __builtin_mul_overflow((long long)(idx[i] / div), row_elems, &off)) {
+      PyErr_Format(PyExc_ValueError, "moepeak._C.%s: idx[%lld] = %lld must be >= 0 and (idx / div) x row size "
+                   "must fit in int64 (div %lld, row size %lld)", fn, i, (long long)idx[i], div, row_elems);
+      return -1;
+    }
+  }
+  return 0;
+}
+
 static PyObject *py_llep_plan(PyObject *self, PyObject *args) {
   (void)self;
   unsigned long long load, Q, A, S;
@@ -128,6 +153,31 @@ static PyObject *py_llep_plan(PyObject *self, PyObject *args) {
   double alpha, lam;
   long long m;
   if (!PyArg_ParseTuple(args, "KiidLdKKK", &load, &P, &E, &alpha, &m, &lam, &Q, &A, &S)) return NULL;
+  const char *fn = "llep_plan";
+  if (llep_check_tables(fn, P, E)) return NULL;
+  if (E % P != 0) {
+    PyErr_Format(PyExc_ValueError, "moepeak._C.%s: E (experts, %d) must be a multiple of P (ranks, %d)", fn, E, P);
+    return NULL;
+  }
+  /* alpha = +inf (unbounded capacity) and lam = +inf (never spill) are meaningful; NaN is not */
+  if (mp_check_positive(fn, "alpha", alpha) || mp_check_not_nan(fn, "lam", lam) ||
+      mp_check_min(fn, "min_tokens", m, 0))
+    return NULL;
+  const long long nload = (long long)P * E;
+  if (mp_check_ptr(fn, "load", load, nload) || mp_check_ptr(fn, "Q", Q, nload) ||
+      mp_check_ptr(fn, "A", A, nload * P) || mp_check_ptr(fn, "S", S, (long long)P * P))
+    return NULL;
+  /* every load >= 0 and their total fits in int64: the planner's sums (per
+   * expert, per rank, in all) and the slices' prefix sums never overflow */
+  long long total = 0;
+  for (long long i = 0; i < nload; i++) {
+    const long long l = ((const int64_t *)P_(load))[i];
+    if (l < 0 || __builtin_add_overflow(total, l, &total)) {
+      PyErr_Format(PyExc_ValueError, "moepeak._C.%s: load entries must be >= 0 with a total that fits in int64 "
+                   "(load[%lld] = %lld)", fn, i, l);
+      return NULL;
+    }
+  }
   mp_status st = mp_llep_plan((const int64_t *)P_(load), P, E, alpha, (int64_t)m, lam, (int64_t *)P_(Q),
                               (int64_t *)P_(A), (int64_t *)P_(S), &spilled);
   if (st != MP_OK) return mp_raise_status(st);
@@ -140,9 +190,24 @@ static PyObject *py_llep_num_chunks(PyObject *self, PyObject *args) {
   int P;
   long long C;
   if (!PyArg_ParseTuple(args, "KiL", &S, &P, &C)) return NULL;
-  if (P < 1 || C < P) {
+  const char *fn = "llep_num_chunks";
+  if (mp_check_min(fn, "P (ranks)", P, 1)) return NULL;
+  if (C < P) {
     PyErr_Format(PyExc_ValueError, "moepeak: chunk_rows (%lld) must be >= the number of ranks (%d)", C, P);
     return NULL;
+  }
+  if (mp_check_extent(fn, "the S table's bytes (P x P x 8)", P, P, 8, NULL) ||
+      mp_check_ptr(fn, "S", S, (long long)P * P))
+    return NULL;
+  /* the kernel's ceil(S / q) is (S + q - 1) / q: S + q - 1 must fit */
+  const long long q = C / P;
+  for (long long i = 0; i < (long long)P * P; i++) {
+    const long long v = ((const int64_t *)P_(S))[i];
+    if (v < 0 || v > INT64_MAX - (q - 1)) {
+      PyErr_Format(PyExc_ValueError, "moepeak._C.%s: S[%lld] = %lld must be in [0, %lld] (rows per rank pair)", fn,
+                   i, v, (long long)(INT64_MAX - (q - 1)));
+      return NULL;
+    }
   }
   return PyLong_FromLongLong(mp_llep_num_chunks((const int64_t *)P_(S), P, (int64_t)C));
 }
@@ -154,6 +219,46 @@ static PyObject *py_llep_chunk_layout(PyObject *self, PyObject *args) {
   long long n, j, cap;
   if (!PyArg_ParseTuple(args, "KKiiiLLKKKKLK", &A, &S, &P, &E, &r, &n, &j, &ss, &sl, &rl, &perm, &cap, &ec))
     return NULL;
+  const char *fn = "llep_chunk_layout";
+  if (llep_check_tables(fn, P, E) || mp_check_range(fn, "r (rank)", r, 0, P) || mp_check_min(fn, "n", n, 1) ||
+      mp_check_range(fn, "j (chunk)", j, 0, n) || mp_check_min(fn, "perm_cap", cap, 0))
+    return NULL;
+  if (mp_check_ptr(fn, "A", A, (long long)E * P * P) || mp_check_ptr(fn, "S", S, (long long)P * P) ||
+      mp_check_ptr(fn, "send_start", ss, P) || mp_check_ptr(fn, "send_len", sl, P) ||
+      mp_check_ptr(fn, "recv_len", rl, P) || mp_check_ptr(fn, "perm", perm, cap) || mp_check_ptr(fn, "ecount", ec, E))
+    return NULL;
+  /* S [P, P]: every S >= 0 with S * n in int64 (the slice bounds S * j / n)
+   * and each row's sum in int64 (the send list's offsets); A [E, P, P]: every
+   * A >= 0 and sum_e A[e, s, d] == S[s, d] (the receive offsets stay inside
+   * the slices the send side cuts). */
+  const int64_t *St = (const int64_t *)P_(S), *At = (const int64_t *)P_(A);
+  for (long long s = 0; s < P; s++) {
+    long long row = 0, scaled;
+    for (long long d = 0; d < P; d++) {
+      const long long v = St[s * P + d];
+      if (v < 0 || __builtin_mul_overflow(v, n, &scaled) || __builtin_add_overflow(row, v, &row)) {
+        PyErr_Format(PyExc_ValueError, "moepeak._C.%s: S[%lld, %lld] = %lld must be >= 0, with S x n (n = %lld) "
+                     "and each row's sum in int64", fn, s, d, v, n);
+        return NULL;
+      }
+    }
+  }
+  for (long long s = 0; s < P; s++)
+    for (long long d = 0; d < P; d++) {
+      long long sum = 0;
+      for (long long e = 0; e < E; e++) {
+        const long long a = At[(e * P + s) * P + d];
+        if (a < 0 || __builtin_add_overflow(sum, a, &sum)) {
+          PyErr_Format(PyExc_ValueError, "moepeak._C.%s: A[%lld, %lld, %lld] = %lld must be >= 0", fn, e, s, d, a);
+          return NULL;
+        }
+      }
+      if (sum != St[s * P + d]) {
+        PyErr_Format(PyExc_ValueError, "moepeak._C.%s: A[:, %lld, %lld] sums to %lld but S[%lld, %lld] = %lld "
+                     "(A and S must come from one plan)", fn, s, d, sum, s, d, (long long)St[s * P + d]);
+        return NULL;
+      }
+    }
   int64_t rows = 0;
   mp_status st = mp_llep_chunk_layout((const int64_t *)P_(A), (const int64_t *)P_(S), P, E, r, n, j,
                                       (int64_t *)P_(ss), (int64_t *)P_(sl), (int64_t *)P_(rl), (int64_t *)P_(perm),
@@ -168,6 +273,11 @@ static PyObject *py_llep_count(PyObject *self, PyObject *args) {
   long long n;
   int E, cuda;
   if (!PyArg_ParseTuple(args, "KLiKpK", &ids, &n, &E, &cnt, &cuda, &stream)) return NULL;
+  const char *fn = "llep_count";
+  if (mp_check_min(fn, "n", n, 0) || mp_check_min(fn, "E", E, 1) ||
+      mp_check_extent(fn, "n ids' bytes (n x 8)", n, 8, 1, NULL) || mp_check_ptr(fn, "ids", ids, n) ||
+      mp_check_ptr(fn, "cnt", cnt, (long long)E + 1))
+    return NULL;
   if (cuda) {
 #if MP_WITH_CUDA
     mp_status st = mp_llep_count_cuda((const int64_t *)P_(ids), n, E, (int64_t *)P_(cnt), (uintptr_t)stream);
@@ -190,6 +300,46 @@ static PyObject *py_llep_route_cpu(PyObject *self, PyObject *args) {
   long long n;
   int E, P;
   if (!PyArg_ParseTuple(args, "KLiiKKKK", &ids, &n, &E, &P, &Ar, &cum, &blk, &out)) return NULL;
+  const char *fn = "llep_route_cpu";
+  if (mp_check_min(fn, "n", n, 0) || mp_check_min(fn, "E", E, 1) || mp_check_min(fn, "P", P, 1) ||
+      mp_check_extent(fn, "n ids' bytes (n x 8)", n, 8, 1, NULL) || mp_check_ptr(fn, "ids", ids, n) ||
+      mp_check_ptr(fn, "out", out, n) || mp_check_ptr(fn, "Ar", Ar, (long long)E * P) ||
+      mp_check_ptr(fn, "cum", cum, (long long)E * P) || mp_check_ptr(fn, "blk", blk, (long long)E * P))
+    return NULL;
+  /* The tables must place every id inside out [n]: per expert e, Ar[e, :] >= 0
+   * sums to the number of ids == e, cum[e, d] = sum_{d' < d} Ar[e, d'], and
+   * each segment [blk, blk + Ar) lies inside [0, n). Ids outside [0, E) are
+   * the kernel's error to report. */
+  {
+    const int64_t *idv = (const int64_t *)P_(ids), *Arv = (const int64_t *)P_(Ar), *cumv = (const int64_t *)P_(cum),
+                  *blkv = (const int64_t *)P_(blk);
+    int64_t *count = (int64_t *)calloc((size_t)E, sizeof *count);
+    if (!count) return PyErr_NoMemory();
+    for (long long i = 0; i < n; i++)
+      if (idv[i] >= 0 && idv[i] < E) count[idv[i]]++;
+    const char *bad = NULL;
+    long long be = 0, bd = 0;
+    for (long long e = 0; e < E && !bad; e++) {
+      long long run = 0;
+      for (long long d = 0; d < P && !bad; d++) {
+        const long long a = Arv[e * P + d], c = cumv[e * P + d], b = blkv[e * P + d];
+        be = e, bd = d;
+        if (a < 0 || a > n) bad = "Ar";
+        else if (c != run) bad = "cum";
+        else if (b < 0 || b > n - a) bad = "blk";
+        run += a; /* run <= n before, a <= n: no overflow */
+        if (!bad && run > n) bad = "Ar";
+      }
+      if (!bad && run != count[e]) be = e, bd = -1, bad = "Ar";
+    }
+    free(count);
+    if (bad) {
+      PyErr_Format(PyExc_ValueError, "moepeak._C.%s: the route tables do not place expert %lld's ids inside "
+                   "out [n = %lld]: %s is wrong at (%lld, %lld) (need Ar >= 0 summing to the expert's id count, "
+                   "cum its exclusive prefix sum, 0 <= blk <= n - Ar)", fn, be, n, bad, be, bd);
+      return NULL;
+    }
+  }
   mp_status st;
   MP_CALL_NOGIL(st, mp_llep_route_cpu((const int64_t *)P_(ids), n, E, P, (const int64_t *)P_(Ar),
                                    (const int64_t *)P_(cum), (const int64_t *)P_(blk),
@@ -205,6 +355,13 @@ static PyObject *py_llep_route_cuda(PyObject *self, PyObject *args) {
   long long n;
   int E, P;
   if (!PyArg_ParseTuple(args, "KKLiiKKK", &pos, &sid, &n, &E, &P, &tables, &out, &stream)) return NULL;
+  const char *fn = "llep_route_cuda";
+  if (mp_check_min(fn, "n", n, 0) || mp_check_min(fn, "E", E, 1) || mp_check_min(fn, "P", P, 1) ||
+      mp_check_extent(fn, "n ids' bytes (n x 8)", n, 8, 1, NULL) ||
+      mp_check_extent(fn, "the tables' bytes (4 x E x P x 8)", (long long)E * P, 4, 8, NULL) ||
+      mp_check_ptr(fn, "sorted_pos", pos, n) || mp_check_ptr(fn, "sorted_ids", sid, n) ||
+      mp_check_ptr(fn, "out", out, n) || mp_check_ptr(fn, "tables", tables, 4LL * E * P))
+    return NULL;
 #if MP_WITH_CUDA
   mp_status st = mp_llep_route_cuda((const int64_t *)P_(pos), (const int64_t *)P_(sid), n, E, P,
                                     (const int64_t *)P_(tables), (int64_t *)P_(out), (uintptr_t)stream);
@@ -226,6 +383,12 @@ static PyObject *py_llep_gather(PyObject *self, PyObject *args) {
     PyErr_SetString(PyExc_ValueError, "moepeak: llep gather needs div >= 1, rows >= 0, row_bytes >= 0");
     return NULL;
   }
+  const char *fn = "llep_gather";
+  if (mp_check_extent(fn, "out's bytes (rows x row_bytes)", rows, row_bytes, 1, NULL) ||
+      mp_check_ptr(fn, "idx", idx, rows) || mp_check_ptr(fn, "src", src, row_bytes ? rows : 0) ||
+      mp_check_ptr(fn, "out", out, row_bytes ? rows : 0))
+    return NULL;
+  if (!cuda && llep_check_row_index(fn, (const int64_t *)P_(idx), rows, div, row_bytes)) return NULL;
   if (cuda) {
 #if MP_WITH_CUDA
     mp_status st = mp_llep_gather_cuda(P_(src), (const int64_t *)P_(idx), rows, div, row_bytes, P_(out),
@@ -255,6 +418,11 @@ static PyObject *py_llep_combine(PyObject *self, PyObject *args) {
     PyErr_SetString(PyExc_ValueError, "moepeak: llep combine needs dtype code 0..2, div >= 1, rows, H >= 0");
     return NULL;
   }
+  const char *fn = "llep_combine";
+  if (mp_check_extent(fn, "y's bytes (rows x H x 4)", rows, H, 4, NULL) || mp_check_ptr(fn, "idx", idx, rows) ||
+      mp_check_ptr(fn, "y", y, H ? rows : 0) || mp_check_ptr(fn, "acc", acc, H ? rows : 0))
+    return NULL;
+  if (!cuda && llep_check_row_index(fn, (const int64_t *)P_(idx), rows, div, H)) return NULL;
   if (cuda) {
 #if MP_WITH_CUDA
     mp_status st = mp_llep_combine_cuda((float *)P_(acc), P_(y), dtype, (const int64_t *)P_(idx),
@@ -283,6 +451,11 @@ static PyObject *py_llep_down_bwd(PyObject *self, PyObject *args) {
     PyErr_SetString(PyExc_ValueError, "moepeak: llep down_bwd needs dtype code 0..2, rows >= 0, I >= 0");
     return NULL;
   }
+  const char *fn = "llep_down_bwd";
+  if (mp_check_extent(fn, "D's bytes (rows x I x 4)", rows, I, 4, NULL) || mp_check_ptr(fn, "D", D, rows * I) ||
+      mp_check_ptr(fn, "a", a, rows * I) || mp_check_ptr(fn, "w", w, rows) || mp_check_ptr(fn, "wp", wp, rows) ||
+      mp_check_ptr(fn, "dwr", dwr, rows))
+    return NULL;
   if (cuda) {
 #if MP_WITH_CUDA
     mp_status st = mp_llep_down_bwd_cuda(P_(D), P_(a), dtype, (const float *)P_(w), (const float *)P_(wp),
