@@ -5,7 +5,7 @@ accumulation over several backward passes); and resource hygiene: SCO
 configurations created, used and dropped leave no threads, fds or memory.
 
 Example counts: tests/conftest.py's hypothesis profile (MOEPEAK_FUZZ_EXAMPLES).
-The issue-23 group at the end is strict-xfail until its fix lands.
+The issue-23 group at the end: torch checkpoint's behaviour that sco_checkpoint must match.
 """
 import copy
 import gc
@@ -99,13 +99,9 @@ def test_sco_configs_created_and_dropped_leave_no_resources():
 
 
 # ---------------------------------------------------------------------------
-# Issue 23's SCO items: torch's checkpoint behaviour, strict-xfail while missing.
+# Issue 23's SCO items: torch's checkpoint behaviour.
 # ---------------------------------------------------------------------------
-def _xfail(item):
-    return pytest.mark.xfail(strict=True, reason=f"issue 23: {item}; fixed in the SCO pass")
 
-
-@_xfail("an in-place change to a saved non-boundary argument between forward and backward goes undetected")
 def test_inplace_change_of_saved_argument_is_detected():
     w = torch.randn(4, 4)
     x = torch.randn(2, 4, requires_grad=True)
@@ -116,7 +112,6 @@ def test_inplace_change_of_saved_argument_is_detected():
         y.sum().backward()
 
 
-@_xfail("retain_graph second backward is refused")
 def test_retain_graph_second_backward_accumulates():
     blk = SCOBlock(8, nh=2)
     ref = copy.deepcopy(blk)
@@ -130,7 +125,6 @@ def test_retain_graph_second_backward_accumulates():
         assert torch.equal(a.grad, b.grad), n
 
 
-@_xfail("a block whose tensors are all passed by keyword is refused")
 def test_keyword_only_tensor_arguments():
     w = torch.randn(4, 4, requires_grad=True)
     x = torch.randn(2, 4, requires_grad=True)
