@@ -218,9 +218,10 @@ def _backward(ctx, grad_loss, gm, gls, gq, gdx, gdw, gdb):
     if grad_loss is None:  # nothing flowed into loss (grads are not materialized)
         return (None,) * 13
     hidden, weight, labels, bias, m, ls, q = ctx.saved_tensors
-    if LabelGuard.pending and hidden.device.type == "cuda":
+    if LabelGuard.pending:
         # CUDA labels are checked without a sync in forward; before any gradient is written,
-        # wait for this call's flag (one host wait on the forward's event) and raise if bad.
+        # wait for the pending flags, this call's included (one host wait on the forward's
+        # event), and raise if one is set.
         check_labels()
     fused, ctx.fused_grads = ctx.fused_grads, None
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # create_graph=True

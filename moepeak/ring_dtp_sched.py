@@ -342,7 +342,8 @@ def reduce_rows(rows: Tensor, valid: Tensor, reduction: int) -> Tensor:
     """The loss from per-token rows: none / mean over valid tokens (0 when none) / sum."""
     if reduction == 0:
         return rows
-    total = rows.sum()
+    # summed as torch's nll_loss sums them: in double on CPU (its accumulation type), fp32 on CUDA
+    total = rows.sum(dtype=torch.float64).float() if rows.device.type == "cpu" else rows.sum()
     if reduction == 2:
         return total
     return total / valid.sum().clamp_min(1).to(torch.float32)
