@@ -129,16 +129,16 @@ def test_fp32_within_2x_torch_error(T, H, V, scale):
 
 
 def test_fold_sums_in_double():
-    """The fold's block sums: lse of a long row of equal logits is exact to fp32's rounding
-    of log(V) (a sequential fp32 sum of 151936 ones-ish terms drifts by ~1e-3 relative)."""
+    """The fold's block sums: lse of long rows within an ulp of fp64's (a sequential fp32
+    sum of 151936 exponentials is off by ~4e-6 relative)."""
     V = 151936
-    z = torch.full((2, V), 0.3, dtype=torch.float32)
-    z[1] = torch.linspace(-1, 1, V)
-    y = torch.tensor([0, 5])
-    st = B.new_state(2, "cpu")
+    z = torch.randn(3, V, generator=torch.Generator().manual_seed(2)) * 2
+    y = torch.tensor([0, 5, 7])
+    st = B.new_state(3, "cpu")
     B.fold(z, 0, V, y, -100, 0.0, *st)
     m, ls, _ = B.fin(st)
-    torch.testing.assert_close(m + ls, torch.logsumexp(z.double(), -1).float(), rtol=2 ** -23, atol=0)
+    want = torch.logsumexp(z.double(), -1)
+    assert ((m + ls).double() - want).abs().max().item() <= 2.0 ** -23 * want.abs().max().item()
 
 
 # ---- 4. NaN and +inf ----------------------------------------------------------
@@ -274,10 +274,12 @@ def test_degenerate_strides(mode, dtype):
     cases.append((x1, w2, torch.randint(0, 7, (40,))))
     x3 = torch.randn(8).to(dtype).as_strided((1, 8), (2, 1))             # T = 1
     cases.append((x3, torch.randn(6, 8).to(dtype), torch.tensor([2])))
+    if dtype == torch.bfloat16 and mode == "fused":     # V = 1 through dW's finish (fused_lowp, 2 chunks)
+        mode = "fused_lowp"
     for x, w, y in cases:
         assert x.is_contiguous() and w.is_contiguous()
         got = _leaves(x, w)
-        lo = moepeak.linear_cross_entropy(got[0], got[1], y, mode=mode)
+        lo = moepeak.linear_cross_entropy(got[0], got[1], y, mode=mode, chunk_tokens=2)
         ref = _leaves(x.double(), w.double())
         lr = _plain(ref[0], ref[1], y)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
