@@ -71,6 +71,13 @@ static inline int64_t ce_valid_cols(const ce_args *a) {
   return n;
 }
 
+/* NaN-propagating max: once a NaN is seen the row's max stays NaN (torch's max and logsumexp
+ * propagate NaN; a plain `x > bm ? x : bm` would skip it and hide a NaN row). */
+static inline float ce_max_nan(float bm, float x) { return (x > bm || x != x) ? x : bm; }
+
+/* Sums in double: the block's exponentials (up to ~2.5e5 terms, each <= 1) and logits summed
+ * one after another in fp32 would carry an error of ~v * 2^-24 relative; in double the
+ * block's sums round to fp32 once, so the fold stays within torch's own fp32 error. */
 static void ce_fold_rows(void *ctx, int64_t begin, int64_t end, int worker) {
   (void)worker;
   const ce_args *a = (const ce_args *)ctx;
@@ -78,28 +85,31 @@ static void ce_fold_rows(void *ctx, int64_t begin, int64_t end, int worker) {
   const float c = a->softcap;
   for (int64_t i = begin; i < end; ++i) {
     const float *row = a->z + i * a->ldz;
-    float bm = -INFINITY, zs = 0.f;
+    float bm = -INFINITY;
+    double zs = 0.0;
     for (int64_t j = 0; j < nv; ++j) {
       float x = ce_cap(row[j], c);
-      bm = x > bm ? x : bm;
+      bm = ce_max_nan(bm, x);
       zs += x;
     }
     const int64_t y = a->labels[i];
     if (y != a->ignore_index && y >= a->v0 && y < a->v0 + nv) a->zy[i] = ce_cap(row[y - a->v0], c);
-    a->zsum[i] += zs;
+    a->zsum[i] = (float)((double)a->zsum[i] + zs);
     if (nv == 0 || bm == -INFINITY) continue; /* nothing to fold (all padding / -inf) */
     const float mo = a->m[i];
-    const float mn = mo > bm ? mo : bm;
+    /* NaN in the block or in the state: m, s, sx become NaN (lse NaN, as torch's). A +inf logit:
+     * m = +inf and exp(inf - inf) makes s NaN; ring_dtp_blocks.fin reads that as lse = +inf. */
+    const float mn = (bm != bm || mo != mo) ? NAN : (mo > bm ? mo : bm);
     const int64_t jy = (y != a->ignore_index) ? y - a->v0 : -1;
-    float se = 0.f, sy = 0.f; /* sum without the target, summed on its own: (se + e_y) - e_y would cancel */
+    double se = 0.0, sy = 0.0; /* sum without the target, summed on its own: (se + e_y) - e_y would cancel */
     for (int64_t j = 0; j < nv; ++j) {
-      const float e = expf(ce_cap(row[j], c) - mn);
+      const double e = exp((double)ce_cap(row[j], c) - (double)mn);
       if (j == jy) sy = e; else se += e;
     }
-    const float scale = (mo == -INFINITY) ? 0.f : expf(mo - mn);
+    const double scale = (mo == -INFINITY) ? 0.0 : exp((double)mo - (double)mn);
     a->m[i] = mn;
-    a->s[i] = a->s[i] * scale + (se + sy);
-    a->sx[i] = a->sx[i] * scale + se;
+    a->s[i] = (float)((double)a->s[i] * scale + (se + sy));
+    a->sx[i] = (float)((double)a->sx[i] * scale + se);
   }
 }
 

@@ -22,6 +22,7 @@ _LAZY = {
     "StreamAdamW": "stream_adamw",
     "linear_cross_entropy": "ring_dtp",
     "RingDTPLinearCrossEntropy": "ring_dtp",
+    "check_labels": "ring_dtp",
     "sco_checkpoint": "sco",
     "apply_sco": "sco",
     "SCOConfig": "sco",

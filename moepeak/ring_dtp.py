@@ -31,7 +31,9 @@ z-loss adds z_loss * lse^2 per token; return_lse returns lse: [...] x fp32
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import operator
 from typing import Optional, Tuple
 
 import torch
@@ -41,7 +43,7 @@ from ._ext import check_tensor, require_cuda_build
 from .transport import check_transport_choice
 from . import ring_dtp_blocks as B
 from . import ring_dtp_sched as sched
-from .ring_dtp_labels import check_labels, sanitize_labels
+from .ring_dtp_labels import LabelGuard, check_labels, sanitize_labels
 from .ring_dtp_ring import RINGS, gather_vocab_shards, ring_linear_cross_entropy
 from .ring_dtp_sched import FUSED_MODES, MODES, REDUCTIONS
 
@@ -62,6 +64,19 @@ def ring_dtp_ce(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[T
     q = 1 - p_y: [T] x fp32, dX [T, H], dW [V, H], dbias [V] x fp32);
     dX/dW/dbias are gradients for a unit upstream grad when
     the resolved mode is 'fused', else empty."""
+    T, H = hidden.shape
+    V = weight.shape[0]
+    dev = hidden.device
+    if T == 0:
+        return _empty_batch(hidden, weight, bias, reduction, mode, grads)
+    with _no_autocast(dev):
+        return _ce_forward(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap,
+                           mode, chunk_tokens, chunk_vocab, grads)
+
+
+def _ce_forward(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, mode,
+                chunk_tokens, chunk_vocab, grads):
+    """ring_dtp_ce's body for T >= 1 (the op's arguments and outputs)."""
     T, H = hidden.shape
     V = weight.shape[0]
     dev = hidden.device
@@ -86,6 +101,25 @@ def ring_dtp_ce(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[T
     rows = B.row_losses(m_, ls, st[2], st[3], st[4], valid, bad, label_smoothing, V, z_loss)
     loss = sched.reduce_rows(rows, valid, reduction)
     return loss, m_, ls, q, dx, dw, db
+
+
+def _empty_batch(hidden, weight, bias, reduction, mode, grads):
+    """ring_dtp_ce's outputs for T = 0, as torch gives them: loss NaN (mean over no
+    token, F.cross_entropy's), 0 (sum) or [0] (none); zero gradients."""
+    H, V = hidden.shape[1], weight.shape[0]
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    loss = torch.empty(0, **f32) if reduction == 0 else torch.full((), math.nan if reduction == 1 else 0.0, **f32)
+    if sched.pick_mode(mode, grads, reduction, 0, H, V, hidden.dtype) in FUSED_MODES and grads:
+        dx, dw = torch.empty_like(hidden), torch.zeros_like(weight)
+        db = torch.zeros(V if bias is not None else 0, **f32)
+    else:
+        dx, dw, db = hidden.new_empty(0), hidden.new_empty(0), torch.empty(0, **f32)
+    return loss, torch.empty(0, **f32), torch.empty(0, **f32), torch.empty(0, **f32), dx, dw, db
+
+
+def _no_autocast(dev):
+    """The op bodies run their own dtypes (the face has cast the inputs as autocast would)."""
+    return torch.autocast(dev.type, enabled=False) if dev.type in ("cpu", "cuda") else contextlib.nullcontext()
 
 
 @ring_dtp_ce.register_fake
@@ -115,6 +149,19 @@ def ring_dtp_ce_backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labe
                          ) -> Tuple[Tensor, Tensor, Tensor]:
     """Recompute-and-accumulate backward (modes vocab_outer / token_outer).
     grad_loss: [] or [T]. Returns dX [T, H], dW [V, H], dbias [V] x fp32 (or [0])."""
+    T, H = hidden.shape
+    V = weight.shape[0]
+    if T == 0:
+        db = torch.zeros(V if bias is not None else 0, dtype=torch.float32, device=hidden.device)
+        return torch.empty_like(hidden), torch.zeros_like(weight), db
+    with _no_autocast(hidden.device):
+        return _ce_backward(grad_loss, hidden, weight, labels, bias, m, ls, q, ignore_index, reduction,
+                            label_smoothing, z_loss, softcap, mode, chunk_tokens, chunk_vocab)
+
+
+def _ce_backward(grad_loss, hidden, weight, labels, bias, m, ls, q, ignore_index, reduction, label_smoothing, z_loss,
+                 softcap, mode, chunk_tokens, chunk_vocab):
+    """ring_dtp_ce_backward's body for T >= 1 (the op's arguments and outputs)."""
     T, H = hidden.shape
     V = weight.shape[0]
     ign = labels == ignore_index
@@ -149,7 +196,6 @@ def _setup_context(ctx, inputs, output):
     (hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, mode,
      chunk_tokens, chunk_vocab, grads) = inputs
     loss, m, ls, q, dx, dw, db = output
-    ctx.fused = dw.numel() > 0
     # Only `loss` is differentiable. Without these two lines autograd would hand
     # backward zero-filled gradients for every other output (materialize_grads):
     # a [T, H] and a [V, H] buffer, dX + dW a second time (at T = 32k, H = 4096,
@@ -159,32 +205,74 @@ def _setup_context(ctx, inputs, output):
     ctx.args = (ignore_index, reduction, label_smoothing, z_loss, softcap, mode, chunk_tokens, chunk_vocab)
     ctx.has_bias = bias is not None
     ctx.bias_dtype = bias.dtype if bias is not None else None
-    if ctx.fused:
-        ctx.save_for_backward(dx, dw, db)
-    else:
-        ctx.save_for_backward(hidden, weight, labels, bias, m, ls, q)
+    # The fused modes' gradients (unit upstream grad), handed out by the first backward and
+    # then dropped (a ctx attribute, not a saved tensor: scaled in place and given to
+    # autograd, they are no longer this node's). The inputs are saved in every mode (plain
+    # F.linear saves them too): a second backward (retain_graph) recomputes, and
+    # create_graph differentiates through torch ops (_double_backward_grads).
+    ctx.fused_grads = [dx, dw, db] if dw.numel() > 0 else None
+    ctx.save_for_backward(hidden, weight, labels, bias, m, ls, q)
 
 
 def _backward(ctx, grad_loss, gm, gls, gq, gdx, gdw, gdb):
     if grad_loss is None:  # nothing flowed into loss (grads are not materialized)
         return (None,) * 13
-    if ctx.fused:
-        dx, dw, db = ctx.saved_tensors
+    hidden, weight, labels, bias, m, ls, q = ctx.saved_tensors
+    if LabelGuard.pending:
+        # CUDA labels are checked without a sync in forward; before any gradient is written,
+        # wait for the pending flags, this call's included (one host wait on the forward's
+        # event), and raise if one is set.
+        check_labels()
+    fused, ctx.fused_grads = ctx.fused_grads, None
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # create_graph=True
+        dx, dw, db = _double_backward_grads(grad_loss, hidden, weight, labels, bias, *ctx.args[:5])
+    elif fused is not None:
+        dx, dw, db = fused
         g = grad_loss.to(torch.float32)
         if torch.compiler.is_compiling() or type(dx) is not torch.Tensor:  # traced (functional/fake tensors)
             dx, dw = (dx.float() * g).to(dx.dtype), (dw.float() * g).to(dw.dtype)
             db = db * g
         else:
-            # In place: the saved gradients are used once (a second backward through
-            # this graph trips autograd's version check instead of scaling twice).
-            for t in (dx, dw):
+            for t in (dx, dw):  # in place: this node holds them no more (fused_grads dropped)
                 B.scale_(t, g)
             db = db * g
-    else:
-        hidden, weight, labels, bias, m, ls, q = ctx.saved_tensors
+    else:  # 4-GEMM modes, and a second backward of a fused call (retain_graph): recompute
         dx, dw, db = ring_dtp_ce_backward(grad_loss, hidden, weight, labels, bias, m, ls, q, *ctx.args)
-    dbias = db.to(ctx.bias_dtype) if ctx.has_bias else None
+    dbias = db.to(ctx.bias_dtype) if ctx.has_bias and db is not None else None
     return dx, dw, None, dbias, None, None, None, None, None, None, None, None, None
+
+
+def _double_backward_grads(grad_loss, hidden, weight, labels, bias, ignore_index, reduction, eps, zloss, softcap):
+    """(dX, dW, dbias) of the loss for the upstream grad_loss as a differentiable function of
+    hidden, weight, bias and grad_loss (backward under create_graph=True, e.g. a gradient
+    penalty): the plain-torch loss over the whole [T, V] logits, differentiated with
+    create_graph. Second-order graphs need those logits, so this path has the memory of
+    the plain-PyTorch loss (only create_graph takes it)."""
+    V = weight.shape[0]
+    inputs = [t for t in (hidden, weight, bias) if t is not None and t.requires_grad]
+    if not inputs:
+        return None, None, None
+    with torch.enable_grad():
+        z = torch.nn.functional.linear(hidden, weight, bias).float()       # [T, V] x fp32
+        if softcap:
+            z = softcap * torch.tanh(z / softcap)
+        ign = labels == ignore_index
+        valid = ~ign & (labels >= 0) & (labels < V)
+        lse = torch.logsumexp(z, dim=1)
+        zy = z.gather(1, torch.where(valid, labels, torch.zeros_like(labels)).unsqueeze(1)).squeeze(1)
+        rows = lse - zy
+        if eps:
+            rows = (1.0 - eps) * rows + eps * (lse - z.mean(dim=1))
+        if zloss:
+            rows = rows + zloss * lse * lse
+        rows = torch.where(valid, rows, torch.zeros_like(rows))
+        g = grad_loss.to(torch.float32)
+        if reduction == 1:
+            g = g / (~ign).sum().clamp_min(1).to(torch.float32)
+        total = (rows * g).sum()
+        got = iter(torch.autograd.grad(total, inputs, create_graph=True))
+    dx, dw, db = (next(got) if t is not None and t.requires_grad else None for t in (hidden, weight, bias))
+    return dx, dw, db
 
 
 ring_dtp_ce.register_autograd(_backward, setup_context=_setup_context)
@@ -196,8 +284,51 @@ ring_dtp_ce.register_autograd(_backward, setup_context=_setup_context)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+LABEL_CHECKS = ("deferred", "sync")
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _int64(name, v) -> int:
+    """v as a Python int in int64's range (what the op's schema and F.cross_entropy take)."""
+    try:
+        if isinstance(v, bool):
+            raise TypeError
+        v = operator.index(v)
+    except TypeError:
+        raise TypeError(f"moepeak: {name} must be an int, got {type(v).__name__}") from None
+    if not _INT64_MIN <= v <= _INT64_MAX:
+        raise ValueError(f"moepeak: {name} must fit in int64 [-2^63, 2^63), got {v}")
+    return v
+
+
+def _canonical(t: Tensor) -> Tensor:
+    """t with row-major strides: .contiguous(), and for a tensor torch calls contiguous
+    although a size-1 dim has an odd stride (V = 1, H = 1, T = 1), a copy (a few elements:
+    the dim is 1) so the kernels' leading dimensions are the row lengths."""
+    if not t.is_contiguous():
+        return t.contiguous()
+    want, acc = [], 1
+    for n in reversed(t.shape):
+        want.append(acc)
+        acc *= max(n, 1)
+    if tuple(reversed(want)) == t.stride():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _autocast_inputs(hidden, weight, bias):
+    """Under torch.autocast the projection runs in the autocast dtype, as F.linear's does:
+    hidden, weight and bias are cast to it (differentiably). Outside autocast: unchanged."""
+    dev = hidden.device.type
+    if dev not in ("cpu", "cuda") or not torch.is_autocast_enabled(dev):
+        return hidden, weight, bias
+    dt = torch.get_autocast_dtype(dev)
+    cast = lambda t: t if t is None or not t.is_floating_point() or t.dtype == dt else t.to(dt)  # noqa: E731
+    return cast(hidden), cast(weight), cast(bias)
+
+
 def _check(hidden, weight, labels, bias, reduction, mode, label_smoothing, z_loss, softcap, chunk_tokens,
-           chunk_vocab, ring="auto", sharded=False):
+           chunk_vocab, ring="auto", sharded=False, label_check="deferred"):
     check_tensor("hidden", hidden, dtypes=_FLOAT_DTYPES)
     check_tensor("weight", weight, dtypes=_FLOAT_DTYPES, ndim=2, device=hidden.device)
     if weight.dtype != hidden.dtype:
@@ -205,7 +336,8 @@ def _check(hidden, weight, labels, bias, reduction, mode, label_smoothing, z_los
         raise TypeError(f"moepeak: weight dtype {dn(weight.dtype)} does not match hidden dtype "
                         f"{dn(hidden.dtype)}; weight must have dtype {dn(hidden.dtype)} (hidden's): cast one "
                         f"of them, e.g. hidden.to(weight.dtype)")
-    check_tensor("labels", labels, dtypes=(torch.int64, torch.int32), device=hidden.device)
+    # F.cross_entropy's target dtypes: int64 (and uint8); int32 is refused there as here.
+    check_tensor("labels", labels, dtypes=(torch.int64, torch.uint8), device=hidden.device)
     if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"moepeak: hidden must be [..., H] with H = weight.shape[1] = {weight.shape[1]}, "
                          f"got {tuple(hidden.shape)}")
@@ -224,12 +356,14 @@ def _check(hidden, weight, labels, bias, reduction, mode, label_smoothing, z_los
         raise ValueError(f"moepeak: mode must be one of {sorted(MODES)}, got {mode!r}")
     if ring not in RINGS:
         raise ValueError(f"moepeak: ring must be one of {RINGS}, got {ring!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
+    if not 0.0 <= label_smoothing <= 1.0:  # (NaN fails too)
         raise ValueError(f"moepeak: label_smoothing must be in [0, 1], got {label_smoothing}")
-    if z_loss < 0:
-        raise ValueError(f"moepeak: z_loss must be >= 0, got {z_loss}")
+    if not 0.0 <= z_loss < math.inf:
+        raise ValueError(f"moepeak: z_loss must be finite and >= 0, got {z_loss}")
     if softcap is not None and not softcap > 0:
-        raise ValueError(f"moepeak: softcap must be None or > 0, got {softcap}")
+        raise ValueError(f"moepeak: softcap must be None or > 0 (inf: no cap), got {softcap}")
+    if label_check not in LABEL_CHECKS:
+        raise ValueError(f"moepeak: label_check must be one of {LABEL_CHECKS}, got {label_check!r}")
     for n, v in (("chunk_tokens", chunk_tokens), ("chunk_vocab", chunk_vocab)):
         if v is not None and (not isinstance(v, int) or v < 1):
             raise ValueError(f"moepeak: {n} must be None or a positive int, got {v!r}")
@@ -243,7 +377,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
                          ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                          z_loss: float = 0.0, softcap: Optional[float] = None, return_lse: bool = False,
                          group=None, ring: str = "auto", chunk_tokens: Optional[int] = None,
-                         chunk_vocab: Optional[int] = None, mode: str = "auto", transport="auto"):
+                         chunk_vocab: Optional[int] = None, mode: str = "auto", transport="auto",
+                         label_check: str = "deferred"):
     """F.cross_entropy(F.linear(hidden, weight, bias).float(), labels, ...) without the logits.
 
     hidden [..., H], weight [V, H] (with `group`: this rank's dim-0 vocab shard),
@@ -266,14 +401,33 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
     transport (with `group`): "auto" / "torch" (torch.distributed on the group), "nccl"
     (moepeak's NCCL-from-C transport, CUDA tensors; one communicator per group and
     device, created collectively on the first call and kept), or a moepeak Transport.
+    label_check (CUDA labels; CPU labels are always checked before any work): "deferred"
+    checks without a host sync, so a bad label gives a NaN loss and the ValueError comes at
+    the latest from this call's backward (before any gradient is written), or from the next
+    call or moepeak.check_labels(); "sync" checks before any work, at the cost of one host
+    sync per call (single device; with `group`, the deferred check).
+    Under torch.autocast, hidden, weight and bias are cast to the autocast dtype (F.linear's
+    behaviour); outside it their dtypes must match. softcap=inf is no cap. With
+    create_graph=True the backward is built from torch ops over the whole [T, V] logits
+    (the memory of the plain-PyTorch loss), so second-order gradients are exact.
     """
+    if isinstance(softcap, (int, float)) and softcap == math.inf:
+        softcap = None  # an infinite cap is no cap
+    hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
     _check(hidden, weight, labels, bias, reduction, mode, label_smoothing, z_loss, softcap, chunk_tokens,
-           chunk_vocab, ring=ring, sharded=group is not None)
+           chunk_vocab, ring=ring, sharded=group is not None, label_check=label_check)
+    ignore_index = _int64("ignore_index", ignore_index)
     check_transport_choice(transport)
     lead = tuple(labels.shape)
-    x = hidden.reshape(-1, hidden.shape[-1])
-    x = x if x.is_contiguous() else x.contiguous()
-    y = labels.reshape(-1).to(torch.int64).contiguous()
+    x = _canonical(hidden.reshape(-1, hidden.shape[-1]))
+    y = _canonical(labels.reshape(-1).to(torch.int64))
+    weight = _canonical(weight)
+    bias = None if bias is None else _canonical(bias)
+    if label_check == "sync" and group is None and y.device.type == "cuda":  # one host sync, before any work
+        bad = (y != ignore_index) & ((y < 0) | (y >= weight.shape[0]))
+        if bool(bad.any()):
+            raise ValueError(f"moepeak: labels must be in [0, {weight.shape[0]}) or ignore_index={ignore_index}; "
+                             f"got {y[bad][:5].tolist()}")
     if group is not None and ring == "gather":  # the whole weight here, then the single-device op
         weight, group = gather_vocab_shards(weight, group, transport, bias, y, ignore_index), None
     if group is not None:
@@ -281,13 +435,12 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
                                               label_smoothing, z_loss, softcap or 0.0, chunk_tokens, chunk_vocab,
                                               transport)
     else:
-        w = weight if weight.is_contiguous() else weight.contiguous()
         grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
                                              or (bias is not None and bias.requires_grad))
-        out = torch.ops.moepeak.ring_dtp_ce(x, w, y, bias, ignore_index, REDUCTIONS[reduction],
+        out = torch.ops.moepeak.ring_dtp_ce(x, weight, y, bias, ignore_index, REDUCTIONS[reduction],
                                             float(label_smoothing), float(z_loss), float(softcap or 0.0),
                                             MODES[mode], chunk_tokens or 0, chunk_vocab or 0, grads)
-        loss, lse = out[0], out[1] + out[2]
+        loss, lse = out[0], B.lse_report(out[1], out[2])
     if reduction == "none":
         loss = loss.reshape(lead)
     if return_lse:
@@ -322,13 +475,14 @@ class RingDTPLinearCrossEntropy(torch.nn.Module):
     With grad_average=True (default) the shard's gradient is the mean over the
     group's ranks, as FSDP2/DDP reduce gradients; False gives the sum.
     Tied embeddings: assign `module.weight = emb.weight` (unsharded).
-    transport: the ring's transport, as linear_cross_entropy's."""
+    transport, label_check: as linear_cross_entropy's."""
 
     def __init__(self, hidden_size: int, vocab_size: int, *, bias: bool = False, ignore_index: int = -100,
                  reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0,
                  softcap: Optional[float] = None, group=None, ring: str = "auto",
                  chunk_tokens: Optional[int] = None, chunk_vocab: Optional[int] = None, mode: str = "auto",
-                 grad_average: bool = True, transport="auto", device=None, dtype=None):
+                 grad_average: bool = True, transport="auto", label_check: str = "deferred", device=None,
+                 dtype=None):
         super().__init__()
         fk = {"device": device, "dtype": dtype}
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
@@ -336,7 +490,7 @@ class RingDTPLinearCrossEntropy(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.empty(vocab_size, **fk)) if bias else None
         self.opts = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                          z_loss=z_loss, softcap=softcap, ring=ring, chunk_tokens=chunk_tokens,
-                         chunk_vocab=chunk_vocab, mode=mode, transport=transport)
+                         chunk_vocab=chunk_vocab, mode=mode, transport=transport, label_check=label_check)
         check_transport_choice(transport)
         if ring not in RINGS:
             raise ValueError(f"moepeak: ring must be one of {RINGS}, got {ring!r}")

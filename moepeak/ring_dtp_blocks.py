@@ -369,8 +369,19 @@ def lse_of(m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 def fin(st):
-    """(m, ls = log s, q = 1 - p_y) of a complete state: what backward needs."""
-    return st[0], torch.log(st[1]), st[4] / st[1]
+    """(m, ls = log s, q = 1 - p_y) of a complete state: what backward needs.
+    Non-finite logits, as torch has them: a NaN anywhere in a row makes zsum NaN (a sum
+    keeps every NaN, where the CUDA fold's max skips it), and m is made NaN there; a +inf
+    logit leaves m = +inf and s NaN (exp(inf - inf)). Either way ls is NaN, so the row's
+    loss and gradient are NaN (F.cross_entropy's); lse_report gives the lse."""
+    m = torch.where(torch.isnan(st[3]), torch.full_like(st[0], math.nan), st[0])
+    return m, torch.log(st[1]), st[4] / st[1]
+
+
+def lse_report(m: torch.Tensor, ls: torch.Tensor) -> torch.Tensor:
+    """lse = m + ls as torch.logsumexp gives it: +inf for a row with a +inf logit (its s is
+    NaN, see fin), NaN for a row with a NaN logit."""
+    return torch.where(m == math.inf, m, m + ls)
 
 
 def q_of(s: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
@@ -387,7 +398,10 @@ def row_losses(m, ls, zy, zsum, sx, valid, bad, eps: float, n_classes: int, zlos
     d = m - zy
     near = d < 20.0
     ce = torch.where(near, torch.log1p(sx * torch.exp(torch.where(near, d, torch.zeros_like(d)))), d + ls)
-    loss = ((1.0 - eps) * ce + eps * (m - zsum / n_classes)) + eps * ls
+    if eps:  # (without smoothing no 0 * inf = NaN from a -inf logit's zsum = -inf)
+        loss = ((1.0 - eps) * ce + eps * (m - zsum / n_classes)) + eps * ls
+    else:
+        loss = ce
     lse = m + ls
     if zloss:
         loss = loss + zloss * lse * lse

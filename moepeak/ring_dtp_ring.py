@@ -290,7 +290,7 @@ class _RingCE(torch.autograd.Function):
             loss = rows.sum() / valid.sum().clamp_min(1).to(torch.float32)
         ctx.save_for_backward(x, w, y, m, ls, q)
         ctx.cfg = (tr, geo, variant, ignore_index, reduction, eps, zloss, softcap, ct, cv)
-        lse = m + ls
+        lse = B.lse_report(m, ls)
         ctx.mark_non_differentiable(lse)
         return loss, lse
 

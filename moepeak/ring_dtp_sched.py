@@ -265,6 +265,8 @@ def backward_blocked(x, w, bias, y, m, ls, q, g, ignore_index, softcap, eps, zlo
     V = w.shape[0]
     db = None if bias is None else torch.zeros(V, dtype=torch.float32, device=x.device)
     g1 = g.numel() == 1
+    if T == 0:  # no token: zero gradients (the orders below assume at least one chunk)
+        return torch.zeros_like(x), torch.zeros_like(w), db
 
     def grad(t0, t1, v0, v1):
         z = B.logits_block(x[t0:t1], w[v0:v1], None if bias is None else bias[v0:v1])
@@ -340,7 +342,8 @@ def reduce_rows(rows: Tensor, valid: Tensor, reduction: int) -> Tensor:
     """The loss from per-token rows: none / mean over valid tokens (0 when none) / sum."""
     if reduction == 0:
         return rows
-    total = rows.sum()
+    # summed as torch's nll_loss sums them: in double on CPU (its accumulation type), fp32 on CUDA
+    total = rows.sum(dtype=torch.float64).float() if rows.device.type == "cpu" else rows.sum()
     if reduction == 2:
         return total
     return total / valid.sum().clamp_min(1).to(torch.float32)
