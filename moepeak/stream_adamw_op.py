@@ -71,7 +71,7 @@ def torch_tail_model():
 # --------------------------------------------------------------------------
 # bucket plans for CUDA params (pinned slot rings live in the C plan)
 # --------------------------------------------------------------------------
-PLANS: "weakref.WeakValueDictionary[int, _Plan]" = weakref.WeakValueDictionary()
+PLANS: "weakref.WeakValueDictionary[int, BucketPlan]" = weakref.WeakValueDictionary()
 PLAN_IDS = itertools.count(1)
 
 

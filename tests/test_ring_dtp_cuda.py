@@ -403,10 +403,6 @@ def test_fused_second_backward_accumulates():
     torch.testing.assert_close(x.grad.float(), 2 * first.float(), rtol=2e-2, atol=1e-3)
 
 
-@pytest.mark.cuda
-def test_cuda_scale():
-    _check_scale("cuda")
-    torch.cuda.synchronize()
 
 
 @pytest.mark.cuda

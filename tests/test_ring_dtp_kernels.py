@@ -51,6 +51,12 @@ def test_scale_cpu():
     _check_scale("cpu")
 
 
+@pytest.mark.cuda
+def test_cuda_scale():
+    _check_scale("cuda")
+    torch.cuda.synchronize()
+
+
 def test_scale_every_bit_pattern():
     """Every bf16 / fp16 value times g: bit-equal to torch's fp32 multiply + cast (NaN: any NaN)."""
     for dtype in (torch.bfloat16, torch.float16):
