@@ -36,7 +36,8 @@ def ref_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-10
     logits = hidden @ weight.T + bias: [T, V]; optional softcap c*tanh(z/c);
     loss_i = CE with label smoothing + z_loss * lse_i^2 (0 for ignored tokens).
     reduction "mean" divides by the number of non-ignored tokens, and is 0 (not
-    NaN) when every label is ignored (moepeak's documented convention).
+    NaN) when every label is ignored (moepeak's documented convention); with no
+    tokens at all (T = 0) it is NaN, as torch's F.cross_entropy gives.
     Returns the loss ([] or [T])."""
     z = hidden.to(dtype) @ weight.to(dtype).T
     if bias is not None:
@@ -59,6 +60,8 @@ def _ce_of_logits(z, labels, ignore_index, reduction, label_smoothing, z_loss, s
         return rows
     if reduction == "sum":
         return rows.sum()
+    if labels.numel() == 0:
+        return rows.sum() / 0.0  # T = 0: NaN, as torch's mean of nothing
     return rows.sum() / valid.sum().clamp_min(1)
 
 

@@ -3,8 +3,8 @@
 inputs, every option, every CPU schedule and block size.
 
 Example counts: tests/conftest.py's hypothesis profile (MOEPEAK_FUZZ_EXAMPLES).
-The group at the end holds the behaviour issue 23 lists as wrong today, each
-case strict-xfail until its fix lands (the fixer removes the marker).
+The group at the end holds the edge cases issue 23 found wrong (T = 0, -inf
+masks, non-finite options, second-order gradients, a second backward).
 """
 import math
 
@@ -118,25 +118,20 @@ def test_linear_cross_entropy_large_masking_bias(p, big):
 
 # ---------------------------------------------------------------------------
 # Issue 23's Ring-DTP items: the correct behaviour (torch's result, or a clear
-# ValueError naming the argument), strict-xfail while the bug is there.
+# ValueError naming the argument), fixed by the Ring-DTP pass.
 # ---------------------------------------------------------------------------
-def _xfail(item):
-    return pytest.mark.xfail(strict=True, reason=f"issue 23: {item}; fixed in the Ring-DTP pass")
+
+# Few examples: each case is one edge, its shapes drawn small.
+edge_settings = settings(max_examples=10, phases=[Phase.explicit, Phase.generate])
 
 
-# An expected failure is not shrunk (that only costs time); the fix makes every example pass.
-known_bug_settings = settings(max_examples=10, phases=[Phase.explicit, Phase.generate])
-
-
-@_xfail("T = 0 (empty batch) raises instead of the empty loss and zero gradients")
-@known_bug_settings
+@edge_settings
 @given(problems(t_values=(0,)))
 def test_empty_batch(p):
     _compare(p)
 
 
-@_xfail("a -inf bias entry (masked vocabulary slot) gives a NaN loss where torch is finite")
-@known_bug_settings
+@edge_settings
 @given(problems(v_values=(2, 3, 7, 11)))
 def test_minus_inf_bias_mask(p):
     p = dict(p, label_smoothing=0.0, softcap=None)  # a masked slot makes torch's smoothing term -inf too
@@ -167,14 +162,12 @@ def test_softcap_inf_is_no_cap_or_a_clear_error():
     _assert_close("loss", loss, want)
 
 
-@_xfail("z_loss=nan is accepted")
 def test_z_loss_nan_is_rejected():
     h, w, y = torch.randn(3, 2), torch.randn(5, 2), torch.tensor([0, 4, 2])
     with pytest.raises(ValueError, match="z_loss"):
         moepeak.linear_cross_entropy(h, w, y, z_loss=math.nan)
 
 
-@_xfail("create_graph=True returns a gradient with requires_grad=False (second-order term silently 0)")
 def test_second_order_gradient():
     gen = torch.Generator().manual_seed(0)
     h = torch.randn(4, 3, generator=gen, dtype=torch.float32).requires_grad_(True)
@@ -188,7 +181,6 @@ def test_second_order_gradient():
     _assert_close("d(|dh|^2)/dw", gg, rr)
 
 
-@_xfail("backward(retain_graph=True) then backward() in the fused mode raises an in-place version error")
 def test_retain_graph_double_backward_fused():
     gen = torch.Generator().manual_seed(0)
     h = torch.randn(4, 3, generator=gen).requires_grad_(True)
