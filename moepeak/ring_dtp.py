@@ -218,10 +218,12 @@ def _backward(ctx, grad_loss, gm, gls, gq, gdx, gdw, gdb):
     if grad_loss is None:  # nothing flowed into loss (grads are not materialized)
         return (None,) * 13
     hidden, weight, labels, bias, m, ls, q = ctx.saved_tensors
-    if LabelGuard.pending:
+    if LabelGuard.pending and type(labels) is torch.Tensor and not torch.compiler.is_compiling():
         # CUDA labels are checked without a sync in forward; before any gradient is written,
         # wait for the pending flags, this call's included (one host wait on the forward's
-        # event), and raise if one is set.
+        # event), and raise if one is set. Not while the backward is traced (fake or
+        # functional tensors under torch.compile): the flags are real tensors, and the
+        # compiled backward's op bodies run eagerly, where the next call checks them.
         check_labels()
     fused, ctx.fused_grads = ctx.fused_grads, None
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # create_graph=True
