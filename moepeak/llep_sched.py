@@ -140,7 +140,7 @@ def _act_bwd(ctx, hh, dda, buf, rows):
     dup.mul_(dda)                                                    # d(u + 1) = da * glu
     torch.abs(up, out=t)
     torch.le(t, lim, out=mask)
-    torch.where(mask, dup, 0.0, out=dup)                             # d up: 0 outside [-lim, lim]
+    dup.masked_fill_(mask.logical_not_(), 0.0)                       # d up: 0 outside [-lim, lim]
     torch.clamp(up, min=-lim, max=lim, out=t)
     t.add_(1)
     t.mul_(dda)                                                      # d glu = da * (u + 1)
@@ -150,7 +150,7 @@ def _act_bwd(ctx, hh, dda, buf, rows):
     t.mul_(a)                                                        # d g through glu = g * sig
     t.add_(dda)
     torch.le(gate, lim, out=mask)
-    torch.where(mask, t, 0.0, out=dgate)                             # d gate: 0 above lim
+    dgate.copy_(t).masked_fill_(mask.logical_not_(), 0.0)            # d gate: 0 above lim
     return buf.dh[:rows]
 
 
