@@ -3,11 +3,19 @@ imbalance nor tokens (DESIGN.md "PipelinedLLEP").
 
 Ops (in order: custom_op, register_fake, register_autograd, then the public API):
   moepeak::llep_dispatch(x [T, H], topk_ids [T, K], topk_weights [T, K],
-                         w_gate_up [E_local, H, 2I], w_down [E_local, I, H], ...) -> y [T, H]
+                         w_gate_up [E_local, H, 2I], w_down [E_local, I, H], ...,
+                         w_up=None, b_gate_up=None, b_down=None, activation="swiglu")
+      -> (y [T, H], cache, load [P, E] int64 CPU, send_index [T*K] int64)
       y[t] = sum_k topk_weights[t, k] * expert_{ids[t, k]}(x[t]),
-      expert_e(v) = (silu(v @ Wg_e) * (v @ Wu_e)) @ Wd_e, Wg = w_gate_up[:, :, :I],
-      Wu = w_gate_up[:, :, I:]. Rank r owns experts [r*E_local, (r+1)*E_local).
-  moepeak::llep_dispatch_backward(dy, x, ...) -> (dx, d topk_weights, dW_gate_up, dW_down)
+      expert_e(v) = act(v @ Wgu_e + bgu_e) @ Wd_e + bd_e; act "swiglu":
+      silu(gate) * up with gate/up the column halves; "gpt_oss": Hugging
+      Face GPT-OSS's clamped activation on interleaved columns. With w_up,
+      w_gate_up is the gate [E_local, H, I] and w_up the up projection.
+      Rank r owns experts [r*E_local, (r+1)*E_local). cache, load and
+      send_index are kept for backward (load and send_index: the plan's
+      inputs, so backward has no host round trip).
+  moepeak::llep_dispatch_backward(dy, x, ...) -> (dx, d topk_weights, dW_gate_up, dW_down, dW_up,
+                                                  db_gate_up, db_down)  (empty [0] where absent)
   moepeak::llep_combine_(acc, y, idx, w, div): acc[idx // div] += w[idx] * y (fp32 acc)
 
 Process groups cannot be op arguments, so the group travels as a key
