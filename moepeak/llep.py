@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from . import llep_plan as lp
 from . import llep_sched as sched
 from .llep_context import ACTIVATIONS
-from .llep_workspace import capped_save_bytes
+from .llep_workspace import capped_save_bytes, effective_chunk_rows
 from ._ext import check_tensor
 from .process_groups import lookup_group, register_group
 from .transport import get_transport
@@ -332,8 +332,7 @@ def llep_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     if not (isinstance(save_budget_mb, int) and save_budget_mb >= 0):
         raise ValueError(f"moepeak: save_budget_mb must be an int >= 0, got {save_budget_mb!r}")
     K, I = topk_ids.shape[1], w_down.shape[1]
-    if P == 1:
-        C = max(1, min(int(C), T * K))  # one chunk when T*K fits: buffers no larger than the rows
+    C = effective_chunk_rows(C, T, K, P)  # P = 1: one chunk when T*K fits, buffers no larger than the rows
     params = (x, topk_weights, w_gate_up, w_down, w_up, b_gate_up, b_down)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params)
     budget = capped_save_bytes(save_budget_mb << 20, T, K, int(C), H, I, P, x.element_size(),

@@ -105,6 +105,13 @@ def workspace_bytes(C: int, H: int, I: int, P: int, b: int, backward: bool, *, a
     return b * C * (16 * H + 7 * I) + 4 * C * 11 + idx + extra
 
 
+def effective_chunk_rows(C: int, T: int, K: int, P: int) -> int:
+    """The chunk size a call uses: C, or on one rank T*K when that is smaller
+    (one chunk; no buffer larger than the rows). At P > 1, C itself (every
+    rank must agree on it)."""
+    return max(1, min(int(C), T * K)) if P == 1 else int(C)
+
+
 def grouped_mm_saved_bytes(T: int, K: int, H: int, I: int, b: int) -> int:
     """What permute + torch._grouped_mm saves from forward for backward
     (unchunked): the permuted x [T*K, H], h [T*K, 2I] and a [T*K, I]."""
