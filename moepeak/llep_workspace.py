@@ -28,7 +28,8 @@ Activation cache (fixed at launch by save_budget_mb, kept from forward to
   backward): cache [slots, C*2I] (b each), slot j = chunk j's h [C, 2I];
   slots = min(budget // (b*C*2I), ceil(T*K / (C//P))), so its bytes are <=
   the budget whatever the routing; backward recomputes h only for chunks
-  j >= slots.
+  j >= slots. The budget is capped (capped_save_bytes) so that cache +
+  backward working set <= what permute + grouped_mm saves for the same T.
 Outside the working set: fp32 accumulators [T, H] (forward y, backward dx),
   the send list [T*K] int64, and borrowed experts' weights (and their grads).
 """
@@ -79,10 +80,12 @@ def cache_slots(budget_bytes: int, T: int, K: int, C: int, I: int, P: int, b: in
     budget // (b * C * 2I) slots, and no more than ceil(T*K / (C//P)),
     the chunks this rank's own T*K picks can need (exactly the chunk count at
     P = 1; at P > 1 the global count may differ either way, which only
-    changes how many chunks are recomputed, never a result). Worked once: budget 1536 MiB, C = 32768,
-    I = 2880, bf16: one slot is 32768 x 5760 x 2 B = 360 MiB, so 4 slots
-    (1440 MiB): T = 16k, K = 4 (2 chunks) recomputes nothing; T = 256k (32
-    chunks) recomputes 28."""
+    changes how many chunks are recomputed, never a result). llep_moe passes
+    the budget through capped_save_bytes first. Worked once: budget 1536 MiB,
+    C = 32768, I = 2880, bf16: one slot is 32768 x 5760 x 2 B = 360 MiB, so 4
+    slots (1440 MiB): T = 256k (32 chunks) recomputes 28; at T = 16k, K = 4
+    the cap leaves no room (grouped_mm would save 1.41 GiB, less than the
+    1.93 GiB backward working set), so both chunks are recomputed."""
     per = b * slot_elems(C, I)
     if budget_bytes <= 0 or per <= 0:
         return 0
