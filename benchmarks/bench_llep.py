@@ -1,6 +1,8 @@
 """Benchmark: the MoE layer's fwd+bwd peak memory and throughput.
 
 One GPU (P = 1):   python benchmarks/bench_llep.py --out benchmarks/results [--quick]
+  issue 26's P = 1 check (pipelined vs grouped_mm, summary with ratios at the end):
+  python benchmarks/bench_llep.py --quick --tokens 16384,65536,262144 --arms grouped_mm,pipelined --iters 5
 Two GPUs (P = 2):  torchrun --nproc-per-node 2 benchmarks/bench_llep.py --out benchmarks/results [--quick]
 
 Arms at P = 1 (same inputs, same process):
@@ -301,6 +303,7 @@ def main():
 
     if rank == 0:
         _summary(rows)
+        _vs_grouped_mm(rows)
         if args.out:
             print(f"appended {len(rows)} rows to {os.path.join(args.out, 'llep.csv')}")
     if dist_mode:
@@ -317,6 +320,23 @@ def _summary(rows):
                  and r["status"] == "ok"]
         if len(peaks) > 1 and min(peaks) > 0:
             print(f"  {c} T={T}: {min(peaks):.2f}-{max(peaks):.2f} GiB ({100 * (max(peaks) / min(peaks) - 1):.1f}%)")
+
+
+def _vs_grouped_mm(rows, max_time_ratio=1.02):
+    """Per (config, T, imbalance) at P = 1: pipelined vs grouped_mm, time and
+    peak ratios, against issue 26's targets (time <= 1.02x, peak <= 1.0x)."""
+    by = {(r["config"], r["T"], r["imbalance"], r["arm"]): r for r in rows if r["P"] == 1 and r["status"] == "ok"}
+    keys = sorted({k[:3] for k in by if k[3] == "pipelined" and k[:3] + ("grouped_mm",) in by})
+    if not keys:
+        return
+    print(f"\npipelined vs grouped_mm (targets: time <= {max_time_ratio}x, peak <= 1.0x):")
+    for k in keys:
+        p, g = by[k + ("pipelined",)], by[k + ("grouped_mm",)]
+        if not (g["ms_fwd_bwd"] > 0 and g["peak_gib"] > 0):  # CPU smoke runs measure neither
+            continue
+        tr, pr = p["ms_fwd_bwd"] / g["ms_fwd_bwd"], p["peak_gib"] / g["peak_gib"]
+        ok = "PASS" if tr <= max_time_ratio and pr <= 1.0 else "FAIL"
+        print(f"  {k[0]} T={k[1]:7d} {k[2]:8s} time {tr:.3f}x  peak {pr:.3f}x  {ok}")
 
 
 if __name__ == "__main__":

@@ -110,11 +110,29 @@ def _gated_silu_hf_layout(module, x, top_k_index, top_k_weights, group, options)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
+def _gpt_oss_layout(module, x, top_k_index, top_k_weights, group, options):
+    """GPT-OSS (transformers' GptOssExperts): gate_up_proj [E_local, H, 2I]
+    with gate/up columns interleaved, gate_up_proj_bias [E_local, 2I],
+    down_proj [E_local, I, H], down_proj_bias [E_local, H]; the clamped
+    (up + 1) * gate * sigmoid(1.702 * gate) activation: llep_moe's "gpt_oss",
+    on the parameters as they are (no copy)."""
+    from . import llep_moe
+    from .llep_context import GPT_OSS_ALPHA, GPT_OSS_LIMIT
+    if (module.alpha, module.limit) != (GPT_OSS_ALPHA, GPT_OSS_LIMIT):
+        raise ValueError(f"moepeak.hf: {type(module).__name__} has alpha={module.alpha}, limit={module.limit}; "
+                         f"moepeak's gpt_oss activation runs alpha={GPT_OSS_ALPHA}, limit={GPT_OSS_LIMIT}")
+    w = module.gate_up_proj
+    xin = x if x.dtype == w.dtype else x.to(w.dtype)
+    y = llep_moe(xin, top_k_index, top_k_weights, w, module.down_proj, b_gate_up=module.gate_up_proj_bias,
+                 b_down=module.down_proj_bias, activation="gpt_oss", group=group, **options)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
 # The layouts moepeak's expert kernels run; anything else falls back. Adding a
-# layout (GPT-OSS: ExpertsLayout(False, True, True, True, "custom
-# GptOssExperts._apply_gate")) is one entry here and its run function.
+# layout is one entry here and its run function.
 SUPPORTED_LAYOUTS: Dict[ExpertsLayout, Callable] = {
     ExpertsLayout(True, False, False, True, "silu"): _gated_silu_hf_layout,
+    ExpertsLayout(False, True, True, True, "custom GptOssExperts._apply_gate"): _gpt_oss_layout,
 }
 
 
@@ -233,8 +251,10 @@ def _patch_experts(model, group, options, report):
 def _keep_expert_slice(module, rank, P):
     """Replace each expert parameter [E, ...] by rank's slice [E/P, ...] (same name)."""
     El = module.num_experts // P
-    for pname in ("gate_up_proj", "down_proj"):
-        full = getattr(module, pname)
+    for pname in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+        full = getattr(module, pname, None)
+        if full is None:
+            continue
         local = full.detach()[rank * El:(rank + 1) * El].clone()
         setattr(module, pname, torch.nn.Parameter(local, requires_grad=full.requires_grad))
 

@@ -3,11 +3,19 @@ imbalance nor tokens (DESIGN.md "PipelinedLLEP").
 
 Ops (in order: custom_op, register_fake, register_autograd, then the public API):
   moepeak::llep_dispatch(x [T, H], topk_ids [T, K], topk_weights [T, K],
-                         w_gate_up [E_local, H, 2I], w_down [E_local, I, H], ...) -> y [T, H]
+                         w_gate_up [E_local, H, 2I], w_down [E_local, I, H], ...,
+                         w_up=None, b_gate_up=None, b_down=None, activation="swiglu")
+      -> (y [T, H], cache, load [P, E] int64 CPU, send_index [T*K] int64)
       y[t] = sum_k topk_weights[t, k] * expert_{ids[t, k]}(x[t]),
-      expert_e(v) = (silu(v @ Wg_e) * (v @ Wu_e)) @ Wd_e, Wg = w_gate_up[:, :, :I],
-      Wu = w_gate_up[:, :, I:]. Rank r owns experts [r*E_local, (r+1)*E_local).
-  moepeak::llep_dispatch_backward(dy, x, ...) -> (dx, d topk_weights, dW_gate_up, dW_down)
+      expert_e(v) = act(v @ Wgu_e + bgu_e) @ Wd_e + bd_e; act "swiglu":
+      silu(gate) * up with gate/up the column halves; "gpt_oss": Hugging
+      Face GPT-OSS's clamped activation on interleaved columns. With w_up,
+      w_gate_up is the gate [E_local, H, I] and w_up the up projection.
+      Rank r owns experts [r*E_local, (r+1)*E_local). cache, load and
+      send_index are kept for backward (load and send_index: the plan's
+      inputs, so backward has no host round trip).
+  moepeak::llep_dispatch_backward(dy, x, ...) -> (dx, d topk_weights, dW_gate_up, dW_down, dW_up,
+                                                  db_gate_up, db_down)  (empty [0] where absent)
   moepeak::llep_combine_(acc, y, idx, w, div): acc[idx // div] += w[idx] * y (fp32 acc)
 
 Process groups cannot be op arguments, so the group travels as a key
@@ -29,6 +37,8 @@ import torch.nn.functional as F
 
 from . import llep_plan as lp
 from . import llep_sched as sched
+from .llep_context import ACTIVATIONS
+from .llep_workspace import capped_save_bytes, effective_chunk_rows
 from ._ext import check_tensor
 from .process_groups import lookup_group, register_group
 from .transport import get_transport
@@ -55,14 +65,27 @@ def _transport(key: str):
 # ---------------------------------------------------------------------------
 # Ops
 # ---------------------------------------------------------------------------
+def _ctx(x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha, min_tokens_per_gemm,
+         imbalance_threshold, w_up, b_gate_up, b_down, activation, plan_state=None):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"moepeak: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    return sched.Ctx(x, topk_ids, topk_weights, (w_gate_up, w_down, w_up), (b_gate_up, b_down), activation,
+                     _transport(group), chunk_rows, alpha, min_tokens_per_gemm, imbalance_threshold, plan_state)
+
+
 @torch.library.custom_op("moepeak::llep_dispatch", mutates_args=())
 def llep_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
                   w_down: torch.Tensor, group: str, chunk_rows: int, alpha: float, min_tokens_per_gemm: int,
-                  imbalance_threshold: float, save_slots: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
-    ctx = sched.Ctx(x, topk_ids, topk_weights, w_gate_up, w_down, _transport(group), chunk_rows, alpha,
-                    min_tokens_per_gemm, imbalance_threshold)
+                  imbalance_threshold: float, save_slots: int = 0, w_up: Optional[torch.Tensor] = None,
+                  b_gate_up: Optional[torch.Tensor] = None, b_down: Optional[torch.Tensor] = None,
+                  activation: str = "swiglu"
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (y [T, H], activation cache [save_slots, C*2I], load [P, E] int64
+    CPU, send_index [T*K] int64): the last three are for backward."""
+    ctx = _ctx(x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha, min_tokens_per_gemm,
+               imbalance_threshold, w_up, b_gate_up, b_down, activation)
     cache = _new_cache(x, w_down, chunk_rows, save_slots)
-    return sched.forward(ctx, cache), cache
+    return sched.forward(ctx, cache), cache, ctx.load, ctx.send_index
 
 
 def _new_cache(x, w_down, chunk_rows, save_slots):
@@ -75,54 +98,92 @@ def _new_cache(x, w_down, chunk_rows, save_slots):
 
 @llep_dispatch.register_fake
 def _(x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha, min_tokens_per_gemm,
-      imbalance_threshold, save_slots=0):
-    return torch.empty_like(x), _new_cache(x, w_down, chunk_rows, save_slots)
+      imbalance_threshold, save_slots=0, w_up=None, b_gate_up=None, b_down=None, activation="swiglu"):
+    tr = _transport(group)
+    P = tr.world_size if tr is not None else 1
+    load = torch.empty(P, w_gate_up.shape[0] * P, dtype=torch.int64, device="cpu")
+    send_index = topk_ids.new_empty(topk_ids.numel(), dtype=torch.int64)
+    return torch.empty_like(x), _new_cache(x, w_down, chunk_rows, save_slots), load, send_index
 
 
 @torch.library.custom_op("moepeak::llep_dispatch_backward", mutates_args=())
 def llep_dispatch_backward(grad_y: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
                            topk_weights: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, group: str,
                            chunk_rows: int, alpha: float, min_tokens_per_gemm: int,
-                           imbalance_threshold: float, cache: Optional[torch.Tensor] = None
-                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    ctx = sched.Ctx(x, topk_ids, topk_weights, w_gate_up, w_down, _transport(group), chunk_rows, alpha,
-                    min_tokens_per_gemm, imbalance_threshold)
+                           imbalance_threshold: float, cache: Optional[torch.Tensor] = None,
+                           w_up: Optional[torch.Tensor] = None, b_gate_up: Optional[torch.Tensor] = None,
+                           b_down: Optional[torch.Tensor] = None, activation: str = "swiglu",
+                           load: Optional[torch.Tensor] = None, send_index: Optional[torch.Tensor] = None
+                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                      torch.Tensor, torch.Tensor]:
+    """-> (dx, d topk_weights, dW_gate_up, dW_down, dW_up, db_gate_up, db_down);
+    the last three are empty [0] tensors where w_up / the biases are absent.
+    load and send_index: forward's (llep_dispatch's 3rd and 4th outputs);
+    without them backward counts and routes again."""
+    plan_state = None
+    if load is not None or send_index is not None:
+        if load is None or send_index is None:
+            raise ValueError("moepeak: pass both load and send_index (forward's plan state) or neither")
+        check_tensor("load", load, dtypes=(torch.int64,), ndim=2, device=torch.device("cpu"), contiguous=True)
+        check_tensor("send_index", send_index, dtypes=(torch.int64,), ndim=1, device=x.device, contiguous=True)
+        if send_index.numel() != topk_ids.numel():
+            raise ValueError(f"moepeak: send_index must have T*K = {topk_ids.numel()} entries, "
+                             f"got {send_index.numel()}")
+        plan_state = (load, send_index)
+    ctx = _ctx(x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha, min_tokens_per_gemm,
+               imbalance_threshold, w_up, b_gate_up, b_down, activation, plan_state)
+    if plan_state is not None and tuple(load.shape) != (ctx.P, ctx.E):
+        raise ValueError(f"moepeak: load must be [P={ctx.P}, E={ctx.E}], got {tuple(load.shape)}")
     if cache is not None:
         check_tensor("cache", cache, dtypes=(x.dtype,), ndim=2, device=x.device, contiguous=True)
         se = sched.slot_elems(chunk_rows, w_down.shape[1])
         if cache.shape[1] != se:
             raise ValueError(f"moepeak: cache must be [slots, {se}] (chunk_rows*2I), got {tuple(cache.shape)}")
-    dx, dtw, dwgu, dwd = sched.backward(ctx, grad_y.contiguous(), cache=cache)
-    return dx, dtw.view(topk_weights.shape).to(topk_weights.dtype), dwgu, dwd
+    dx, dtw, dW, dbgu, dbd = sched.backward(ctx, grad_y.contiguous(), cache=cache)
+    def or_empty(t):
+        return t if t is not None else x.new_empty(0)
+    return (dx, dtw.view(topk_weights.shape).to(topk_weights.dtype), dW[0], dW[1],
+            or_empty(dW[2] if w_up is not None else None), or_empty(dbgu), or_empty(dbd))
 
 
 @llep_dispatch_backward.register_fake
 def _(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha, min_tokens_per_gemm,
-      imbalance_threshold, cache=None):
+      imbalance_threshold, cache=None, w_up=None, b_gate_up=None, b_down=None, activation="swiglu", load=None,
+      send_index=None):
+    def like(t):
+        return torch.empty_like(t) if t is not None else x.new_empty(0)
     return (torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w_gate_up),
-            torch.empty_like(w_down))
+            torch.empty_like(w_down), like(w_up), like(b_gate_up), like(b_down))
 
 
 def _setup_context(ctx, inputs, output):
     x, topk_ids, topk_weights, w_gate_up, w_down = inputs[:5]
-    ctx.save_for_backward(x, topk_ids, topk_weights, w_gate_up, w_down, output[1])
+    w_up, b_gate_up, b_down = inputs[11:14]
+    ctx.save_for_backward(x, topk_ids, topk_weights, w_gate_up, w_down, output[1], w_up, b_gate_up, b_down,
+                          output[2], output[3])
     ctx.args = inputs[5:10]
-    ctx.mark_non_differentiable(output[1])
+    ctx.activation = inputs[14]
+    ctx.mark_non_differentiable(*output[1:])
     # No zero-filled gradient for the cache output (it would cost the whole
     # cache budget again in backward).
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, grad_y, grad_cache):
+def _backward(ctx, grad_y, *grad_rest):
     if grad_y is None:  # y did not reach the loss: nothing flows back
-        return (None,) * 11
-    x, topk_ids, topk_weights, w_gate_up, w_down, cache = ctx.saved_tensors
-    dx, dtw, dwgu, dwd = llep_dispatch_backward(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, *ctx.args,
-                                                cache if cache.shape[0] else None)
-    return dx, None, dtw, dwgu, dwd, None, None, None, None, None, None
+        return (None,) * 15
+    x, topk_ids, topk_weights, w_gate_up, w_down, cache, w_up, b_gate_up, b_down, load, send_index = \
+        ctx.saved_tensors
+    dx, dtw, dwgu, dwd, dwu, dbgu, dbd = llep_dispatch_backward(
+        grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, *ctx.args, cache if cache.shape[0] else None,
+        w_up, b_gate_up, b_down, ctx.activation, load, send_index)
+    return (dx, None, dtw, dwgu, dwd, None, None, None, None, None, None, dwu if w_up is not None else None,
+            dbgu if b_gate_up is not None else None, dbd if b_down is not None else None, None)
 
 
 llep_dispatch.register_autograd(_backward, setup_context=_setup_context)
+
+
 
 
 @torch.library.custom_op("moepeak::llep_combine_", mutates_args=("acc",))
@@ -153,23 +214,39 @@ def _(acc, y, idx, w, div):
 # ---------------------------------------------------------------------------
 # Public API
 # ---------------------------------------------------------------------------
-def _validate(x, topk_ids, topk_weights, w_gate_up, w_down, P, chunk_rows, alpha, m, lam):
+def _validate(x, topk_ids, topk_weights, w_gate_up, w_down, w_up, b_gate_up, b_down, activation, P, chunk_rows,
+              alpha, m, lam):
     check_tensor("x", x, dtypes=_FLOATS)
     if x.dim() < 1:
         raise ValueError("moepeak: x must be [..., hidden_size]")
     H = x.shape[-1]
     T = x.numel() // H if H else 0
-    check_tensor("w_gate_up", w_gate_up, dtypes=(x.dtype,), ndim=3, device=x.device)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"moepeak: activation must be one of {ACTIVATIONS}, got {activation!r}")
     check_tensor("w_down", w_down, dtypes=(x.dtype,), ndim=3, device=x.device)
-    El, Hw, twoI = w_gate_up.shape
-    if Hw != H or twoI % 2 or twoI == 0:
-        raise ValueError(f"moepeak: w_gate_up must be [E_local, H={H}, 2*I] (I >= 1), got {tuple(w_gate_up.shape)}")
-    I = twoI // 2
-    if tuple(w_down.shape) != (El, I, H):
-        raise ValueError(f"moepeak: w_down must be [E_local={El}, I={I}, H={H}] to match w_gate_up "
-                         f"{tuple(w_gate_up.shape)}, got {tuple(w_down.shape)}")
+    El, I, Hd = w_down.shape
+    if Hd != H or I < 1:
+        raise ValueError(f"moepeak: w_down must be [E_local, I, H={H}] (I >= 1), got {tuple(w_down.shape)}")
+    if w_up is None:
+        check_tensor("w_gate_up", w_gate_up, dtypes=(x.dtype,), ndim=3, device=x.device)
+        if tuple(w_gate_up.shape) != (El, H, 2 * I):
+            raise ValueError(f"moepeak: w_gate_up must be [E_local={El}, H={H}, 2*I={2 * I}] to match w_down "
+                             f"{tuple(w_down.shape)}, got {tuple(w_gate_up.shape)}")
+    else:
+        for name, w in (("w_gate", w_gate_up), ("w_up", w_up)):
+            check_tensor(name, w, dtypes=(x.dtype,), ndim=3, device=x.device)
+            if tuple(w.shape) != (El, H, I):
+                raise ValueError(f"moepeak: {name} must be [E_local={El}, H={H}, I={I}] to match w_down "
+                                 f"{tuple(w_down.shape)}, got {tuple(w.shape)}")
     if El < 1:
-        raise ValueError("moepeak: w_gate_up must hold at least one expert")
+        raise ValueError("moepeak: the weights must hold at least one expert")
+    if (b_gate_up is None) != (b_down is None):
+        raise ValueError("moepeak: pass both b_gate_up and b_down, or neither")
+    if b_gate_up is not None:
+        for name, b, n in (("b_gate_up", b_gate_up, 2 * I), ("b_down", b_down, H)):
+            check_tensor(name, b, dtypes=(x.dtype,), ndim=2, device=x.device)
+            if tuple(b.shape) != (El, n):
+                raise ValueError(f"moepeak: {name} must be [E_local={El}, {n}], got {tuple(b.shape)}")
     check_tensor("topk_ids", topk_ids, dtypes=(torch.int64, torch.int32), ndim=2, device=x.device)
     check_tensor("topk_weights", topk_weights, dtypes=_FLOATS, ndim=2, device=x.device)
     E = El * P
@@ -190,34 +267,52 @@ def _validate(x, topk_ids, topk_weights, w_gate_up, w_down, P, chunk_rows, alpha
     return T, H
 
 
-def llep_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
-             w_down: torch.Tensor, *, group=None, chunk_rows: Optional[int] = None, alpha: float = 1.0,
+def llep_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up, w_down: torch.Tensor,
+             *, b_gate_up: Optional[torch.Tensor] = None, b_down: Optional[torch.Tensor] = None,
+             activation: str = "swiglu", group=None, chunk_rows: Optional[int] = None, alpha: float = 1.0,
              min_tokens_per_gemm: int = 1024, imbalance_threshold: float = 1.3,
              save_budget_mb: Optional[int] = None) -> torch.Tensor:
     """The MoE experts on this rank's local weights, PipelinedLLEP-scheduled.
 
     x [..., H]; topk_ids, topk_weights [T, K] (T = x.numel() // H; ids are
-    global expert ids in [0, E_local * P)); w_gate_up [E_local, H, 2I] (gate
-    columns [:I], up [I:]); w_down [E_local, I, H]. Returns y shaped like x.
-    The weights may have any strides and are never copied whole: Hugging
-    Face's gate_up_proj [E, 2I, H] and down_proj [E, H, I] are passed as
-    gate_up_proj.transpose(1, 2) and down_proj.transpose(1, 2); their
-    gradients have the weights' strides.
+    global expert ids in [0, E_local * P)); w_gate_up [E_local, H, 2I], or
+    the pair (w_gate, w_up), each [E_local, H, I] (gate and up kept apart,
+    e.g. torchtitan's w1/w3 seen through transpose(1, 2): no fused copy);
+    w_down [E_local, I, H]. Returns y shaped like x:
+        h = x W_gate_up (+ b_gate_up[e]);  a = act(gate, up);
+        y[t] = sum_k topk_weights[t, k] * (a W_down + b_down[e]), e = ids[t, k].
+    activation: "swiglu": a = silu(gate) * up with gate = h[:, :I], up =
+    h[:, I:]; "gpt_oss" (Hugging Face GPT-OSS): gate = h[:, 0::2], up =
+    h[:, 1::2] (interleaved columns of a fused w_gate_up; the pair's own
+    outputs when split), a = (up.clamp(-7, 7) + 1) * g * sigmoid(1.702 g),
+    g = gate.clamp(max=7). b_gate_up [E_local, 2I] (columns as h's) and
+    b_down [E_local, H]: optional, both or neither; added per row by the
+    row's expert; their gradients are summed in fp32.
+    The weights and biases may have any strides and are never copied whole:
+    Hugging Face's gate_up_proj [E, 2I, H] and down_proj [E, H, I] are
+    passed as gate_up_proj.transpose(1, 2) and down_proj.transpose(1, 2);
+    gradients have the parameters' strides.
     Every rank of `group` must call it (with its own tokens; T may differ).
-    Differentiable in x, topk_weights, w_gate_up and w_down.
+    Differentiable in x, topk_weights, the weights and the biases.
     alpha, min_tokens_per_gemm, imbalance_threshold: the LLEP plan
     (csrc/llep_plan.c): nothing moves while the max/mean rank load is below
     imbalance_threshold; otherwise each rank has room for alpha x the mean
     load, keeps its smallest experts first, and the residuals of its largest
     go to the least-loaded ranks in shares of at least min_tokens_per_gemm
-    (a smaller residual stays home), so only hot experts' weights travel.
+    (a smaller residual stays home), so only hot experts' weights (and
+    biases) travel.
     chunk_rows: rows per destination per chunk (None: 32768 on one rank,
-    16384 on several; llep_plan.default_chunk_rows).
+    16384 on several; llep_plan.default_chunk_rows). On one rank it is
+    lowered to T*K when that is smaller (one chunk, buffers no larger than
+    the rows).
     save_budget_mb: bytes (MiB) fixed at launch for an activation cache: the
-    first chunks whose [C, 2I] + [C, H] forward intermediates fit are kept
-    for backward, which recomputes only the others (0: recompute all; no
-    cache when no gradient is needed; None: 1536 on one rank, 0 on several,
-    see DEFAULT_SAVE_BUDGET_MB). Results are identical either way.
+    first chunks whose [C, 2I] forward intermediates fit are kept for
+    backward, which recomputes only the others (0: recompute all; no cache
+    when no gradient is needed; None: 1536 on one rank, 0 on several, see
+    DEFAULT_SAVE_BUDGET_MB). The cache is also capped so that it and the
+    backward working set together stay within what permute + grouped GEMM
+    would save for the same T (llep_workspace.capped_save_bytes). Results
+    are identical either way.
     The cache lives from this call's forward to its backward: a model keeps
     one per MoE layer whose backward is pending (none under activation
     checkpointing's no-grad forward), so budget it per resident layer."""
@@ -226,17 +321,27 @@ def llep_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     C = lp.default_chunk_rows(P) if chunk_rows is None else chunk_rows
     if save_budget_mb is None:
         save_budget_mb = default_save_budget_mb(P)
-    T, H = _validate(x, topk_ids, topk_weights, w_gate_up, w_down, P, C, alpha, min_tokens_per_gemm,
-                     imbalance_threshold)
+    w_up = None
+    if isinstance(w_gate_up, (tuple, list)):
+        if len(w_gate_up) != 2:
+            raise ValueError(f"moepeak: w_gate_up must be a tensor or a (w_gate, w_up) pair, got "
+                             f"{len(w_gate_up)} tensors")
+        w_gate_up, w_up = w_gate_up
+    T, H = _validate(x, topk_ids, topk_weights, w_gate_up, w_down, w_up, b_gate_up, b_down, activation, P, C,
+                     alpha, min_tokens_per_gemm, imbalance_threshold)
     if not (isinstance(save_budget_mb, int) and save_budget_mb >= 0):
         raise ValueError(f"moepeak: save_budget_mb must be an int >= 0, got {save_budget_mb!r}")
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w_gate_up, w_down))
-    slots = sched.cache_slots(save_budget_mb << 20, T, topk_ids.shape[1], int(C), w_down.shape[1], P,
-                              x.element_size()) if grad else 0
+    K, I = topk_ids.shape[1], w_down.shape[1]
+    C = effective_chunk_rows(C, T, K, P)  # P = 1: one chunk when T*K fits, buffers no larger than the rows
+    params = (x, topk_weights, w_gate_up, w_down, w_up, b_gate_up, b_down)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params)
+    budget = capped_save_bytes(save_budget_mb << 20, T, K, int(C), H, I, P, x.element_size(),
+                               activation=activation, bias=b_gate_up is not None, split=w_up is not None)
+    slots = sched.cache_slots(budget, T, K, int(C), I, P, x.element_size()) if grad else 0
     shape = x.shape
-    y, _ = llep_dispatch(x.reshape(T, H).contiguous(), topk_ids.contiguous(), topk_weights.contiguous(),
-                         w_gate_up, w_down, register_group(group), int(C), float(alpha),
-                         int(min_tokens_per_gemm), float(imbalance_threshold), int(slots))
+    y = llep_dispatch(x.reshape(T, H).contiguous(), topk_ids.contiguous(), topk_weights.contiguous(),
+                      w_gate_up, w_down, register_group(group), int(C), float(alpha), int(min_tokens_per_gemm),
+                      float(imbalance_threshold), int(slots), w_up, b_gate_up, b_down, activation)[0]
     return y.view(shape)
 
 

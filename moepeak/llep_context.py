@@ -6,9 +6,12 @@ every rank.
      P x E load matrix (one small all-gather each; bad ids and differing
      configs are reported on every rank, so no rank is left hanging);
   2. plan (C, identical everywhere), n chunks, this rank's send list (route);
-  3. lend spilled experts' weights to their helpers (one all-to-all-v):
-     borrowed weights live in bflat [n_borrowed, H*2I + I*H] (param dtype),
-     row i = slot i's w_gate_up [H, 2I] then w_down [I, H], row-major.
+  3. lend spilled experts' weights (and biases) to their helpers (one
+     all-to-all-v): borrowed ones live in bflat [n_borrowed, per] (param
+     dtype), row i = slot i's weight kinds row-major ([H, 2I] or [H, I] gate,
+     [I, H] down, [H, I] up when split), then b_gate_up [2I] and b_down [H].
+Backward passes forward's load matrix and send list (plan_state), so steps 1
+and the route are not repeated: the plan itself is host-only and cheap.
 
 Weights may have any strides (e.g. Hugging Face's [E, 2I, H] storage seen
 through transpose(1, 2)): they are only sliced per expert, never copied
@@ -22,29 +25,96 @@ import torch
 
 from . import llep_plan as lp
 
+# Expert activations: "swiglu" silu(gate) * up, gate = h[:, :I], up = h[:, I:];
+# "gpt_oss" (Hugging Face GPT-OSS): gate = h[:, 0::2], up = h[:, 1::2],
+# g = min(gate, 7), u = clamp(up, -7, 7), a = (u + 1) * g * sigmoid(1.702 g).
+ACTIVATIONS = ("swiglu", "gpt_oss")
+GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0
+
 # Statistics of the last call (tests and benchmarks read them).
 LAST_STATS: Dict[str, object] = {}
 
 
 class Ctx:
     """Everything one call derives from its inputs; identical control flow on
-    every rank."""
+    every rank.
 
-    def __init__(self, x, topk_ids, topk_weights, w_gate_up, w_down, tr, C, alpha, m, lam):
-        self.x, self.wgu, self.wd, self.tr, self.C = x, w_gate_up, w_down, tr, C
+    Weight kinds (`which`): 0 = w_gate_up [E_local, H, 2I] (fused) or w_gate
+    [E_local, H, I] (split), 1 = w_down [E_local, I, H], 2 = w_up [E_local,
+    H, I] (split only). ctx.W[which] is the local stack (None if absent).
+    Biases (optional, both or neither): b_gate_up [E_local, 2I] (a bias per
+    column of h = [gate | up], or interleaved for "gpt_oss"), b_down
+    [E_local, H]. `plan_state` (load [P, E] int64 CPU, send_index [T*K]
+    int64 on x's device), when given, is forward's: the call skips the
+    count, the all-gathers and the route (no host round trip)."""
+
+    def __init__(self, x, topk_ids, topk_weights, weights, biases, activation, tr, C, alpha, m, lam,
+                 plan_state=None):
+        w0, w_down, w_up = weights
+        self.x, self.tr, self.C, self.activation = x, tr, C, activation
+        self.W = [w0, w_down, w_up]
+        self.wgu, self.wd, self.wu = w0, w_down, w_up
+        self.split = w_up is not None
+        self.kinds = (0, 1, 2) if self.split else (0, 1)
+        self.bgu_local, self.bd_local = biases
+        self.has_bias = self.bgu_local is not None
         self.T, self.H = x.shape
         self.K = topk_ids.shape[1]
-        self.El, _, twoI = w_gate_up.shape
-        self.I = twoI // 2
+        self.El = w0.shape[0]
+        self.I = w_down.shape[1]
         self.P = tr.world_size if tr is not None else 1
         self.r = tr.rank if tr is not None else 0
         self.E = self.El * self.P
-        dev = x.device
         self.ids = topk_ids.reshape(-1).to(torch.int64).contiguous()
         self.wflat = topk_weights.reshape(-1).to(torch.float32).contiguous()
+        if plan_state is None:
+            self.load = self._gather_loads(alpha, m, lam)
+        else:
+            self.load = plan_state[0]
+        self.plan = lp.llep_plan(self.load, alpha, m, lam)
+        self.n = lp.num_chunks(self.plan.S, C)
+        if plan_state is None:
+            self.send_index = lp.route(self.ids, self.E, self.plan, self.r, self.load[self.r])
+        else:
+            self.send_index = plan_state[1]
+        # Borrowed experts (run here, owned elsewhere) and lent ones (ours, run
+        # on d). Both ascending by expert id, so grouped by owner.
+        Q = self.plan.Q
+        own = range(self.r * self.El, (self.r + 1) * self.El)
+        self.borrowed = [e for e in range(self.E) if e // self.El != self.r and int(Q[e, self.r]) > 0]
+        self.lend = [[e for e in own if d != self.r and int(Q[e, d]) > 0] for d in range(self.P)]
+        self.slot = {e: i for i, e in enumerate(self.borrowed)}
+        # One expert's parameters, flattened (lending): each weight kind row-major
+        # [in, N], then b_gate_up [2I] and b_down [H].
+        self.flat_off, off = {}, 0
+        for which in self.kinds:
+            self.flat_off[which] = off
+            off += self.dims(which)[0] * self.dims(which)[1]
+        self.bias_off = off
+        self.per = off + (2 * self.I + self.H if self.has_bias else 0)
+        self.bW = {}  # which -> per borrowed slot, the [in, N] matrix
+        self.bias_table = None
+        if self.plan.spilled:
+            self._lend_weights()
+        if self.has_bias:
+            self._make_bias_tables()
+        self.layouts: Dict[int, lp.ChunkLayout] = {}
+        # experts whose weight gradient (per kind) holds a partial sum
+        self.touched = (set(), set(), set())
+        self._staging = [None, None, None]  # see staging()
+        LAST_STATS.update(n_chunks=self.n, chunk_rows=C, spilled=self.plan.spilled, borrowed=list(self.borrowed),
+                          max_rows=0, grouped_mm=0, grouped_dw=0)
+
+    def _gather_loads(self, alpha, m, lam):
+        """Count picks per expert, all-gather a config fingerprint and the
+        P x E load matrix; bad ids and differing configs are reported on every
+        rank. Returns load [P, E] int64 CPU (one host round trip)."""
+        tr, dev, x = self.tr, self.x.device, self.x
         cnt = lp.count(self.ids, self.E)
-        fp = lp.config_fingerprint(E=self.E, K=self.K, H=self.H, I=self.I, C=C, m=m, alpha=float(alpha),
-                                   lam=float(lam), dtype=lp.DTYPE_CODE[x.dtype], cuda=int(x.is_cuda))
+        fp = lp.config_fingerprint(E=self.E, K=self.K, H=self.H, I=self.I, C=self.C, m=m, alpha=float(alpha),
+                                   lam=float(lam), dtype=lp.DTYPE_CODE[x.dtype], cuda=int(x.is_cuda),
+                                   split=int(self.split), bias=int(self.has_bias),
+                                   act=ACTIVATIONS.index(self.activation))
         fpt = torch.tensor(fp, dtype=torch.int64)
         if tr is not None:
             fps = torch.empty(self.P, len(fp), dtype=torch.int64, device=dev)
@@ -54,7 +124,8 @@ class Ctx:
             if bad:
                 raise ValueError(f"moepeak: llep_moe configuration differs across ranks {bad} vs rank 0 "
                                  "(num_experts, top_k, hidden/intermediate size, chunk_rows, alpha, "
-                                 "min_tokens_per_gemm, imbalance_threshold, dtype and device type must agree)")
+                                 "min_tokens_per_gemm, imbalance_threshold, dtype, device type, activation, "
+                                 "biases and weight split must agree)")
             loads = torch.empty(self.P, self.E + 1, dtype=torch.int64, device=dev)
             tr.all_gather(loads, cnt)
             loads = loads.cpu()
@@ -64,46 +135,58 @@ class Ctx:
         if badr:
             raise ValueError(f"moepeak: topk_ids has {int(loads[badr[0], self.E])} id(s) outside "
                              f"[0, num_experts={self.E}) on rank(s) {badr}")
-        self.load = loads[:, :self.E].contiguous()
-        self.plan = lp.llep_plan(self.load, alpha, m, lam)
-        self.n = lp.num_chunks(self.plan.S, C)
-        self.send_index = lp.route(self.ids, self.E, self.plan, self.r, self.load[self.r])
-        # Borrowed experts (run here, owned elsewhere) and lent ones (ours, run
-        # on d). Both ascending by expert id, so grouped by owner.
-        Q = self.plan.Q
-        own = range(self.r * self.El, (self.r + 1) * self.El)
-        self.borrowed = [e for e in range(self.E) if e // self.El != self.r and int(Q[e, self.r]) > 0]
-        self.lend = [[e for e in own if d != self.r and int(Q[e, d]) > 0] for d in range(self.P)]
-        self.slot = {e: i for i, e in enumerate(self.borrowed)}
-        self.per = self.H * 2 * self.I + self.I * self.H  # elements of one expert's weights
-        self.bgu = self.bd = None
-        if self.plan.spilled:
-            self._lend_weights()
-        self.layouts: Dict[int, lp.ChunkLayout] = {}
-        # experts whose weight gradient (0: gate_up, 1: down) holds a partial sum
-        self.touched = (set(), set())
-        self._staging = [None, None]  # see staging()
-        LAST_STATS.update(n_chunks=self.n, chunk_rows=C, spilled=self.plan.spilled, borrowed=list(self.borrowed),
-                          max_rows=0, grouped_mm=0, grouped_dw=0)
+        return loads[:, :self.E].contiguous()
+
+    def dims(self, which: int):
+        """(in, N) of weight kind `which`: the forward GEMM is [rows, in] x [in, N]."""
+        if which == 1:
+            return self.I, self.H
+        return self.H, (self.I if self.split else 2 * self.I)
 
     # ---- weights ---------------------------------------------------------
     def _lend_weights(self):
-        parts = [torch.cat([self.wgu[e - self.r * self.El].reshape(-1), self.wd[e - self.r * self.El].reshape(-1)])
-                 for d in range(self.P) for e in self.lend[d]]
+        def flat(le):
+            parts = [self.W[w][le].reshape(-1) for w in self.kinds]
+            if self.has_bias:
+                parts += [self.bgu_local[le].reshape(-1), self.bd_local[le].reshape(-1)]
+            return torch.cat(parts)
+        parts = [flat(e - self.r * self.El) for d in range(self.P) for e in self.lend[d]]
         send = torch.cat(parts) if parts else self.wgu.new_empty(0)
         recv_counts = [sum(1 for e in self.borrowed if e // self.El == o) * self.per for o in range(self.P)]
         recv = self.wgu.new_empty(len(self.borrowed) * self.per)
         self.tr.all_to_all_v(send, [len(l) * self.per for l in self.lend], recv, recv_counts).wait()
         self.bflat = recv.view(len(self.borrowed), self.per)
-        n1 = self.H * 2 * self.I
-        self.bgu = [self.bflat[i, :n1].view(self.H, 2 * self.I) for i in range(len(self.borrowed))]
-        self.bd = [self.bflat[i, n1:].view(self.I, self.H) for i in range(len(self.borrowed))]
+        for which in self.kinds:
+            self.bW[which] = [self.borrowed_stack(which, i, 1)[0] for i in range(len(self.borrowed))]
+
+    def borrowed_stack(self, which: int, i0: int, n: int):
+        """[n, in, N] view of borrowed slots i0..i0+n-1's weight kind `which`."""
+        a, N = self.dims(which)
+        o = self.flat_off[which]
+        return self.bflat[i0:i0 + n, o:o + a * N].unflatten(1, (a, N))
+
+    def _make_bias_tables(self):
+        """bias_table = (gate_up [El + nb, 2I], down [El + nb, H]): table row
+        of local expert le is le, of borrowed slot i is El + i. Without
+        borrowed experts the tables are the biases themselves (no copy)."""
+        if not self.borrowed:
+            self.bias_table = (self.bgu_local, self.bd_local)
+            return
+        o = self.bias_off
+        bgu = self.bflat[:, o:o + 2 * self.I]
+        bd = self.bflat[:, o + 2 * self.I:o + 2 * self.I + self.H]
+        self.bias_table = (torch.cat([self.bgu_local, bgu]), torch.cat([self.bd_local, bd]))
+
+    def table_row(self, e: int) -> int:
+        return e - self.r * self.El if e // self.El == self.r else self.El + self.slot[e]
 
     def weights(self, e: int):
+        """Expert e's [in, N] matrices, indexed by weight kind (None where absent)."""
         if e // self.El == self.r:
-            return self.wgu[e - self.r * self.El], self.wd[e - self.r * self.El]
+            le = e - self.r * self.El
+            return tuple(W[le] if W is not None else None for W in self.W)
         i = self.slot[e]
-        return self.bgu[i], self.bd[i]
+        return tuple(self.bW[w][i] if w in self.bW else None for w in range(3))
 
     def layout(self, j: int) -> lp.ChunkLayout:
         lay = self.layouts.get(j)
@@ -127,18 +210,17 @@ class Ctx:
         return buf[:pos]
 
     def staging(self, which: int) -> torch.Tensor:
-        """A row-major [H, 2I] (which 0) or [I, H] (1) matrix in the weights'
+        """A row-major [in, N] matrix of weight kind `which` in the weights'
         dtype, made on first use and reused for the rest of the call: where an
         expert's weights (or weight gradient) are not row-major, the
         per-expert GEMMs go through it (moepeak/llep_gemm.py)."""
         buf = self._staging[which]
         if buf is None:
-            W = self.wgu if which == 0 else self.wd
-            buf = self._staging[which] = W.new_empty(W.shape[1:])
+            buf = self._staging[which] = self.W[which].new_empty(self.W[which].shape[1:])
         return buf
 
     def new_dw(self, which: int) -> torch.Tensor:
-        """An unwritten weight gradient like w_gate_up (which 0) or w_down (1):
-        same shape, and the same strides for a dense weight (a transposed view
-        included), so autograd gets the gradient in the weight's layout."""
-        return torch.empty_like(self.wgu if which == 0 else self.wd)
+        """An unwritten weight gradient like weight kind `which`: same shape,
+        and the same strides for a dense weight (a transposed view included),
+        so autograd gets the gradient in the weight's layout."""
+        return torch.empty_like(self.W[which])

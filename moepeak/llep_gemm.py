@@ -70,7 +70,7 @@ def _grouped_operand_ok(W: torch.Tensor) -> bool:
 def grouped_ok(ctx: Ctx) -> bool:
     """This call's GEMMs go through torch._grouped_mm."""
     return (_STATE["enabled"] and (ctx.x.is_cuda or _STATE["on_cpu"]) and ctx.x.dtype == torch.bfloat16
-            and ctx.H % 8 == 0 and ctx.I % 8 == 0 and _grouped_operand_ok(ctx.wgu) and _grouped_operand_ok(ctx.wd))
+            and ctx.H % 8 == 0 and ctx.I % 8 == 0 and all(_grouped_operand_ok(ctx.W[w]) for w in ctx.kinds))
 
 
 def _disable_grouped(grp: "Groups") -> None:
@@ -79,26 +79,23 @@ def _disable_grouped(grp: "Groups") -> None:
 
 
 def _stack(ctx: Ctx, experts, kind, which: int):
-    """[G, ., .] weight stack (which 0: w_gate_up, 1: w_down) of a run of
-    experts that are consecutive in their storage (local block or slots): a view."""
+    """[G, in, N] weight stack (weight kind `which`, see llep_context.Ctx) of
+    a run of experts that are consecutive in their storage (local block or
+    slots): a view."""
     if kind == "l":
         e0 = experts[0] - ctx.r * ctx.El
-        W = ctx.wgu if which == 0 else ctx.wd
-        return W[e0:e0 + len(experts)]
-    n1 = ctx.H * 2 * ctx.I
-    i0 = ctx.slot[experts[0]]
-    blk = ctx.bflat[i0:i0 + len(experts)]
-    return blk[:, :n1].unflatten(1, (ctx.H, 2 * ctx.I)) if which == 0 else blk[:, n1:].unflatten(1, (ctx.I, ctx.H))
+        return ctx.W[which][e0:e0 + len(experts)]
+    return ctx.borrowed_stack(which, ctx.slot[experts[0]], len(experts))
 
 
 def mm(ctx: Ctx, inp, grp: "Groups", which: int, transpose: bool, out):
     """Rows of e times W_e (or W_e^T) for each expert e, rows grouped
-    expert-ascending; which 0: w_gate_up, 1: w_down. Returns the [rows, N]
+    expert-ascending; which: the weight kind (llep_context.Ctx). Returns the [rows, N]
     result: torch._grouped_mm's own output where it works (out may then be
     None: no copy into the workspace), else `out` filled by one torch.mm per
     expert."""
     rows = inp.shape[0]
-    N = (ctx.H if transpose else 2 * ctx.I) if which == 0 else (ctx.I if transpose else ctx.H)
+    N = ctx.dims(which)[0 if transpose else 1]
     if rows == 0:
         return inp.new_empty(0, N) if out is None else out[:0]
     if grp.grouped:
@@ -158,7 +155,7 @@ def dw_accumulate(ctx: Ctx, left, right, grp: "Groups", which: int, dW_local, dW
     the per-expert path)."""
     touched = ctx.touched[which]
     done = set()  # experts of this call already written by a grouped run
-    W = ctx.wgu if which == 0 else ctx.wd
+    W = ctx.W[which]
     col = column_major(W)
     if grp.grouped:
         try:
@@ -222,6 +219,7 @@ class Groups:
     def __init__(self, ctx: Ctx, ecount):
         self.ctx, self.ecount = ctx, ecount
         self.grouped = grouped_ok(ctx)
+        self._rows_index = None
         self.segments = []
         if not self.grouped:
             return
@@ -243,13 +241,24 @@ class Groups:
         self.dev = torch.tensor(host, dtype=torch.int32).to(ctx.x.device, non_blocking=True) if host else None
         self.segments = [(a, b, ex, kind, self.dev[c0:c1]) for a, b, ex, kind, c0, c1 in spans]
 
+    def row_table_index(self) -> torch.Tensor:
+        """[rows] int64 on the device: each grouped row's row in ctx.bias_table
+        (its expert's), built on the host from ecount (one copy per chunk)."""
+        if self._rows_index is None:
+            ctx = self.ctx
+            ex = [e for e, c in enumerate(self.ecount) if c]
+            rows_of = torch.tensor([ctx.table_row(e) for e in ex], dtype=torch.int64)
+            counts = torch.tensor([self.ecount[e] for e in ex], dtype=torch.int64)
+            self._rows_index = torch.repeat_interleave(rows_of, counts).to(ctx.x.device, non_blocking=True)
+        return self._rows_index
+
     def dw_runs(self, which: int, touched):
         """Runs for the grouped weight gradient: consecutive experts of one
         segment with rows in this chunk and an untouched gradient, at most G
         per run. Returns [(first row, experts, kind, offs on the device)]. The
         few experts left out (touched ones) go to addmm_."""
         ctx = self.ctx
-        G = max(1, ctx.C // (ctx.H if which == 0 else ctx.I))
+        G = max(1, ctx.C // ctx.dims(which)[0])
         runs, host = [], []
         for a, b, experts, kind, _ in self.segments:
             row, cur, start = a, [], a

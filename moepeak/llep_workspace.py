@@ -13,6 +13,10 @@ moepeak/llep_sched.py; b = bytes per element of x):
                    [C, H]; h, dh [C, 2I]; s, a, da [C, I]; sw, rw, dwb, dwback
                    2 x [C] fp32; wr, wp, dwr [C] fp32
   plus int64 index rings (3 x [C] send indices, [C] perm and inverse perm).
+  Options add: "gpt_oss" s [C, I] in forward, t [C, I] and a bool mask
+  [C, I] in backward; biases a scratch of C * max(2I, H) elements (b each;
+  the per-row bias gather, and fp32 blocks for the bias-gradient sums);
+  split gate/up weights an allocated h [C, 2I] (two GEMMs write its halves).
   With torch._grouped_mm (CUDA bf16) the GEMM outputs h, o, da are not
   allocated in the workspace (counted all the same): each GEMM's own output,
   at most [C, N], is used in place, no copy; the grouped weight gradient's
@@ -24,7 +28,8 @@ Activation cache (fixed at launch by save_budget_mb, kept from forward to
   backward): cache [slots, C*2I] (b each), slot j = chunk j's h [C, 2I];
   slots = min(budget // (b*C*2I), ceil(T*K / (C//P))), so its bytes are <=
   the budget whatever the routing; backward recomputes h only for chunks
-  j >= slots.
+  j >= slots. The budget is capped (capped_save_bytes) so that cache +
+  backward working set <= what permute + grouped_mm saves for the same T.
 Outside the working set: fp32 accumulators [T, H] (forward y, backward dx),
   the send list [T*K] int64, and borrowed experts' weights (and their grads).
 """
@@ -75,26 +80,58 @@ def cache_slots(budget_bytes: int, T: int, K: int, C: int, I: int, P: int, b: in
     budget // (b * C * 2I) slots, and no more than ceil(T*K / (C//P)),
     the chunks this rank's own T*K picks can need (exactly the chunk count at
     P = 1; at P > 1 the global count may differ either way, which only
-    changes how many chunks are recomputed, never a result). Worked once: budget 1536 MiB, C = 32768,
-    I = 2880, bf16: one slot is 32768 x 5760 x 2 B = 360 MiB, so 4 slots
-    (1440 MiB): T = 16k, K = 4 (2 chunks) recomputes nothing; T = 256k (32
-    chunks) recomputes 28."""
+    changes how many chunks are recomputed, never a result). llep_moe passes
+    the budget through capped_save_bytes first. Worked once: budget 1536 MiB,
+    C = 32768, I = 2880, bf16: one slot is 32768 x 5760 x 2 B = 360 MiB, so 4
+    slots (1440 MiB): T = 256k (32 chunks) recomputes 28; at T = 16k, K = 4
+    the cap leaves no room (grouped_mm would save 1.41 GiB, less than the
+    1.93 GiB backward working set), so both chunks are recomputed."""
     per = b * slot_elems(C, I)
     if budget_bytes <= 0 or per <= 0:
         return 0
     return int(min(budget_bytes // per, -(-T * K // (C // P))))
 
 
-def workspace_bytes(C: int, H: int, I: int, P: int, b: int, backward: bool) -> int:
+def workspace_bytes(C: int, H: int, I: int, P: int, b: int, backward: bool, *, activation: str = "swiglu",
+                    bias: bool = False, split: bool = False) -> int:
     """The working set in bytes, from C alone (see the module docstring)."""
     idx = 8 * C * (3 + 2) if P > 1 else 0
+    extra = b * C * max(2 * I, H) if bias else 0
+    if activation == "gpt_oss":
+        extra += (b + 1) * C * I if backward else b * C * I
     if not backward:
         if P == 1:
-            return b * C * (2 * H + 3 * I)
-        return b * C * (10 * H + 3 * I) + idx
+            return b * C * (2 * H + 3 * I) + extra
+        return b * C * (10 * H + 3 * I) + idx + extra
     if P == 1:
-        return b * C * (4 * H + 7 * I) + 12 * C
-    return b * C * (16 * H + 7 * I) + 4 * C * 11 + idx
+        return b * C * (4 * H + 7 * I) + 12 * C + extra
+    return b * C * (16 * H + 7 * I) + 4 * C * 11 + idx + extra
+
+
+def effective_chunk_rows(C: int, T: int, K: int, P: int) -> int:
+    """The chunk size a call uses: C, or on one rank T*K when that is smaller
+    (one chunk; no buffer larger than the rows). At P > 1, C itself (every
+    rank must agree on it)."""
+    return max(1, min(int(C), T * K)) if P == 1 else int(C)
+
+
+def grouped_mm_saved_bytes(T: int, K: int, H: int, I: int, b: int) -> int:
+    """What permute + torch._grouped_mm saves from forward for backward
+    (unchunked): the permuted x [T*K, H], h [T*K, 2I] and a [T*K, I]."""
+    return b * T * K * (H + 3 * I)
+
+
+def capped_save_bytes(budget_bytes: int, T: int, K: int, C: int, H: int, I: int, P: int, b: int,
+                      **options) -> int:
+    """The activation-cache budget actually used: at most budget_bytes, and
+    at most what grouped_mm would save for the same T minus the backward
+    working set, so that cache + working set never exceed grouped_mm's
+    saved activations (never below 0). options: workspace_bytes' keywords.
+    Worked once: T = 64k, K = 4, H = I = 2880, bf16, C = 32768: grouped_mm
+    saves 256k x 11520 x 2 B = 5.6 GiB, the P = 1 backward working set is
+    32768 x 31680 x 2 B + 384 KiB = 1.93 GiB, so the 1536 MiB default stands."""
+    room = grouped_mm_saved_bytes(T, K, H, I, b) - workspace_bytes(C, H, I, P, b, True, **options)
+    return max(0, min(int(budget_bytes), room))
 
 
 def working_set_bound(C: int, H: int, I: int, P: int, b: int, backward: bool, save_budget_bytes: int) -> int:

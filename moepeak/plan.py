@@ -232,12 +232,14 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         out["fixed"] = s.plain_fixed_bytes * N / P + gathered + T * rope
     else:
         from .llep_plan import default_chunk_rows
-        C = s.chunk_rows or default_chunk_rows(P)  # working set and cache slots: from C, whatever T is
-        # llep_dispatch saves its input b*H + the normalised weights 4K (ids: the router's);
+        from .llep_workspace import capped_save_bytes, effective_chunk_rows
+        C = effective_chunk_rows(s.chunk_rows or default_chunk_rows(P), T, K, P)  # llep_moe's chunk size
+        # llep_dispatch saves its input b*H + the normalised weights 4K (ids: the router's)
+        # + forward's send list 8K (int64, so backward need not route again);
         # its backward adds an fp32 [T, H]
         # dX and fp32 [T*K] d(weights); the chunk's GEMM working set C*(2H + 3I)
         # (P > 1 adds 2 recv + 1 send buffers of C rows).
-        out["saved_moe"] = b * H + 4 * K
+        out["saved_moe"] = b * H + 4 * K + 8 * K
         block = T * (norms + attn + router + b * H)
         # + the activation cache, alive from the layer's (re)computed forward to its
         # backward: whole slots of b*C*2I (h) within the launch budget, never more
@@ -246,7 +248,7 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         chunks = -(-T * K // max(1, C // P))
         from .llep import default_save_budget_mb
         budget = s.llep_save_budget_mb if s.llep_save_budget_mb is not None else default_save_budget_mb(P)
-        cache = min((budget << 20) // slot, chunks) * slot
+        cache = min(capped_save_bytes(budget << 20, T, K, C, H, I, P, b) // slot, chunks) * slot
         out["llep_cache"] = cache
         # P > 1: backward's double-buffered send/receive rings (llep_sched.workspace_bytes)
         out["dispatch"] = T * out["saved_moe"] + b * C * ((2 * H + 3 * I) if P == 1 else (16 * H + 7 * I)) \

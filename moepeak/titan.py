@@ -33,14 +33,11 @@ Options travel as JSON kwargs on the CLI, e.g.
     --override.imports 'moepeak.titan.experts={"save_budget_mb": 0}'
 
 Expert weight layout: GroupedExperts stores w1 (gate) and w3 (up) as
-[E, F, D] and w2 as [E, D, F]; llep_moe takes w_gate_up [E, D, 2F] (gate
-columns first) and w_down [E, F, D]. Each forward builds
-    w_gate_up = cat(w1^T, w3^T, dim=2): [E_local, D, 2F] x compute dtype
-    w_down    = w2^T (made contiguous):  [E_local, F, D] x compute dtype
-a per-layer, per-call copy of the layer's expert weights (3·E_local·D·F
-elements, e.g. 16·2048·768·3·2 B = 151 MB in bf16), alive only while that
-layer's forward (and, under activation checkpointing, its recompute and
-backward) runs. Its gradients flow back to w1/w2/w3 through the copy.
+[E, F, D] and w2 as [E, D, F]; llep_moe takes the gate/up pair
+(w1^T, w3^T), each [E_local, D, F], and w_down = w2^T [E_local, F, D], all
+three transpose(1, 2) views of the parameters (no per-step copy; the
+gradients come back in the parameters' strides). Only where the compute
+dtype differs from the parameters' does .to(dtype) make a cast copy.
 """
 from __future__ import annotations
 
@@ -114,8 +111,8 @@ class LLEPRoutedExperts(RoutedExperts):
         dtype = x_BLD.dtype
         ie = self.inner_experts
         w1, w2, w3 = (_local(w).to(dtype) for w in (ie.w1_EFD, ie.w2_EDF, ie.w3_EFD))
-        w_gate_up = torch.cat([w1.transpose(1, 2), w3.transpose(1, 2)], dim=2)  # [E_local, D, 2F]
-        w_down = w2.transpose(1, 2)  # [E_local, F, D] (llep_moe makes it contiguous)
+        w_gate_up = (w1.transpose(1, 2), w3.transpose(1, 2))  # gate and up [E_local, D, F]: views, no copy
+        w_down = w2.transpose(1, 2)  # [E_local, F, D]: a view
         y = moepeak.llep_moe(x_BLD.reshape(B * L, D), topk_expert_ids_BLK.reshape(B * L, K),
                              topk_scores_BLK.reshape(B * L, K), w_gate_up, w_down, group=self.ep_group,
                              **self.llep_options)

@@ -289,6 +289,29 @@ def moe_dense_ref(x, topk_ids, topk_weights, w_gate_up, w_down):
     return y
 
 
+def moe_gpt_oss_ref(x, topk_ids, topk_weights, gate_up, down, gate_up_bias, down_bias, alpha=1.702, limit=7.0):
+    """Hugging Face GPT-OSS experts (transformers 5.17 GptOssExperts, eager):
+    gate_up [E, H, 2I] with gate/up interleaved (gate = h[..., ::2], up =
+    h[..., 1::2]), gate_up_bias [E, 2I], down [E, I, H], down_bias [E, H];
+    h = x W + b; g = gate.clamp(max=limit); u = up.clamp(-limit, limit);
+    a = (u + 1) * g * sigmoid(g * alpha); out = a W_down + b_down; y[t] +=
+    out * w. A loop over experts in x's dtype (fp64 for a ground truth)."""
+    T, H = x.shape
+    y = torch.zeros(T, H, dtype=x.dtype, device=x.device)
+    for e in range(gate_up.shape[0]):
+        t, k = (topk_ids == e).nonzero(as_tuple=True)
+        if t.numel() == 0:
+            continue
+        h = x[t] @ gate_up[e] + gate_up_bias[e]
+        gate, up = h[..., ::2], h[..., 1::2]
+        gate = gate.clamp(min=None, max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        a = (up + 1) * (gate * torch.sigmoid(gate * alpha))
+        out = a @ down[e] + down_bias[e]
+        y = y.index_add(0, t, out * topk_weights[t, k].to(out.dtype).unsqueeze(1))
+    return y
+
+
 def moe_block_ref(x, router_weight, w_gate_up, w_down, top_k, norm_topk_prob=True):
     """Router (fp32 logits) + top-k + dense experts; returns (y, logits)."""
     logits = torch.nn.functional.linear(x.float(), router_weight.float())

@@ -57,7 +57,6 @@ def gpt_oss():
 
 FAMILIES = {"qwen3_moe": qwen3_moe, "mixtral": mixtral, "deepseek_v3": deepseek_v3, "gpt_oss": gpt_oss}
 OPTS = dict(chunk_rows=32)  # T*K = 48 picks: two chunks per call
-ON_MOEPEAK = {"qwen3_moe": True, "mixtral": True, "deepseek_v3": True, "gpt_oss": False}
 
 
 def build(family, dtype=torch.float32, seed=0):
@@ -123,12 +122,7 @@ def test_three_steps_fp32_equal_unpatched(family, optim):
     ref = reference(model)
     report = apply_moepeak(model, **OPTS)
     assert isinstance(report, MoepeakReport)
-    if ON_MOEPEAK[family]:
-        assert report.experts_on_moepeak and not report.experts_fallback, str(report)
-    else:  # GPT-OSS: interleaved gate/up, biases, clamped gate -> transformers' grouped_mm, with the reason
-        assert not report.experts_on_moepeak
-        assert "GptOssExperts._apply_gate" in str(report) and "grouped_mm" in str(report), str(report)
-        assert model.config._experts_implementation == "grouped_mm"
+    assert report.experts_on_moepeak and not report.experts_fallback, str(report)
     if optim == "adamw":
         opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(ref.parameters(), lr=1e-3)
     else:
@@ -156,7 +150,8 @@ def test_three_steps_bf16_within_twice_torch_error(family):
     model = build(family, torch.bfloat16)
     ref = reference(model)
     truth = reference(model).double()
-    apply_moepeak(model, **OPTS)
+    report = apply_moepeak(model, **OPTS)
+    assert report.experts_on_moepeak and not report.experts_fallback, str(report)
     data = batches()
     losses, params = train(model, torch.optim.AdamW(model.parameters(), lr=1e-3), data)
     ref_losses, ref_params = train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3), data)

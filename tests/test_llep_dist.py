@@ -12,6 +12,7 @@ import torch.distributed as dist
 from moepeak import llep_sched
 from moepeak.testing import force_grouped_mm, grouped_mm_enabled
 from moepeak.llep import llep_moe
+from moepeak.llep_workspace import capped_save_bytes
 
 try:
     from tests import refs
@@ -41,8 +42,10 @@ def _run_case(rank, P, tokens, frac, C, m, expect_spill=None, seed=0, group=None
     y = llep_moe(mine[0], ids[lo:hi], mine[1], mine[2], mine[3], group=group, chunk_rows=C,
                  min_tokens_per_gemm=m, save_budget_mb=save_budget_mb)
     stats = dict(llep_sched.LAST_STATS)
-    # activation cache: ceil(T*K / (C//P)) slots fit 1 MiB here (none for T = 0)
-    slots = llep_sched.cache_slots(save_budget_mb << 20, hi - lo, K, C, I, P, 4)
+    # activation cache: ceil(T*K / (C//P)) slots fit 1 MiB here (none for T = 0), capped by
+    # what grouped_mm would save minus the working set
+    budget = capped_save_bytes(save_budget_mb << 20, hi - lo, K, C, H, I, P, 4)
+    slots = llep_sched.cache_slots(budget, hi - lo, K, C, I, P, 4)
     assert stats["cached_chunks"] == min(slots, stats["n_chunks"]), stats
     assert stats["cache_bytes"] == slots * 4 * C * 2 * I
     got = (y.detach(),) + torch.autograd.grad(y, mine, gy[lo:hi].float())

@@ -128,11 +128,11 @@ def test_hf_layout_makes_no_weight_copy(grouped):
         assert sorted(s for _, _, s in bwd.big) == sorted([gu.stride(), d.stride()]), bwd.big
 
         # inside the op: the schedule's own ops
-        ctx_args = (x, ids, tw, gu.detach(), d.detach(), None, 16, 1.0, 1024, 1.3)
+        ctx_args = (x, ids, tw, (gu.detach(), d.detach(), None), (None, None), "swiglu", None, 16, 1.0, 1024, 1.3)
         with _NewAllocations(small) as inner_fwd:
             llep_sched.forward(llep_sched.Ctx(*ctx_args))
         with _NewAllocations(small) as inner_bwd:
-            _, _, dgu, dd = llep_sched.backward(llep_sched.Ctx(*ctx_args), gy)
+            _, _, (dgu, dd, _), _, _ = llep_sched.backward(llep_sched.Ctx(*ctx_args), gy)
     assert not inner_fwd.big, f"the forward schedule allocated weight-sized tensors: {inner_fwd.big}"
     assert len(inner_bwd.big) == 2, f"the backward schedule allocated more than the two dW: {inner_bwd.big}"
     assert dgu.stride() == gu.stride() and dd.stride() == d.stride()
