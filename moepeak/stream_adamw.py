@@ -54,15 +54,18 @@ optimizer calls it.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
 
 from . import _C
 from ._ext import HAS_CUDA_BUILD
-from .stream_adamw_op import DTYPE_CODES, ISA_CODES, PLAN_IDS, PLANS, BucketPlan, stream_adamw, stream_adamw_step
+from .stream_adamw_op import (DTYPE_CODES, ISA_CODES, PLAN_IDS, PLANS, BucketPlan, stream_adamw, stream_adamw_step,
+                              torch_tail_model)
+from .stream_adamw_overlap import BackwardOverlap, side_stream
 
-_STATE_TENSORS = ("exp_avg", "exp_avg_sq", "master_param")
+_STATE_TENSORS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
 
 
 def _local(t):
@@ -78,8 +81,12 @@ class StreamAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, amsgrad=False,
                  maximize=False, bucket_mb=64, threads=None, isa=None, grad_slots=3, param_slots=2,
-                 _host_pipeline=False):
+                 overlap_backward=False, clip_grad_norm=None, _host_pipeline=False):
         _check_hyper("lr", lr, betas, eps, weight_decay, amsgrad, maximize)
+        if not isinstance(overlap_backward, bool):
+            raise TypeError(f"moepeak.StreamAdamW: overlap_backward must be a bool, got {overlap_backward!r}")
+        if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
+            raise ValueError(f"moepeak.StreamAdamW: clip_grad_norm must be None or a float > 0, got {clip_grad_norm!r}")
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
             raise ValueError(f"moepeak.StreamAdamW: bucket_mb must be > 0, got {bucket_mb!r}")
         if grad_slots < 2 or param_slots < 1:
@@ -116,17 +123,28 @@ class StreamAdamW(torch.optim.Optimizer):
         self._plan = None
         self._plan_id = next(PLAN_IDS)
         self._grad_dt = {}  # param -> dtype code of its last grad (for the plan's slot sizes)
+        self._clip = None if clip_grad_norm is None else float(clip_grad_norm)
+        self.last_grad_norm = None  # total grad norm of the last step (clip_grad_norm mode)
+        self._tail = torch_tail_model()  # refreshed by every step(), used by hooks on autograd's threads
+        self._streams = {}  # CUDA device -> the overlap worker's stream
+        self._overlap = None
+        if overlap_backward:
+            params = [p for g in self.param_groups for p in g["params"]]
+            self._overlap = BackwardOverlap(self, params, self._bucket_mb * (1 << 20), self._prepare_overlap,
+                                            self._execute)
+            self._overlap.deferred = self._clip is not None
 
     # ------------------------------------------------------------------ checks
-    def _collect(self):
+    def _collect(self, only=None, skip=()):
         """Validate every param with a grad (nothing is touched on failure);
-        return [(group, param, local param, local grad)]."""
+        return [(group, param, local param, local grad, name)]. only: a set of
+        params to restrict to; skip: params to leave out."""
         out = []
         for gi, group in enumerate(self.param_groups):
             _check_hyper(f"param_groups[{gi}]['lr']", group["lr"], group["betas"], group["eps"],
                          group["weight_decay"], group.get("amsgrad", False), group.get("maximize", False))
             for pi, p in enumerate(group["params"]):
-                if p.grad is None:
+                if p.grad is None or (only is not None and p not in only) or p in skip:
                     continue
                 name = f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}, dtype {p.dtype})"
                 lp, lg = _local(p), _local(p.grad)
@@ -159,11 +177,11 @@ class StreamAdamW(torch.optim.Optimizer):
         return out
 
     # ------------------------------------------------------------------ state
-    def _init_state(self, p, lp):
+    def _init_state(self, group, p, lp):
         st = self.state[p]
         if "step" not in st:
             st["step"] = torch.tensor(0.0, dtype=torch.float32)
-        for k in ("exp_avg", "exp_avg_sq"):
+        for k in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ()):
             if k not in st:
                 st[k] = torch.zeros(lp.shape, dtype=torch.float32)
         if lp.dtype != torch.float32 and "master_param" not in st:
@@ -172,13 +190,13 @@ class StreamAdamW(torch.optim.Optimizer):
             self._gpu_master[p] = lp.detach().to("cpu", copy=True).contiguous()
         self._devices.setdefault(p, lp.device)
 
-    def _check_state(self, p, lp, name):
+    def _check_state(self, group, p, lp, name):
         """The state tensors the kernel will read and write must be fp32,
         contiguous, on the CPU and of the param's numel (a param whose .data
         was replaced, a replaced exp_avg/exp_avg_sq, a loaded state of another
         size all end here)."""
         st = self.state[p]
-        held = [(k, st.get(k)) for k in ("exp_avg", "exp_avg_sq")]
+        held = [(k, st.get(k)) for k in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())]
         if lp.dtype != torch.float32:
             held.append(("master_param", st.get("master_param")))
         elif self._piped(lp):
@@ -208,45 +226,122 @@ class StreamAdamW(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):
+        """Update every param with a grad. With overlap_backward, the params
+        whose updates ran during backward are skipped: this submits the last
+        partial bucket, waits for the worker, updates what is left (params
+        whose hook did not fire, e.g. grads set by hand) and orders the
+        current CUDA stream after every H2D copy of the round."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        entries = self._collect()  # raises before anything is modified
-        if not entries:
-            return loss
-        for _, p, lp, _, _ in entries:
-            self._init_state(p, lp)
-        for _, p, lp, _, name in entries:  # every state tensor must fit its param before any pointer reaches C
-            self._check_state(p, lp, name)
+        ov = self._overlap
+        try:
+            if ov is not None:
+                ov.flush()
+                ov.wait()
+            self._tail = torch_tail_model()
+            skip = ov.done if ov is not None else ()
+            entries = self._collect(skip=skip)  # raises before anything is modified
+            if self._clip is not None and entries:
+                if skip:  # a param updated in backward cannot be clipped any more
+                    raise RuntimeError("moepeak.StreamAdamW: clip_grad_norm with params already updated in "
+                                       "backward (overlap was re-enabled mid-round?)")
+                self.last_grad_norm = torch.nn.utils.clip_grad_norm_([p for _, p, _, _, _ in entries], self._clip)
+            if entries:
+                self._execute(self._build_job(entries, overlapped=False))
+            for dev, stream in self._streams.items():  # the worker's H2D copies before the next forward
+                torch.cuda.current_stream(dev).wait_stream(stream)
+        finally:
+            if ov is not None:
+                ov.end_round()
+        return loss
+
+    def _prepare_overlap(self, params):
+        """BackwardOverlap's prepare: the job for params whose grads just
+        became final (runs in autograd's thread, from the hook)."""
+        entries = self._collect(only=set(params))
+        return self._build_job(entries, overlapped=True) if entries else None
+
+    def _build_job(self, entries, overlapped):
+        """State init/checks, step counters advanced, and the op's arguments."""
+        for group, p, lp, _, _ in entries:
+            self._init_state(group, p, lp)
+        for group, p, lp, _, name in entries:  # every state tensor must fit its param before any pointer reaches C
+            self._check_state(group, p, lp, name)
         steps = [self.state[p]["step"] for _, p, _, _, _ in entries]
         torch._foreach_add_(steps, 1.0)
         step_vals = torch.stack(steps).tolist()
-        params, grads, masters, ms, vs = [], [], [], [], []
-        lrs, b1s, b2s, epss, wds = [], [], [], [], []
+        params, grads, masters, ms, vs, vmaxs = [], [], [], [], [], []
+        lrs, b1s, b2s, epss, wds, maxs = [], [], [], [], [], []
         plan_index = self._cuda_plan(entries)
         for group, p, lp, lg, _ in entries:
             st = self.state[p]
-            mst = self._master(p, lp)
             params.append(lp if (self._piped(lp) or lp.dtype != torch.float32) else _EMPTY)
             grads.append(lg)
-            masters.append(mst)
+            masters.append(self._master(p, lp))
             ms.append(st["exp_avg"])
             vs.append(st["exp_avg_sq"])
+            vmaxs.append(st["max_exp_avg_sq"] if group["amsgrad"] else _EMPTY)
             lrs.append(float(group["lr"]))
             b1s.append(float(group["betas"][0]))
             b2s.append(float(group["betas"][1]))
             epss.append(float(group["eps"]))
             wds.append(float(group["weight_decay"]))
+            maxs.append(bool(group["maximize"]))
+        args = (params, grads, masters, ms, vs, vmaxs, step_vals, lrs, b1s, b2s, epss, wds, maxs)
+        kw = dict(isa=self._isa, threads=self._threads, bucket_mb=self._bucket_mb, grad_slots=self._slots[0],
+                  param_slots=self._slots[1], plan_id=self._plan_id, plan_index=plan_index,
+                  host_pipeline=self._host_pipeline, torch_threads=self._tail[0], torch_vlen=self._tail[1])
+        cuda_dev = next((lp.device for _, _, lp, _, _ in entries if lp.is_cuda), None)
+        ready = None
+        if overlapped and cuda_dev is not None:  # grads final / params free once the current stream gets here
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(cuda_dev))
+            if cuda_dev not in self._streams:
+                self._streams[cuda_dev] = side_stream(cuda_dev)
         compiling = torch.compiler.is_compiling() if hasattr(torch, "compiler") else False
-        fn = stream_adamw if compiling else stream_adamw_step
-        fn(params, grads, masters, ms, vs, step_vals, lrs, b1s, b2s, epss, wds, isa=self._isa,
-                     threads=self._threads, bucket_mb=self._bucket_mb, grad_slots=self._slots[0],
-                     param_slots=self._slots[1], plan_id=self._plan_id, plan_index=plan_index,
-                     host_pipeline=self._host_pipeline)
         if not compiling:  # what the op's dispatcher would do for the params (autograd's in-place check)
             _bump_versions([lp for _, _, lp, _, _ in entries])
-        return loss
+        return dict(args=args, kw=kw, compiling=compiling, device=cuda_dev, ready=ready,
+                    plan=self._plan)  # the job keeps its plan (pinned slots) alive
+
+    def _execute(self, job):
+        """Run one job: on the caller's stream (step()), or on the worker's
+        stream after the hook's event (overlap)."""
+        fn = stream_adamw if job["compiling"] else stream_adamw_step
+        if job["ready"] is None:
+            fn(*job["args"], **job["kw"])
+            return
+        stream = self._streams[job["device"]]
+        with torch.cuda.device(job["device"]), torch.cuda.stream(stream):
+            stream.wait_event(job["ready"])
+            fn(*job["args"], **job["kw"])
+
+    # ------------------------------------------------------------------ overlap API
+    def accumulate(self):
+        """Context manager for gradient accumulation with overlap_backward:
+        backward passes inside it only accumulate grads; the update of each
+        param runs during the first backward outside it (the last
+        micro-batch). Without overlap_backward it does nothing."""
+        if self._overlap is None:
+            return contextlib.nullcontext()
+        return self._overlap.accumulate()
+
+    def overlap_stats(self):
+        """{'enabled', 'params_in_backward', 'jobs_done'}: params whose update
+        was submitted from a backward hook, and worker jobs finished, since
+        construction (both 0 without overlap_backward)."""
+        ov = self._overlap
+        return dict(enabled=ov is not None, params_in_backward=ov.params_in_backward if ov else 0,
+                    jobs_done=ov.jobs_done if ov else 0)
+
+    def zero_grad(self, set_to_none=True):
+        """torch's zero_grad, after the overlap worker has read every grad
+        it was handed."""
+        if self._overlap is not None:
+            self._overlap.wait()
+        super().zero_grad(set_to_none=set_to_none)
 
     def _cuda_plan(self, entries):
         """Keep one bucket plan over EVERY non-empty CUDA param of the
@@ -265,6 +360,8 @@ class StreamAdamW(torch.optim.Optimizer):
             return None
         key = (tuple(x[1] for x in layout), tuple(x[2] for x in layout), tuple(x[3] for x in layout))
         if self._plan is None or self._plan.key != key:
+            if self._overlap is not None:
+                self._overlap.wait()  # no job of the round still runs on the old plan
             self._plan = None  # free the old pinned slots first
             self._plan = BucketPlan(key, _local(layout[0][0]).device, self._bucket_mb, *self._slots,
                                host=self._host_pipeline)
@@ -397,7 +494,6 @@ def _check_hyper(lr_name, lr, betas, eps, weight_decay, amsgrad, maximize):
             raise ValueError(f"moepeak.StreamAdamW: betas[{i}] must be in [0, 1), got {b!r}")
     if not isinstance(weight_decay, (int, float)) or not weight_decay >= 0.0:
         raise ValueError(f"moepeak.StreamAdamW: weight_decay must be >= 0, got {weight_decay!r}")
-    if amsgrad:
-        raise ValueError("moepeak.StreamAdamW: amsgrad=True is not supported (use torch.optim.AdamW)")
-    if maximize:
-        raise ValueError("moepeak.StreamAdamW: maximize=True is not supported")
+    for name, flag in (("amsgrad", amsgrad), ("maximize", maximize)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"moepeak.StreamAdamW: {name} must be a bool, got {flag!r}")
