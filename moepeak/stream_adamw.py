@@ -328,6 +328,14 @@ class StreamAdamW(torch.optim.Optimizer):
             return contextlib.nullcontext()
         return self._overlap.accumulate()
 
+    def set_overlap(self, enabled):
+        """Turn the in-backward updates of overlap_backward on or off (off:
+        step() does every update, as without overlap_backward). Takes effect
+        at the next hook; an error without overlap_backward=True."""
+        if self._overlap is None:
+            raise RuntimeError("moepeak.StreamAdamW.set_overlap: the optimizer was built without overlap_backward=True")
+        self._overlap.enabled = bool(enabled)
+
     def overlap_stats(self):
         """{'enabled', 'params_in_backward', 'jobs_done'}: params whose update
         was submitted from a backward hook, and worker jobs finished, since

@@ -79,6 +79,7 @@ class BackwardOverlap:
         self.done = set()  # params updated (or submitted) in this round
         self.accumulating = 0  # depth of accumulate() contexts
         self.deferred = False  # True: hooks do nothing, step() updates (clip_grad_norm mode)
+        self.enabled = True  # StreamAdamW.set_overlap(False): hooks do nothing
         self.params_in_backward = 0  # params submitted from hooks since construction
         self._jobs = queue.SimpleQueue()
         self._state = _WorkerState()
@@ -95,7 +96,7 @@ class BackwardOverlap:
 
     # ---------------------------------------------------------------- hooks
     def on_final_grad(self, p):
-        if self.accumulating or self.deferred or p.grad is None:
+        if self.accumulating or self.deferred or not self.enabled or p.grad is None:
             return
         if p in self.done:
             raise RuntimeError(
