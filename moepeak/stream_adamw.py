@@ -4,10 +4,11 @@ host RAM, streamed through the GPU copy engines bucket by bucket.
 API
 ---
 ``moepeak.StreamAdamW(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-weight_decay=1e-2, *, bucket_mb=64, threads=None, isa=None, grad_slots=3,
-param_slots=2)`` is a ``torch.optim.Optimizer`` with the update of
-``torch.optim.AdamW`` (decoupled weight decay, bias correction, no amsgrad,
-no maximize).
+weight_decay=1e-2, *, amsgrad=False, maximize=False, bucket_mb=64,
+threads=None, isa=None, grad_slots=3, param_slots=2, overlap_backward=False,
+clip_grad_norm=None)`` is a ``torch.optim.Optimizer`` with the update of
+``torch.optim.AdamW`` (decoupled weight decay, bias correction, amsgrad and
+maximize as torch defines them).
 
 - Parameters may be CUDA tensors (fp32, bf16 or fp16) or CPU tensors. On
   CUDA, params and grads stay on the GPU; the optimizer's fp32 state lives on
@@ -31,8 +32,8 @@ no maximize).
   csrc/adamw_kernels.c). For CUDA params the master/state follow the same
   arithmetic; the bf16/fp16 param is the master rounded to nearest even.
 - State (``state_dict()``) per parameter: ``step`` (0-d float32 CPU tensor),
-  ``exp_avg``, ``exp_avg_sq`` (fp32 CPU tensors shaped like the local
-  param), the same keys as ``torch.optim.AdamW``; plus, for bf16/fp16 params
+  ``exp_avg``, ``exp_avg_sq`` and, with amsgrad, ``max_exp_avg_sq`` (fp32 CPU
+  tensors shaped like the local param), the same keys as ``torch.optim.AdamW``; plus, for bf16/fp16 params
   only, ``master_param`` (the fp32 master). Loading a ``torch.optim.AdamW``
   state dict works (the master is then initialised from the param); loading
   ours into ``torch.optim.AdamW`` works too (torch keeps ``master_param`` as
@@ -44,8 +45,52 @@ no maximize).
   and FSDP2 DTensor params (updated through their local shards) work.
 - Errors name the parameter (``param_groups[g]['params'][i]``): sparse or
   complex grads/params, unsupported dtypes, non-contiguous tensors, a param
-  whose device changed between steps, bad lr/eps/betas/weight_decay,
-  amsgrad/maximize. Every check runs before any parameter is touched.
+  whose device changed between steps, bad lr/eps/betas/weight_decay, state
+  tensors of another size. Every check runs before any parameter of the
+  update (the step, or one overlap bucket) is touched.
+
+Overlap with backward (``overlap_backward=True``, an explicit opt-in)
+--------------------------------------------------------------------
+A post-accumulate-grad hook on every param (FSDP2 calls them on the sharded
+param after its reduce-scatter) marks the param's grad final; once
+``bucket_mb`` MiB of fp32 params are final they are updated as one job on a
+worker thread (on CUDA: D2H, CPU AdamW, H2D on the optimizer's streams,
+after an event recorded on the stream that produced the grads), while
+autograd goes on. ``step()`` submits the last partial bucket, waits for the
+worker, updates any param with a grad whose hook did not fire, and makes the
+current stream wait for every H2D copy of the round, so the next forward
+sees the new params. Same bits as without overlap (and as
+``torch.optim.AdamW(fused=True)`` on CPU). What differs from torch's
+``backward(); step()``, and how to use it:
+
+- Params change during backward, as soon as their own grads are final
+  (nothing of autograd reads them after that). A later hook or a
+  ``retain_graph`` second backward sees the new values.
+- Hyper-parameters are read when a param's update runs: the lr of the step
+  in progress is the one in ``param_groups`` during its backward, so an LR
+  scheduler stepped after ``step()`` (torch's order) gives torch's lrs;
+  changing lr between ``backward()`` and ``step()`` reaches only the params
+  not yet updated. The ``step`` counter of a param advances in its hook.
+- Gradient accumulation: run every micro-batch but the last inside
+  ``with opt.accumulate():`` (hooks then only let grads accumulate); the
+  last backward, outside it, updates. A param whose grad becomes final twice
+  before ``step()`` makes backward raise (this catches a forgotten
+  ``accumulate()``). FSDP2's ``set_requires_gradient_sync(False)`` also works
+  (no reduce-scatter, so no hook).
+- Gradient clipping needs the global norm before any update, so
+  ``clip_grad_norm=max_norm`` defers: the hooks update nothing and
+  ``step()`` runs ``torch.nn.utils.clip_grad_norm_(params, max_norm)`` (grads
+  clipped in place, as torch does; the total norm is ``opt.last_grad_norm``)
+  and then the full update: bitwise torch's clip + fused AdamW, with no
+  overlap. Clipping by hand between ``backward()`` and ``step()`` is too
+  late with overlap on; use this argument (it also works without overlap).
+- Modifying grads between ``backward()`` and ``step()`` (scaling,
+  all-reduce by hand) likewise reaches only params not yet updated.
+- ``zero_grad()`` first waits for the worker; ``set_overlap(False)`` turns
+  the in-backward updates off (every update in ``step()``);
+  ``overlap_stats()`` counts params updated from hooks.
+- ``state_dict()`` / ``load_state_dict()`` are unchanged (call them between
+  steps). Dropping the optimizer removes its hooks.
 
 The torch op ``moepeak::stream_adamw`` (mutating: params, masters, exp_avgs,
 exp_avg_sqs; moepeak/stream_adamw_op.py) does one step on flat lists; the
@@ -236,25 +281,23 @@ class StreamAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         ov = self._overlap
-        try:
-            if ov is not None:
-                ov.flush()
-                ov.wait()
-            self._tail = torch_tail_model()
-            skip = ov.done if ov is not None else ()
-            entries = self._collect(skip=skip)  # raises before anything is modified
-            if self._clip is not None and entries:
-                if skip:  # a param updated in backward cannot be clipped any more
-                    raise RuntimeError("moepeak.StreamAdamW: clip_grad_norm with params already updated in "
-                                       "backward (overlap was re-enabled mid-round?)")
-                self.last_grad_norm = torch.nn.utils.clip_grad_norm_([p for _, p, _, _, _ in entries], self._clip)
-            if entries:
-                self._execute(self._build_job(entries, overlapped=False))
-            for dev, stream in self._streams.items():  # the worker's H2D copies before the next forward
-                torch.cuda.current_stream(dev).wait_stream(stream)
-        finally:
-            if ov is not None:
-                ov.end_round()
+        if ov is not None:
+            ov.flush()
+            ov.wait()
+        self._tail = torch_tail_model()
+        skip = ov.done if ov is not None else ()
+        entries = self._collect(skip=skip)  # raises before anything is modified
+        if self._clip is not None and entries:
+            if skip:  # a param updated in backward cannot be clipped any more
+                raise RuntimeError("moepeak.StreamAdamW: clip_grad_norm with params already updated in "
+                                   "backward (set_overlap toggled mid-round?)")
+            self.last_grad_norm = torch.nn.utils.clip_grad_norm_([p for _, p, _, _, _ in entries], self._clip)
+        if entries:
+            self._execute(self._build_job(entries, overlapped=False))
+        for dev, stream in self._streams.items():  # the worker's H2D copies before the next forward
+            torch.cuda.current_stream(dev).wait_stream(stream)
+        if ov is not None:  # only on success: a retried step() must not update a param twice
+            ov.end_round()
         return loss
 
     def _prepare_overlap(self, params):
