@@ -380,9 +380,10 @@ class StreamAdamW(torch.optim.Optimizer):
         self._overlap.enabled = bool(enabled)
 
     def overlap_stats(self):
-        """{'enabled', 'params_in_backward', 'jobs_done'}: params whose update
-        was submitted from a backward hook, and worker jobs finished, since
-        construction (both 0 without overlap_backward)."""
+        """{'enabled', 'params_in_backward', 'jobs_done'} since construction
+        (0 without overlap_backward): params handed to the worker after their
+        hook fired (updated during backward, or, for the last partial bucket,
+        by step()), and worker jobs finished."""
         ov = self._overlap
         return dict(enabled=ov is not None, params_in_backward=ov.params_in_backward if ov else 0,
                     jobs_done=ov.jobs_done if ov else 0)
