@@ -360,9 +360,9 @@ class StreamAdamW(torch.optim.Optimizer):
         with torch.cuda.device(job["device"]), torch.cuda.stream(stream):
             stream.wait_event(job["ready"])
             fn(*job["args"], **job["kw"])
-            # The job's H2D copies may still run (the stream waits for them); a param freed
-            # before step() orders the current stream after them (e.g. after an OOM in backward)
-            # must not be reused by the allocator until they are done.
+            # The job's H2D copies may still be running (only this stream waits for them until
+            # step()); a param freed before step() (e.g. after an OOM in backward) must not have
+            # its memory handed out again before they finish.
             for p in job["args"][0]:
                 if p.is_cuda:
                     p.record_stream(stream)
