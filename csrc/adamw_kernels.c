@@ -25,8 +25,10 @@
  *
  * amsgrad's max follows torch's two code paths: its vector body uses
  * at::vec::maximum (x86 max, and an all-ones NaN when either input is NaN),
- * its scalar tail std::max(vm, v) = (vm < v ? v : vm); maximize negates the
- * gradient right after loading it (the vector body as a multiply by -1).
+ * its scalar tail std::max(vm, v) = (vm < v ? v : vm). maximize negates the
+ * gradient (a sign flip) for m; for v, g*g is the same number either way, and
+ * only a NaN's sign tells which one torch's build uses: its vector body
+ * squares g itself (the compiler folds (-g)*(-g)), its scalar tail -g.
  *
  * It never materialises an fp32 copy of the gradient or of the parameter:
  * each element is loaded, widened, updated and stored once (28 bytes of DRAM
@@ -146,11 +148,12 @@ static void adamw_scalar(const mp_adamw_seg *s, int64_t b, int64_t e, int emulat
     float g = load_grad(s->g, s->gdt, i);
     float p = s->p[i], m = s->m[i], v = s->v[i];
     const int torch_tail = emulate && is_torch_tail(c, s->base + i);
-    if (c->maximize) g = -g;
+    /* maximize: m reads -g; v reads -g in torch's scalar tail, g in its vector body */
+    const float gm = c->maximize ? -g : g;
     if (c->do_wd) p = p * c->wd_scale;
-    m = fmaf(c->c1, g - m, c->w1_small ? m : g);
+    m = fmaf(c->c1, gm - m, c->w1_small ? m : gm);
     if (torch_tail)
-      v = fmaf(v, c->b2, (c->c2 * g) * g);
+      v = fmaf(v, c->b2, (c->c2 * gm) * gm);
     else
       v = fmaf(c->c2 * g, g, v * c->b2);
     float vd = v; /* the second moment the denominator uses */
@@ -223,15 +226,16 @@ MP_T_AVX2 static void adamw_avx2(const mp_adamw_seg *s, int64_t b, int64_t e) {
   const mp_adamw_coef *c = s->coef;
   const __m256 wd = _mm256_set1_ps(c->wd_scale), c1 = _mm256_set1_ps(c->c1), b2 = _mm256_set1_ps(c->b2);
   const __m256 c2 = _mm256_set1_ps(c->c2), bc2 = _mm256_set1_ps(c->bc2_sqrt), eps = _mm256_set1_ps(c->eps);
-  const __m256 nss = _mm256_set1_ps(c->neg_step_size), minus1 = _mm256_set1_ps(-1.0f);
+  const __m256 nss = _mm256_set1_ps(c->neg_step_size);
+  const __m256 gsign = _mm256_set1_ps(c->maximize ? -0.0f : 0.0f); /* xor: maximize's negation */
   const int nt = lp_stream_ok(s, b, 8);
   int64_t i = b;
   for (; i + 8 <= e; i += 8) {
     __m256 g = avx2_load_grad(s->g, s->gdt, i);
     __m256 p = _mm256_loadu_ps(s->p + i), m = _mm256_loadu_ps(s->m + i), v = _mm256_loadu_ps(s->v + i);
-    if (c->maximize) g = _mm256_mul_ps(g, minus1);
+    const __m256 gm = _mm256_xor_ps(g, gsign);
     if (c->do_wd) p = _mm256_mul_ps(p, wd);
-    m = _mm256_fmadd_ps(c1, _mm256_sub_ps(g, m), c->w1_small ? m : g);
+    m = _mm256_fmadd_ps(c1, _mm256_sub_ps(gm, m), c->w1_small ? m : gm);
     v = _mm256_fmadd_ps(_mm256_mul_ps(c2, g), g, _mm256_mul_ps(v, b2));
     __m256 vd = v;
     if (s->vmax) { /* at::vec::maximum: max, or all-ones NaN where either is NaN */
@@ -291,15 +295,16 @@ MP_T_AVX512 static void adamw_avx512(const mp_adamw_seg *s, int64_t b, int64_t e
   const mp_adamw_coef *c = s->coef;
   const __m512 wd = _mm512_set1_ps(c->wd_scale), c1 = _mm512_set1_ps(c->c1), b2 = _mm512_set1_ps(c->b2);
   const __m512 c2 = _mm512_set1_ps(c->c2), bc2 = _mm512_set1_ps(c->bc2_sqrt), eps = _mm512_set1_ps(c->eps);
-  const __m512 nss = _mm512_set1_ps(c->neg_step_size), minus1 = _mm512_set1_ps(-1.0f);
+  const __m512 nss = _mm512_set1_ps(c->neg_step_size);
+  const __m512i gsign = _mm512_set1_epi32(c->maximize ? (int)0x80000000u : 0); /* xor: maximize's negation */
   const int nt = lp_stream_ok(s, b, 16);
   int64_t i = b;
   for (; i + 16 <= e; i += 16) {
     __m512 g = avx512_load_grad(s->g, s->gdt, i);
     __m512 p = _mm512_loadu_ps(s->p + i), m = _mm512_loadu_ps(s->m + i), v = _mm512_loadu_ps(s->v + i);
-    if (c->maximize) g = _mm512_mul_ps(g, minus1);
+    const __m512 gm = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), gsign)); /* F-level xor */
     if (c->do_wd) p = _mm512_mul_ps(p, wd);
-    m = _mm512_fmadd_ps(c1, _mm512_sub_ps(g, m), c->w1_small ? m : g);
+    m = _mm512_fmadd_ps(c1, _mm512_sub_ps(gm, m), c->w1_small ? m : gm);
     v = _mm512_fmadd_ps(_mm512_mul_ps(c2, g), g, _mm512_mul_ps(v, b2));
     __m512 vd = v;
     if (s->vmax) { /* at::vec::maximum: max, or all-ones NaN where either is NaN */

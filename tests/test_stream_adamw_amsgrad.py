@@ -99,3 +99,28 @@ def test_wrong_size_max_exp_avg_sq_raises():
     with pytest.raises(RuntimeError, match="max_exp_avg_sq"):
         opt.step()
     assert torch.equal(p.detach(), before)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("amsgrad,maximize", OPTIONS + [(False, False)])
+@pytest.mark.parametrize("n", [100, 2**12 + 5])
+def test_nan_and_inf_grads_same_bits(n, amsgrad, maximize, isa):
+    """±NaN / ±inf grads: the same bits as torch, NaN signs included (torch's
+    vector body and scalar tail differ there; both are emulated)."""
+    torch.manual_seed(7)
+    p0 = torch.randn(n)
+    a, b = p0.clone().requires_grad_(True), p0.clone().requires_grad_(True)
+    kw = dict(lr=1e-2, amsgrad=amsgrad, maximize=maximize)
+    ref = torch.optim.AdamW([a], fused=True, **kw)
+    ours = moepeak.StreamAdamW([b], isa=isa, **kw)
+    bits = lambda t: t.detach().view(torch.int32)  # noqa: E731
+    for step, g in enumerate(_grads(n, 4, seed=8)):
+        for j, val in enumerate((float("nan"), -float("nan"), float("inf"), -float("inf"))):
+            g[(7 * step + 13 * j) % n] = val
+            g[n - 1 - j] = val  # the last elements: torch's scalar tail where it has one
+        a.grad, b.grad = g.clone(), g.clone()
+        ref.step()
+        ours.step()
+    assert torch.equal(bits(a), bits(b))
+    for k in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ()):
+        assert torch.equal(bits(ref.state[a][k]), bits(ours.state[b][k])), k
