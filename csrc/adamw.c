@@ -25,11 +25,13 @@
  *   bucket_seg: [nb + 1] int64, bucket b holds segments bucket_seg[b] ..
  *          bucket_seg[b+1]-1.
  * Per-step buffers:
- *   ptrs:  [nparam, 8] int64 (master, exp_avg, exp_avg_sq, grad, param or
- *          low-precision copy, numel, grad dtype, param dtype); grad 0 = skip
+ *   ptrs:  [nparam, 9] int64 (master, exp_avg, exp_avg_sq, grad, param or
+ *          low-precision copy, numel, grad dtype, param dtype, max_exp_avg_sq
+ *          or 0 = no amsgrad); grad 0 = skip
  *          (the plan covers every CUDA param of the optimizer, so a param
  *          without a grad this step keeps its bucket slot but moves nothing).
- *   hyper: [nparam, 6] double (lr, beta1, beta2, eps, weight_decay, step).
+ *   hyper: [nparam, 7] double (lr, beta1, beta2, eps, weight_decay, step,
+ *          maximize 0/1).
  *   torch_threads, torch_vlen: emulate torch's chunking (adamw_kernels.c) so
  *          the fp32 results are bitwise those of torch's fused CPU AdamW run
  *          with that many threads; torch_vlen 0 = plain vector formula.
@@ -40,8 +42,8 @@
 #include "adamw_kernels.h"
 #include "mp_python.h"
 
-#define PTR_COLS 8
-#define HYP_COLS 6
+#define PTR_COLS 9
+#define HYP_COLS 7
 /* Bounds every binding checks before touching memory, chosen so that no
  * product or sum of checked values below can overflow int64:
  * numel and offsets < 2^48 elements (1 PiB of fp32), bytes < 2^52. */
@@ -87,7 +89,7 @@ static int parse_step(Py_buffer *ptrs, Py_buffer *hyper, int tthreads, int tvlen
       return 0;
     }
     const double *h = H + i * HYP_COLS;
-    mp_adamw_coef_init(&(*coef)[i], h[0], h[1], h[2], h[3], h[4], h[5]);
+    mp_adamw_coef_init(&(*coef)[i], h[0], h[1], h[2], h[3], h[4], h[5], h[6] != 0.0);
     mp_adamw_coef_set_tails(&(*coef)[i], r[5], tthreads, tvlen);
   }
   *nparam = n;
@@ -131,7 +133,8 @@ static PyObject *py_adamw_cpu(PyObject *self, PyObject *args) {
     const int64_t *r = P + i * PTR_COLS;
     if (r[3] == 0 || r[5] == 0) continue; /* no grad / empty */
     mp_adamw_seg s = {(float *)(intptr_t)r[0], (float *)(intptr_t)r[1], (float *)(intptr_t)r[2],
-                      (const void *)(intptr_t)r[3], (void *)(intptr_t)r[4], r[5], 0, (int)r[6], (int)r[7], &coef[i], 0};
+                      (float *)(intptr_t)r[8], (const void *)(intptr_t)r[3], (void *)(intptr_t)r[4], r[5], 0,
+                      (int)r[6], (int)r[7], &coef[i], 0};
     segs[ns++] = s;
   }
   mp_status st;
@@ -343,9 +346,9 @@ done:
   return cap;
 }
 
-static mp_status issue_d2h(adamw_plan *p, const int64_t *P, int64_t b) {
+/* D2H of bucket b's grads into gslot[slot], then gev[slot] recorded. */
+static mp_status issue_d2h(adamw_plan *p, const int64_t *P, int64_t b, int64_t slot) {
   mp_status st = MP_OK;
-  int64_t slot = b % p->gslots;
   for (int64_t k = p->bucket_seg[b]; k < p->bucket_seg[b + 1]; k++) {
     const int64_t *s = p->segs + 5 * k, *r = P + s[0] * PTR_COLS;
     if (r[3] == 0) continue;
@@ -358,17 +361,28 @@ fail:
   return st;
 }
 
-/* One step through the pipeline (see the header comment). */
+/* One step through the pipeline (see the header comment), over the buckets
+ * holding at least one segment with a grad: `active` [nb] scratch receives
+ * their indices, and the slot ring turns over active buckets only (a step
+ * that updates a few params, e.g. one bucket of StreamAdamW's overlap with
+ * backward, costs no event round trips for the others). Slot events keep
+ * their meaning across calls: pev[s] is the last H2D that read pslot[s]. */
 static mp_status run_pipeline(adamw_plan *p, const int64_t *P, const mp_adamw_coef *coef, uintptr_t cur, int isa,
-                              int threads) {
+                              int threads, int64_t *active) {
   mp_status st = MP_OK;
-  int64_t nb = p->nb;
+  int64_t nb = 0;
+  for (int64_t b = 0; b < p->nb; b++) {
+    int any = 0;
+    for (int64_t k = p->bucket_seg[b]; k < p->bucket_seg[b + 1] && !any; k++) any = P[p->segs[5 * k] * PTR_COLS + 3] != 0;
+    if (any) active[nb++] = b;
+  }
+  if (nb == 0) return MP_OK;
   MP_TRY(st, pl_record(p, p->ev_start, cur));
   MP_TRY(st, pl_wait(p, p->d2h, p->ev_start));
   MP_TRY(st, pl_wait(p, p->h2d, p->ev_start));
-  for (int64_t b = 0; b < nb && b < p->gslots; b++) MP_TRY(st, issue_d2h(p, P, b));
-  for (int64_t b = 0; b < nb; b++) {
-    int64_t gs = b % p->gslots, ps = b % p->pslots;
+  for (int64_t j = 0; j < nb && j < p->gslots; j++) MP_TRY(st, issue_d2h(p, P, active[j], j % p->gslots));
+  for (int64_t j = 0; j < nb; j++) {
+    int64_t b = active[j], gs = j % p->gslots, ps = j % p->pslots;
     MP_TRY(st, pl_sync(p, p->gev[gs])); /* grads of bucket b are in gslot[gs] */
     MP_TRY(st, pl_sync(p, p->pev[ps])); /* pslot[ps] no longer read by an H2D */
     int ns = 0;
@@ -376,7 +390,8 @@ static mp_status run_pipeline(adamw_plan *p, const int64_t *P, const mp_adamw_co
       const int64_t *s = p->segs + 5 * k, *r = P + s[0] * PTR_COLS;
       if (r[3] == 0) continue;
       mp_adamw_seg w = {(float *)(intptr_t)r[0] + s[1], (float *)(intptr_t)r[1] + s[1],
-                        (float *)(intptr_t)r[2] + s[1], p->gslot[gs] + s[3], p->pslot[ps] + s[4],
+                        (float *)(intptr_t)r[2] + s[1], r[8] ? (float *)(intptr_t)r[8] + s[1] : NULL,
+                        p->gslot[gs] + s[3], p->pslot[ps] + s[4],
                         s[2], s[1], (int)r[6], (int)r[7], &coef[s[0]], 1 /* lp: a pinned slot */};
       p->work[ns++] = w;
     }
@@ -389,7 +404,7 @@ static mp_status run_pipeline(adamw_plan *p, const int64_t *P, const mp_adamw_co
                                     (size_t)s[2] * es, p->h2d));
     }
     MP_TRY(st, pl_record(p, p->pev[ps], p->h2d));
-    if (b + p->gslots < nb) MP_TRY(st, issue_d2h(p, P, b + p->gslots)); /* gslot[gs] is free again */
+    if (j + p->gslots < nb) MP_TRY(st, issue_d2h(p, P, active[j + p->gslots], gs)); /* gslot[gs] is free again */
   }
   MP_TRY(st, pl_wait(p, cur, p->pev[(nb - 1) % p->pslots]));
 fail:
@@ -404,6 +419,7 @@ static PyObject *py_adamw_plan_step(PyObject *self, PyObject *args) {
   unsigned long long cur;
   int isa, threads, tthreads, tvlen;
   mp_adamw_coef *coef = NULL;
+  int64_t *active = NULL;
   PyObject *ret = NULL;
   Py_ssize_t n = 0;
   if (!PyArg_ParseTuple(args, "Oy*y*Kiiii", &cap, &ptrs, &hyper, &cur, &isa, &threads, &tthreads, &tvlen))
@@ -429,12 +445,18 @@ static PyObject *py_adamw_plan_step(PyObject *self, PyObject *args) {
       goto fail;
     }
   }
+  active = (int64_t *)malloc(sizeof(int64_t) * (size_t)p->nb);
+  if (!active) {
+    PyErr_NoMemory();
+    goto fail;
+  }
   mp_status st;
-  MP_CALL_NOGIL(st, run_pipeline(p, (const int64_t *)ptrs.buf, coef, (uintptr_t)cur, isa, threads));
+  MP_CALL_NOGIL(st, run_pipeline(p, (const int64_t *)ptrs.buf, coef, (uintptr_t)cur, isa, threads, active));
   ret = Py_None;
   Py_INCREF(ret);
 fail:
   free(coef);
+  free(active);
   PyBuffer_Release(&ptrs);
   PyBuffer_Release(&hyper);
   return ret;

@@ -3,9 +3,11 @@
  * What it computes, per element i of a segment (fp32 master p, fp32 m, v; the
  * gradient g read as fp32/bf16/fp16 and widened to fp32):
  *
+ *   g  = -g                                     (only when maximize)
  *   p  = p * f(1 - lr*wd)                       (only when wd != 0)
  *   m  = fma(c1, g - m, small ? m : g)          (= m.lerp_(g, 1 - beta1))
  *   v  = fma(f(1 - beta2) * g, g, v * f(beta2))
+ *   vm = max(vm, v); d = sqrt(vm) / ...          (only with amsgrad: vm = max_exp_avg_sq)
  *   d  = sqrt(v) / f(sqrt(1 - beta2^t)) + f(eps)
  *   p  = p + (f(-lr / (1 - beta1^t)) * m) / d
  *   lp = round_to_nearest_even(p)               (optional bf16/fp16 copy)
@@ -20,6 +22,13 @@
  * fma(c2*g, g, v*b2) (torch 2.13 release builds; the bitwise tests check it). This file is
  * compiled with -std=c11, where GCC never contracts, so both fused
  * multiply-adds are explicit (fmaf / _mm*_fmadd_ps) and nothing else is.
+ *
+ * amsgrad's max follows torch's two code paths: its vector body uses
+ * at::vec::maximum (x86 max, and an all-ones NaN when either input is NaN),
+ * its scalar tail std::max(vm, v) = (vm < v ? v : vm). maximize negates the
+ * gradient (a sign flip) for m; for v, g*g is the same number either way, and
+ * only a NaN's sign tells which one torch's build uses: its vector body
+ * squares g itself (the compiler folds (-g)*(-g)), its scalar tail -g.
  *
  * It never materialises an fp32 copy of the gradient or of the parameter:
  * each element is loaded, widened, updated and stored once (28 bytes of DRAM
@@ -52,13 +61,14 @@
 #define MP_ADAMW_GRAIN 16384
 
 void mp_adamw_coef_init(mp_adamw_coef *c, double lr, double beta1, double beta2, double eps, double wd,
-                        double step) {
+                        double step, int maximize) {
   /* Scalars in double, then cast, exactly as torch's fused CPU kernel. */
   double bias_correction1 = 1.0 - pow(beta1, step);
   double bias_correction2 = 1.0 - pow(beta2, step);
   double step_size = lr / bias_correction1;
   float w1 = (float)(1.0 - beta1);
   c->do_wd = wd != 0.0;
+  c->maximize = maximize != 0;
   c->wd_scale = (float)(1.0 - lr * wd);
   c->w1_small = fabsf(w1) < 0.5f;
   c->c1 = c->w1_small ? w1 : w1 - 1.0f;
@@ -119,6 +129,16 @@ static inline void store_lp(void *lp, int dt, int64_t i, float x) {
   }
 }
 
+/* amsgrad's max(vm, v) as torch's vector body computes it (at::vec::maximum):
+ * x86 max (vm > v ? vm : v), or the all-ones NaN when either is NaN. */
+static inline float amsgrad_max_vec(float vm, float v) {
+  if (vm != vm || v != v) {
+    union { uint32_t u; float f; } nan = {0xFFFFFFFFu};
+    return nan.f;
+  }
+  return vm > v ? vm : v;
+}
+
 /* Scalar path over [b, e) of one segment; also the SIMD paths' tails and
  * every element past coef->tail_from. `emulate`: use torch's scalar-tail
  * rounding on the elements is_torch_tail() names. */
@@ -127,13 +147,22 @@ static void adamw_scalar(const mp_adamw_seg *s, int64_t b, int64_t e, int emulat
   for (int64_t i = b; i < e; i++) {
     float g = load_grad(s->g, s->gdt, i);
     float p = s->p[i], m = s->m[i], v = s->v[i];
+    const int torch_tail = emulate && is_torch_tail(c, s->base + i);
+    /* maximize: m reads -g; v reads -g in torch's scalar tail, g in its vector body */
+    const float gm = c->maximize ? -g : g;
     if (c->do_wd) p = p * c->wd_scale;
-    m = fmaf(c->c1, g - m, c->w1_small ? m : g);
-    if (emulate && is_torch_tail(c, s->base + i))
-      v = fmaf(v, c->b2, (c->c2 * g) * g);
+    m = fmaf(c->c1, gm - m, c->w1_small ? m : gm);
+    if (torch_tail)
+      v = fmaf(v, c->b2, (c->c2 * gm) * gm);
     else
       v = fmaf(c->c2 * g, g, v * c->b2);
-    float d = sqrtf(v) / c->bc2_sqrt;
+    float vd = v; /* the second moment the denominator uses */
+    if (s->vmax) {
+      float vm = s->vmax[i];
+      vd = torch_tail ? (vm < v ? v : vm) : amsgrad_max_vec(vm, v);
+      s->vmax[i] = vd;
+    }
+    float d = sqrtf(vd) / c->bc2_sqrt;
     d = d + c->eps;
     float q = c->neg_step_size * m;
     q = q / d;
@@ -198,15 +227,23 @@ MP_T_AVX2 static void adamw_avx2(const mp_adamw_seg *s, int64_t b, int64_t e) {
   const __m256 wd = _mm256_set1_ps(c->wd_scale), c1 = _mm256_set1_ps(c->c1), b2 = _mm256_set1_ps(c->b2);
   const __m256 c2 = _mm256_set1_ps(c->c2), bc2 = _mm256_set1_ps(c->bc2_sqrt), eps = _mm256_set1_ps(c->eps);
   const __m256 nss = _mm256_set1_ps(c->neg_step_size);
+  const __m256 gsign = _mm256_set1_ps(c->maximize ? -0.0f : 0.0f); /* xor: maximize's negation */
   const int nt = lp_stream_ok(s, b, 8);
   int64_t i = b;
   for (; i + 8 <= e; i += 8) {
     __m256 g = avx2_load_grad(s->g, s->gdt, i);
     __m256 p = _mm256_loadu_ps(s->p + i), m = _mm256_loadu_ps(s->m + i), v = _mm256_loadu_ps(s->v + i);
+    const __m256 gm = _mm256_xor_ps(g, gsign);
     if (c->do_wd) p = _mm256_mul_ps(p, wd);
-    m = _mm256_fmadd_ps(c1, _mm256_sub_ps(g, m), c->w1_small ? m : g);
+    m = _mm256_fmadd_ps(c1, _mm256_sub_ps(gm, m), c->w1_small ? m : gm);
     v = _mm256_fmadd_ps(_mm256_mul_ps(c2, g), g, _mm256_mul_ps(v, b2));
-    __m256 d = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps);
+    __m256 vd = v;
+    if (s->vmax) { /* at::vec::maximum: max, or all-ones NaN where either is NaN */
+      __m256 vm = _mm256_loadu_ps(s->vmax + i);
+      vd = _mm256_or_ps(_mm256_max_ps(vm, v), _mm256_cmp_ps(vm, v, _CMP_UNORD_Q));
+      _mm256_storeu_ps(s->vmax + i, vd);
+    }
+    __m256 d = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vd), bc2), eps);
     p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(nss, m), d));
     _mm256_storeu_ps(s->p + i, p);
     _mm256_storeu_ps(s->m + i, m);
@@ -259,15 +296,24 @@ MP_T_AVX512 static void adamw_avx512(const mp_adamw_seg *s, int64_t b, int64_t e
   const __m512 wd = _mm512_set1_ps(c->wd_scale), c1 = _mm512_set1_ps(c->c1), b2 = _mm512_set1_ps(c->b2);
   const __m512 c2 = _mm512_set1_ps(c->c2), bc2 = _mm512_set1_ps(c->bc2_sqrt), eps = _mm512_set1_ps(c->eps);
   const __m512 nss = _mm512_set1_ps(c->neg_step_size);
+  const __m512i gsign = _mm512_set1_epi32(c->maximize ? (int)0x80000000u : 0); /* xor: maximize's negation */
   const int nt = lp_stream_ok(s, b, 16);
   int64_t i = b;
   for (; i + 16 <= e; i += 16) {
     __m512 g = avx512_load_grad(s->g, s->gdt, i);
     __m512 p = _mm512_loadu_ps(s->p + i), m = _mm512_loadu_ps(s->m + i), v = _mm512_loadu_ps(s->v + i);
+    const __m512 gm = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), gsign)); /* F-level xor */
     if (c->do_wd) p = _mm512_mul_ps(p, wd);
-    m = _mm512_fmadd_ps(c1, _mm512_sub_ps(g, m), c->w1_small ? m : g);
+    m = _mm512_fmadd_ps(c1, _mm512_sub_ps(gm, m), c->w1_small ? m : gm);
     v = _mm512_fmadd_ps(_mm512_mul_ps(c2, g), g, _mm512_mul_ps(v, b2));
-    __m512 d = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2), eps);
+    __m512 vd = v;
+    if (s->vmax) { /* at::vec::maximum: max, or all-ones NaN where either is NaN */
+      __m512 vm = _mm512_loadu_ps(s->vmax + i);
+      __mmask16 unord = _mm512_cmp_ps_mask(vm, v, _CMP_UNORD_Q);
+      vd = _mm512_mask_mov_ps(_mm512_max_ps(vm, v), unord, _mm512_castsi512_ps(_mm512_set1_epi32(-1)));
+      _mm512_storeu_ps(s->vmax + i, vd);
+    }
+    __m512 d = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vd), bc2), eps);
     p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(nss, m), d));
     _mm512_storeu_ps(s->p + i, p);
     _mm512_storeu_ps(s->m + i, m);

@@ -23,11 +23,12 @@ typedef struct {
   int64_t tail_from, tail_chunk, numel;
   int tail_vlen;
   int do_wd;           /* wd != 0 */
+  int maximize;        /* 1: step along +g (torch's maximize=True: g is negated after loading) */
   int w1_small;        /* |f(1-beta1)| < 0.5: lerp base is m, else g */
 } mp_adamw_coef;
 
 void mp_adamw_coef_init(mp_adamw_coef *c, double lr, double beta1, double beta2, double eps, double wd,
-                        double step);
+                        double step, int maximize);
 /* Emulate torch's fused CPU AdamW chunking for a parameter of `numel`
  * elements run with `torch_threads` OpenMP threads and `vlen` float lanes
  * (8 for torch's AVX2 kernels, 16 for AVX512); vlen <= 0 disables it. */
@@ -35,11 +36,13 @@ void mp_adamw_coef_set_tails(mp_adamw_coef *c, int64_t numel, int torch_threads,
 
 /* One contiguous run of n elements updated with one coefficient set.
  *   p, m, v : [n] fp32, updated in place
+ *   vmax    : [n] fp32 max_exp_avg_sq (amsgrad), updated in place; NULL: no amsgrad
  *   g       : [n] of gdt (MP_DT_*), read only
  *   lp      : [n] of ldt, written with the rounded new p; NULL for none
  *   coef    : the parameter's scalars (shared by all its segments) */
 typedef struct {
   float *p, *m, *v;
+  float *vmax;
   const void *g;
   void *lp;
   int64_t n;

@@ -4,10 +4,11 @@ host RAM, streamed through the GPU copy engines bucket by bucket.
 API
 ---
 ``moepeak.StreamAdamW(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-weight_decay=1e-2, *, bucket_mb=64, threads=None, isa=None, grad_slots=3,
-param_slots=2)`` is a ``torch.optim.Optimizer`` with the update of
-``torch.optim.AdamW`` (decoupled weight decay, bias correction, no amsgrad,
-no maximize).
+weight_decay=1e-2, *, amsgrad=False, maximize=False, bucket_mb=64,
+threads=None, isa=None, grad_slots=3, param_slots=2, overlap_backward=False,
+clip_grad_norm=None)`` is a ``torch.optim.Optimizer`` with the update of
+``torch.optim.AdamW`` (decoupled weight decay, bias correction, amsgrad and
+maximize as torch defines them).
 
 - Parameters may be CUDA tensors (fp32, bf16 or fp16) or CPU tensors. On
   CUDA, params and grads stay on the GPU; the optimizer's fp32 state lives on
@@ -31,8 +32,8 @@ no maximize).
   csrc/adamw_kernels.c). For CUDA params the master/state follow the same
   arithmetic; the bf16/fp16 param is the master rounded to nearest even.
 - State (``state_dict()``) per parameter: ``step`` (0-d float32 CPU tensor),
-  ``exp_avg``, ``exp_avg_sq`` (fp32 CPU tensors shaped like the local
-  param), the same keys as ``torch.optim.AdamW``; plus, for bf16/fp16 params
+  ``exp_avg``, ``exp_avg_sq`` and, with amsgrad, ``max_exp_avg_sq`` (fp32 CPU
+  tensors shaped like the local param), the same keys as ``torch.optim.AdamW``; plus, for bf16/fp16 params
   only, ``master_param`` (the fp32 master). Loading a ``torch.optim.AdamW``
   state dict works (the master is then initialised from the param); loading
   ours into ``torch.optim.AdamW`` works too (torch keeps ``master_param`` as
@@ -44,8 +45,52 @@ no maximize).
   and FSDP2 DTensor params (updated through their local shards) work.
 - Errors name the parameter (``param_groups[g]['params'][i]``): sparse or
   complex grads/params, unsupported dtypes, non-contiguous tensors, a param
-  whose device changed between steps, bad lr/eps/betas/weight_decay,
-  amsgrad/maximize. Every check runs before any parameter is touched.
+  whose device changed between steps, bad lr/eps/betas/weight_decay, state
+  tensors of another size. Every check runs before any parameter of the
+  update (the step, or one overlap bucket) is touched.
+
+Overlap with backward (``overlap_backward=True``, an explicit opt-in)
+--------------------------------------------------------------------
+A post-accumulate-grad hook on every param (FSDP2 calls them on the sharded
+param after its reduce-scatter) marks the param's grad final; once
+``bucket_mb`` MiB of fp32 params are final they are updated as one job on a
+worker thread (on CUDA: D2H, CPU AdamW, H2D on the optimizer's streams,
+after an event recorded on the stream that produced the grads), while
+autograd goes on. ``step()`` submits the last partial bucket, waits for the
+worker, updates any param with a grad whose hook did not fire, and makes the
+current stream wait for every H2D copy of the round, so the next forward
+sees the new params. Same bits as without overlap (and as
+``torch.optim.AdamW(fused=True)`` on CPU). What differs from torch's
+``backward(); step()``, and how to use it:
+
+- Params change during backward, as soon as their own grads are final
+  (nothing of autograd reads them after that). A later hook or a
+  ``retain_graph`` second backward sees the new values.
+- Hyper-parameters are read when a param's update runs: the lr of the step
+  in progress is the one in ``param_groups`` during its backward, so an LR
+  scheduler stepped after ``step()`` (torch's order) gives torch's lrs;
+  changing lr between ``backward()`` and ``step()`` reaches only the params
+  not yet updated. The ``step`` counter of a param advances in its hook.
+- Gradient accumulation: run every micro-batch but the last inside
+  ``with opt.accumulate():`` (hooks then only let grads accumulate); the
+  last backward, outside it, updates. A param whose grad becomes final twice
+  before ``step()`` makes backward raise (this catches a forgotten
+  ``accumulate()``). FSDP2's ``set_requires_gradient_sync(False)`` also works
+  (no reduce-scatter, so no hook).
+- Gradient clipping needs the global norm before any update, so
+  ``clip_grad_norm=max_norm`` defers: the hooks update nothing and
+  ``step()`` runs ``torch.nn.utils.clip_grad_norm_(params, max_norm)`` (grads
+  clipped in place, as torch does; the total norm is ``opt.last_grad_norm``)
+  and then the full update: bitwise torch's clip + fused AdamW, with no
+  overlap. Clipping by hand between ``backward()`` and ``step()`` is too
+  late with overlap on; use this argument (it also works without overlap).
+- Modifying grads between ``backward()`` and ``step()`` (scaling,
+  all-reduce by hand) likewise reaches only params not yet updated.
+- ``zero_grad()`` first waits for the worker; ``set_overlap(False)`` turns
+  the in-backward updates off (every update in ``step()``);
+  ``overlap_stats()`` counts params updated from hooks.
+- ``state_dict()`` / ``load_state_dict()`` are unchanged (call them between
+  steps). Dropping the optimizer removes its hooks.
 
 The torch op ``moepeak::stream_adamw`` (mutating: params, masters, exp_avgs,
 exp_avg_sqs; moepeak/stream_adamw_op.py) does one step on flat lists; the
@@ -54,15 +99,18 @@ optimizer calls it.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
 
 from . import _C
 from ._ext import HAS_CUDA_BUILD
-from .stream_adamw_op import DTYPE_CODES, ISA_CODES, PLAN_IDS, PLANS, BucketPlan, stream_adamw, stream_adamw_step
+from .stream_adamw_op import (DTYPE_CODES, ISA_CODES, PLAN_IDS, PLANS, BucketPlan, stream_adamw, stream_adamw_step,
+                              torch_tail_model)
+from .stream_adamw_overlap import BackwardOverlap, side_stream
 
-_STATE_TENSORS = ("exp_avg", "exp_avg_sq", "master_param")
+_STATE_TENSORS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
 
 
 def _local(t):
@@ -78,8 +126,12 @@ class StreamAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, amsgrad=False,
                  maximize=False, bucket_mb=64, threads=None, isa=None, grad_slots=3, param_slots=2,
-                 _host_pipeline=False):
+                 overlap_backward=False, clip_grad_norm=None, _host_pipeline=False):
         _check_hyper("lr", lr, betas, eps, weight_decay, amsgrad, maximize)
+        if not isinstance(overlap_backward, bool):
+            raise TypeError(f"moepeak.StreamAdamW: overlap_backward must be a bool, got {overlap_backward!r}")
+        if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
+            raise ValueError(f"moepeak.StreamAdamW: clip_grad_norm must be None or a float > 0, got {clip_grad_norm!r}")
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
             raise ValueError(f"moepeak.StreamAdamW: bucket_mb must be > 0, got {bucket_mb!r}")
         if grad_slots < 2 or param_slots < 1:
@@ -116,17 +168,28 @@ class StreamAdamW(torch.optim.Optimizer):
         self._plan = None
         self._plan_id = next(PLAN_IDS)
         self._grad_dt = {}  # param -> dtype code of its last grad (for the plan's slot sizes)
+        self._clip = None if clip_grad_norm is None else float(clip_grad_norm)
+        self.last_grad_norm = None  # total grad norm of the last step (clip_grad_norm mode)
+        self._tail = torch_tail_model()  # refreshed by every step(), used by hooks on autograd's threads
+        self._streams = {}  # CUDA device -> the overlap worker's stream
+        self._overlap = None
+        if overlap_backward:
+            params = [p for g in self.param_groups for p in g["params"]]
+            self._overlap = BackwardOverlap(self, params, self._bucket_mb * (1 << 20), self._prepare_overlap,
+                                            self._execute)
+            self._overlap.deferred = self._clip is not None
 
     # ------------------------------------------------------------------ checks
-    def _collect(self):
+    def _collect(self, only=None, skip=()):
         """Validate every param with a grad (nothing is touched on failure);
-        return [(group, param, local param, local grad)]."""
+        return [(group, param, local param, local grad, name)]. only: a set of
+        params to restrict to; skip: params to leave out."""
         out = []
         for gi, group in enumerate(self.param_groups):
             _check_hyper(f"param_groups[{gi}]['lr']", group["lr"], group["betas"], group["eps"],
                          group["weight_decay"], group.get("amsgrad", False), group.get("maximize", False))
             for pi, p in enumerate(group["params"]):
-                if p.grad is None:
+                if p.grad is None or (only is not None and p not in only) or p in skip:
                     continue
                 name = f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}, dtype {p.dtype})"
                 lp, lg = _local(p), _local(p.grad)
@@ -159,11 +222,11 @@ class StreamAdamW(torch.optim.Optimizer):
         return out
 
     # ------------------------------------------------------------------ state
-    def _init_state(self, p, lp):
+    def _init_state(self, group, p, lp):
         st = self.state[p]
         if "step" not in st:
             st["step"] = torch.tensor(0.0, dtype=torch.float32)
-        for k in ("exp_avg", "exp_avg_sq"):
+        for k in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ()):
             if k not in st:
                 st[k] = torch.zeros(lp.shape, dtype=torch.float32)
         if lp.dtype != torch.float32 and "master_param" not in st:
@@ -172,13 +235,13 @@ class StreamAdamW(torch.optim.Optimizer):
             self._gpu_master[p] = lp.detach().to("cpu", copy=True).contiguous()
         self._devices.setdefault(p, lp.device)
 
-    def _check_state(self, p, lp, name):
+    def _check_state(self, group, p, lp, name):
         """The state tensors the kernel will read and write must be fp32,
         contiguous, on the CPU and of the param's numel (a param whose .data
         was replaced, a replaced exp_avg/exp_avg_sq, a loaded state of another
         size all end here)."""
         st = self.state[p]
-        held = [(k, st.get(k)) for k in ("exp_avg", "exp_avg_sq")]
+        held = [(k, st.get(k)) for k in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())]
         if lp.dtype != torch.float32:
             held.append(("master_param", st.get("master_param")))
         elif self._piped(lp):
@@ -208,45 +271,135 @@ class StreamAdamW(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):
+        """Update every param with a grad. With overlap_backward, the params
+        whose updates ran during backward are skipped: this submits the last
+        partial bucket, waits for the worker, updates what is left (params
+        whose hook did not fire, e.g. grads set by hand) and orders the
+        current CUDA stream after every H2D copy of the round."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        entries = self._collect()  # raises before anything is modified
-        if not entries:
-            return loss
-        for _, p, lp, _, _ in entries:
-            self._init_state(p, lp)
-        for _, p, lp, _, name in entries:  # every state tensor must fit its param before any pointer reaches C
-            self._check_state(p, lp, name)
+        ov = self._overlap
+        if ov is not None:
+            ov.flush()
+            ov.wait()
+        self._tail = torch_tail_model()
+        skip = ov.done if ov is not None else ()
+        entries = self._collect(skip=skip)  # raises before anything is modified
+        if self._clip is not None and entries:
+            if skip:  # a param updated in backward cannot be clipped any more
+                raise RuntimeError("moepeak.StreamAdamW: clip_grad_norm with params already updated in "
+                                   "backward (set_overlap toggled mid-round?)")
+            self.last_grad_norm = torch.nn.utils.clip_grad_norm_([p for _, p, _, _, _ in entries], self._clip)
+        if entries:
+            self._execute(self._build_job(entries, overlapped=False))
+        for dev, stream in self._streams.items():  # the worker's H2D copies before the next forward
+            torch.cuda.current_stream(dev).wait_stream(stream)
+        if ov is not None:  # only on success: a retried step() must not update a param twice
+            ov.end_round()
+        return loss
+
+    def _prepare_overlap(self, params):
+        """BackwardOverlap's prepare: the job for params whose grads just
+        became final (runs in autograd's thread, from the hook)."""
+        entries = self._collect(only=set(params))
+        return self._build_job(entries, overlapped=True) if entries else None
+
+    def _build_job(self, entries, overlapped):
+        """State init/checks, step counters advanced, and the op's arguments."""
+        for group, p, lp, _, _ in entries:
+            self._init_state(group, p, lp)
+        for group, p, lp, _, name in entries:  # every state tensor must fit its param before any pointer reaches C
+            self._check_state(group, p, lp, name)
         steps = [self.state[p]["step"] for _, p, _, _, _ in entries]
         torch._foreach_add_(steps, 1.0)
         step_vals = torch.stack(steps).tolist()
-        params, grads, masters, ms, vs = [], [], [], [], []
-        lrs, b1s, b2s, epss, wds = [], [], [], [], []
+        params, grads, masters, ms, vs, vmaxs = [], [], [], [], [], []
+        lrs, b1s, b2s, epss, wds, maxs = [], [], [], [], [], []
         plan_index = self._cuda_plan(entries)
         for group, p, lp, lg, _ in entries:
             st = self.state[p]
-            mst = self._master(p, lp)
             params.append(lp if (self._piped(lp) or lp.dtype != torch.float32) else _EMPTY)
             grads.append(lg)
-            masters.append(mst)
+            masters.append(self._master(p, lp))
             ms.append(st["exp_avg"])
             vs.append(st["exp_avg_sq"])
+            vmaxs.append(st["max_exp_avg_sq"] if group["amsgrad"] else _EMPTY)
             lrs.append(float(group["lr"]))
             b1s.append(float(group["betas"][0]))
             b2s.append(float(group["betas"][1]))
             epss.append(float(group["eps"]))
             wds.append(float(group["weight_decay"]))
+            maxs.append(bool(group["maximize"]))
+        args = (params, grads, masters, ms, vs, vmaxs, step_vals, lrs, b1s, b2s, epss, wds, maxs)
+        kw = dict(isa=self._isa, threads=self._threads, bucket_mb=self._bucket_mb, grad_slots=self._slots[0],
+                  param_slots=self._slots[1], plan_id=self._plan_id, plan_index=plan_index,
+                  host_pipeline=self._host_pipeline, torch_threads=self._tail[0], torch_vlen=self._tail[1])
+        cuda_dev = next((lp.device for _, _, lp, _, _ in entries if lp.is_cuda), None)
+        ready = None
+        if overlapped and cuda_dev is not None:  # grads final / params free once the current stream gets here
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(cuda_dev))
+            if cuda_dev not in self._streams:
+                self._streams[cuda_dev] = side_stream(cuda_dev)
         compiling = torch.compiler.is_compiling() if hasattr(torch, "compiler") else False
-        fn = stream_adamw if compiling else stream_adamw_step
-        fn(params, grads, masters, ms, vs, step_vals, lrs, b1s, b2s, epss, wds, isa=self._isa,
-                     threads=self._threads, bucket_mb=self._bucket_mb, grad_slots=self._slots[0],
-                     param_slots=self._slots[1], plan_id=self._plan_id, plan_index=plan_index,
-                     host_pipeline=self._host_pipeline)
         if not compiling:  # what the op's dispatcher would do for the params (autograd's in-place check)
             _bump_versions([lp for _, _, lp, _, _ in entries])
-        return loss
+        return dict(args=args, kw=kw, compiling=compiling, device=cuda_dev, ready=ready,
+                    plan=self._plan)  # the job keeps its plan (pinned slots) alive
+
+    def _execute(self, job):
+        """Run one job: on the caller's stream (step()), or on the worker's
+        stream after the hook's event (overlap)."""
+        fn = stream_adamw if job["compiling"] else stream_adamw_step
+        if job["ready"] is None:
+            fn(*job["args"], **job["kw"])
+            return
+        stream = self._streams[job["device"]]
+        with torch.cuda.device(job["device"]), torch.cuda.stream(stream):
+            stream.wait_event(job["ready"])
+            fn(*job["args"], **job["kw"])
+            # The job's H2D copies may still be running (only this stream waits for them until
+            # step()); a param freed before step() (e.g. after an OOM in backward) must not have
+            # its memory handed out again before they finish.
+            for p in job["args"][0]:
+                if p.is_cuda:
+                    p.record_stream(stream)
+
+    # ------------------------------------------------------------------ overlap API
+    def accumulate(self):
+        """Context manager for gradient accumulation with overlap_backward:
+        backward passes inside it only accumulate grads; the update of each
+        param runs during the first backward outside it (the last
+        micro-batch). Without overlap_backward it does nothing."""
+        if self._overlap is None:
+            return contextlib.nullcontext()
+        return self._overlap.accumulate()
+
+    def set_overlap(self, enabled):
+        """Turn the in-backward updates of overlap_backward on or off (off:
+        step() does every update, as without overlap_backward). Takes effect
+        at the next hook; an error without overlap_backward=True."""
+        if self._overlap is None:
+            raise RuntimeError("moepeak.StreamAdamW.set_overlap: the optimizer was built without overlap_backward=True")
+        self._overlap.enabled = bool(enabled)
+
+    def overlap_stats(self):
+        """{'enabled', 'params_in_backward', 'jobs_done'} since construction
+        (0 without overlap_backward): params handed to the worker after their
+        hook fired (updated during backward, or, for the last partial bucket,
+        by step()), and worker jobs finished."""
+        ov = self._overlap
+        return dict(enabled=ov is not None, params_in_backward=ov.params_in_backward if ov else 0,
+                    jobs_done=ov.jobs_done if ov else 0)
+
+    def zero_grad(self, set_to_none=True):
+        """torch's zero_grad, after the overlap worker has read every grad
+        it was handed."""
+        if self._overlap is not None:
+            self._overlap.wait()
+        super().zero_grad(set_to_none=set_to_none)
 
     def _cuda_plan(self, entries):
         """Keep one bucket plan over EVERY non-empty CUDA param of the
@@ -265,6 +418,8 @@ class StreamAdamW(torch.optim.Optimizer):
             return None
         key = (tuple(x[1] for x in layout), tuple(x[2] for x in layout), tuple(x[3] for x in layout))
         if self._plan is None or self._plan.key != key:
+            if self._overlap is not None:
+                self._overlap.wait()  # no job of the round still runs on the old plan
             self._plan = None  # free the old pinned slots first
             self._plan = BucketPlan(key, _local(layout[0][0]).device, self._bucket_mb, *self._slots,
                                host=self._host_pipeline)
@@ -397,7 +552,6 @@ def _check_hyper(lr_name, lr, betas, eps, weight_decay, amsgrad, maximize):
             raise ValueError(f"moepeak.StreamAdamW: betas[{i}] must be in [0, 1), got {b!r}")
     if not isinstance(weight_decay, (int, float)) or not weight_decay >= 0.0:
         raise ValueError(f"moepeak.StreamAdamW: weight_decay must be >= 0, got {weight_decay!r}")
-    if amsgrad:
-        raise ValueError("moepeak.StreamAdamW: amsgrad=True is not supported (use torch.optim.AdamW)")
-    if maximize:
-        raise ValueError("moepeak.StreamAdamW: maximize=True is not supported")
+    for name, flag in (("amsgrad", amsgrad), ("maximize", maximize)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"moepeak.StreamAdamW: {name} must be a bool, got {flag!r}")

@@ -4,9 +4,9 @@ and CPU-kernel bindings it drives. The optimizer around it, and the contract
 users see, is moepeak.StreamAdamW (moepeak/stream_adamw.py).
 
 Row layouts handed to moepeak._C (csrc/adamw.c):
-  ptrs:  [n, 8] int64 (master, exp_avg, exp_avg_sq, grad, low-precision param
-         or 0, numel, grad dtype code, param dtype code)
-  hyper: [n, 6] float64 (lr, beta1, beta2, eps, weight_decay, step)
+  ptrs:  [n, 9] int64 (master, exp_avg, exp_avg_sq, grad, low-precision param
+         or 0, numel, grad dtype code, param dtype code, max_exp_avg_sq or 0)
+  hyper: [n, 7] float64 (lr, beta1, beta2, eps, weight_decay, step, maximize)
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 DTYPE_BYTES = {0: 4, 1: 2, 2: 2}
 _SEG_ALIGN = 64  # bytes: each segment starts on a cache line of its slot
+PTR_COLS, HYP_COLS = 9, 7  # the row widths of ptrs / hyper (module docstring)
 
 
 # --------------------------------------------------------------------------
@@ -33,8 +34,13 @@ _SEG_ALIGN = 64  # bytes: each segment starts on a cache line of its slot
 _TAIL_MODEL = {}
 
 
-def _ptr_row(master, m, v, grad, lp, n, gdt, ldt):
-    return [master, m, v, grad, lp, n, gdt, ldt]
+def _ptr_row(master, m, v, grad, lp, n, gdt, ldt, vmax=0):
+    return [master, m, v, grad, lp, n, gdt, ldt, vmax]
+
+
+def _vmax_ptr(t):
+    """The max_exp_avg_sq column: 0 (no amsgrad) for an empty tensor."""
+    return t.data_ptr() if t.numel() > 0 else 0
 
 
 def torch_tail_model():
@@ -59,7 +65,7 @@ def torch_tail_model():
     for cand in [(1, 8), (1, 16), (T, 8), (T, 16)]:
         p, m, v = p0.clone(), m0.clone(), v0.clone()
         ptrs = array.array("q", _ptr_row(p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(), 0, n, 0, 0))
-        hyp = array.array("d", [1e-2, 0.9, 0.999, 1e-8, 0.0, 3.0])
+        hyp = array.array("d", [1e-2, 0.9, 0.999, 1e-8, 0.0, 3.0, 0.0])
         _C.adamw_cpu(ptrs, hyp, 0, 1, cand[0], cand[1])
         if torch.equal(v, want) and torch.equal(p, ref.detach()):
             model = cand
@@ -136,12 +142,14 @@ def stream_adamw_step(
     masters: List[torch.Tensor],
     exp_avgs: List[torch.Tensor],
     exp_avg_sqs: List[torch.Tensor],
+    max_exp_avg_sqs: List[torch.Tensor],
     steps: List[float],
     lrs: List[float],
     beta1s: List[float],
     beta2s: List[float],
     epss: List[float],
     weight_decays: List[float],
+    maximizes: List[bool],
     isa: int = -1,
     threads: int = 0,
     bucket_mb: float = 64.0,
@@ -150,9 +158,12 @@ def stream_adamw_step(
     plan_id: int = 0,
     plan_index: Optional[List[int]] = None,
     host_pipeline: bool = False,
+    torch_threads: int = 0,
+    torch_vlen: int = -1,
 ) -> None:
     """One AdamW step. masters/exp_avgs/exp_avg_sqs: fp32 CPU tensors, updated
-    in place. params[i]: the tensor that receives the new value in its own
+    in place. max_exp_avg_sqs[i]: amsgrad's running max (fp32 CPU, updated in
+    place), or an empty tensor for no amsgrad. maximizes[i]: torch's maximize. params[i]: the tensor that receives the new value in its own
     dtype (a CUDA param, a bf16/fp16 CPU param), or an empty tensor when the
     master is the param itself (fp32 CPU). grads[i]: on params[i]'s device
     (on the CPU for fp32 CPU params), fp32/bf16/fp16. steps: already
@@ -161,17 +172,21 @@ def stream_adamw_step(
     each CUDA entry in order, its row in that plan (the plan covers every
     CUDA param of the optimizer, so params without a grad do not change it).
     host_pipeline (tests): run CPU params through the bucket pipeline with
-    memcpy in place of the copy engines (params[i] then is the CPU param)."""
+    memcpy in place of the copy engines (params[i] then is the CPU param).
+    torch_threads/torch_vlen: the scalar-tail model (torch_tail_model()) to
+    emulate; 0/-1 (default): the model of this thread's torch thread count
+    (StreamAdamW passes the main thread's, since it may run this on another)."""
     n = len(masters)
-    if not (len(params) == len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n):
-        raise ValueError("moepeak.stream_adamw: params, grads, masters, exp_avgs, exp_avg_sqs differ in length")
+    if not (len(params) == len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(max_exp_avg_sqs) == n):
+        raise ValueError("moepeak.stream_adamw: params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs "
+                         "differ in length")
     for name, lst in (("steps", steps), ("lrs", lrs), ("beta1s", beta1s), ("beta2s", beta2s), ("epss", epss),
-                      ("weight_decays", weight_decays)):
+                      ("weight_decays", weight_decays), ("maximizes", maximizes)):
         if len(lst) != n:
             raise ValueError(f"moepeak.stream_adamw: {name} has {len(lst)} entries, expected {n}")
     if isa < 0:
         isa = _C.cpu_best_isa()
-    tthreads, tvlen = torch_tail_model()
+    tthreads, tvlen = (torch_threads, torch_vlen) if torch_threads > 0 and torch_vlen >= 0 else torch_tail_model()
     cpu_rows, cpu_hyp, cuda_idx = [], [], []
     for i in range(n):
         mst, p, g = masters[i], params[i], grads[i]
@@ -179,13 +194,18 @@ def stream_adamw_step(
             raise TypeError(f"moepeak.stream_adamw: masters[{i}] must be fp32 on the CPU")
         if mst.numel() == 0:
             continue  # nothing to update (and no bucket segment)
+        vmax = max_exp_avg_sqs[i]
+        if vmax.numel() > 0 and (vmax.numel() != mst.numel() or vmax.dtype != torch.float32
+                                 or vmax.device.type != "cpu" or not vmax.is_contiguous()):
+            raise TypeError(f"moepeak.stream_adamw: max_exp_avg_sqs[{i}] must be empty or a contiguous fp32 CPU "
+                            f"tensor of {mst.numel()} elements")
         if p.is_cuda or host_pipeline:
             cuda_idx.append(i)
             continue
         lp = 0 if p.numel() == 0 else p.data_ptr()
         cpu_rows += _ptr_row(mst.data_ptr(), exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr(), g.data_ptr(), lp,
-                             mst.numel(), DTYPE_CODES[g.dtype], DTYPE_CODES[p.dtype] if lp else 0)
-        cpu_hyp += [lrs[i], beta1s[i], beta2s[i], epss[i], weight_decays[i], steps[i]]
+                             mst.numel(), DTYPE_CODES[g.dtype], DTYPE_CODES[p.dtype] if lp else 0, _vmax_ptr(vmax))
+        cpu_hyp += [lrs[i], beta1s[i], beta2s[i], epss[i], weight_decays[i], steps[i], float(maximizes[i])]
     if cpu_rows:
         _C.adamw_cpu(array.array("q", cpu_rows), array.array("d", cpu_hyp), isa, threads, tthreads, tvlen)
     if cuda_idx:
@@ -202,17 +222,17 @@ def stream_adamw_step(
             gdts.append(DTYPE_CODES[g.dtype])
             ldts.append(DTYPE_CODES[p.dtype])
             rows += _ptr_row(masters[i].data_ptr(), exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr(), g.data_ptr(),
-                             p.data_ptr(), p.numel(), gdts[-1], ldts[-1])
-            hyp += [lrs[i], beta1s[i], beta2s[i], epss[i], weight_decays[i], steps[i]]
+                             p.data_ptr(), p.numel(), gdts[-1], ldts[-1], _vmax_ptr(max_exp_avg_sqs[i]))
+            hyp += [lrs[i], beta1s[i], beta2s[i], epss[i], weight_decays[i], steps[i], float(maximizes[i])]
         if plan_index:
             plan = PLANS.get(plan_id)
             if plan is None or len(plan_index) != len(cuda_idx):
                 raise ValueError("moepeak.stream_adamw: plan_index given without its live plan")
-            full = [0] * (8 * plan.nparam)
-            full_h = [0.0] * (6 * plan.nparam)
+            full = [0] * (PTR_COLS * plan.nparam)
+            full_h = [0.0] * (HYP_COLS * plan.nparam)
             for j, slot in enumerate(plan_index):
-                full[8 * slot:8 * slot + 8] = rows[8 * j:8 * j + 8]
-                full_h[6 * slot:6 * slot + 6] = hyp[6 * j:6 * j + 6]
+                full[PTR_COLS * slot:PTR_COLS * (slot + 1)] = rows[PTR_COLS * j:PTR_COLS * (j + 1)]
+                full_h[HYP_COLS * slot:HYP_COLS * (slot + 1)] = hyp[HYP_COLS * j:HYP_COLS * (j + 1)]
             rows, hyp = full, full_h
         else:
             plan = _get_plan(plan_id, (tuple(numels), tuple(gdts), tuple(ldts)), device, bucket_mb, grad_slots,
@@ -232,12 +252,14 @@ def stream_adamw_step(
 # of five lists cost ~10 ms per step for a few hundred params) and bumps the
 # params' version counters itself; the op is what torch.compile/opcheck see.
 stream_adamw = torch.library.custom_op("moepeak::stream_adamw",
-                                       mutates_args=("params", "masters", "exp_avgs", "exp_avg_sqs"))(
+                                       mutates_args=("params", "masters", "exp_avgs", "exp_avg_sqs",
+                                                     "max_exp_avg_sqs"))(
     stream_adamw_step)
 
 @stream_adamw.register_fake
-def _(params, grads, masters, exp_avgs, exp_avg_sqs, steps, lrs, beta1s, beta2s, epss, weight_decays, isa=-1,
-      threads=0, bucket_mb=64.0, grad_slots=3, param_slots=2, plan_id=0, plan_index=None, host_pipeline=False):
+def _(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lrs, beta1s, beta2s, epss,
+      weight_decays, maximizes, isa=-1, threads=0, bucket_mb=64.0, grad_slots=3, param_slots=2, plan_id=0,
+      plan_index=None, host_pipeline=False, torch_threads=0, torch_vlen=-1):
     return None
 
 

@@ -262,8 +262,12 @@ def test_bad_input_and_nothing_half_updated():
     # hyper-parameters
     for kw, match in [(dict(lr=-1.0), "lr"), (dict(eps=-1e-8), "eps"), (dict(betas=(1.0, 0.9)), r"betas\[0\]"),
                       (dict(betas=(0.9, -0.1)), r"betas\[1\]"), (dict(weight_decay=-0.1), "weight_decay"),
-                      (dict(amsgrad=True), "amsgrad"), (dict(isa="avx1024"), "isa")]:
+                      (dict(isa="avx1024"), "isa"), (dict(clip_grad_norm=0.0), "clip_grad_norm")]:
         with pytest.raises(ValueError, match=match):
+            moepeak.StreamAdamW([torch.randn(3, requires_grad=True)], **kw)
+    for kw, match in [(dict(amsgrad=1), "amsgrad"), (dict(maximize="yes"), "maximize"),
+                      (dict(overlap_backward=None), "overlap_backward")]:
+        with pytest.raises(TypeError, match=match):
             moepeak.StreamAdamW([torch.randn(3, requires_grad=True)], **kw)
     p = torch.randn(3, requires_grad=True)
     o = moepeak.StreamAdamW([p])
@@ -370,8 +374,8 @@ def test_opcheck_cpu():
     masters = [torch.randn(n), torch.randn(n)]
     lp = masters[1].to(torch.bfloat16)
     args = ([torch.empty(0), lp], [torch.randn(n), torch.randn(n).bfloat16()], masters,
-            [torch.zeros(n), torch.zeros(n)], [torch.zeros(n), torch.zeros(n)], [1.0, 1.0], [1e-3, 1e-3],
-            [0.9, 0.9], [0.999, 0.999], [1e-8, 1e-8], [0.01, 0.0])
+            [torch.zeros(n), torch.zeros(n)], [torch.zeros(n), torch.zeros(n)], [torch.empty(0), torch.zeros(n)],
+            [1.0, 1.0], [1e-3, 1e-3], [0.9, 0.9], [0.999, 0.999], [1e-8, 1e-8], [0.01, 0.0], [False, True])
     torch.library.opcheck(stream_adamw, args)
 
 
@@ -484,7 +488,8 @@ def test_cuda_device_change_is_an_error():
 def test_cuda_opcheck():
     n = 1000
     args = ([torch.randn(n, device="cuda").bfloat16()], [torch.randn(n, device="cuda").bfloat16()],
-            [torch.randn(n)], [torch.zeros(n)], [torch.zeros(n)], [1.0], [1e-3], [0.9], [0.999], [1e-8], [0.01])
+            [torch.randn(n)], [torch.zeros(n)], [torch.zeros(n)], [torch.zeros(n)], [1.0], [1e-3], [0.9], [0.999],
+            [1e-8], [0.01], [True])
     torch.library.opcheck(stream_adamw, args)
 
 
@@ -694,12 +699,12 @@ from moepeak import _C
 segs = array.array("q", [0, 0, 4, 0, 0])
 plan = _C.adamw_plan_create(segs, array.array("q", [0, 1]), 1, 64, 64, 3, 2, True)
 p, m, v, g = (torch.zeros(4) for _ in range(4))
-hyp = array.array("d", [1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0])
+hyp = array.array("d", [1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0, 0.0])
 bad = [
-    [p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(), p.data_ptr(), (1 << 63) - 1, 0, 0],  # huge numel
-    [p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(), p.data_ptr(), 2, 0, 0],  # segment beyond the param
-    [p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(), 0, 4, 0, 0],  # null param
-    [0, m.data_ptr(), v.data_ptr(), g.data_ptr(), p.data_ptr(), 4, 0, 0],  # null master
+    [p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(), p.data_ptr(), (1 << 63) - 1, 0, 0, 0],  # huge numel
+    [p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(), p.data_ptr(), 2, 0, 0, 0],  # segment beyond the param
+    [p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(), 0, 4, 0, 0, 0],  # null param
+    [0, m.data_ptr(), v.data_ptr(), g.data_ptr(), p.data_ptr(), 4, 0, 0, 0],  # null master
 ]
 for row in bad:
     try:
@@ -711,7 +716,7 @@ for row in bad:
 for tt, tv in ((0, 16), (1 << 30, 16), (1, -1), (1, 1 << 20)):
     try:
         _C.adamw_plan_step(plan, array.array("q", [p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(),
-                                                   p.data_ptr(), 4, 0, 0]), hyp, 0, 0, 1, tt, tv)
+                                                   p.data_ptr(), 4, 0, 0, 0]), hyp, 0, 0, 1, tt, tv)
     except ValueError:
         pass
     else:
