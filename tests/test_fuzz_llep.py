@@ -107,10 +107,9 @@ def test_llep_moe_matches_dense_fp64_reference(p):
 
 
 # ---------------------------------------------------------------------------
-# Issue 23's LLEP item: the correct behaviour, strict-xfail while the bug is there.
+# Issue 23's LLEP item: one NaN routing weight leaves the other gradients as the dense
+# reference has them.
 # ---------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="issue 23: one NaN routing weight makes d(topk_weights) NaN where the "
-                                       "dense reference is finite; fixed in the lead's LLEP pass")
 def test_nan_routing_weight_keeps_other_gradients_finite():
     g = torch.Generator().manual_seed(0)
     T, E, K, H, I = 5, 3, 2, 4, 3
