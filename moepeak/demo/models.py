@@ -44,6 +44,8 @@ import torch.utils.checkpoint as torch_ckpt
 
 from . import context_parallel as CP
 
+# scaled_dot_product_attention(..., enable_gqa=True): torch >= 2.5
+SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 IGNORE_INDEX = -100  # labels that take no part in the loss (both heads' default)
 MOE_CHOICES = ("llep", "dense")
 HEAD_CHOICES = ("ring_dtp", "plain")
@@ -250,14 +252,22 @@ class Attention(nn.Module):
         offset = 0 if self.cp is None else self.cp[2] * T  # global position of the slice start
         cos, sin = self.rotary.tables(T, x.device, offset)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.cp is not None:  # keys/values of ranks 0..r: [B, nkv, (r+1)*T, d]
+        o = self.attend(q, k, v)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.d))
+
+    def attend(self, q, k, v):
+        """The attention core: q [B, hq, T, d], k/v [B, hkv, T, d] (RoPE applied; hkv divides
+        hq) -> [B, hq, T, d]. Heads are independent: q head i reads kv head i // (hq/hkv),
+        so any split into head groups of whole kv heads gives the same rows."""
+        if self.cp is not None:  # keys/values of ranks 0..r: [B, hkv, (r+1)*T, d]
             k, v = CP.gather_kv(k, v, *self.cp)
-        if self.nkv != self.nh:  # GQA by repetition (works on every torch >= 2.4)
-            r = self.nh // self.nkv
+        r = q.shape[1] // k.shape[1]
+        if r > 1 and SDPA_GQA and q.shape[2] == k.shape[2]:  # kv heads read in place (flash)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if r > 1:  # GQA by repetition (torch < 2.5, or the context-parallel lower-right mask)
             k = k.repeat_interleave(r, dim=1)
             v = v.repeat_interleave(r, dim=1)
-        o = CP.causal_attention(q, k, v)  # flash on GPU: O(T) memory
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.d))
+        return CP.causal_attention(q, k, v)  # flash on GPU: O(T) memory
 
 
 class DenseMoE(nn.Module):
