@@ -15,13 +15,34 @@ An OOM is a result (written as such). Rows go to benchmarks/results/tiled.csv.
   python benchmarks/bench_tiled.py                               # T = 128k..512k both arms, 1M, 2M tiled
   python benchmarks/bench_tiled.py --T 1048576 2097152 --arms tiled
   python benchmarks/bench_tiled.py --tiny                        # CPU smoke run (H = 64)
+
+--model: the whole 2.0B demo LM's training step instead of one block (16 layers, H = 2048,
+16/4 heads, E = 16, K = 4, I = 768, V = 151936, bf16 params; PipelinedLLEP, Ring-DTP, SCO,
+StreamAdamW), arms untiled (SCO per block) and tiled (SCO around the tiled block,
+MoEConfig.tile_tokens), each (arm, T) in a fresh child process (an OOM is a result;
+memory is freed with the child). `--steps` steps per point (the first allocates the
+optimizer's and SCO's pinned host memory), the last one timed.
+  peak_gib       max_memory_allocated over the whole run (weights, grads, activations)
+  resident_gib   memory_allocated after the last step (weights + grads)
+  kb_per_token   (peak - resident) / T / 1024
+  proj_peak_gib  with --project-layers N: peak + the resident bytes of the N - layers missing
+                 blocks (bf16 params + grads): a deep model's peak from a shallow run
+                 (one block's transient does not depend on depth), not a measurement
+Rows go to benchmarks/results/tiled_model.csv. One device call (~9 min) each:
+  python benchmarks/bench_tiled.py --model --T 131072 262144                      # 16 layers, both arms
+  python benchmarks/bench_tiled.py --model --T 524288 --steps 1                   # 16 layers, both arms
+  python benchmarks/bench_tiled.py --model --layers 2 --arms tiled --T 1048576 2097152 --steps 1 \
+      --project-layers 16
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -94,6 +115,90 @@ def measure(blk, args, arm, T, device, dtype):
     return resident, peak, ms
 
 
+MODEL_FIELDS = ["arm", "T", "tile_tokens", "layers", "H", "heads", "kv_heads", "experts", "top_k",
+                "intermediate", "vocab", "steps", "status", "peak_gib", "resident_gib", "kb_per_token",
+                "bf16_TH_equiv", "step_s", "project_layers", "proj_peak_gib"]
+
+
+def _model_cfg(args, arm):
+    return demo_models.MoEConfig(vocab_size=args.V, hidden=args.H, layers=args.layers, heads=args.heads,
+                                 kv_heads=args.kv_heads, experts=args.E, top_k=args.K, intermediate=args.I,
+                                 moe="llep", head="ring_dtp", checkpoint="sco", chunk_rows=args.chunk_rows,
+                                 tile_tokens=args.tile if arm == "tiled" else None)
+
+
+def model_child(args, arm, T, out_file):
+    """One (arm, T) point of --model, in this process: writes a JSON result to out_file."""
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    cuda = device.type == "cuda"
+    res = {"status": "error"}
+    try:
+        cfg = _model_cfg(args, arm)
+        model = demo_models.MoELM(cfg, device=device, dtype=torch.bfloat16)
+        opt = demo_models.build_optimizer(model.parameters(), "stream", lr=1e-5)
+        g = torch.Generator(device="cpu").manual_seed(0)
+        ids = torch.randint(0, args.V, (1, T), generator=g).to(device)
+        labels = ids.roll(-1, 1)
+        step_s = float("nan")
+        for _ in range(args.steps):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model(ids, labels).backward()
+            opt.step()
+            if cuda:
+                torch.cuda.synchronize()
+            step_s = time.perf_counter() - t0
+        peak = torch.cuda.max_memory_allocated() if cuda else float("nan")
+        resident = torch.cuda.memory_allocated() - ids.nbytes - labels.nbytes if cuda else float("nan")
+        missing = max(0, (args.project_layers or args.layers) - args.layers)
+        block_bytes = (demo_models.param_count(cfg.replace(layers=2)) - demo_models.param_count(cfg.replace(layers=1)))
+        res = {"status": "ok", "peak": peak, "resident": resident, "step_s": step_s,
+               "proj_peak": peak + missing * block_bytes * 2 * 2}  # bf16 params + bf16 grads
+        model.close()
+    except Exception as exc:  # an OOM is a result; anything else is reported as an error
+        res = {"status": "oom" if is_oom(exc) else "error", "error": f"{type(exc).__name__}: {exc}"[:500]}
+    with open(out_file, "w") as f:
+        json.dump(res, f)
+
+
+def model_main(args, argv):
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else "cpu"
+    Ts = args.T or [K128, 2 * K128]
+    for T in Ts:
+        for arm in args.arms:
+            with tempfile.TemporaryDirectory() as tmp:
+                out_file = os.path.join(tmp, "point.json")
+                cmd = [sys.executable, os.path.abspath(__file__)] + list(argv) + ["--child", arm, str(T), out_file]
+                try:
+                    subprocess.run(cmd, timeout=args.point_seconds, check=False)
+                    with open(out_file) as f:
+                        res = json.load(f)
+                except subprocess.TimeoutExpired:
+                    res = {"status": "timeout"}
+                except (OSError, ValueError):
+                    res = {"status": "error"}
+            row = dict(arm=arm, T=T, tile_tokens=args.tile if arm == "tiled" else "", layers=args.layers, H=args.H,
+                       heads=args.heads, kv_heads=args.kv_heads, experts=args.E, top_k=args.K, intermediate=args.I,
+                       vocab=args.V, steps=args.steps, status=res["status"], project_layers=args.project_layers or "")
+            if res["status"] == "ok":
+                tr = res["peak"] - res["resident"]
+                row.update(peak_gib=f"{res['peak'] / 2**30:.3f}", resident_gib=f"{res['resident'] / 2**30:.3f}",
+                           kb_per_token=f"{tr / T / 1024:.2f}", bf16_TH_equiv=f"{tr / T / (2 * args.H):.2f}",
+                           step_s=f"{res['step_s']:.2f}",
+                           proj_peak_gib=f"{res['proj_peak'] / 2**30:.3f}" if args.project_layers else "")
+            elif "error" in res:
+                print(f"{arm} T={T}: {res['error']}", flush=True)
+            print(",".join(str(row.get(k, "")) for k in ("arm", "T", "layers", "status", "peak_gib", "resident_gib",
+                                                          "kb_per_token", "bf16_TH_equiv", "step_s", "proj_peak_gib")),
+                  flush=True)
+            if not args.tiny or args.out != DEFAULT_OUT:
+                append_results(args.out, "tiled_model", [row], fields=MODEL_FIELDS, gpu=gpu)
+
+
+DEFAULT_OUT = os.path.join(HERE, "results")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--T", type=int, nargs="+", help="token counts (default: 128k..512k untiled, to 2M tiled)")
@@ -107,8 +212,28 @@ def main(argv=None):
     ap.add_argument("--I", type=int, default=768)
     ap.add_argument("--chunk-rows", dest="chunk_rows", type=int, default=None, help="PipelinedLLEP chunk budget")
     ap.add_argument("--tiny", action="store_true", help="CPU-sized smoke run (H = 64, T <= 512)")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="folder of tiled.csv")
+    ap.add_argument("--out", default=DEFAULT_OUT, help="folder of tiled.csv / tiled_model.csv")
+    ap.add_argument("--model", action="store_true", help="the whole LM's training step (see above)")
+    ap.add_argument("--layers", type=int, default=16, help="--model: decoder blocks")
+    ap.add_argument("--V", type=int, default=151936, help="--model: vocabulary")
+    ap.add_argument("--steps", type=int, default=2, help="--model: steps per point, the last timed")
+    ap.add_argument("--project-layers", dest="project_layers", type=int, default=None,
+                    help="--model: also give the peak projected to this many layers")
+    ap.add_argument("--point-seconds", dest="point_seconds", type=float, default=540,
+                    help="--model: wall-clock cap per (arm, T) child")
+    ap.add_argument("--child", nargs=3, default=None, help=argparse.SUPPRESS)  # ARM T OUT_FILE
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
+    if args.model:
+        if args.tiny:
+            args.H, args.heads, args.kv_heads, args.E, args.K, args.I, args.tile, args.V = 64, 4, 2, 4, 2, 32, 64, 512
+            args.layers = min(args.layers, 2)
+            args.T = args.T or [256, 512]
+        if args.child:
+            model_child(args, args.child[0], int(args.child[1]), args.child[2])
+        else:
+            model_main(args, argv)
+        return
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16
     if args.tiny:
@@ -141,7 +266,7 @@ def main(argv=None):
                 torch.cuda.empty_cache()
             print(",".join(str(row.get(k, "")) for k in ("arm", "T", "status", "peak_gib", "kb_per_token",
                                                           "bf16_TH_equiv", "ms")), flush=True)
-            if not args.tiny or args.out != ap.get_default("out"):
+            if not args.tiny or args.out != DEFAULT_OUT:
                 append_results(args.out, "tiled", [row], fields=FIELDS, gpu=gpu)
 
 

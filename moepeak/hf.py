@@ -41,6 +41,14 @@ what transformers expects. Three parts, each can be turned off:
   superseded (SCO offloads the boundaries itself); every_n_layers is honoured.
   model.gradient_checkpointing_disable() turns checkpointing off.
 
+- tile_tokens (off unless given): every Qwen3MoeDecoderLayer's forward becomes
+  moepeak.tiled.tiled_qwen3_moe_layer_forward (the block's position-wise parts in
+  sequence tiles of tile_tokens tokens, only attention at full length) in training
+  with grad; in eval / no_grad the layer's own forward runs. Refused with
+  output_router_logits=True (the router aux loss is computed over all tokens' router
+  logits, which the tiles do not keep). Other families' layers are left alone (the
+  report says so).
+
 The optimizer is not patched: moepeak.StreamAdamW(model.parameters(), lr=...)
 works in a plain loop, and with the Trainer as
 Trainer(..., optimizers=(moepeak.StreamAdamW(model.parameters(), lr=...), None)).
@@ -65,6 +73,8 @@ TESTED_TRANSFORMERS = ((5, 17), (6, 0))  # [lowest, first untested major)
 EXPERTS_OPTIONS = ("chunk_rows", "alpha", "min_tokens_per_gemm", "imbalance_threshold", "save_budget_mb")
 LOSS_OPTIONS = {"ce_mode": "mode", "ce_chunk_tokens": "chunk_tokens", "ce_chunk_vocab": "chunk_vocab"}
 CHECKPOINT_OPTIONS = ("sco_config",)
+# Decoder layers the tiled block adapter runs (moepeak.tiled_adapters), by class name.
+TILED_LAYERS = ("Qwen3MoeDecoderLayer",)
 
 
 # ---------------------------------------------------------------------------
@@ -397,6 +407,35 @@ def _patch_checkpoint(model, options, report):
 
 
 # ---------------------------------------------------------------------------
+# Sequence-tiled decoder layers
+# ---------------------------------------------------------------------------
+def _patch_tiled_layers(model, tile_tokens, report):
+    if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 1:
+        raise ValueError(f"moepeak.hf: tile_tokens must be a positive integer or None, got {tile_tokens!r}")
+    if getattr(model.config, "output_router_logits", False):
+        raise ValueError("moepeak.hf: tile_tokens needs config.output_router_logits=False: the router aux loss "
+                         "is computed over every token's router logits, which the sequence tiles do not keep; "
+                         "set model.config.output_router_logits = False (no aux loss) or leave tile_tokens=None")
+    from .tiled import tiled_qwen3_moe_layer_forward
+    layers = [m for m in model.modules() if type(m).__name__ in TILED_LAYERS]
+    if not layers:
+        kinds = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("DecoderLayer")})
+        report.left_alone.append(f"tile_tokens: no decoder layer the tiled adapter runs ({', '.join(TILED_LAYERS)}); "
+                                 f"{', '.join(kinds) or 'no decoder layers'} stay untiled")
+        return
+    for layer in layers:
+        untiled = layer.forward
+
+        def forward(hidden_states, *args, _layer=layer, _untiled=untiled, **kwargs):
+            if not (_layer.training and torch.is_grad_enabled()):
+                return _untiled(hidden_states, *args, **kwargs)
+            return tiled_qwen3_moe_layer_forward(_layer, hidden_states, *args, tile_tokens=tile_tokens, **kwargs)
+        layer.forward = forward
+    report.patched.append(f"tile_tokens: {len(layers)} decoder layers run moepeak.tiled_qwen3_moe_layer_forward in "
+                          f"training (tiles of {tile_tokens} tokens)")
+
+
+# ---------------------------------------------------------------------------
 # Public entry point
 # ---------------------------------------------------------------------------
 @dataclass
@@ -417,7 +456,7 @@ class MoepeakReport:
 
 
 def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint: bool = True, group=None,
-                  **options) -> MoepeakReport:
+                  tile_tokens: Optional[int] = None, **options) -> MoepeakReport:
     """Put moepeak's schedules into a transformers model instance (in place);
     returns a MoepeakReport. See the module docstring for what each part does.
 
@@ -427,7 +466,8 @@ def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint:
     min_tokens_per_gemm, imbalance_threshold, save_budget_mb; for the loss,
     ce_mode, ce_chunk_tokens, ce_chunk_vocab (linear_cross_entropy's mode,
     chunk_tokens, chunk_vocab); for checkpointing, sco_config (a
-    moepeak.SCOConfig)."""
+    moepeak.SCOConfig).
+    tile_tokens: sequence-tiled decoder layers (see the module docstring; None: off)."""
     transformers = _transformers()
     if not isinstance(model, transformers.PreTrainedModel):
         raise TypeError(f"moepeak.hf: model must be a transformers PreTrainedModel, got {type(model).__name__}")
@@ -439,6 +479,8 @@ def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint:
     if unknown:
         raise TypeError(f"moepeak.hf: unknown option(s) {unknown}; expected some of {list(known)}")
     report = MoepeakReport(type(model).__name__)
+    if tile_tokens is not None:  # checked first: it may refuse the model's config
+        _patch_tiled_layers(model, tile_tokens, report)
     if experts:
         _patch_experts(model, group, {k: v for k, v in options.items() if k in EXPERTS_OPTIONS}, report)
     else:

@@ -25,8 +25,12 @@ the final RMSNorm's 8H+4 + the head's input b*H per token.
 
 The step's peak is the larger of two phases:
   total = fixed + optimizer + boundaries + max(block + dispatch, head_act + vocab).
-The binding peak is the largest of the four; the longest context is found by bisection
-on the total. Checked against H200 measurements in tests/test_plan.py.
+With --tile-tokens t (moepeak.tiled; moepeak plan only): the block term becomes
+  T * tiled_full_len_bytes (the attention core's full-length tensors at the backward peak,
+  see tiled_full_len_bytes) + min(t, T) * (the untiled block's per-token bytes), and the
+  dispatch term is that of one tile of min(t, T) tokens (the MoE runs per tile).
+The binding peak is the largest of the four and the block term; the longest context is
+found by bisection on the total. Checked against H200 measurements in tests/test_plan.py.
 """
 from __future__ import annotations
 
@@ -120,6 +124,18 @@ PRESETS: Dict[str, ModelShape] = {
 }
 
 PEAKS = ("dispatch", "vocab", "boundaries", "optimizer")
+BINDING = PEAKS + ("block",)  # what the report can name as binding
+
+
+def tiled_full_len_bytes(m: "ModelShape", b: int) -> float:
+    """Bytes per token of the full-length tensors of a sequence-tiled block at its backward
+    peak (the first kv-head group's attention backward; moepeak/tiled.py's docstring):
+    grad_y, dx [H]; q, out, dout [nh*d]; k, v [nkv*d] (all b bytes); lse fp32 [nh]; and the
+    group's flash backward (G = nkv groups): fp32 dq accumulator and dk, dv expanded to the
+    group's q heads, dq, dk, dv of the group. The block input x is the boundaries term's."""
+    H, d, nh, nkv = m.hidden, m.d(), m.heads, m.kv_heads
+    Hq, Hkv, G = nh * d, nkv * d, nkv
+    return b * (2 * H + 3 * Hq + 2 * Hkv) + 4 * nh + (4 * Hq + 2 * b * Hq + b * (Hq + 2 * Hkv)) / G
 
 # What the table's rows beside the four peaks hold (report() prints it under the table;
 # `moepeak plan --help` shows it too).
@@ -133,7 +149,8 @@ rows (GiB per GPU):
               grads in the activation dtype), FSDP2's two all-gathered blocks when P > 1,
               the RoPE tables
   block       the saved tensors of the one block being recomputed in backward (norms,
-              attention, router) and the gradient flowing into it
+              attention, router) and the gradient flowing into it; with --tile-tokens the
+              attention core's full-length tensors + one tile's position-wise working set
   head_act    what the head's backward holds besides the vocab peak: the final RMSNorm's
               saved tensors and the head's input
   total       fixed + optimizer + boundaries + max(block + dispatch, head_act + vocab): the
@@ -149,6 +166,7 @@ class Setup:
     chunk_rows: Optional[int] = None  # PipelinedLLEP C (None: its default, llep_plan.default_chunk_rows)
     llep_save_budget_mb: Optional[int] = None  # PipelinedLLEP activation cache (None: llep.default_save_budget_mb)
     ring_workspace_mb: Optional[float] = None  # Ring-DTP's fused workspace (None: its defaults)
+    tile_tokens: Optional[int] = None  # moepeak.tiled's tile (None: whole blocks)
     bucket_mb: float = 64.0     # StreamAdamW bucket (its slots are pinned host memory: 0 GPU bytes)
     sco_in_flight: int = 2      # SCOConfig.max_in_flight (W): forward D2H copies still referenced
     sco_prefetch: int = 1       # SCOConfig.prefetch: boundaries loaded ahead in backward
@@ -241,18 +259,22 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         # (P > 1 adds 2 recv + 1 send buffers of C rows).
         out["saved_moe"] = b * H + 4 * K + 8 * K
         block = T * (norms + attn + router + b * H)
+        Tm = T  # tokens one MoE call sees
+        if s.tile_tokens:
+            Tm = min(s.tile_tokens, T)
+            block = T * tiled_full_len_bytes(m, b) + Tm * (norms + attn + router + b * H)
         # + the activation cache, alive from the layer's (re)computed forward to its
         # backward: whole slots of b*C*2I (h) within the launch budget, never more
         # slots than chunks (moepeak/llep_sched.py cache_slots).
         slot = b * C * 2 * I
-        chunks = -(-T * K // max(1, C // P))
+        chunks = -(-Tm * K // max(1, C // P))
         from .llep import default_save_budget_mb
         budget = s.llep_save_budget_mb if s.llep_save_budget_mb is not None else default_save_budget_mb(P)
         cache = min(capped_save_bytes(budget << 20, T, K, C, H, I, P, b) // slot, chunks) * slot
         out["llep_cache"] = cache
         # P > 1: backward's double-buffered send/receive rings (llep_sched.workspace_bytes)
-        out["dispatch"] = T * out["saved_moe"] + b * C * ((2 * H + 3 * I) if P == 1 else (16 * H + 7 * I)) \
-            + 4 * T * H + 4 * T * K + cache
+        out["dispatch"] = Tm * out["saved_moe"] + b * C * ((2 * H + 3 * I) if P == 1 else (16 * H + 7 * I)) \
+            + 4 * Tm * H + 4 * Tm * K + cache
         ws = ring_dtp_vocab_bytes(T, H, V, b, s.ring_workspace_mb)
         if P > 1:
             ws += 2 * (V // P) * H * b + 4 * (V // P) * H
@@ -269,7 +291,7 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
     out["head_act"] = T * head_act         # what the head's backward also holds
     out["total"] = out["fixed"] + out["optimizer"] + out["boundaries"] + \
         max(out["block"] + out["dispatch"], out["head_act"] + out["vocab"])
-    out["binding"] = max(PEAKS, key=lambda k: out[k])
+    out["binding"] = max(BINDING, key=lambda k: out[k])
     return out
 
 
@@ -401,6 +423,9 @@ def add_args(ap: argparse.ArgumentParser):
                          "rho x the mean rows; capped to [1, P])")
     ap.add_argument("--act-bytes", type=int, default=2, choices=(2, 4),
                     help="bytes per activation element (2: bf16/fp16, 4: fp32)")
+    ap.add_argument("--tile-tokens", type=int, default=None,
+                    help="moepeak plan: sequence-tiled blocks (moepeak.tiled) with tiles of this many tokens "
+                         "(default %(default)s: whole blocks)")
     ap.add_argument("--plot", default=None,
                     help="PNG path: peak vs context per component (needs matplotlib: moepeak[plot]; "
                          "default %(default)s: no plot)")
@@ -436,7 +461,11 @@ def from_args(a) -> (ModelShape, Setup):
                          f"--gpu-mem > 0 (got {a.gpu_mem}), --imbalance >= 1 (got {a.imbalance})")
     if m.experts % a.gpus and a.gpus <= m.experts:
         raise ValueError(f"moepeak plan: experts ({m.experts}) must be divisible by --gpus ({a.gpus})")
-    return m, Setup(gpus=a.gpus, gpu_mem_gib=a.gpu_mem, act_bytes=a.act_bytes, imbalance=a.imbalance)
+    tile = getattr(a, "tile_tokens", None)
+    if tile is not None and tile < 1:
+        raise ValueError(f"moepeak plan: need --tile-tokens >= 1 (got {tile})")
+    return m, Setup(gpus=a.gpus, gpu_mem_gib=a.gpu_mem, act_bytes=a.act_bytes, imbalance=a.imbalance,
+                    tile_tokens=tile)
 
 
 def main(argv=None) -> int:

@@ -14,16 +14,38 @@ moepeak.sco_checkpoint, which replay the wrapped function only until every saved
 tensor is back, replay nothing but that node: x is then the one tensor SCO offloads).
 
 Backward, given grad_y [.., T, ..]:
-  1. pre_attn tiles under no_grad rebuild q, k, v (full length);
-  2. attn_core re-runs under enable_grad on detached q, k, v (its own saved state: out, lse);
+  1. pre_attn tiles under no_grad rebuild q, k, v (full length, one buffer per head group);
+  2. attn_core re-runs under enable_grad on detached q, k, v, once per head group (its own
+     saved state: out and lse per group);
   3. post_attn tiles, last tile first: recompute the tile under enable_grad and take
-     torch.autograd.grad of y_t w.r.t. (x_t, out_t, weights); dx_t and dout_t are
-     written into full-length buffers, weight grads are added into accumulators;
-  4. torch.autograd.grad of the attention core gives dq, dk, dv (full length);
+     torch.autograd.grad of y_t w.r.t. (x_t, out_t, weights); dx_t is written into the
+     full-length dx, dout_t into the per-group dout buffers, weight grads are added into
+     accumulators;
+  4. the attention core's backward, one head group at a time: group g's q, k, v, out and
+     dout are dropped as soon as its dq, dk, dv exist, so the full-length set shrinks;
   5. pre_attn tiles, last tile first, the same way; dx_t adds to dx.
 Per-tile saved tensors live only during their tile's autograd.grad call, so the
-position-wise working set is O(tile_tokens), and the full-length set is x, grad_y,
-dx, q, k, v, out, dout, dq, dk, dv and whatever the attention kernel saves.
+position-wise working set is O(tile_tokens).
+
+Full-length tensors at the backward peak (the first head group's core backward), in bf16
+[T, H] equivalents for the 2.0B model of issue 25 (H = 2048, 16 q / 4 kv heads of 128,
+head_groups = 4; one unit = 4 KiB per token), with torch's flash attention:
+    x (block input, reloaded by SCO)                    1
+    grad_y (held by autograd for this node)             1
+    dx (post-attention part's contribution so far)     1
+    q (4 groups)                                        1
+    k, v (4 groups each, kv heads only)                 0.5
+    out (4 groups, saved by the core)                   1
+    dout (4 groups)                                     1
+    lse (fp32 [16 heads, T])                            0.02
+    group 0's flash backward: dq_accum fp32 (4 heads)   0.5
+        dk, dv expanded to the group's 4 q heads        0.5
+        dq, dk, dv of the group                         0.38
+    total                                               7.9  (31.6 KiB/token)
+Untiled checkpoint recompute of the same block (for comparison): ~17 units measured.
+Without head groups the core's backward alone would add 4 (dq_accum for 16 heads, dk/dv
+expanded to 16 heads) instead of 1. The tile's own working set (one tile of the
+position-wise parts, PipelinedLLEP's chunk) is O(tile_tokens) and not counted here.
 
 Exactness: each tile runs the untiled block's ops on its rows, so every per-token value
 (y, dx, q/k/v, their grads) is that of the untiled block up to the kernels' own
@@ -54,13 +76,19 @@ class TiledBlockSpec:
     """How to run one block in sequence tiles (the block's "small description").
 
     pre_attn(x_t, start): x_t is tokens [start, start + t) of the block input (sequence
-        at dim `seq_dim`); returns (q_t, k_t, v_t) with the sequence at dim `qkv_seq_dim`,
-        RoPE already applied at the tile's positions.
-    attn_core(q, k, v): full-length attention; returns out (sequence at `out_seq_dim`).
+        at dim `seq_dim`); returns (q_t, k_t, v_t) with the sequence at dim `qkv_seq_dim`
+        and the heads at dim `qkv_head_dim`, RoPE already applied at the tile's positions.
+    attn_core(q, k, v): full-length attention; returns out (sequence at `out_seq_dim`,
+        heads at `out_head_dim`).
     post_attn(x_t, out_t): the block output y_t for the tile (same layout as x_t).
     parameters(): the tensors requiring grad that pre_attn / post_attn use (evaluated
         at forward and again at backward, so FSDP2's unsharded parameters are the ones
         seen at each time). attn_core must not use parameters.
+    head_groups: G > 1 declares the core head-separable in G groups: attn_core on
+        q heads [g*nq/G, (g+1)*nq/G) and k/v heads [g*nkv/G, (g+1)*nkv/G) gives out heads
+        [g*nq/G, (g+1)*nq/G) (true of GQA attention for any G dividing nkv). The tiled
+        block then keeps q, k, v, out, dout as G separate buffers and runs the core's
+        backward one group at a time, freeing each group's inputs as it goes.
     """
 
     pre_attn: Callable[[torch.Tensor, int], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -70,6 +98,9 @@ class TiledBlockSpec:
     seq_dim: int = 1
     qkv_seq_dim: int = 2
     out_seq_dim: int = 1
+    head_groups: int = 1
+    qkv_head_dim: int = 1
+    out_head_dim: int = 2
 
 
 def tile_ranges(T: int, tile_tokens: int) -> List[Tuple[int, int]]:
@@ -121,19 +152,35 @@ def _detached_leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().requires_grad_(True)
 
 
+def _tile_of(groups: List[torch.Tensor], seq_dim: int, head_dim: int, s: int, n: int) -> torch.Tensor:
+    """Tokens [s, s + n) of the tensor whose heads are split over `groups` (a view when G = 1)."""
+    if len(groups) == 1:
+        return groups[0].narrow(seq_dim, s, n)
+    return torch.cat([t.narrow(seq_dim, s, n) for t in groups], dim=head_dim)
+
+
+def _scatter_tile(groups: List[torch.Tensor], tile: torch.Tensor, seq_dim: int, head_dim: int, s: int, n: int):
+    """Write `tile` (all heads, tokens [s, s + n)) into the per-group buffers."""
+    h0 = 0
+    for buf in groups:
+        h = buf.shape[head_dim]
+        buf.narrow(seq_dim, s, n).copy_(tile.narrow(head_dim, h0, h))
+        h0 += h
+
+
 class _TiledBlock(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, box, spec: TiledBlockSpec, tile_tokens: int, *params):
         ctx.box, ctx.spec, ctx.tile_tokens = box, spec, tile_tokens
         ctx.n_params = len(params)
         ctx.x_requires_grad = x.requires_grad
-        q, k, v = _pre_attn_full(x, spec, tile_tokens)
-        out = spec.attn_core(q, k, v)
-        del q, k, v
+        qkv = _pre_attn_groups(x, spec, tile_tokens)
+        outs = [spec.attn_core(q, k, v) for q, k, v in qkv]
+        del qkv
         y = torch.empty_like(x)
         for s, n in tile_ranges(x.shape[spec.seq_dim], tile_tokens):
             y.narrow(spec.seq_dim, s, n).copy_(
-                spec.post_attn(x.narrow(spec.seq_dim, s, n), out.narrow(spec.out_seq_dim, s, n)))
+                spec.post_attn(x.narrow(spec.seq_dim, s, n), _tile_of(outs, spec.out_seq_dim, spec.out_head_dim, s, n)))
         return y
 
     @staticmethod
@@ -150,49 +197,57 @@ class _TiledBlock(torch.autograd.Function):
         grad_params = [p for p, w in zip(params, wanted) if w]
         accs: List[Optional[torch.Tensor]] = [None] * len(grad_params)
         sd, tiles = spec.seq_dim, tile_ranges(x.shape[spec.seq_dim], tile)
+        osd, ohd = spec.out_seq_dim, spec.out_head_dim
 
-        # 1-2. q, k, v again (no graph), then the attention core with its graph
+        # 1-2. q, k, v again (no graph), then the attention core per head group with its graph
         with torch.no_grad():
-            q, k, v = _pre_attn_full(x, spec, tile)
-        q, k, v = _detached_leaf(q), _detached_leaf(k), _detached_leaf(v)
+            qkv = _pre_attn_groups(x, spec, tile)
+        leaves = [[_detached_leaf(t) for t in group] for group in qkv]
+        del qkv
         with torch.enable_grad():
-            out = spec.attn_core(q, k, v)
-        out_values = out.detach()
+            outs = [spec.attn_core(*group) for group in leaves]
+        out_values = [o.detach() for o in outs]
 
         # 3. post-attention tiles: dx (residual path + norm), dout, weight grads
         dx = torch.empty_like(x)
-        dout = torch.empty_like(out_values)
+        douts = [torch.empty_like(o) for o in out_values]
         for s, n in reversed(tiles):
             x_t = _detached_leaf(x.narrow(sd, s, n))
-            o_t = _detached_leaf(out_values.narrow(spec.out_seq_dim, s, n))
+            o_t = _detached_leaf(_tile_of(out_values, osd, ohd, s, n))
             with torch.enable_grad():
                 y_t = spec.post_attn(x_t, o_t)
             g = torch.autograd.grad(y_t, [x_t, o_t] + grad_params, grad_y.narrow(sd, s, n), allow_unused=True)
             del y_t
             dx.narrow(sd, s, n).copy_(_zero_if_none(g[0], x_t))
-            dout.narrow(spec.out_seq_dim, s, n).copy_(_zero_if_none(g[1], o_t))
+            _scatter_tile(douts, _zero_if_none(g[1], o_t), osd, ohd, s, n)
             _add_into(accs, grad_params, g[2:])
             del g, x_t, o_t
+        del out_values
 
-        # 4. the attention core's backward (full length)
-        dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout, allow_unused=True)
-        dq, dk, dv = (_zero_if_none(dq, q), _zero_if_none(dk, k), _zero_if_none(dv, v))
-        del out, out_values, dout, q, k, v
+        # 4. the attention core's backward, one head group at a time: each group's q, k, v,
+        # out and dout die as its dq, dk, dv are born (the full-length set shrinks)
+        dqkv = []
+        for i in range(len(leaves)):
+            group, out, dout = leaves[i], outs[i], douts[i]
+            leaves[i] = outs[i] = douts[i] = None
+            grads = torch.autograd.grad(out, group, dout, allow_unused=True)
+            dqkv.append([_zero_if_none(gr, t) for gr, t in zip(grads, group)])
+            del group, out, dout, grads
 
         # 5. pre-attention tiles. The post-attention part's dx (the residual path) enters
         # through an alias of x_t made after pre_attn's ops, so autograd runs it first and
         # adds x_t's gradient terms in the untiled block's order (residual path first).
-        qd = spec.qkv_seq_dim
+        qsd, qhd = spec.qkv_seq_dim, spec.qkv_head_dim
         for s, n in reversed(tiles):
             x_t = _detached_leaf(x.narrow(sd, s, n))
             dx_t = dx.narrow(sd, s, n)
             with torch.enable_grad():
                 qkv_t = tuple(spec.pre_attn(x_t, s))
                 residual_t = x_t.view_as(x_t)
-            g = torch.autograd.grad(qkv_t + (residual_t,), [x_t] + grad_params,
-                                    (dq.narrow(qd, s, n), dk.narrow(qd, s, n), dv.narrow(qd, s, n), dx_t),
+            dqkv_t = tuple(_tile_of([grp[j] for grp in dqkv], qsd, qhd, s, n) for j in range(3))
+            g = torch.autograd.grad(qkv_t + (residual_t,), [x_t] + grad_params, dqkv_t + (dx_t,),
                                     allow_unused=True)
-            del qkv_t, residual_t
+            del qkv_t, residual_t, dqkv_t
             dx_t.copy_(g[0])
             _add_into(accs, grad_params, g[1:])
             del g, x_t, dx_t
@@ -209,25 +264,33 @@ def _zero_if_none(g, like):
     return torch.zeros_like(like) if g is None else g
 
 
-def _pre_attn_full(x, spec: TiledBlockSpec, tile_tokens: int):
-    """q, k, v at full length, built tile by tile (the only full-length tensors pre_attn makes)."""
+def _pre_attn_groups(x, spec: TiledBlockSpec, tile_tokens: int) -> List[List[torch.Tensor]]:
+    """[[q_g, k_g, v_g] for each head group g]: q, k, v at full length, built tile by tile
+    (the only full-length tensors pre_attn makes), each group its own buffer."""
     T = x.shape[spec.seq_dim]
-    bufs = None
-    d = spec.qkv_seq_dim
+    G, d, hd = spec.head_groups, spec.qkv_seq_dim, spec.qkv_head_dim
+    groups = None
     for s, n in tile_ranges(T, tile_tokens):
         parts = spec.pre_attn(x.narrow(spec.seq_dim, s, n), s)
         if len(parts) != 3:
             raise ValueError(f"moepeak: tiled block pre_attn must return (q, k, v), got {len(parts)} tensors")
-        if bufs is None:
-            bufs = []
-            for t in parts:
-                shape = list(t.shape)
-                shape[d] = T
-                bufs.append(torch.empty(shape, dtype=t.dtype, device=t.device))
-        for buf, t in zip(bufs, parts):
-            buf.narrow(d, s, n).copy_(t)
+        if groups is None:
+            for name, t in zip("qkv", parts):
+                if t.shape[hd] % G:
+                    raise ValueError(f"moepeak: tiled block head_groups ({G}) must divide the {name} heads "
+                                     f"({t.shape[hd]}, dim {hd} of shape {tuple(t.shape)})")
+            groups = []
+            for _ in range(G):
+                bufs = []
+                for t in parts:
+                    shape = list(t.shape)
+                    shape[d], shape[hd] = T, t.shape[hd] // G
+                    bufs.append(torch.empty(shape, dtype=t.dtype, device=t.device))
+                groups.append(bufs)
+        for j, t in enumerate(parts):
+            _scatter_tile([grp[j] for grp in groups], t, d, hd, s, n)
         del parts
-    return bufs
+    return groups
 
 
 def tiled_block(x: torch.Tensor, spec: TiledBlockSpec, tile_tokens: int) -> torch.Tensor:
@@ -245,6 +308,8 @@ def tiled_block(x: torch.Tensor, spec: TiledBlockSpec, tile_tokens: int) -> torc
                         f"{getattr(x, 'dtype', type(x).__name__)}")
     if not -x.dim() <= spec.seq_dim < x.dim():
         raise ValueError(f"moepeak: spec.seq_dim {spec.seq_dim} is out of range for x of shape {tuple(x.shape)}")
+    if isinstance(spec.head_groups, bool) or not isinstance(spec.head_groups, int) or spec.head_groups < 1:
+        raise ValueError(f"moepeak: spec.head_groups must be a positive integer, got {spec.head_groups!r}")
     if x.shape[spec.seq_dim] == 0:
         raise ValueError(f"moepeak: tiled_block x has no tokens (shape {tuple(x.shape)})")
     params = tuple(spec.parameters())

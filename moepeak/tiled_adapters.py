@@ -33,7 +33,8 @@ def _rope(x, cos, sin):
 
 def demo_block_spec(block: torch.nn.Module, x: torch.Tensor) -> TiledBlockSpec:
     """Spec for the demo model's Block: x [B, T, H] (T: this rank's tokens under context
-    parallelism). q/k/v: [B, heads, T, d]; out: [B, heads, T, d]."""
+    parallelism). q/k/v: [B, heads, T, d]; out: [B, heads, T, d]. The core is the block's
+    own attn.attend (GQA: q heads [j*r, (j+1)*r) read kv head j), split into nkv head groups."""
     attn = block.attn
     B, T = x.shape[0], x.shape[1]
     nh, nkv, d = attn.nh, attn.nkv, attn.d
@@ -50,14 +51,7 @@ def demo_block_spec(block: torch.nn.Module, x: torch.Tensor) -> TiledBlockSpec:
         return _rope(q, c, s), _rope(k, c, s), v
 
     def attn_core(q, k, v):
-        from .demo import context_parallel as CP
-        if attn.cp is not None:
-            k, v = CP.gather_kv(k, v, *attn.cp)
-        if nkv != nh:
-            r = nh // nkv
-            k = k.repeat_interleave(r, dim=1)
-            v = v.repeat_interleave(r, dim=1)
-        return CP.causal_attention(q, k, v)
+        return attn.attend(q, k, v)
 
     def post_attn(x_t, o_t):
         t = x_t.shape[1]
@@ -66,7 +60,8 @@ def demo_block_spec(block: torch.nn.Module, x: torch.Tensor) -> TiledBlockSpec:
         return h + y
 
     return TiledBlockSpec(pre_attn, attn_core, post_attn, _requires_grad_params(block),
-                          seq_dim=1, qkv_seq_dim=2, out_seq_dim=2)
+                          seq_dim=1, qkv_seq_dim=2, out_seq_dim=2, head_groups=nkv, qkv_head_dim=1,
+                          out_head_dim=1)
 
 
 # --------------------------------------------------------------------------- Hugging Face Qwen3-MoE
@@ -121,7 +116,8 @@ def qwen3_moe_layer_spec(layer: torch.nn.Module, x: torch.Tensor, attention_mask
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     return TiledBlockSpec(pre_attn, attn_core, post_attn, _requires_grad_params(layer),
-                          seq_dim=1, qkv_seq_dim=2, out_seq_dim=1)
+                          seq_dim=1, qkv_seq_dim=2, out_seq_dim=1, head_groups=attn.config.num_key_value_heads,
+                          qkv_head_dim=1, out_head_dim=2)
 
 
 def tiled_qwen3_moe_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *args,

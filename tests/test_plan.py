@@ -313,3 +313,42 @@ def test_closed_pipe_prints_no_traceback(args):
     assert p.stderr == "", p.stderr
     # argparse's own --help swallows the write error and exits 0; moepeak's output: 141
     assert p.returncode == (0 if args == "plan --help" else 141) or p.returncode == 141, p.returncode
+
+
+# ---------------------------------------------- sequence-tiled blocks (--tile-tokens)
+
+def _model_2b(layers=16):
+    """The 2.0B demo LM of issue 25."""
+    return P.ModelShape(layers=layers, hidden=2048, experts=16, top_k=4, intermediate=768, vocab=151936,
+                        heads=16, kv_heads=4, head_dim=128)
+
+
+def test_tiled_block_term_is_the_listed_full_length_tensors_plus_one_tile():
+    m = _model_2b()
+    s = P.Setup(gpus=1, tile_tokens=8192)
+    # moepeak/tiled.py's list without x (the boundaries term's): grad_y, dx 2*2*2048; q, out,
+    # dout 3*2*2048; k, v 2*2*512; lse 4*16; group 0's flash backward (4 heads): fp32 dq
+    # accumulator 4*512, dk/dv expanded 2*2*512, dq/dk/dv 2*(512+2*128)
+    per_token = 2 * 2 * 2048 + 3 * 2 * 2048 + 2 * 2 * 512 + 4 * 16 + 4 * 512 + 2 * 2 * 512 + 2 * (512 + 256)
+    assert P.tiled_full_len_bytes(m, 2) == per_token == 28224  # 6.9 bf16 [T, H]; 7.9 with x
+    a, b = P.peaks(m, s, 1 << 19, "moepeak"), P.peaks(m, s, 1 << 20, "moepeak")
+    assert b["block"] - a["block"] == (1 << 19) * per_token  # the tile's part does not grow with T
+    untiled = P.peaks(m, P.Setup(gpus=1), 1 << 20, "moepeak")
+    tile_part = b["block"] - (1 << 20) * per_token
+    assert tile_part == 8192 * untiled["block"] / (1 << 20)  # one tile of the untiled block's bytes
+    assert b["block"] < 0.5 * untiled["block"] and b["dispatch"] < untiled["dispatch"]
+    assert P.peaks(m, s, 4096, "moepeak")["block"] == P.peaks(m, P.Setup(gpus=1), 4096, "moepeak")["block"] \
+        + 4096 * per_token  # T < tile: one tile of T tokens plus the full-length set
+    assert P.longest_context(m, s, "moepeak") > P.longest_context(m, P.Setup(gpus=1), "moepeak")
+
+
+def test_block_term_named_when_it_binds(capsys):
+    m = _model_2b()
+    r = P.peaks(m, P.Setup(gpus=1, gpu_mem_gib=141), 1 << 20, "moepeak")
+    assert r["binding"] == "block", r  # one GPU, 1M tokens: the recomputed block dominates
+    assert cli.main(["plan", "--layers", "16", "--hidden", "2048", "--experts", "16", "--top-k", "4",
+                     "--intermediate", "768", "--vocab", "151936", "--heads", "16", "--kv-heads", "4",
+                     "--head-dim", "128", "--gpus", "1", "--context", "2097152", "--tile-tokens", "8192"]) == 0
+    assert "binding peak = block" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        P.main(["--preset", "Qwen3-30B-A3B", "--tile-tokens", "0"])

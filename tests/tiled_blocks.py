@@ -1,6 +1,6 @@
 """Test-only blocks for tests/test_tiled.py: a pre-norm MoE decoder block written as the
 plain untiled forward, with the arithmetic of moepeak's demo Block (RMSNorm in fp32,
-rotate-half RoPE in fp32, GQA by repetition, causal SDPA, fp32 router, dense top-k
+rotate-half RoPE in fp32, GQA read in place by causal SDPA, fp32 router, dense top-k
 SwiGLU experts accumulated in fp32), and the same attribute names, so that
 moepeak.tiled.demo_block_spec applies to it."""
 from __future__ import annotations
@@ -46,12 +46,15 @@ def apply_rope(x, cos, sin):
 
 
 def sdpa_causal(q, k, v):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    """q [B, hq, T, d], k/v [B, hkv, T, d]: GQA read in place (the demo model's core)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def linear_causal_core(q, k, v):
-    """A position-mixing core with O(T) memory (prefix means of sigmoid(k) * v, gated by q): the
-    memory test's stand-in for flash attention (CPU SDPA materialises [T, T])."""
+    """A position-mixing core with O(T) memory (prefix means of sigmoid(k) * v, gated by q; GQA
+    by repetition): the memory test's stand-in for flash attention (CPU SDPA materialises [T, T])."""
+    r = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
     T = v.shape[2]
     pos = torch.arange(1, T + 1, device=v.device, dtype=v.dtype).view(1, 1, T, 1)
     return torch.sigmoid(q) * ((torch.sigmoid(k) * v).cumsum(2) / pos)
@@ -75,11 +78,11 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
         cos, sin = self.rotary.tables(T, x.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.nkv != self.nh:
-            r = self.nh // self.nkv
-            k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
-        o = self.core(q, k, v)
+        o = self.attend(q, k, v)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.d))
+
+    def attend(self, q, k, v):
+        return self.core(q, k, v)
 
 
 class DenseMoE(nn.Module):

@@ -32,6 +32,7 @@ Parameter names and layouts (E_local = experts / expert-parallel ranks):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import math
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ import torch.utils.checkpoint as torch_ckpt
 
 from . import context_parallel as CP
 
+# scaled_dot_product_attention(..., enable_gqa=True): torch >= 2.5
+SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 IGNORE_INDEX = -100  # labels that take no part in the loss (both heads' default)
 MOE_CHOICES = ("llep", "dense")
 HEAD_CHOICES = ("ring_dtp", "plain")
@@ -102,6 +105,10 @@ class MoEConfig:
     # each rank holds the contiguous slice [r*T/P, (r+1)*T/P) of one sequence
     # (see cp_slice), attention all-gathers K/V, the loss is the full sequence's.
     context_parallel: bool = False
+    # Sequence-tiled blocks (moepeak.tiled): every block's position-wise parts run in tiles of
+    # this many tokens, forward and backward; only attention holds full-length tensors
+    # (None: whole blocks). Composes with every checkpoint setting.
+    tile_tokens: Optional[int] = None
 
     @property
     def head_dim(self) -> int:
@@ -137,7 +144,7 @@ class MoEConfig:
         for sw, choices in (("moe", MOE_CHOICES), ("head", HEAD_CHOICES), ("checkpoint", CKPT_CHOICES)):
             if getattr(self, sw) not in choices:
                 bad.append(f"{sw} must be one of {choices}, got {getattr(self, sw)!r}")
-        for f in ("chunk_rows", "chunk_tokens", "chunk_vocab"):
+        for f in ("chunk_rows", "chunk_tokens", "chunk_vocab", "tile_tokens"):
             v = getattr(self, f)
             if v is not None and (not isinstance(v, int) or v < 1):
                 bad.append(f"{f} must be a positive integer or None, got {v!r}")
@@ -167,7 +174,7 @@ class MoEConfig:
 
     def plain(self) -> "MoEConfig":
         """The same model in plain PyTorch (dense MoE, F.cross_entropy, torch checkpoint)."""
-        return self.replace(moe="dense", head="plain",
+        return self.replace(moe="dense", head="plain", tile_tokens=None,
                             checkpoint="none" if self.checkpoint == "none" else "torch")
 
 
@@ -250,14 +257,22 @@ class Attention(nn.Module):
         offset = 0 if self.cp is None else self.cp[2] * T  # global position of the slice start
         cos, sin = self.rotary.tables(T, x.device, offset)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.cp is not None:  # keys/values of ranks 0..r: [B, nkv, (r+1)*T, d]
+        o = self.attend(q, k, v)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.d))
+
+    def attend(self, q, k, v):
+        """The attention core: q [B, hq, T, d], k/v [B, hkv, T, d] (RoPE applied; hkv divides
+        hq) -> [B, hq, T, d]. Heads are independent: q head i reads kv head i // (hq/hkv),
+        so any split into head groups of whole kv heads gives the same rows."""
+        if self.cp is not None:  # keys/values of ranks 0..r: [B, hkv, (r+1)*T, d]
             k, v = CP.gather_kv(k, v, *self.cp)
-        if self.nkv != self.nh:  # GQA by repetition (works on every torch >= 2.4)
-            r = self.nh // self.nkv
+        r = q.shape[1] // k.shape[1]
+        if r > 1 and SDPA_GQA and q.shape[2] == k.shape[2]:  # kv heads read in place (flash)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if r > 1:  # GQA by repetition (torch < 2.5, or the context-parallel lower-right mask)
             k = k.repeat_interleave(r, dim=1)
             v = v.repeat_interleave(r, dim=1)
-        o = CP.causal_attention(q, k, v)  # flash on GPU: O(T) memory
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.d))
+        return CP.causal_attention(q, k, v)  # flash on GPU: O(T) memory
 
 
 class DenseMoE(nn.Module):
@@ -412,11 +427,19 @@ class MoELM(nn.Module):
 
     def run_block(self, blk, x):
         """One block under cfg.checkpoint ("sco", "torch" or "none"; no checkpointing
-        when grad is off). hidden_states() calls it for every block."""
+        when grad is off), sequence-tiled when cfg.tile_tokens is set: the tiled block keeps
+        only its input x for backward, so it is its own checkpoint ("torch" and "none" run
+        it as is) and SCO wraps it to keep x in host memory. hidden_states() calls it for
+        every block."""
+        fn = blk
+        if self.cfg.tile_tokens is not None:
+            fn = functools.partial(_tiled_block_forward, blk, self.cfg.tile_tokens)
         if not torch.is_grad_enabled() or self.cfg.checkpoint == "none":
-            return blk(x)
+            return fn(x)
         if self.cfg.checkpoint == "sco":
-            return self._ckpt(blk, x, sco_config=self.sco_config)
+            return self._ckpt(fn, x, sco_config=self.sco_config)
+        if self.cfg.tile_tokens is not None:
+            return fn(x)
         return torch_ckpt.checkpoint(blk, x, use_reentrant=False)
 
     def hidden_states(self, input_ids):
@@ -436,6 +459,11 @@ class MoELM(nn.Module):
         torch.distributed.all_reduce(n, group=self.group)
         scale = self.world / n.clamp_min(1.0)
         return self.head(self.hidden_states(input_ids), labels) * scale
+
+
+def _tiled_block_forward(blk, tile_tokens: int, x):
+    from moepeak.tiled import demo_block_spec, tiled_block
+    return tiled_block(x, demo_block_spec(blk, x), tile_tokens)
 
 
 def _stable_hash(s: str) -> int:

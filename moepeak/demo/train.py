@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--bucket-mb", type=float, default=None, help="StreamAdamW bucket size in MiB (default %(default)s: StreamAdamW's)")
     s.add_argument("--chunk-rows", type=int, default=None,
                    help="PipelinedLLEP chunk budget" + DEVICE_DEFAULT)
+    s.add_argument("--tile-tokens", type=int, default=None,
+                   help="sequence-tiled blocks (moepeak.tiled): position-wise parts in tiles of this many "
+                        "tokens (default %(default)s: whole blocks)")
     c = ap.add_argument_group("comparison with plain PyTorch")
     c.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
                    help="after the run, train the same model from the same weights on the same "
@@ -189,7 +192,7 @@ def _config_from_args(a, dev_kind: str):
                     kv_heads=pick("kv_heads", a.kv_heads), experts=pick("experts", a.experts),
                     top_k=pick("top_k", a.top_k), intermediate=pick("intermediate", a.intermediate),
                     checkpoint="none" if a.no_checkpoint else "sco",
-                    chunk_rows=pick("chunk_rows", a.chunk_rows))
+                    chunk_rows=pick("chunk_rows", a.chunk_rows), tile_tokens=a.tile_tokens)
     train = dict(seq_len=pick("seq_len", a.seq_len), batch=pick("batch", a.batch),
                  steps=pick("steps", a.steps), lr=pick("lr", a.lr), warmup=pick("warmup", a.warmup),
                  dtype=getattr(torch, pick("dtype", a.dtype)),
