@@ -52,7 +52,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 COLUMNS = ["timestamp", "gpu", "torch", "moepeak", "commit", "transformers", "arm", "T", "status", "peak_gib",
            "step_s", "step_s_spread", "tokens_per_s", "loss", "params", "note"]
-ARMS = ("hf", "liger", "moepeak")
+ARMS = ("hf", "liger", "moepeak", "moepeak_tiled")
 # Qwen3-MoE ~2.0B (issue 24): 16 x (10.5M attention + 75.5M experts) + 2 x 311M embeddings.
 FULL = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
             num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=128, num_experts=16,
@@ -77,18 +77,20 @@ def build_model(shape, max_T, dtype, device):
     return model.to(dtype)
 
 
-def setup_arm(arm, shape, max_T, device):
-    """(model, optimizer, autocast dtype or None, note)."""
+def setup_arm(arm, shape, max_T, device, tile_tokens=8192):
+    """(model, optimizer, autocast dtype or None, note). moepeak_tiled: moepeak with the
+    decoder layers sequence-tiled (apply_moepeak's tile_tokens)."""
     note = ""
     if arm == "liger":
         from liger_kernel.transformers import apply_liger_kernel_to_qwen3_moe
         apply_liger_kernel_to_qwen3_moe()  # patches the qwen3_moe module's classes: before the model is built
-    if arm == "moepeak":
+    if arm in ("moepeak", "moepeak_tiled"):
         import moepeak
         from moepeak.hf import apply_moepeak
         model = build_model(shape, max_T, torch.bfloat16, device)
-        report = apply_moepeak(model)
-        note = f"experts on moepeak: {len(report.experts_on_moepeak)}" + "".join(
+        tile = tile_tokens if arm == "moepeak_tiled" else None
+        report = apply_moepeak(model, tile_tokens=tile)
+        note = (f"tile_tokens {tile}; " if tile else "") + f"experts on moepeak: {len(report.experts_on_moepeak)}" + "".join(
             f"; left alone: {line}" for line in report.left_alone)
         opt = moepeak.StreamAdamW(model.parameters(), lr=1e-4)
         return model, opt, None, note
@@ -107,7 +109,7 @@ def run_arm(args, arm):
             import liger_kernel  # noqa: F401
         except ImportError as e:
             return [dict(base, T=0, status="skipped", note=f"liger_kernel not importable: {e}")]
-    model, opt, autocast, note = setup_arm(arm, shape, max(args.T), device)
+    model, opt, autocast, note = setup_arm(arm, shape, max(args.T), device, args.tile_tokens)
     params = sum(p.numel() for p in model.parameters())
     base.update(params=params)
     model.train()
@@ -194,6 +196,7 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=520.0, help="wall-clock budget of the whole call")
     ap.add_argument("--csv", default=os.path.join(HERE, "results", "hf.csv"))
     ap.add_argument("--tiny", action="store_true", help="a tiny config (CPU smoke run)")
+    ap.add_argument("--tile-tokens", type=int, default=8192, help="tile of the moepeak_tiled arm")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: run one arm, print rows
     ap.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -213,7 +216,8 @@ def main(argv=None):
         deadline = time.time() + (args.budget_s - (time.time() - start)) / (len(arms) - i)
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", arm, "--deadline", str(deadline),
                "--T", ",".join(map(str, args.T)), "--warmup", str(args.warmup), "--steps", str(args.steps),
-               "--max-step-s", str(args.max_step_s)] + (["--tiny"] if args.tiny else [])
+               "--max-step-s", str(args.max_step_s), "--tile-tokens", str(args.tile_tokens)] + (
+                   ["--tiny"] if args.tiny else [])
         res = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in res.stdout.splitlines() if ln.startswith("ROWS ")]
         if res.returncode != 0 or not lines:
