@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 # ---------------------------------------------------------------------------
-# OffloadStreamAdamW
+# StreamAdamW
 # ---------------------------------------------------------------------------
 def adamw_step_ref(p, g, m, v, step, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
     """One decoupled-weight-decay AdamW step in fp64, in place.
