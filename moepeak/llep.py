@@ -106,23 +106,10 @@ def _(x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha, mi
     return torch.empty_like(x), _new_cache(x, w_down, chunk_rows, save_slots), load, send_index
 
 
-@torch.library.custom_op("moepeak::llep_dispatch_backward", mutates_args=("cache",))
-def llep_dispatch_backward(grad_y: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
-                           topk_weights: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, group: str,
-                           chunk_rows: int, alpha: float, min_tokens_per_gemm: int,
-                           imbalance_threshold: float, cache: Optional[torch.Tensor] = None,
-                           w_up: Optional[torch.Tensor] = None, b_gate_up: Optional[torch.Tensor] = None,
-                           b_down: Optional[torch.Tensor] = None, activation: str = "swiglu",
-                           load: Optional[torch.Tensor] = None, send_index: Optional[torch.Tensor] = None
-                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                      torch.Tensor, torch.Tensor]:
-    """-> (dx, d topk_weights, dW_gate_up, dW_down, dW_up, db_gate_up, db_down);
-    the last three are empty [0] tensors where w_up / the biases are absent.
-    load and send_index: forward's (llep_dispatch's 3rd and 4th outputs);
-    without them backward counts and routes again. cache: forward's
-    activation cache; on the one-chunk path (llep_sched.lean_one_chunk) its
-    h is overwritten by dh, so it serves one backward (a second one over a
-    retained graph raises autograd's in-place modification error)."""
+def _dispatch_backward(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha,
+                       min_tokens_per_gemm, imbalance_threshold, cache, w_up, b_gate_up, b_down, activation,
+                       load, send_index, overwrite_cache):
+    """Both backward ops' body (overwrite_cache: the lean op's in-place dh)."""
     plan_state = None
     if load is not None or send_index is not None:
         if load is None or send_index is None:
@@ -142,21 +129,68 @@ def llep_dispatch_backward(grad_y: torch.Tensor, x: torch.Tensor, topk_ids: torc
         se = sched.slot_elems(chunk_rows, w_down.shape[1])
         if cache.shape[1] != se:
             raise ValueError(f"moepeak: cache must be [slots, {se}] (chunk_rows*2I), got {tuple(cache.shape)}")
-    dx, dtw, dW, dbgu, dbd = sched.backward(ctx, grad_y.contiguous(), cache=cache)
+    dx, dtw, dW, dbgu, dbd = sched.backward(ctx, grad_y.contiguous(), cache=cache,
+                                           overwrite_cache=overwrite_cache)
     def or_empty(t):
         return t if t is not None else x.new_empty(0)
     return (dx, dtw.view(topk_weights.shape).to(topk_weights.dtype), dW[0], dW[1],
             or_empty(dW[2] if w_up is not None else None), or_empty(dbgu), or_empty(dbd))
 
 
+
+
+@torch.library.custom_op("moepeak::llep_dispatch_backward", mutates_args=())
+def llep_dispatch_backward(grad_y: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
+                           topk_weights: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, group: str,
+                           chunk_rows: int, alpha: float, min_tokens_per_gemm: int,
+                           imbalance_threshold: float, cache: Optional[torch.Tensor] = None,
+                           w_up: Optional[torch.Tensor] = None, b_gate_up: Optional[torch.Tensor] = None,
+                           b_down: Optional[torch.Tensor] = None, activation: str = "swiglu",
+                           load: Optional[torch.Tensor] = None, send_index: Optional[torch.Tensor] = None
+                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                      torch.Tensor, torch.Tensor]:
+    """-> (dx, d topk_weights, dW_gate_up, dW_down, dW_up, db_gate_up, db_down);
+    the last three are empty [0] tensors where w_up / the biases are absent.
+    load and send_index: forward's (llep_dispatch's 3rd and 4th outputs);
+    without them backward counts and routes again. cache: forward's
+    activation cache (only read)."""
+    return _dispatch_backward(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha,
+                              min_tokens_per_gemm, imbalance_threshold, cache, w_up, b_gate_up, b_down,
+                              activation, load, send_index, False)
+
+
+@torch.library.custom_op("moepeak::llep_dispatch_backward_lean_", mutates_args=("cache",))
+def llep_dispatch_backward_lean_(grad_y: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
+                                 topk_weights: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, group: str,
+                                 chunk_rows: int, alpha: float, min_tokens_per_gemm: int,
+                                 imbalance_threshold: float, cache: Optional[torch.Tensor] = None,
+                                 w_up: Optional[torch.Tensor] = None, b_gate_up: Optional[torch.Tensor] = None,
+                                 b_down: Optional[torch.Tensor] = None, activation: str = "swiglu",
+                                 load: Optional[torch.Tensor] = None, send_index: Optional[torch.Tensor] = None
+                                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                            torch.Tensor, torch.Tensor]:
+    """llep_dispatch_backward, except that on the one-chunk path
+    (llep_sched.lean_one_chunk) dh is written over the cached h, so that
+    backward holds no second [T*K, 2I] (llep_workspace.one_chunk_peak_bytes):
+    the cache serves one backward (a second one over a retained graph raises
+    autograd's in-place modification error). Eager autograd uses it; traced
+    graphs (torch.compile) use llep_dispatch_backward: the same values."""
+    return _dispatch_backward(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha,
+                              min_tokens_per_gemm, imbalance_threshold, cache, w_up, b_gate_up, b_down,
+                              activation, load, send_index, True)
+
+
 @llep_dispatch_backward.register_fake
-def _(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha, min_tokens_per_gemm,
-      imbalance_threshold, cache=None, w_up=None, b_gate_up=None, b_down=None, activation="swiglu", load=None,
-      send_index=None):
+def _dispatch_backward_fake(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha,
+                            min_tokens_per_gemm, imbalance_threshold, cache=None, w_up=None, b_gate_up=None,
+                            b_down=None, activation="swiglu", load=None, send_index=None):
     def like(t):
         return torch.empty_like(t) if t is not None else x.new_empty(0)
     return (torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w_gate_up),
             torch.empty_like(w_down), like(w_up), like(b_gate_up), like(b_down))
+
+
+llep_dispatch_backward_lean_.register_fake(_dispatch_backward_fake)
 
 
 def _setup_context(ctx, inputs, output):
@@ -177,7 +211,9 @@ def _backward(ctx, grad_y, *grad_rest):
         return (None,) * 15
     x, topk_ids, topk_weights, w_gate_up, w_down, cache, w_up, b_gate_up, b_down, load, send_index = \
         ctx.saved_tensors
-    dx, dtw, dwgu, dwd, dwu, dbgu, dbd = llep_dispatch_backward(
+    # the lean op overwrites the cache: eager only (a traced graph keeps it read-only)
+    lean = cache.shape[0] > 0 and type(grad_y) is torch.Tensor and not torch.compiler.is_compiling()
+    dx, dtw, dwgu, dwd, dwu, dbgu, dbd = (llep_dispatch_backward_lean_ if lean else llep_dispatch_backward)(
         grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, *ctx.args, cache if cache.shape[0] else None,
         w_up, b_gate_up, b_down, ctx.activation, load, send_index)
     return (dx, None, dtw, dwgu, dwd, None, None, None, None, None, None, dwu if w_up is not None else None,
@@ -437,5 +473,6 @@ class PipelinedLLEPMoE(nn.Module):
         return dense_moe_reference(x2, ti, tw, self.w_gate_up, self.w_down).view(x.shape), logits
 
 
-__all__ = ["PipelinedLLEPMoE", "llep_moe", "llep_dispatch", "llep_dispatch_backward", "llep_combine_",
+__all__ = ["PipelinedLLEPMoE", "llep_moe", "llep_dispatch", "llep_dispatch_backward", "llep_dispatch_backward_lean_",
+           "llep_combine_",
            "dense_moe_reference"]

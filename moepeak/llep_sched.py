@@ -308,12 +308,14 @@ def _segment_sum(ctx, buf, src, ratio, rti, dst):
         dst.index_add_(0, rti[a:b], t)
 
 
-def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True, cache: Optional[torch.Tensor] = None):
+def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True, cache: Optional[torch.Tensor] = None,
+             overwrite_cache: bool = False):
     """Returns dx [T, H] (x dtype), d(topk_weights) [T*K] fp32, dW (a list
     indexed by weight kind, None where absent; param dtype; weight gradients
     of lent experts summed in) and d biases (db_gate_up, db_down) like the
     biases (or None). cache: forward's activation cache (chunks j < slots
-    skip the recompute)."""
+    skip the recompute). overwrite_cache: on the one-chunk path
+    (lean_one_chunk) dh is written over the cached h (_backward_one_chunk)."""
     x, H, I, C, K, P = ctx.x, ctx.H, ctx.I, ctx.C, ctx.K, ctx.P
     dev, dt = x.device, x.dtype
     LAST_STATS.update(recomputed_chunks=ctx.n - min(ctx.n, cache.shape[0] if cache is not None else 0),
@@ -338,7 +340,7 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True, cache: Optional[t
     # bias gradients, fp32, rows as ctx.bias_table's (local experts, then borrowed slots)
     dbias = torch.zeros(ctx.El + nb, 2 * I + H, dtype=torch.float32, device=dev) if ctx.has_bias else None
 
-    if lean_one_chunk(ctx, cache):
+    if overwrite_cache and lean_one_chunk(ctx, cache):
         _backward_one_chunk(ctx, gy, need_dw, cache[0].view(C, 2 * I), dx, dtw, dW, dWb)
         _zero_untouched(ctx, dW, dWb)
         return (dx.to(dt), dtw, dW) + _bias_grads(ctx, dbias)

@@ -162,7 +162,8 @@ def one_chunk_peak_bytes(T: int, K: int, E: int, H: int, I: int, b: int) -> int:
     to last use, dh written over the cached h), counted as
     grouped_mm_peak_bytes counts: cache b*R*2I and the fp32 dx accumulator
     4*T*H throughout, plus the largest of
-      forward:  b*R*max(H + 2I, 2H + I)   (gathered x and h's GEMM output;
+      forward:  b*R*max(H + 3I, 2H + I)   (gathered x, a and h's GEMM output
+                                           before its copy into the cache;
                                            gathered x, a and o)
       backward: dW_down + b*R*(H + 3I)    (w*dy, a, silu(gate), da)
                 dW_down + dW_gate_up + b*R*H  (gathered x for dW_gate_up)
@@ -172,7 +173,7 @@ def one_chunk_peak_bytes(T: int, K: int, E: int, H: int, I: int, b: int) -> int:
     accumulator + 0.35 gathered x = 7.16 GiB <= grouped_mm's 7.34 GiB."""
     R = T * K
     dwd, dwgu = b * E * I * H, b * E * H * 2 * I
-    fwd = b * R * max(H + 2 * I, 2 * H + I)
+    fwd = b * R * max(H + 3 * I, 2 * H + I)
     bwd = max(dwd + b * R * (H + 3 * I), dwd + dwgu + b * R * H, dwd + dwgu + b * T * H)
     return b * R * 2 * I + 4 * T * H + 12 * R + max(fwd, bwd)
 
@@ -188,7 +189,7 @@ def one_chunk_fits(T: int, K: int, E: int, H: int, I: int, C: int, b: int, budge
         return False
     if one_chunk_peak_bytes(T, K, E, H, I, b) > grouped_mm_peak_bytes(T, K, E, H, I, b):
         return False
-    held = b * R * 2 * I + 12 * R + b * R * max(H + 2 * I, 2 * H + I, H + 3 * I)  # cache + largest phase
+    held = b * R * 2 * I + 12 * R + b * R * max(2 * H + I, H + 3 * I)  # cache + largest phase's buffers
     return held <= working_set_bound(C, H, I, 1, b, True, budget_bytes)
 
 

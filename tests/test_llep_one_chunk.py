@@ -85,3 +85,16 @@ def test_default_chunking_picks_one_chunk_when_it_fits():
     ref, _ = _grads(T, K, E, H, I, torch.float32, chunk_rows=T * K, save_budget_mb=0)
     for a, b in zip(lean, ref):
         assert torch.equal(a, b)
+
+
+def test_opcheck_lean_backward_op():
+    from moepeak.llep import llep_dispatch, llep_dispatch_backward_lean_
+    T, K, E, H, I = 12, 4, 32, 8, 8
+    x, gy = torch.randn(T, H), torch.randn(T, H)
+    ids = torch.rand(T, E).topk(K, 1).indices
+    tw = torch.rand(T, K)
+    wgu, wd = torch.randn(E, H, 2 * I), torch.randn(E, I, H)
+    args = (x, ids, tw, wgu, wd, "", T * K, 1.0, 1024, 1.3)
+    _, cache, load, send_index = llep_dispatch(*args, 1)
+    torch.library.opcheck(llep_dispatch_backward_lean_, (gy,) + args + (cache, None, None, None, "swiglu", load,
+                                                                         send_index))
