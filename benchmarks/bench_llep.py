@@ -10,7 +10,9 @@ Arms at P = 1 (same inputs, same process):
   grouped_mm     permute rows by expert (the T*K*H expanded copy) + torch._grouped_mm
   moepeak_1chunk moepeak.llep_moe with chunk_rows = T*K (one chunk: unchunked)
   pipelined      moepeak.llep_moe with the default chunk budget (and the default
-                 1536 MiB activation cache: backward skips the first chunks' recompute)
+                 1536 MiB activation cache: backward skips the first chunks' recompute;
+                 one chunk with h cached whole where that peaks no higher than
+                 grouped_mm, llep_workspace.one_chunk_fits: 16k tokens at E = 128)
   pipelined_nocache  the same with save_budget_mb=0 (every chunk recomputed)
 Arms at P = 2 (T tokens per rank):
   standard_ep    all_to_all_single dispatch/combine (torch.distributed.nn, autograd)

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from . import llep_plan as lp
 from . import llep_sched as sched
 from .llep_context import ACTIVATIONS
-from .llep_workspace import capped_save_bytes, effective_chunk_rows
+from .llep_workspace import capped_save_bytes, effective_chunk_rows, one_chunk_fits
 from ._ext import check_tensor
 from .process_groups import lookup_group, register_group
 from .transport import get_transport
@@ -106,20 +106,10 @@ def _(x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha, mi
     return torch.empty_like(x), _new_cache(x, w_down, chunk_rows, save_slots), load, send_index
 
 
-@torch.library.custom_op("moepeak::llep_dispatch_backward", mutates_args=())
-def llep_dispatch_backward(grad_y: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
-                           topk_weights: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, group: str,
-                           chunk_rows: int, alpha: float, min_tokens_per_gemm: int,
-                           imbalance_threshold: float, cache: Optional[torch.Tensor] = None,
-                           w_up: Optional[torch.Tensor] = None, b_gate_up: Optional[torch.Tensor] = None,
-                           b_down: Optional[torch.Tensor] = None, activation: str = "swiglu",
-                           load: Optional[torch.Tensor] = None, send_index: Optional[torch.Tensor] = None
-                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                      torch.Tensor, torch.Tensor]:
-    """-> (dx, d topk_weights, dW_gate_up, dW_down, dW_up, db_gate_up, db_down);
-    the last three are empty [0] tensors where w_up / the biases are absent.
-    load and send_index: forward's (llep_dispatch's 3rd and 4th outputs);
-    without them backward counts and routes again."""
+def _dispatch_backward(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha,
+                       min_tokens_per_gemm, imbalance_threshold, cache, w_up, b_gate_up, b_down, activation,
+                       load, send_index, overwrite_cache):
+    """Both backward ops' body (overwrite_cache: the lean op's in-place dh)."""
     plan_state = None
     if load is not None or send_index is not None:
         if load is None or send_index is None:
@@ -139,21 +129,68 @@ def llep_dispatch_backward(grad_y: torch.Tensor, x: torch.Tensor, topk_ids: torc
         se = sched.slot_elems(chunk_rows, w_down.shape[1])
         if cache.shape[1] != se:
             raise ValueError(f"moepeak: cache must be [slots, {se}] (chunk_rows*2I), got {tuple(cache.shape)}")
-    dx, dtw, dW, dbgu, dbd = sched.backward(ctx, grad_y.contiguous(), cache=cache)
+    dx, dtw, dW, dbgu, dbd = sched.backward(ctx, grad_y.contiguous(), cache=cache,
+                                           overwrite_cache=overwrite_cache)
     def or_empty(t):
         return t if t is not None else x.new_empty(0)
     return (dx, dtw.view(topk_weights.shape).to(topk_weights.dtype), dW[0], dW[1],
             or_empty(dW[2] if w_up is not None else None), or_empty(dbgu), or_empty(dbd))
 
 
+
+
+@torch.library.custom_op("moepeak::llep_dispatch_backward", mutates_args=())
+def llep_dispatch_backward(grad_y: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
+                           topk_weights: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, group: str,
+                           chunk_rows: int, alpha: float, min_tokens_per_gemm: int,
+                           imbalance_threshold: float, cache: Optional[torch.Tensor] = None,
+                           w_up: Optional[torch.Tensor] = None, b_gate_up: Optional[torch.Tensor] = None,
+                           b_down: Optional[torch.Tensor] = None, activation: str = "swiglu",
+                           load: Optional[torch.Tensor] = None, send_index: Optional[torch.Tensor] = None
+                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                      torch.Tensor, torch.Tensor]:
+    """-> (dx, d topk_weights, dW_gate_up, dW_down, dW_up, db_gate_up, db_down);
+    the last three are empty [0] tensors where w_up / the biases are absent.
+    load and send_index: forward's (llep_dispatch's 3rd and 4th outputs);
+    without them backward counts and routes again. cache: forward's
+    activation cache (only read)."""
+    return _dispatch_backward(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha,
+                              min_tokens_per_gemm, imbalance_threshold, cache, w_up, b_gate_up, b_down,
+                              activation, load, send_index, False)
+
+
+@torch.library.custom_op("moepeak::llep_dispatch_backward_lean_", mutates_args=("cache",))
+def llep_dispatch_backward_lean_(grad_y: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
+                                 topk_weights: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, group: str,
+                                 chunk_rows: int, alpha: float, min_tokens_per_gemm: int,
+                                 imbalance_threshold: float, cache: Optional[torch.Tensor] = None,
+                                 w_up: Optional[torch.Tensor] = None, b_gate_up: Optional[torch.Tensor] = None,
+                                 b_down: Optional[torch.Tensor] = None, activation: str = "swiglu",
+                                 load: Optional[torch.Tensor] = None, send_index: Optional[torch.Tensor] = None
+                                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                            torch.Tensor, torch.Tensor]:
+    """llep_dispatch_backward, except that on the one-chunk path
+    (llep_sched.lean_one_chunk) dh is written over the cached h, so that
+    backward holds no second [T*K, 2I] (llep_workspace.one_chunk_peak_bytes):
+    the cache serves one backward (a second one over a retained graph raises
+    autograd's in-place modification error). Eager autograd uses it; traced
+    graphs (torch.compile) use llep_dispatch_backward: the same values."""
+    return _dispatch_backward(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha,
+                              min_tokens_per_gemm, imbalance_threshold, cache, w_up, b_gate_up, b_down,
+                              activation, load, send_index, True)
+
+
 @llep_dispatch_backward.register_fake
-def _(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha, min_tokens_per_gemm,
-      imbalance_threshold, cache=None, w_up=None, b_gate_up=None, b_down=None, activation="swiglu", load=None,
-      send_index=None):
+def _dispatch_backward_fake(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha,
+                            min_tokens_per_gemm, imbalance_threshold, cache=None, w_up=None, b_gate_up=None,
+                            b_down=None, activation="swiglu", load=None, send_index=None):
     def like(t):
         return torch.empty_like(t) if t is not None else x.new_empty(0)
     return (torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w_gate_up),
             torch.empty_like(w_down), like(w_up), like(b_gate_up), like(b_down))
+
+
+llep_dispatch_backward_lean_.register_fake(_dispatch_backward_fake)
 
 
 def _setup_context(ctx, inputs, output):
@@ -174,7 +211,9 @@ def _backward(ctx, grad_y, *grad_rest):
         return (None,) * 15
     x, topk_ids, topk_weights, w_gate_up, w_down, cache, w_up, b_gate_up, b_down, load, send_index = \
         ctx.saved_tensors
-    dx, dtw, dwgu, dwd, dwu, dbgu, dbd = llep_dispatch_backward(
+    # the lean op overwrites the cache: eager only (a traced graph keeps it read-only)
+    lean = cache.shape[0] > 0 and type(grad_y) is torch.Tensor and not torch.compiler.is_compiling()
+    dx, dtw, dwgu, dwd, dwu, dbgu, dbd = (llep_dispatch_backward_lean_ if lean else llep_dispatch_backward)(
         grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, *ctx.args, cache if cache.shape[0] else None,
         w_up, b_gate_up, b_down, ctx.activation, load, send_index)
     return (dx, None, dtw, dwgu, dwd, None, None, None, None, None, None, dwu if w_up is not None else None,
@@ -304,14 +343,18 @@ def llep_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     chunk_rows: rows per destination per chunk (None: 32768 on one rank,
     16384 on several; llep_plan.default_chunk_rows). On one rank it is
     lowered to T*K when that is smaller (one chunk, buffers no larger than
-    the rows).
+    the rows); with chunk_rows=None it is also raised to T*K when one chunk
+    with its whole h cached peaks no higher than permute + grouped GEMM and
+    stays within the chunked working-set bound
+    (llep_workspace.one_chunk_fits; swiglu, fused gate/up, no biases, not
+    fp16): backward then recomputes nothing.
     save_budget_mb: bytes (MiB) fixed at launch for an activation cache: the
     first chunks whose [C, 2I] forward intermediates fit are kept for
     backward, which recomputes only the others (0: recompute all; no cache
     when no gradient is needed; None: 1536 on one rank, 0 on several, see
     DEFAULT_SAVE_BUDGET_MB). The cache is also capped so that it and the
     backward working set together stay within what permute + grouped GEMM
-    would save for the same T (llep_workspace.capped_save_bytes). Results
+    holds at its peak for the same T (llep_workspace.capped_save_bytes). Results
     are identical either way.
     The cache lives from this call's forward to its backward: a model keeps
     one per MoE layer whose backward is pending (none under activation
@@ -335,9 +378,16 @@ def llep_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     C = effective_chunk_rows(C, T, K, P)  # P = 1: one chunk when T*K fits, buffers no larger than the rows
     params = (x, topk_weights, w_gate_up, w_down, w_up, b_gate_up, b_down)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params)
-    budget = capped_save_bytes(save_budget_mb << 20, T, K, int(C), H, I, P, x.element_size(),
-                               activation=activation, bias=b_gate_up is not None, split=w_up is not None)
-    slots = sched.cache_slots(budget, T, K, int(C), I, P, x.element_size()) if grad else 0
+    b = x.element_size()
+    lean = (grad and P == 1 and (chunk_rows is None or T * K <= C) and activation == "swiglu" and w_up is None
+            and b_gate_up is None and x.dtype != torch.float16
+            and one_chunk_fits(T, K, w_down.shape[0], H, I, int(C), b, save_budget_mb << 20))
+    if lean:  # one chunk, h cached whole, backward's buffers held only while used
+        C, slots = T * K, 1
+    else:
+        budget = capped_save_bytes(save_budget_mb << 20, T, K, int(C), H, I, P, b,
+                                   activation=activation, bias=b_gate_up is not None, split=w_up is not None)
+        slots = sched.cache_slots(budget, T, K, int(C), I, P, b) if grad else 0
     shape = x.shape
     y = llep_dispatch(x.reshape(T, H).contiguous(), topk_ids.contiguous(), topk_weights.contiguous(),
                       w_gate_up, w_down, register_group(group), int(C), float(alpha), int(min_tokens_per_gemm),
@@ -423,5 +473,6 @@ class PipelinedLLEPMoE(nn.Module):
         return dense_moe_reference(x2, ti, tw, self.w_gate_up, self.w_down).view(x.shape), logits
 
 
-__all__ = ["PipelinedLLEPMoE", "llep_moe", "llep_dispatch", "llep_dispatch_backward", "llep_combine_",
+__all__ = ["PipelinedLLEPMoE", "llep_moe", "llep_dispatch", "llep_dispatch_backward", "llep_dispatch_backward_lean_",
+           "llep_combine_",
            "dense_moe_reference"]

@@ -308,15 +308,18 @@ def _segment_sum(ctx, buf, src, ratio, rti, dst):
         dst.index_add_(0, rti[a:b], t)
 
 
-def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True, cache: Optional[torch.Tensor] = None):
+def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True, cache: Optional[torch.Tensor] = None,
+             overwrite_cache: bool = False):
     """Returns dx [T, H] (x dtype), d(topk_weights) [T*K] fp32, dW (a list
     indexed by weight kind, None where absent; param dtype; weight gradients
     of lent experts summed in) and d biases (db_gate_up, db_down) like the
     biases (or None). cache: forward's activation cache (chunks j < slots
-    skip the recompute)."""
+    skip the recompute). overwrite_cache: on the one-chunk path
+    (lean_one_chunk) dh is written over the cached h (_backward_one_chunk)."""
     x, H, I, C, K, P = ctx.x, ctx.H, ctx.I, ctx.C, ctx.K, ctx.P
     dev, dt = x.device, x.dtype
-    LAST_STATS.update(recomputed_chunks=ctx.n - min(ctx.n, cache.shape[0] if cache is not None else 0))
+    LAST_STATS.update(recomputed_chunks=ctx.n - min(ctx.n, cache.shape[0] if cache is not None else 0),
+                      lean_one_chunk=False)
     dx = torch.zeros(ctx.T, H, dtype=torch.float32, device=dev)
     dtw = torch.zeros(ctx.T * K, dtype=torch.float32, device=dev)
     # dW starts uninitialised (no full-size memset): the first chunk's grouped
@@ -336,6 +339,11 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True, cache: Optional[t
             dWb[which].extend(bgrad[i, o:o + a0 * N].view(a0, N) for i in range(nb))
     # bias gradients, fp32, rows as ctx.bias_table's (local experts, then borrowed slots)
     dbias = torch.zeros(ctx.El + nb, 2 * I + H, dtype=torch.float32, device=dev) if ctx.has_bias else None
+
+    if overwrite_cache and lean_one_chunk(ctx, cache):
+        _backward_one_chunk(ctx, gy, need_dw, cache[0].view(C, 2 * I), dx, dtw, dW, dWb)
+        _zero_untouched(ctx, dW, dWb)
+        return (dx.to(dt), dtw, dW) + _bias_grads(ctx, dbias)
 
     ws = Workspace(dev)
     buf = _Bufs(ctx, ws, gemm.grouped_ok(ctx), backward=True)
@@ -487,6 +495,66 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True, cache: Optional[t
     return (dx.to(dt), dtw, dW) + _bias_grads(ctx, dbias)
 
 
+def lean_one_chunk(ctx: Ctx, cache: Optional[torch.Tensor]) -> bool:
+    """Backward takes the one-chunk path (_backward_one_chunk): one rank, one
+    chunk, its h cached, swiglu on fused gate/up weights, no biases, not fp16."""
+    return (ctx.P == 1 and ctx.n == 1 and cache is not None and cache.shape[0] >= 1
+            and ctx.activation == "swiglu" and not ctx.split and not ctx.has_bias
+            and ctx.x.dtype != torch.float16)
+
+
+class _RowBufs:
+    """a and s [rows, I] for _act / _act_bwd on the one-chunk path."""
+
+    def __init__(self, a, s):
+        self.a, self.s = a, s
+
+
+def _backward_one_chunk(ctx, gy, need_dw, hcache, dx, dtw, dW, dWb):
+    """Backward of one chunk (rows = T*K) at P = 1 with h cached: each buffer
+    is allocated at its first use and dropped after its last, as permute +
+    grouped_mm's autograd does, and dh [rows, 2I] is written over the cached
+    h (hcache [C, 2I], the op's mutable cache), so the peak is
+    llep_workspace.one_chunk_peak_bytes. Values: the same ops as compute()
+    on the same operands (only where results are written differs), so the
+    same bits.
+    Buffers (rows x ., x dtype unless said): do [rows, H] (gathered dy,
+    then w*dy in place); a, s, da [rows, I] (a then reused for d silu(gate));
+    wg, w1, dwr [rows] fp32; dx rows [rows, H]; gathered x [rows, H] last."""
+    x, H, K = ctx.x, ctx.H, ctx.K
+    lay = ctx.layout(0)
+    idx = ctx.send_idx(lay, None)
+    rows = idx.numel()
+    grp = gemm.Groups(ctx, lay.ecount)
+    hh = hcache[:rows]
+    wg = torch.index_select(ctx.wflat, 0, idx)
+    w1 = wg.clone().masked_fill_(~(wg.abs() >= _TINY_W) | torch.isinf(wg), 1.0)  # wp: w, or 1
+    do = lp.gather_rows(gy, idx, K, gy.new_empty(rows, H))
+    torch.mul(do, w1.unsqueeze(1), out=do)                           # d(expert output) = wp * dy
+    rb = _RowBufs(x.new_empty(rows, ctx.I), x.new_empty(rows, ctx.I))
+    a = _act(ctx, hh, rb, rows)
+    dda = gemm.mm(ctx, do, grp, 1, True, None)                       # [rows, I]: (wp dy) W_down^T
+    dwr = torch.empty(rows, dtype=torch.float32, device=x.device)
+    lp.down_bwd(dda, a, wg, w1, dwr)                                 # d(weight); tiny-w rows rescaled
+    if need_dw:
+        gemm.dw_accumulate(ctx, a, do, grp, 1, dW, dWb)
+    do = a = None
+    gate, up = _gate_views(ctx, hh)                                  # dh over h, in place:
+    torch.mul(dda, up, out=rb.a)                                     # d silu(gate) = da * up
+    torch.mul(dda, rb.s, out=up)                                     # d up = da * silu(gate)
+    torch.ops.aten.silu_backward.grad_input(rb.a, gate, grad_input=gate)
+    rb = dda = None
+    dxr = gemm.mm(ctx, hh, grp, 0, True, None)                       # dx rows [rows, H]
+    lp.combine_rows(dx, dxr, idx, None, K)
+    dxr = None
+    dtw.index_copy_(0, idx, dwr)
+    if need_dw:
+        xg = lp.gather_rows(x, idx, K, x.new_empty(rows, H))
+        gemm.dw_accumulate(ctx, xg, hh, grp, 0, dW, dWb)
+    # the largest phase's buffers (do, a, s, da); the cache holds h, then dh
+    LAST_STATS.update(workspace_bytes_bwd=x.element_size() * rows * (H + 3 * ctx.I), lean_one_chunk=True)
+
+
 def _return_lent_grads(ctx, bgrad, dW, dbias):
     """Weight (and bias) gradients of lent experts come home and are summed
     there: one all-to-all-v in the param dtype, one in fp32 for biases."""
@@ -525,5 +593,5 @@ def _bias_grads(ctx, dbias):
     return dbgu, dbd
 
 
-__all__ = ["Ctx", "LAST_STATS", "forward", "backward", "cache_slots", "slot_elems", "workspace_bytes",
+__all__ = ["Ctx", "LAST_STATS", "forward", "backward", "lean_one_chunk", "cache_slots", "slot_elems", "workspace_bytes",
            "working_set_bound"]

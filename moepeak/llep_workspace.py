@@ -29,7 +29,12 @@ Activation cache (fixed at launch by save_budget_mb, kept from forward to
   slots = min(budget // (b*C*2I), ceil(T*K / (C//P))), so its bytes are <=
   the budget whatever the routing; backward recomputes h only for chunks
   j >= slots. The budget is capped (capped_save_bytes) so that cache +
-  backward working set <= what permute + grouped_mm saves for the same T.
+  backward working set + the fp32 dx accumulator <= what permute +
+  grouped_mm holds above its weight gradients at its peak for the same T.
+One chunk at P = 1 (one_chunk_fits; llep_moe's default chunk size): the
+  whole h is cached and backward allocates its buffers at first use and
+  drops them after the last, writing dh over the cached h; its peak is
+  one_chunk_peak_bytes.
 Outside the working set: fp32 accumulators [T, H] (forward y, backward dx),
   the send list [T*K] int64, and borrowed experts' weights (and their grads).
 """
@@ -83,9 +88,7 @@ def cache_slots(budget_bytes: int, T: int, K: int, C: int, I: int, P: int, b: in
     changes how many chunks are recomputed, never a result). llep_moe passes
     the budget through capped_save_bytes first. Worked once: budget 1536 MiB,
     C = 32768, I = 2880, bf16: one slot is 32768 x 5760 x 2 B = 360 MiB, so 4
-    slots (1440 MiB): T = 256k (32 chunks) recomputes 28; at T = 16k, K = 4
-    the cap leaves no room (grouped_mm would save 1.41 GiB, less than the
-    1.93 GiB backward working set), so both chunks are recomputed."""
+    slots (1440 MiB): T = 256k (32 chunks) recomputes 28."""
     per = b * slot_elems(C, I)
     if budget_bytes <= 0 or per <= 0:
         return 0
@@ -116,22 +119,78 @@ def effective_chunk_rows(C: int, T: int, K: int, P: int) -> int:
 
 
 def grouped_mm_saved_bytes(T: int, K: int, H: int, I: int, b: int) -> int:
-    """What permute + torch._grouped_mm saves from forward for backward
-    (unchunked): the permuted x [T*K, H], h [T*K, 2I] and a [T*K, I]."""
-    return b * T * K * (H + 3 * I)
+    """What permute + torch._grouped_mm's autograd saves from forward for
+    backward (unchunked): the permuted x [T*K, H], h [T*K, 2I] (gate and up
+    views), silu(gate) [T*K, I], a [T*K, I] and o [T*K, H] (kept by the
+    pick-weight product for d(topk_weights))."""
+    return b * T * K * (2 * H + 4 * I)
+
+
+def grouped_mm_peak_bytes(T: int, K: int, E: int, H: int, I: int, b: int) -> int:
+    """permute + torch._grouped_mm's fwd+bwd peak above its inputs and
+    weights: at the gate/up GEMM's backward, both weight gradients
+    (b*E*(H*2I + I*H)) plus the permuted x [T*K, H] it saved, dh [T*K, 2I]
+    and the permuted dx [T*K, H] it makes (forward's peak, the saved
+    b*T*K*(2H + 4I) plus an fp32 and a bf16 [T*K, H] of the pick-weight
+    product, holds no weight gradient and is below it at these shapes).
+    Worked once: T = 16k, K = 4, E = 128, H = I = 2880, bf16: weight
+    gradients 128 x 3 x 2880^2 x 2 B = 5.93 GiB, activations 65536 x 11520 x
+    2 B = 1.41 GiB: 7.34 GiB (measured on an H200: 7.43 GiB; the rest is the
+    bf16 dx [T, H] and GEMM workspaces)."""
+    return b * E * 3 * H * I + b * T * K * (2 * H + 2 * I)
 
 
 def capped_save_bytes(budget_bytes: int, T: int, K: int, C: int, H: int, I: int, P: int, b: int,
                       **options) -> int:
-    """The activation-cache budget actually used: at most budget_bytes, and
-    at most what grouped_mm would save for the same T minus the backward
-    working set, so that cache + working set never exceed grouped_mm's
-    saved activations (never below 0). options: workspace_bytes' keywords.
-    Worked once: T = 64k, K = 4, H = I = 2880, bf16, C = 32768: grouped_mm
-    saves 256k x 11520 x 2 B = 5.6 GiB, the P = 1 backward working set is
-    32768 x 31680 x 2 B + 384 KiB = 1.93 GiB, so the 1536 MiB default stands."""
-    room = grouped_mm_saved_bytes(T, K, H, I, b) - workspace_bytes(C, H, I, P, b, True, **options)
+    """The activation-cache budget actually used by the chunked schedule: at
+    most budget_bytes, and at most what grouped_mm holds above its weight
+    gradients at its peak (grouped_mm_peak_bytes) minus the backward working
+    set and the fp32 dx accumulator [T, H], so that cache + working set +
+    accumulator never exceed it (never below 0). options: workspace_bytes'
+    keywords. Worked once: T = 64k, K = 4, H = I = 2880, bf16, C = 32768:
+    grouped_mm holds 256k x 11520 x 2 B = 5.6 GiB, the P = 1 backward working
+    set is 32768 x 31680 x 2 B + 384 KiB = 1.93 GiB and the accumulator 0.7
+    GiB, so the 1536 MiB default stands; at T = 16k it holds 1.41 GiB, less
+    than the working set: no cache (one_chunk_fits covers that length)."""
+    room = b * T * K * (2 * H + 2 * I) - workspace_bytes(C, H, I, P, b, True, **options) - 4 * T * H
     return max(0, min(int(budget_bytes), room))
+
+
+def one_chunk_peak_bytes(T: int, K: int, E: int, H: int, I: int, b: int) -> int:
+    """Peak above inputs and weights of the one-chunk P = 1 schedule
+    (llep_sched's lean path: R = T*K rows, h cached, buffers held from first
+    to last use, dh written over the cached h), counted as
+    grouped_mm_peak_bytes counts: cache b*R*2I and the fp32 dx accumulator
+    4*T*H throughout, plus the largest of
+      forward:  b*R*max(H + 3I, 2H + I)   (gathered x, a and h's GEMM output
+                                           before its copy into the cache;
+                                           gathered x, a and o)
+      backward: dW_down + b*R*(H + 3I)    (w*dy, a, silu(gate), da)
+                dW_down + dW_gate_up + b*R*H  (gathered x for dW_gate_up)
+                dW_down + dW_gate_up + b*T*H  (the dx copy)
+    and 12*R bytes of fp32 row vectors. Worked once: T = 16k, K = 4, E =
+    128, H = I = 2880, bf16: 5.93 GiB weight gradients + 0.70 cache + 0.18
+    accumulator + 0.35 gathered x = 7.16 GiB <= grouped_mm's 7.34 GiB."""
+    R = T * K
+    dwd, dwgu = b * E * I * H, b * E * H * 2 * I
+    fwd = b * R * max(H + 3 * I, 2 * H + I)
+    bwd = max(dwd + b * R * (H + 3 * I), dwd + dwgu + b * R * H, dwd + dwgu + b * T * H)
+    return b * R * 2 * I + 4 * T * H + 12 * R + max(fwd, bwd)
+
+
+def one_chunk_fits(T: int, K: int, E: int, H: int, I: int, C: int, b: int, budget_bytes: int) -> bool:
+    """On one rank, whether T*K rows run as one chunk with the whole h cached
+    (no recompute): the cache b*T*K*2I fits budget_bytes, the peak
+    (one_chunk_peak_bytes) is no larger than grouped_mm's, and what it holds
+    besides the weight gradients and the accumulator stays within the
+    chunked schedule's bound (working_set_bound at chunk size C)."""
+    R = T * K
+    if R <= 0 or b * R * 2 * I > budget_bytes:
+        return False
+    if one_chunk_peak_bytes(T, K, E, H, I, b) > grouped_mm_peak_bytes(T, K, E, H, I, b):
+        return False
+    held = b * R * 2 * I + 12 * R + b * R * max(2 * H + I, H + 3 * I)  # cache + largest phase's buffers
+    return held <= working_set_bound(C, H, I, 1, b, True, budget_bytes)
 
 
 def working_set_bound(C: int, H: int, I: int, P: int, b: int, backward: bool, save_budget_bytes: int) -> int:
