@@ -62,7 +62,7 @@ static inline uint16_t f32_to_f16(float f) {
 }
 
 /* Element i of a buffer of dtype code 0 (fp32), 1 (bf16) or 2 (fp16), as fp32; and the store
- * with one rounding. The codes are the kernels' dtype codes (ce.c CE_*, llep.h MP_LLEP_*). */
+ * with one rounding. The codes are the kernels' dtype codes (ce_cpu.h CE_*, llep.h MP_LLEP_*). */
 static inline float mp_ld_el(const void *p, int code, int64_t i) {
   if (code == 0) return ((const float *)p)[i];
   if (code == 1) return bf16_to_f32(((const uint16_t *)p)[i]);

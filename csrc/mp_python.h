@@ -32,7 +32,7 @@ PyObject *mp_raise_no_cuda(const char *what);
 /* Method tables, one per component (csrc/<component>.c). */
 extern PyMethodDef mp_core_methods[];      /* cuda_rt.c: pinned memory, streams, events, pool */
 extern PyMethodDef mp_adamw_methods[];     /* adamw.c: StreamAdamW */
-extern PyMethodDef mp_ce_methods[];        /* ce.c: Ring-DTP cross-entropy kernels */
+extern PyMethodDef mp_ce_methods[];        /* ce_bind.c: Ring-DTP cross-entropy kernels */
 extern PyMethodDef mp_sco_methods[];       /* sco.c: selective checkpoint offload */
 extern PyMethodDef mp_llep_methods[];      /* llep.c: PipelinedLLEP planner + permutation */
 extern PyMethodDef mp_transport_methods[]; /* nccl.c: NCCL transport */
