@@ -1,6 +1,6 @@
 """House rules of the code base, checked over every moepeak module:
 
-- no module takes another moepeak module's private name, neither by `from .x import _name`
+- no module (nor a test or benchmark) takes a moepeak module's private name, neither by `from .x import _name`
   nor by attribute access `x._name` on a moepeak module bound by an import (at module level
   or inside functions); the compiled extension (moepeak._C, reached through moepeak._ext) is
   the one private module the package shares;
@@ -141,6 +141,17 @@ def test_modules_found():
 @pytest.mark.parametrize("module", MODULES)
 def test_no_private_names_of_other_modules(module):
     assert not SCANS[module].private, f"{module} reaches private names: {SCANS[module].private}"
+
+
+USER_FILES = sorted(list((ROOT / "tests").glob("*.py")) + list((ROOT / "benchmarks").rglob("*.py")))
+
+
+@pytest.mark.parametrize("path", USER_FILES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_tests_and_benchmarks_use_no_private_names(path):
+    """Tests and benchmarks use moepeak's public names and moepeak.testing's hooks."""
+    visitor = _Imports("user." + path.stem)
+    visitor.visit(ast.parse(path.read_text()))
+    assert not visitor.private, f"{path.relative_to(ROOT)} reaches private names: {visitor.private}"
 
 
 def test_the_private_name_check_can_fail():
