@@ -99,8 +99,7 @@ static PyObject *py_ce_fold(PyObject *self, PyObject *args) {
   } else {
     MP_CALL_NOGIL(st, mp_parallel_for(t, CE_ROW_GRAIN, 0, mp_ce_fold_rows, &a));
   }
-  if (st != MP_OK) return mp_raise_status(st);
-  Py_RETURN_NONE;
+  return mp_return_none(st);
 fail:
   return NULL;
 }
@@ -191,8 +190,7 @@ static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
     }
     MP_CALL_NOGIL(st, mp_parallel_for(t, CE_ROW_GRAIN, 0, mp_ce_grad_rows, &a));
   }
-  if (st != MP_OK) return mp_raise_status(st);
-  Py_RETURN_NONE;
+  return mp_return_none(st);
 fail:
   return NULL;
 }
@@ -225,8 +223,7 @@ static PyObject *py_ce_scale(PyObject *self, PyObject *args) {
     if (a.g == 1.0f) Py_RETURN_NONE; /* x * 1 == x exactly: nothing to do */
     MP_CALL_NOGIL(st, mp_parallel_for(n, CE_SCALE_GRAIN, 0, mp_ce_scale_range, &a));
   }
-  if (st != MP_OK) return mp_raise_status(st);
-  Py_RETURN_NONE;
+  return mp_return_none(st);
 fail:
   return NULL;
 }
@@ -288,8 +285,7 @@ static PyObject *py_ce_dw_finish(PyObject *self, PyObject *args) {
                            (const float *)(uintptr_t)mu};
     MP_CALL_NOGIL(st, mp_parallel_for(nv, 16, 0, mp_ce_dw_finish_range, &a));
   }
-  if (st != MP_OK) return mp_raise_status(st);
-  Py_RETURN_NONE;
+  return mp_return_none(st);
 fail:
   return NULL;
 }
@@ -330,8 +326,7 @@ static PyObject *py_ce_sub_row(PyObject *self, PyObject *args) {
                          h, dtype};
     MP_CALL_NOGIL(st, mp_parallel_for(n, 16, 0, mp_ce_sub_row_range, &a));
   }
-  if (st != MP_OK) return mp_raise_status(st);
-  Py_RETURN_NONE;
+  return mp_return_none(st);
 fail:
   return NULL;
 }
@@ -387,8 +382,7 @@ static PyObject *py_ce_dx_finish(PyObject *self, PyObject *args) {
                            (const int64_t *)(uintptr_t)labels, (const float *)(uintptr_t)tc};
     MP_CALL_NOGIL(st, mp_parallel_for(t, 16, 0, mp_ce_dx_finish_range, &a));
   }
-  if (st != MP_OK) return mp_raise_status(st);
-  Py_RETURN_NONE;
+  return mp_return_none(st);
 fail:
   return NULL;
 }

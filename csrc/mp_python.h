@@ -26,8 +26,24 @@ PyObject *mp_raise_status(mp_status st);
     }                                      \
   } while (0)
 
+/* A binding's return for a status: None, or the matching Python exception raised (NULL). */
+static inline PyObject *mp_return_none(mp_status st) {
+  if (st != MP_OK) return mp_raise_status(st);
+  Py_RETURN_NONE;
+}
+
 /* Raise RuntimeError("moepeak was built without CUDA ...") for `what`. */
 PyObject *mp_raise_no_cuda(const char *what);
+
+/* Pinned host memory for the bindings (csrc/cuda_rt.c). mp_arg_nbytes: a Python int
+ * > 0, else -1 with ValueError "moepeak: <what> nbytes must be > 0". mp_py_pinned_alloc:
+ * that many bytes from alloc (called without the GIL) as a Python int pointer;
+ * mp_py_pinned_free: cudaFreeHost of a Python int pointer (0: nothing). Without CUDA
+ * both raise mp_raise_no_cuda(need). */
+long long mp_arg_nbytes(PyObject *arg, const char *what);
+PyObject *mp_py_pinned_alloc(PyObject *arg, const char *what, const char *need,
+                             mp_status (*alloc)(void **ptr, long long nbytes));
+PyObject *mp_py_pinned_free(PyObject *arg, const char *need);
 
 /* Method tables, one per component (csrc/<component>.c). */
 extern PyMethodDef mp_core_methods[];      /* cuda_rt.c: pinned memory, streams, events, pool */
