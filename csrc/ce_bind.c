@@ -88,20 +88,17 @@ static PyObject *py_ce_fold(PyObject *self, PyObject *args) {
     return NULL;
   }
   if (t == 0) Py_RETURN_NONE;
-  mp_status st = MP_OK;
   if (cuda) {
 #if MP_WITH_CUDA
-    st = mp_ce_fold_cuda(a.z, z_dtype, ldz, t, v, v0, v_valid, a.labels, ignore, a.softcap, a.m, a.s, a.zy, a.zsum,
-                         a.sx, (uintptr_t)stream);
+    return mp_return_none(
+        mp_ce_fold_cuda(a.z, z_dtype, ldz, t, v, v0, v_valid, a.labels, ignore, a.softcap, a.m, a.s, a.zy, a.zsum,
+            a.sx, (uintptr_t)stream));
 #else
     return mp_raise_no_cuda("ce_fold");
 #endif
   } else {
-    MP_CALL_NOGIL(st, mp_parallel_for(t, CE_ROW_GRAIN, 0, mp_ce_fold_rows, &a));
+    return mp_py_parallel_for(t, CE_ROW_GRAIN, mp_ce_fold_rows, &a);
   }
-  return mp_return_none(st);
-fail:
-  return NULL;
 }
 
 /* ce_grad(z, z_dtype, ldz, t, v, v0, v_valid, labels, ignore_index, softcap, m, ls, q, g, g_stride, eps, n_classes,
@@ -158,7 +155,6 @@ static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
     return NULL;
   }
   if (t == 0) Py_RETURN_NONE;
-  mp_status st = MP_OK;
   if (cuda) {
 #if MP_WITH_CUDA
     if (out_dtype != 0 && ldo < v) {
@@ -166,15 +162,15 @@ static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
       return NULL;
     }
     if (part)
-      st = mp_ce_grad_colsum_cuda(a.z, z_dtype, ldz, t, v, v0, v_valid, a.labels, ignore, a.softcap, a.mrow, a.ls, a.q,
-                                  a.g, g_stride, a.eps, n_classes, a.zloss,
-                                  out_dtype == 0 ? (void *)a.z : (void *)(uintptr_t)out, out_dtype == 0 ? ldz : ldo,
-                                  out_dtype, (float *)(uintptr_t)part, ldp, gmax, (float *)(uintptr_t)cs, first,
-                                  (float *)(uintptr_t)tc, (uintptr_t)stream);
+      return mp_return_none(
+          mp_ce_grad_colsum_cuda(a.z, z_dtype, ldz, t, v, v0, v_valid, a.labels, ignore, a.softcap, a.mrow, a.ls,
+              a.q, a.g, g_stride, a.eps, n_classes, a.zloss, out_dtype == 0 ? (void *)a.z : (void *)(uintptr_t)out,
+              out_dtype == 0 ? ldz : ldo, out_dtype, (float *)(uintptr_t)part, ldp, gmax, (float *)(uintptr_t)cs,
+              first, (float *)(uintptr_t)tc, (uintptr_t)stream));
     else
-      st = mp_ce_grad_cuda(a.z, z_dtype, ldz, t, v, v0, v_valid, a.labels, ignore, a.softcap, a.mrow, a.ls, a.q, a.g,
-                           g_stride, a.eps, n_classes, a.zloss, (void *)(uintptr_t)out, ldo, out_dtype,
-                           (uintptr_t)stream);
+      return mp_return_none(
+          mp_ce_grad_cuda(a.z, z_dtype, ldz, t, v, v0, v_valid, a.labels, ignore, a.softcap, a.mrow, a.ls, a.q, a.g,
+              g_stride, a.eps, n_classes, a.zloss, (void *)(uintptr_t)out, ldo, out_dtype, (uintptr_t)stream));
 #else
     return mp_raise_no_cuda("ce_grad");
 #endif
@@ -188,11 +184,8 @@ static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
                       "(on CPU: ring_dtp_blocks.colsum_acc_ after the gradient)");
       return NULL;
     }
-    MP_CALL_NOGIL(st, mp_parallel_for(t, CE_ROW_GRAIN, 0, mp_ce_grad_rows, &a));
+    return mp_py_parallel_for(t, CE_ROW_GRAIN, mp_ce_grad_rows, &a);
   }
-  return mp_return_none(st);
-fail:
-  return NULL;
 }
 
 /* ce_scale(t, dtype, n, g, cuda, stream): t: [n] x dtype (0 fp32, 1 bf16, 2 fp16), contiguous;
@@ -211,21 +204,18 @@ static PyObject *py_ce_scale(PyObject *self, PyObject *args) {
       mp_check_ptr("ce_scale", "g", g, n ? 1 : 0))
     return NULL;
   if (n == 0) Py_RETURN_NONE;
-  mp_status st = MP_OK;
   if (cuda) {
 #if MP_WITH_CUDA
-    st = mp_ce_scale_cuda((void *)(uintptr_t)t, dtype, n, (const float *)(uintptr_t)g, (uintptr_t)stream);
+    return mp_return_none(
+        mp_ce_scale_cuda((void *)(uintptr_t)t, dtype, n, (const float *)(uintptr_t)g, (uintptr_t)stream));
 #else
     return mp_raise_no_cuda("ce_scale");
 #endif
   } else {
     ce_scale_args a = {(void *)(uintptr_t)t, dtype, *(const float *)(uintptr_t)g};
     if (a.g == 1.0f) Py_RETURN_NONE; /* x * 1 == x exactly: nothing to do */
-    MP_CALL_NOGIL(st, mp_parallel_for(n, CE_SCALE_GRAIN, 0, mp_ce_scale_range, &a));
+    return mp_py_parallel_for(n, CE_SCALE_GRAIN, mp_ce_scale_range, &a);
   }
-  return mp_return_none(st);
-fail:
-  return NULL;
 }
 
 /* ce_dw_finish(dw, dtype, ldw, v0, nv, x, ldx, h, sy, perm, tcs, t, cs, mu, flags, cuda, stream): dw:
@@ -268,13 +258,13 @@ static PyObject *py_ce_dw_finish(PyObject *self, PyObject *args) {
       if (mp_check_range(fn, "perm[k]", p, 0, t)) return NULL;
     }
   if (nv == 0 || h == 0 || (t == 0 && !cs)) Py_RETURN_NONE;
-  mp_status st = MP_OK;
   if (cuda) {
 #if MP_WITH_CUDA
-    st = mp_ce_dw_finish_cuda((void *)(uintptr_t)dw, dtype, ldw, v0, nv, (const void *)(uintptr_t)x, ldx, h,
-                              (const int64_t *)(uintptr_t)sy, (const int64_t *)(uintptr_t)perm,
-                              (const float *)(uintptr_t)tc, t, (const float *)(uintptr_t)cs,
-                              (const float *)(uintptr_t)mu, (unsigned char *)(uintptr_t)flags, (uintptr_t)stream);
+    return mp_return_none(
+        mp_ce_dw_finish_cuda((void *)(uintptr_t)dw, dtype, ldw, v0, nv, (const void *)(uintptr_t)x, ldx, h,
+            (const int64_t *)(uintptr_t)sy, (const int64_t *)(uintptr_t)perm, (const float *)(uintptr_t)tc, t,
+            (const float *)(uintptr_t)cs, (const float *)(uintptr_t)mu, (unsigned char *)(uintptr_t)flags,
+            (uintptr_t)stream));
 #else
     return mp_raise_no_cuda("ce_dw_finish");
 #endif
@@ -283,11 +273,8 @@ static PyObject *py_ce_dw_finish(PyObject *self, PyObject *args) {
                            (const int64_t *)(uintptr_t)sy, (const int64_t *)(uintptr_t)perm,
                            (const float *)(uintptr_t)tc, t, (const float *)(uintptr_t)cs,
                            (const float *)(uintptr_t)mu};
-    MP_CALL_NOGIL(st, mp_parallel_for(nv, 16, 0, mp_ce_dw_finish_range, &a));
+    return mp_py_parallel_for(nv, 16, mp_ce_dw_finish_range, &a);
   }
-  return mp_return_none(st);
-fail:
-  return NULL;
 }
 
 /* ce_sub_row(out, ldo, x, ldx, mu, n, h, dtype, cuda, stream): out: [n, ldo], x: [n, ldx], mu: [h],
@@ -313,22 +300,19 @@ static PyObject *py_ce_sub_row(PyObject *self, PyObject *args) {
       mp_check_ptr(fn, "mu", mu, n ? h : 0))
     return NULL;
   if (n == 0 || h == 0) Py_RETURN_NONE;
-  mp_status st = MP_OK;
   if (cuda) {
 #if MP_WITH_CUDA
-    st = mp_ce_sub_row_cuda((void *)(uintptr_t)out, ldo, (const void *)(uintptr_t)x, ldx,
-                            (const void *)(uintptr_t)mu, n, h, dtype, (uintptr_t)stream);
+    return mp_return_none(
+        mp_ce_sub_row_cuda((void *)(uintptr_t)out, ldo, (const void *)(uintptr_t)x, ldx,
+            (const void *)(uintptr_t)mu, n, h, dtype, (uintptr_t)stream));
 #else
     return mp_raise_no_cuda("ce_sub_row");
 #endif
   } else {
     ce_sub_row_args a = {(void *)(uintptr_t)out, ldo, (const void *)(uintptr_t)x, ldx, (const void *)(uintptr_t)mu,
                          h, dtype};
-    MP_CALL_NOGIL(st, mp_parallel_for(n, 16, 0, mp_ce_sub_row_range, &a));
+    return mp_py_parallel_for(n, 16, mp_ce_sub_row_range, &a);
   }
-  return mp_return_none(st);
-fail:
-  return NULL;
 }
 
 /* ce_dx_finish(dx, dtype, ldx, w, ldw, v0, nv, h, labels, tc, t, cuda, stream): dx: [t, ldx] and
@@ -368,23 +352,19 @@ static PyObject *py_ce_dx_finish(PyObject *self, PyObject *args) {
       }
     }
   if (nv == 0 || h == 0 || t == 0) Py_RETURN_NONE;
-  mp_status st = MP_OK;
   if (cuda) {
 #if MP_WITH_CUDA
-    st = mp_ce_dx_finish_cuda((void *)(uintptr_t)dx, dtype, ldx, (const void *)(uintptr_t)w, ldw, v0, nv, h,
-                              (const int64_t *)(uintptr_t)labels, (const float *)(uintptr_t)tc, t,
-                              (uintptr_t)stream);
+    return mp_return_none(
+        mp_ce_dx_finish_cuda((void *)(uintptr_t)dx, dtype, ldx, (const void *)(uintptr_t)w, ldw, v0, nv, h,
+            (const int64_t *)(uintptr_t)labels, (const float *)(uintptr_t)tc, t, (uintptr_t)stream));
 #else
     return mp_raise_no_cuda("ce_dx_finish");
 #endif
   } else {
     ce_dx_finish_args a = {(void *)(uintptr_t)dx, dtype, ldx, (const void *)(uintptr_t)w, ldw, v0, nv, h,
                            (const int64_t *)(uintptr_t)labels, (const float *)(uintptr_t)tc};
-    MP_CALL_NOGIL(st, mp_parallel_for(t, 16, 0, mp_ce_dx_finish_range, &a));
+    return mp_py_parallel_for(t, 16, mp_ce_dx_finish_range, &a);
   }
-  return mp_return_none(st);
-fail:
-  return NULL;
 }
 
 PyMethodDef mp_ce_methods[] = {

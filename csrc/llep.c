@@ -397,11 +397,7 @@ static PyObject *py_llep_gather(PyObject *self, PyObject *args) {
 #endif
   }
   gather_ctx g = {(const char *)P_(src), (const int64_t *)P_(idx), div, row_bytes, (char *)P_(out)};
-  mp_status st;
-  MP_CALL_NOGIL(st, mp_parallel_for(rows, 64, 0, gather_range, &g));
-  Py_RETURN_NONE;
-fail:
-  return NULL;
+  return mp_py_parallel_for(rows, 64, gather_range, &g);
 }
 
 static PyObject *py_llep_combine(PyObject *self, PyObject *args) {
@@ -429,11 +425,7 @@ static PyObject *py_llep_combine(PyObject *self, PyObject *args) {
 #endif
   }
   combine_ctx k = {(float *)P_(acc), P_(y), dtype, (const int64_t *)P_(idx), (const float *)P_(w), rows, div, H};
-  mp_status st;
-  MP_CALL_NOGIL(st, mp_parallel_for(H, 64, 0, combine_range, &k));
-  Py_RETURN_NONE;
-fail:
-  return NULL;
+  return mp_py_parallel_for(H, 64, combine_range, &k);
 }
 
 static PyObject *py_llep_down_bwd(PyObject *self, PyObject *args) {
@@ -460,11 +452,7 @@ static PyObject *py_llep_down_bwd(PyObject *self, PyObject *args) {
 #endif
   }
   down_bwd_ctx k = {P_(D), P_(a), dtype, (const float *)P_(w), (const float *)P_(wp), (float *)P_(dwr), I};
-  mp_status st;
-  MP_CALL_NOGIL(st, mp_parallel_for(rows, 16, 0, down_bwd_range, &k));
-  Py_RETURN_NONE;
-fail:
-  return NULL;
+  return mp_py_parallel_for(rows, 16, down_bwd_range, &k);
 }
 
 PyMethodDef mp_llep_methods[] = {

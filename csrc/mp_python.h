@@ -32,6 +32,16 @@ static inline PyObject *mp_return_none(mp_status st) {
   Py_RETURN_NONE;
 }
 
+/* A CPU kernel's binding tail: mp_parallel_for(n, grain, default threads, fn, ctx)
+ * without the GIL; None, or the status raised. */
+static inline PyObject *mp_py_parallel_for(int64_t n, int64_t grain, mp_range_fn fn, void *ctx) {
+  mp_status st;
+  MP_CALL_NOGIL(st, mp_parallel_for(n, grain, 0, fn, ctx));
+  Py_RETURN_NONE;
+fail:
+  return NULL;
+}
+
 /* Raise RuntimeError("moepeak was built without CUDA ...") for `what`. */
 PyObject *mp_raise_no_cuda(const char *what);
 
