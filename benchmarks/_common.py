@@ -14,6 +14,7 @@ import datetime
 import os
 import statistics
 import subprocess
+import time
 from typing import Callable, Dict, Optional, Sequence
 
 import torch
@@ -123,6 +124,19 @@ def cuda_times_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 3):
         e.record()
         e.synchronize()
         times.append(s.elapsed_time(e))
+    return times
+
+
+def wall_times_s(fn: Callable[[], object], reps: int = 3, warmup: int = 1):
+    """All per-rep wall-clock seconds of fn() after `warmup` untimed calls (host work:
+    CPU kernels, or GPU work that fn itself synchronizes)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
     return times
 
 

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from _common import append_results, cuda_time_ms
+from _common import append_results, cuda_time_ms, wall_times_s
 
 
 def gemm_rate(n=8192, reps=10):
@@ -53,12 +53,7 @@ def fused_cpu_adamw(numel=1 << 28, reps=3):
     p = torch.zeros(numel, dtype=torch.float32)
     p.grad = torch.full_like(p, 1e-3)
     opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
-    opt.step()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        opt.step()
-        ts.append(time.perf_counter() - t0)
+    ts = wall_times_s(opt.step, reps, warmup=1)
     s = sorted(ts)[len(ts) // 2]
     # 4 fp32 streams read (p, g, m, v) + 3 written (p, m, v) = 28 B/param
     return s, 28 * numel / s / 1e9

@@ -36,8 +36,6 @@ CPU smoke run (the test suite runs it): python benchmarks/bench_hf.py --tiny --c
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import gc
 import json
 import os
@@ -49,9 +47,12 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-COLUMNS = ["timestamp", "gpu", "torch", "moepeak", "commit", "transformers", "arm", "T", "status", "peak_gib",
-           "step_s", "step_s_spread", "tokens_per_s", "loss", "params", "note"]
+sys.path.insert(0, HERE)
+from _common import append_results  # noqa: E402
+
+# The figure columns of hf.csv, after _common.RESULT_COLUMNS (timestamp, gpu, torch, moepeak, commit).
+FIELDS = ["transformers", "arm", "T", "status", "peak_gib", "step_s", "step_s_spread", "tokens_per_s", "loss",
+          "params", "note"]
 ARMS = ("hf", "liger", "moepeak", "moepeak_tiled")
 # Qwen3-MoE ~2.0B (issue 24): 16 x (10.5M attention + 75.5M experts) + 2 x 311M embeddings.
 FULL = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -162,28 +163,12 @@ def run_arm(args, arm):
     return rows
 
 
-def machine():
-    import moepeak
-    import transformers
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
-    return dict(timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__,
-                moepeak=moepeak.__version__, commit=commit or os.environ.get("MOEPEAK_COMMIT", "unknown"),
-                transformers=transformers.__version__)
-
-
 def append(path, rows):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    new = not os.path.exists(path)
-    with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS, restval="")
-        if new:
-            w.writeheader()
-        w.writerows(rows)
+    """Append rows (dicts of FIELDS) to the CSV at path through _common.append_results."""
+    out_dir, name = os.path.split(os.path.abspath(path))
+    if not name.endswith(".csv"):
+        raise SystemExit(f"bench_hf: --csv must name a .csv file, got {path!r}")
+    append_results(out_dir, name[:-len(".csv")], rows, fields=FIELDS)
 
 
 def main(argv=None):
@@ -209,8 +194,10 @@ def main(argv=None):
     bad = [a for a in arms if a not in ARMS]
     if bad:
         ap.error(f"--arms: unknown {bad}; expected some of {ARMS}")
+    import transformers
+
     start = time.time()
-    info = machine()
+    info = dict(transformers=transformers.__version__)
     for i, arm in enumerate(arms):
         # each remaining arm gets an equal share of what is left
         deadline = time.time() + (args.budget_s - (time.time() - start)) / (len(arms) - i)

@@ -31,7 +31,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from _common import append_results  # noqa: E402
+from _common import append_results, wall_times_s  # noqa: E402
 import moepeak  # noqa: E402
 
 COLS = ["threads", "params", "layout", "arm", "step_s", "step_min_s", "step_max_s",
@@ -177,13 +177,7 @@ def cpu_kernels(total, threads, reps):
               ("moepeak_kernel_alone", lambda: moepeak.StreamAdamW([p], lr=1e-4, threads=threads)))
     for name, make in makers:  # one optimizer (8 B/param of state) alive at a time
         opt = make()
-        opt.step()
-        t = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            opt.step()
-            t.append(time.perf_counter() - t0)
-        out[name] = statistics.median(t)
+        out[name] = statistics.median(wall_times_s(opt.step, reps, warmup=1))
         del opt
         gc.collect()
     del p

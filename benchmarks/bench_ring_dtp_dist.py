@@ -78,7 +78,7 @@ import torch.nn.functional as F
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.insert(0, _HERE)
-from _common import append_results, cuda_times_ms, is_oom, peak_above, relerr  # noqa: E402
+from _common import append_results, cuda_times_ms, is_oom, peak_above, relerr, wall_times_s  # noqa: E402
 import moepeak  # noqa: E402
 from moepeak.transport import Handle, Transport  # noqa: E402
 
@@ -311,14 +311,7 @@ def times_ms(fn, dev, reps, warmup):
     dist.barrier(device_ids=[dev.index]) if dev.type == "cuda" else dist.barrier()  # start in step
     if dev.type == "cuda":
         return cuda_times_ms(fn, reps=reps, warmup=warmup)
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out
+    return [t * 1e3 for t in wall_times_s(fn, reps=reps, warmup=warmup)]
 
 
 def _release(pb):

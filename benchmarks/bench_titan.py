@@ -23,12 +23,9 @@ An OOM is a row (status "oom").
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import gc
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -37,35 +34,16 @@ import torch
 ALL = ["experts", "loss", "sco", "stream_adamw"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # this checkout's moepeak
+sys.path.insert(0, HERE)
+from _common import append_results, is_oom  # noqa: E402
 
 
 def build_config(tiny: bool):
-    from torchtitan.distributed.activation_checkpoint import FullAC
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.qwen3 import model_registry
-    from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
+    from moepeak.titan import qwen3_moe_config
 
-    cfg = qwen3_moe_debug()
     if tiny:
-        n_layers, E, K, F = 2, 8, 2, 64
-    else:
-        cfg.model_spec = model_registry("30B-A3B")
-        n_layers, E, K, F = 16, 16, 4, 768
-    model = cfg.model_spec.model
-    model.layers = model.layers[:n_layers]
-    for layer in model.layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-        moe = layer.moe
-        moe.num_experts = E
-        inner = moe.routed_experts.inner_experts
-        inner.num_experts, inner.hidden_dim = E, F
-        disp = moe.routed_experts.token_dispatcher
-        disp.num_experts, disp.top_k = E, K
-        moe.router.num_experts, moe.router.top_k, moe.router.gate.out_features = E, K, E
-        if hasattr(attn_rope := layer.attention.rope, "max_seq_len"):
-            attn_rope.max_seq_len = 1 << 22
-    cfg.activation_checkpoint = FullAC.Config()
-    return cfg
+        return qwen3_moe_config(2, 8, 2, 64, max_seq_len=1 << 22)
+    return qwen3_moe_config(16, 16, 4, 768, flavor="30B-A3B", max_seq_len=1 << 22)
 
 
 class Job:
@@ -125,22 +103,15 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+def append(path, rows):
+    """Append rows (dicts of FIELDS) to the CSV at path through _common.append_results."""
+    out_dir, name = os.path.split(os.path.abspath(path))
+    if not name.endswith(".csv"):
+        raise SystemExit(f"bench_titan: --out must name a .csv file, got {path!r}")
+    append_results(out_dir, name[:-len(".csv")], rows, fields=FIELDS)
 
 
-def meta():
-    import moepeak
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
-                                text=True).stdout.strip() or "unknown"
-    except OSError:
-        commit = "unknown"
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return dict(gpu=gpu, torch=torch.__version__, moepeak=moepeak.__version__, commit=commit)
-
-
-def run_job(name, args, device, deadline, writer, info):
+def run_job(name, args, device, deadline, out):
     job = Job(name, args.tiny, device)
     results = {}
     T = args.start_t
@@ -148,8 +119,7 @@ def run_job(name, args, device, deadline, writer, info):
         if time.time() > deadline:
             print(f"{name}: time budget spent before T={T}", flush=True)
             break
-        row = dict(info, timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   job=name, T=T)
+        row = dict(job=name, T=T)
         try:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -169,7 +139,7 @@ def run_job(name, args, device, deadline, writer, info):
             job.optimizer.zero_grad()
             gc.collect()
             row.update(status="oom", peak_gib="", step_s_median="", step_s_spread="", tokens_per_s="")
-        writer.writerow(row)
+        append(out, [row])
         print(row, flush=True)
         results[T] = row
         if row["status"] != "ok":
@@ -182,8 +152,8 @@ def run_job(name, args, device, deadline, writer, info):
     return results
 
 
-FIELDS = ["timestamp", "gpu", "torch", "moepeak", "commit", "job", "T", "status", "peak_gib", "step_s_median",
-          "step_s_spread", "tokens_per_s"]
+# The figure columns of titan.csv, after _common.RESULT_COLUMNS (timestamp, gpu, torch, moepeak, commit).
+FIELDS = ["job", "T", "status", "peak_gib", "step_s_median", "step_s_spread", "tokens_per_s"]
 
 
 def main(argv=None):
@@ -218,17 +188,9 @@ def main(argv=None):
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29517")
         dist.init_process_group(backend, rank=0, world_size=1)
-    info = meta()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    new = not os.path.exists(args.out)
     summary = {}
-    with open(args.out, "a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        if new:
-            writer.writeheader()
-        for name in args.jobs.split(","):
-            summary[name] = run_job(name, args, device, time.time() + budget, writer, info)
-            f.flush()
+    for name in args.jobs.split(","):
+        summary[name] = run_job(name, args, device, time.time() + budget, args.out)
     for name, rows in summary.items():
         ok = [T for T, r in rows.items() if r["status"] == "ok"]
         print(f"{name}: longest T = {max(ok) if ok else 0}")

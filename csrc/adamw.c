@@ -197,6 +197,20 @@ static mp_status pl_wait(const adamw_plan *p, uintptr_t stream, uintptr_t ev) {
   return p->host ? MP_OK : PL_CUDA(mp_cu_stream_wait_event(stream, ev));
 }
 
+#if MP_WITH_CUDA
+/* fn(ev[s]) for each non-null event of ev [n] (ev may be NULL); statuses ignored (teardown). */
+static void each_event(const uintptr_t *ev, int64_t n, mp_status (*fn)(uintptr_t)) {
+  for (int64_t s = 0; ev && s < n; s++)
+    if (ev[s]) fn(ev[s]);
+}
+
+/* fn(slot[s]) for each non-null slot of slot [n] (slot may be NULL). */
+static void each_slot(char **slot, int64_t n, mp_status (*fn)(void *)) {
+  for (int64_t s = 0; slot && s < n; s++)
+    if (slot[s]) fn(slot[s]);
+}
+#endif
+
 static void plan_free(adamw_plan *p) {
   if (!p) return;
   if (p->host) {
@@ -205,18 +219,12 @@ static void plan_free(adamw_plan *p) {
   } else {
 #if MP_WITH_CUDA
     /* Slots may still be read by an H2D in flight: wait before freeing. */
-    for (int64_t s = 0; p->pev && s < p->pslots; s++)
-      if (p->pev[s]) mp_cu_event_synchronize(p->pev[s]);
-    for (int64_t s = 0; p->gev && s < p->gslots; s++)
-      if (p->gev[s]) mp_cu_event_synchronize(p->gev[s]);
-    for (int64_t s = 0; p->gslot && s < p->gslots; s++)
-      if (p->gslot[s]) mp_cu_host_free(p->gslot[s]);
-    for (int64_t s = 0; p->pslot && s < p->pslots; s++)
-      if (p->pslot[s]) mp_cu_host_free(p->pslot[s]);
-    for (int64_t s = 0; p->gev && s < p->gslots; s++)
-      if (p->gev[s]) mp_cu_event_destroy(p->gev[s]);
-    for (int64_t s = 0; p->pev && s < p->pslots; s++)
-      if (p->pev[s]) mp_cu_event_destroy(p->pev[s]);
+    each_event(p->pev, p->pslots, mp_cu_event_synchronize);
+    each_event(p->gev, p->gslots, mp_cu_event_synchronize);
+    each_slot(p->gslot, p->gslots, mp_cu_host_free);
+    each_slot(p->pslot, p->pslots, mp_cu_host_free);
+    each_event(p->gev, p->gslots, mp_cu_event_destroy);
+    each_event(p->pev, p->pslots, mp_cu_event_destroy);
     if (p->ev_start) mp_cu_event_destroy(p->ev_start);
     if (p->d2h) mp_cu_stream_destroy(p->d2h);
     if (p->h2d) mp_cu_stream_destroy(p->h2d);

@@ -1,5 +1,5 @@
 /* ce.h: the extern "C" CUDA launchers of Ring-DTP's kernels (cuda/ce_fold.cu,
- * cuda/ce_grad.cu, cuda/ce_finish.cu), called by the bindings in csrc/ce.c.
+ * cuda/ce_grad.cu, cuda/ce_finish.cu), called by the bindings in csrc/ce_bind.c.
  * Shapes are [dims] with leading dimensions ld*; dtype codes 0 fp32, 1 bf16,
  * 2 fp16; every pointer is device memory; stream is a cudaStream_t as an int. */
 #ifndef MOEPEAK_CE_H

@@ -83,40 +83,64 @@ static PyObject *py_set_device(PyObject *self, PyObject *arg) {
 #endif
 }
 
-/* host_alloc(nbytes) -> ptr: page-locked, portable host memory. */
-static PyObject *py_host_alloc(PyObject *self, PyObject *arg) {
-  (void)self;
+long long mp_arg_nbytes(PyObject *arg, const char *what) {
   long long n = PyLong_AsLongLong(arg);
-  if (n == -1 && PyErr_Occurred()) return NULL;
+  if (n == -1 && PyErr_Occurred()) return -1;
   if (n <= 0) {
-    PyErr_Format(PyExc_ValueError, "moepeak: host_alloc nbytes must be > 0, got %lld", n);
-    return NULL;
+    PyErr_Format(PyExc_ValueError, "moepeak: %s nbytes must be > 0, got %lld", what, n);
+    return -1;
   }
+  return n;
+}
+
+PyObject *mp_py_pinned_alloc(PyObject *arg, const char *what, const char *need,
+                             mp_status (*alloc)(void **ptr, long long nbytes)) {
+  long long n = mp_arg_nbytes(arg, what);
+  if (n < 0) return NULL;
 #if MP_WITH_CUDA
+  (void)need;
   void *p = NULL;
   mp_status st;
-  MP_CALL_NOGIL(st, mp_cu_host_alloc(&p, (size_t)n));
+  MP_CALL_NOGIL(st, alloc(&p, n));
   return PyLong_FromVoidPtr(p);
 fail:
   return NULL;
 #else
-  MP_NEED_CUDA("pinned host memory (host_alloc)");
+  (void)alloc;
+  return mp_raise_no_cuda(need);
 #endif
 }
 
-static PyObject *py_host_free(PyObject *self, PyObject *arg) {
-  (void)self;
+PyObject *mp_py_pinned_free(PyObject *arg, const char *need) {
   void *p = PyLong_AsVoidPtr(arg);
   if (p == NULL && PyErr_Occurred()) return NULL;
 #if MP_WITH_CUDA
+  (void)need;
   mp_status st;
   if (p) MP_CALL_NOGIL(st, mp_cu_host_free(p));
   Py_RETURN_NONE;
 fail:
   return NULL;
 #else
-  MP_NEED_CUDA("host_free");
+  return mp_raise_no_cuda(need);
 #endif
+}
+
+#if MP_WITH_CUDA
+static mp_status host_alloc(void **ptr, long long nbytes) { return mp_cu_host_alloc(ptr, (size_t)nbytes); }
+#else
+#define host_alloc NULL
+#endif
+
+/* host_alloc(nbytes) -> ptr: page-locked, portable host memory. */
+static PyObject *py_host_alloc(PyObject *self, PyObject *arg) {
+  (void)self;
+  return mp_py_pinned_alloc(arg, "host_alloc", "pinned host memory (host_alloc)", host_alloc);
+}
+
+static PyObject *py_host_free(PyObject *self, PyObject *arg) {
+  (void)self;
+  return mp_py_pinned_free(arg, "host_free");
 }
 
 static PyObject *py_host_register(PyObject *self, PyObject *args) {
@@ -170,6 +194,61 @@ static PyObject *py_memcpy_async(PyObject *self, PyObject *args) {
 #endif
 }
 
+/* The runtime wrapper a binding calls; NULL in a CPU-only build (the binding
+ * then raises mp_raise_no_cuda before calling it). */
+#if MP_WITH_CUDA
+#define MP_CU_FN(fn) fn
+#else
+#define MP_CU_FN(fn) NULL
+#endif
+
+/* A binding of one handle (a Python int): fn(handle), with the GIL released when
+ * nogil, nothing for a null handle when skip_null; `name` in the no-CUDA error. */
+static PyObject *call_on_handle(PyObject *arg, mp_status (*fn)(uintptr_t), int nogil, int skip_null,
+                                const char *name) {
+  unsigned long long h = PyLong_AsUnsignedLongLong(arg);
+  if (PyErr_Occurred()) return NULL;
+#if MP_WITH_CUDA
+  (void)name;
+  mp_status st = MP_OK;
+  if (skip_null && !h) Py_RETURN_NONE;
+  if (nogil) {
+    MP_CALL_NOGIL(st, fn((uintptr_t)h));
+    Py_RETURN_NONE;
+  }
+  return mp_return_none(fn((uintptr_t)h));
+fail:
+  return NULL;
+#else
+  (void)h, (void)fn, (void)nogil, (void)skip_null;
+  return mp_raise_no_cuda(name);
+#endif
+}
+
+/* A binding of an (event, stream) pair, parsed with `format` ("KK:name") in the order
+ * the Python call takes them (event_first), the event non-null: fn(event, stream). */
+static PyObject *call_on_event_stream(PyObject *args, const char *format, int event_first,
+                                      mp_status (*fn)(uintptr_t event, uintptr_t stream), const char *name) {
+  unsigned long long a, b;
+  if (!PyArg_ParseTuple(args, format, &a, &b)) return NULL;
+  const unsigned long long e = event_first ? a : b, s = event_first ? b : a;
+  if (e == 0) {
+    PyErr_Format(PyExc_ValueError, "moepeak: %s got a null event", name);
+    return NULL;
+  }
+#if MP_WITH_CUDA
+  return mp_return_none(fn((uintptr_t)e, (uintptr_t)s));
+#else
+  (void)s, (void)fn;
+  return mp_raise_no_cuda(name);
+#endif
+}
+
+#if MP_WITH_CUDA
+/* mp_cu_stream_wait_event with call_on_event_stream's argument order. */
+static mp_status stream_wait_event(uintptr_t event, uintptr_t stream) { return mp_cu_stream_wait_event(stream, event); }
+#endif
+
 static PyObject *py_stream_create(PyObject *self, PyObject *args) {
   (void)self;
   int priority = 0;
@@ -185,47 +264,17 @@ static PyObject *py_stream_create(PyObject *self, PyObject *args) {
 
 static PyObject *py_stream_destroy(PyObject *self, PyObject *arg) {
   (void)self;
-  unsigned long long s = PyLong_AsUnsignedLongLong(arg);
-  if (PyErr_Occurred()) return NULL;
-#if MP_WITH_CUDA
-  MP_CALL(mp_cu_stream_destroy((uintptr_t)s));
-  Py_RETURN_NONE;
-#else
-  (void)s;
-  MP_NEED_CUDA("stream_destroy");
-#endif
+  return call_on_handle(arg, MP_CU_FN(mp_cu_stream_destroy), 0, 0, "stream_destroy");
 }
 
 static PyObject *py_stream_synchronize(PyObject *self, PyObject *arg) {
   (void)self;
-  unsigned long long s = PyLong_AsUnsignedLongLong(arg);
-  if (PyErr_Occurred()) return NULL;
-#if MP_WITH_CUDA
-  mp_status st;
-  MP_CALL_NOGIL(st, mp_cu_stream_synchronize((uintptr_t)s));
-  Py_RETURN_NONE;
-fail:
-  return NULL;
-#else
-  (void)s;
-  MP_NEED_CUDA("stream_synchronize");
-#endif
+  return call_on_handle(arg, MP_CU_FN(mp_cu_stream_synchronize), 1, 0, "stream_synchronize");
 }
 
 static PyObject *py_stream_wait_event(PyObject *self, PyObject *args) {
   (void)self;
-  unsigned long long s, e;
-  if (!PyArg_ParseTuple(args, "KK:stream_wait_event", &s, &e)) return NULL;
-  if (e == 0) {
-    PyErr_SetString(PyExc_ValueError, "moepeak: stream_wait_event got a null event");
-    return NULL;
-  }
-#if MP_WITH_CUDA
-  MP_CALL(mp_cu_stream_wait_event((uintptr_t)s, (uintptr_t)e));
-  Py_RETURN_NONE;
-#else
-  MP_NEED_CUDA("stream_wait_event");
-#endif
+  return call_on_event_stream(args, "KK:stream_wait_event", 0, MP_CU_FN(stream_wait_event), "stream_wait_event");
 }
 
 static PyObject *py_event_create(PyObject *self, PyObject *args) {
@@ -242,47 +291,17 @@ static PyObject *py_event_create(PyObject *self, PyObject *args) {
 
 static PyObject *py_event_destroy(PyObject *self, PyObject *arg) {
   (void)self;
-  unsigned long long e = PyLong_AsUnsignedLongLong(arg);
-  if (PyErr_Occurred()) return NULL;
-#if MP_WITH_CUDA
-  if (e) MP_CALL(mp_cu_event_destroy((uintptr_t)e));
-  Py_RETURN_NONE;
-#else
-  (void)e;
-  MP_NEED_CUDA("event_destroy");
-#endif
+  return call_on_handle(arg, MP_CU_FN(mp_cu_event_destroy), 0, 1, "event_destroy");
 }
 
 static PyObject *py_event_record(PyObject *self, PyObject *args) {
   (void)self;
-  unsigned long long e, s;
-  if (!PyArg_ParseTuple(args, "KK:event_record", &e, &s)) return NULL;
-  if (e == 0) {
-    PyErr_SetString(PyExc_ValueError, "moepeak: event_record got a null event");
-    return NULL;
-  }
-#if MP_WITH_CUDA
-  MP_CALL(mp_cu_event_record((uintptr_t)e, (uintptr_t)s));
-  Py_RETURN_NONE;
-#else
-  MP_NEED_CUDA("event_record");
-#endif
+  return call_on_event_stream(args, "KK:event_record", 1, MP_CU_FN(mp_cu_event_record), "event_record");
 }
 
 static PyObject *py_event_synchronize(PyObject *self, PyObject *arg) {
   (void)self;
-  unsigned long long e = PyLong_AsUnsignedLongLong(arg);
-  if (PyErr_Occurred()) return NULL;
-#if MP_WITH_CUDA
-  mp_status st;
-  MP_CALL_NOGIL(st, mp_cu_event_synchronize((uintptr_t)e));
-  Py_RETURN_NONE;
-fail:
-  return NULL;
-#else
-  (void)e;
-  MP_NEED_CUDA("event_synchronize");
-#endif
+  return call_on_handle(arg, MP_CU_FN(mp_cu_event_synchronize), 1, 0, "event_synchronize");
 }
 
 static PyObject *py_event_query(PyObject *self, PyObject *arg) {

@@ -267,6 +267,12 @@ static PyObject *py_llep_chunk_layout(PyObject *self, PyObject *args) {
   return PyLong_FromLongLong(rows);
 }
 
+/* The sizes of an id list: n >= 0 ids of 8 bytes, E >= 1 experts, P >= 1 ranks. */
+static int llep_check_ids(const char *fn, long long n, int E, int P) {
+  return mp_check_min(fn, "n", n, 0) || mp_check_min(fn, "E", E, 1) || mp_check_min(fn, "P", P, 1) ||
+         mp_check_extent(fn, "n ids' bytes (n x 8)", n, 8, 1, NULL);
+}
+
 static PyObject *py_llep_count(PyObject *self, PyObject *args) {
   (void)self;
   unsigned long long ids, cnt, stream;
@@ -274,15 +280,12 @@ static PyObject *py_llep_count(PyObject *self, PyObject *args) {
   int E, cuda;
   if (!PyArg_ParseTuple(args, "KLiKpK", &ids, &n, &E, &cnt, &cuda, &stream)) return NULL;
   const char *fn = "llep_count";
-  if (mp_check_min(fn, "n", n, 0) || mp_check_min(fn, "E", E, 1) ||
-      mp_check_extent(fn, "n ids' bytes (n x 8)", n, 8, 1, NULL) || mp_check_ptr(fn, "ids", ids, n) ||
+  if (llep_check_ids(fn, n, E, 1) || mp_check_ptr(fn, "ids", ids, n) ||
       mp_check_ptr(fn, "cnt", cnt, (long long)E + 1))
     return NULL;
   if (cuda) {
 #if MP_WITH_CUDA
-    mp_status st = mp_llep_count_cuda((const int64_t *)P_(ids), n, E, (int64_t *)P_(cnt), (uintptr_t)stream);
-    if (st != MP_OK) return mp_raise_status(st);
-    Py_RETURN_NONE;
+    return mp_return_none(mp_llep_count_cuda((const int64_t *)P_(ids), n, E, (int64_t *)P_(cnt), (uintptr_t)stream));
 #else
     return mp_raise_no_cuda("llep count");
 #endif
@@ -301,8 +304,7 @@ static PyObject *py_llep_route_cpu(PyObject *self, PyObject *args) {
   int E, P;
   if (!PyArg_ParseTuple(args, "KLiiKKKK", &ids, &n, &E, &P, &Ar, &cum, &blk, &out)) return NULL;
   const char *fn = "llep_route_cpu";
-  if (mp_check_min(fn, "n", n, 0) || mp_check_min(fn, "E", E, 1) || mp_check_min(fn, "P", P, 1) ||
-      mp_check_extent(fn, "n ids' bytes (n x 8)", n, 8, 1, NULL) || mp_check_ptr(fn, "ids", ids, n) ||
+  if (llep_check_ids(fn, n, E, P) || mp_check_ptr(fn, "ids", ids, n) ||
       mp_check_ptr(fn, "out", out, n) || mp_check_ptr(fn, "Ar", Ar, (long long)E * P) ||
       mp_check_ptr(fn, "cum", cum, (long long)E * P) || mp_check_ptr(fn, "blk", blk, (long long)E * P))
     return NULL;
@@ -356,17 +358,14 @@ static PyObject *py_llep_route_cuda(PyObject *self, PyObject *args) {
   int E, P;
   if (!PyArg_ParseTuple(args, "KKLiiKKK", &pos, &sid, &n, &E, &P, &tables, &out, &stream)) return NULL;
   const char *fn = "llep_route_cuda";
-  if (mp_check_min(fn, "n", n, 0) || mp_check_min(fn, "E", E, 1) || mp_check_min(fn, "P", P, 1) ||
-      mp_check_extent(fn, "n ids' bytes (n x 8)", n, 8, 1, NULL) ||
+  if (llep_check_ids(fn, n, E, P) ||
       mp_check_extent(fn, "the tables' bytes (4 x E x P x 8)", (long long)E * P, 4, 8, NULL) ||
       mp_check_ptr(fn, "sorted_pos", pos, n) || mp_check_ptr(fn, "sorted_ids", sid, n) ||
       mp_check_ptr(fn, "out", out, n) || mp_check_ptr(fn, "tables", tables, 4LL * E * P))
     return NULL;
 #if MP_WITH_CUDA
-  mp_status st = mp_llep_route_cuda((const int64_t *)P_(pos), (const int64_t *)P_(sid), n, E, P,
-                                    (const int64_t *)P_(tables), (int64_t *)P_(out), (uintptr_t)stream);
-  if (st != MP_OK) return mp_raise_status(st);
-  Py_RETURN_NONE;
+  return mp_return_none(mp_llep_route_cuda((const int64_t *)P_(pos), (const int64_t *)P_(sid), n, E, P,
+                                    (const int64_t *)P_(tables), (int64_t *)P_(out), (uintptr_t)stream));
 #else
   (void)pos; (void)sid; (void)tables; (void)out; (void)stream; (void)n; (void)E; (void)P;
   return mp_raise_no_cuda("llep route");
@@ -391,20 +390,14 @@ static PyObject *py_llep_gather(PyObject *self, PyObject *args) {
   if (!cuda && llep_check_row_index(fn, (const int64_t *)P_(idx), rows, div, row_bytes)) return NULL;
   if (cuda) {
 #if MP_WITH_CUDA
-    mp_status st = mp_llep_gather_cuda(P_(src), (const int64_t *)P_(idx), rows, div, row_bytes, P_(out),
-                                       (uintptr_t)stream);
-    if (st != MP_OK) return mp_raise_status(st);
-    Py_RETURN_NONE;
+    return mp_return_none(mp_llep_gather_cuda(P_(src), (const int64_t *)P_(idx), rows, div, row_bytes, P_(out),
+                                       (uintptr_t)stream));
 #else
     return mp_raise_no_cuda("llep gather");
 #endif
   }
   gather_ctx g = {(const char *)P_(src), (const int64_t *)P_(idx), div, row_bytes, (char *)P_(out)};
-  mp_status st;
-  MP_CALL_NOGIL(st, mp_parallel_for(rows, 64, 0, gather_range, &g));
-  Py_RETURN_NONE;
-fail:
-  return NULL;
+  return mp_py_parallel_for(rows, 64, gather_range, &g);
 }
 
 static PyObject *py_llep_combine(PyObject *self, PyObject *args) {
@@ -425,20 +418,14 @@ static PyObject *py_llep_combine(PyObject *self, PyObject *args) {
   if (!cuda && llep_check_row_index(fn, (const int64_t *)P_(idx), rows, div, H)) return NULL;
   if (cuda) {
 #if MP_WITH_CUDA
-    mp_status st = mp_llep_combine_cuda((float *)P_(acc), P_(y), dtype, (const int64_t *)P_(idx),
-                                        (const float *)P_(w), rows, div, H, (uintptr_t)stream);
-    if (st != MP_OK) return mp_raise_status(st);
-    Py_RETURN_NONE;
+    return mp_return_none(mp_llep_combine_cuda((float *)P_(acc), P_(y), dtype, (const int64_t *)P_(idx),
+                                        (const float *)P_(w), rows, div, H, (uintptr_t)stream));
 #else
     return mp_raise_no_cuda("llep combine");
 #endif
   }
   combine_ctx k = {(float *)P_(acc), P_(y), dtype, (const int64_t *)P_(idx), (const float *)P_(w), rows, div, H};
-  mp_status st;
-  MP_CALL_NOGIL(st, mp_parallel_for(H, 64, 0, combine_range, &k));
-  Py_RETURN_NONE;
-fail:
-  return NULL;
+  return mp_py_parallel_for(H, 64, combine_range, &k);
 }
 
 static PyObject *py_llep_down_bwd(PyObject *self, PyObject *args) {
@@ -458,20 +445,14 @@ static PyObject *py_llep_down_bwd(PyObject *self, PyObject *args) {
     return NULL;
   if (cuda) {
 #if MP_WITH_CUDA
-    mp_status st = mp_llep_down_bwd_cuda(P_(D), P_(a), dtype, (const float *)P_(w), (const float *)P_(wp),
-                                         (float *)P_(dwr), rows, I, (uintptr_t)stream);
-    if (st != MP_OK) return mp_raise_status(st);
-    Py_RETURN_NONE;
+    return mp_return_none(mp_llep_down_bwd_cuda(P_(D), P_(a), dtype, (const float *)P_(w), (const float *)P_(wp),
+                                         (float *)P_(dwr), rows, I, (uintptr_t)stream));
 #else
     return mp_raise_no_cuda("llep down_bwd");
 #endif
   }
   down_bwd_ctx k = {P_(D), P_(a), dtype, (const float *)P_(w), (const float *)P_(wp), (float *)P_(dwr), I};
-  mp_status st;
-  MP_CALL_NOGIL(st, mp_parallel_for(rows, 16, 0, down_bwd_range, &k));
-  Py_RETURN_NONE;
-fail:
-  return NULL;
+  return mp_py_parallel_for(rows, 16, down_bwd_range, &k);
 }
 
 PyMethodDef mp_llep_methods[] = {

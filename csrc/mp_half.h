@@ -7,16 +7,23 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
+/* fp32 <-> its bit pattern (memcpy: no aliasing rules broken, compiled to a move). */
+static inline uint32_t mp_f32_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+
+static inline float mp_bits_f32(uint32_t u) {
   float f;
   memcpy(&f, &u, 4);
   return f;
 }
 
+static inline float bf16_to_f32(uint16_t h) { return mp_bits_f32((uint32_t)h << 16); }
+
 static inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
+  uint32_t u = mp_f32_bits(f);
   if (f != f) return 0x7FC0; /* NaN: torch's canonical bf16 NaN */
   u += 0x7FFFu + ((u >> 16) & 1u);
   return (uint16_t)(u >> 16);
@@ -24,37 +31,22 @@ static inline uint16_t f32_to_bf16(float f) {
 
 static inline float f16_to_f32(uint16_t h) {
   uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, u;
-  if (exp == 0x1F) {
-    u = sign | 0x7F800000u | (man << 13);
-  } else if (exp == 0) {
-    if (man == 0) {
-      u = sign;
-    } else { /* subnormal: value = man * 2^-24, exact in fp32 */
-      float f = (float)man * 5.9604644775390625e-8f;
-      memcpy(&u, &f, 4);
-      u |= sign;
-    }
-  } else {
-    u = sign | ((exp + 112u) << 23) | (man << 13);
-  }
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
+  uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+  if (exp == 0x1F) return mp_bits_f32(sign | 0x7F800000u | (man << 13));
+  if (exp == 0) /* zero, or subnormal: value = man * 2^-24, exact in fp32 */
+    return man == 0 ? mp_bits_f32(sign) : mp_bits_f32(mp_f32_bits((float)man * 5.9604644775390625e-8f) | sign);
+  return mp_bits_f32(sign | ((exp + 112u) << 23) | (man << 13));
 }
 
 static inline uint16_t f32_to_f16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
+  uint32_t u = mp_f32_bits(f);
   uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
   uint32_t a = u & 0x7FFFFFFFu;
   if (a > 0x7F800000u) return sign | 0x7E00u; /* NaN */
   if (a >= 0x477FF000u) return sign | 0x7C00u; /* rounds to >= 65520: inf */
   if (a < 0x38800000u) {                      /* below 2^-14: fp16 subnormal or 0 */
-    float af;
-    memcpy(&af, &a, 4);
-    /* af * 2^24 is exact up to rounding in the integer conversion (RNE) */
-    float scaled = af * 16777216.0f;
+    /* |f| * 2^24 is exact up to rounding in the integer conversion (RNE) */
+    float scaled = mp_bits_f32(a) * 16777216.0f;
     return sign | (uint16_t)lrintf(scaled);
   }
   uint32_t r = a + 0xFFFu + ((a >> 13) & 1u); /* RNE on the 13 dropped bits */
@@ -62,7 +54,7 @@ static inline uint16_t f32_to_f16(float f) {
 }
 
 /* Element i of a buffer of dtype code 0 (fp32), 1 (bf16) or 2 (fp16), as fp32; and the store
- * with one rounding. The codes are the kernels' dtype codes (ce.c CE_*, llep.h MP_LLEP_*). */
+ * with one rounding. The codes are the kernels' dtype codes (ce_cpu.h CE_*, llep.h MP_LLEP_*). */
 static inline float mp_ld_el(const void *p, int code, int64_t i) {
   if (code == 0) return ((const float *)p)[i];
   if (code == 1) return bf16_to_f32(((const uint16_t *)p)[i]);

@@ -38,7 +38,7 @@ fail:
 
 #if MP_WITH_CUDA
 /* One pinned arena chunk; a refusal becomes MP_ERR_NOMEM (MemoryError) with
- * SCO's advice and the driver's message. MP_CUDA_CHECK has already cleared
+ * SCO's advice and the driver's message. mp_cu_host_alloc has already cleared
  * the non-sticky CUDA error a refused cudaHostAlloc leaves behind. */
 static mp_status sco_host_alloc(void **ptr, long long n) {
   mp_status st = mp_cu_host_alloc(ptr, (size_t)n);
@@ -53,41 +53,20 @@ static mp_status sco_host_alloc(void **ptr, long long n) {
 }
 #endif
 
+#if !MP_WITH_CUDA
+#define sco_host_alloc NULL
+#endif
+
 /* sco_arena_alloc(nbytes) -> ptr (pinned). MemoryError naming the size when
  * the driver refuses. */
 static PyObject *py_sco_arena_alloc(PyObject *self, PyObject *arg) {
   (void)self;
-  long long n = PyLong_AsLongLong(arg);
-  if (n == -1 && PyErr_Occurred()) return NULL;
-  if (n <= 0) {
-    PyErr_Format(PyExc_ValueError, "moepeak: SCO arena nbytes must be > 0, got %lld", n);
-    return NULL;
-  }
-#if MP_WITH_CUDA
-  void *p = NULL;
-  mp_status st;
-  MP_CALL_NOGIL(st, sco_host_alloc(&p, n));
-  return PyLong_FromVoidPtr(p);
-fail:
-  return NULL;
-#else
-  return mp_raise_no_cuda("SCO pinned arena (sco_arena_alloc)");
-#endif
+  return mp_py_pinned_alloc(arg, "SCO arena", "SCO pinned arena (sco_arena_alloc)", sco_host_alloc);
 }
 
 static PyObject *py_sco_arena_free(PyObject *self, PyObject *arg) {
   (void)self;
-  void *p = PyLong_AsVoidPtr(arg);
-  if (p == NULL && PyErr_Occurred()) return NULL;
-#if MP_WITH_CUDA
-  mp_status st;
-  if (p) MP_CALL_NOGIL(st, mp_cu_host_free(p));
-  Py_RETURN_NONE;
-fail:
-  return NULL;
-#else
-  return mp_raise_no_cuda("SCO pinned arena (sco_arena_free)");
-#endif
+  return mp_py_pinned_free(arg, "SCO pinned arena (sco_arena_free)");
 }
 
 /* sco_copy(dst, src, nbytes, stream, wait_event, done_event) */
@@ -100,10 +79,8 @@ static PyObject *py_sco_copy(PyObject *self, PyObject *args) {
     return NULL;
   }
 #if MP_WITH_CUDA
-  mp_status st = sco_copy_impl((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)n,
-                               (uintptr_t)stream, (uintptr_t)wait_ev, (uintptr_t)done_ev);
-  if (st != MP_OK) return mp_raise_status(st);
-  Py_RETURN_NONE;
+  return mp_return_none(sco_copy_impl((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)n,
+                               (uintptr_t)stream, (uintptr_t)wait_ev, (uintptr_t)done_ev));
 #else
   (void)stream;
   (void)wait_ev;

@@ -521,7 +521,7 @@ namespace {
 // dX's finish (vocab_outer_lowp): dx[t] += tc[t] * w[labels[t] - v0], fmaf in fp32 then one
 // rounding, for the tokens whose label is one of w's rows [v0, v0 + nv); other rows untouched.
 // One CTA per token row (grid-stride); the condition is uniform over the CTA. The same
-// arithmetic as csrc/ce.c ce_dx_finish_range.
+// arithmetic as csrc/ce.c mp_ce_dx_finish_range.
 template <typename T>
 __global__ void __launch_bounds__(kFinishThreads)
     ce_dx_finish_kernel(T *dx, int64_t ldx, const T *__restrict__ w, int64_t ldw, int64_t v0, int64_t nv, int64_t h,

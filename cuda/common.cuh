@@ -1,5 +1,5 @@
 // common.cuh: what every CUDA C file of moepeak includes.
-// MP_CUDA_CHECK records file:line and cudaGetErrorString and jumps to the
+// MP_CUDA_STATUS(expr) is the mp_status of one runtime call; MP_CUDA_CHECK records file:line and cudaGetErrorString and jumps to the
 // caller's `fail:` label with `st` set (DESIGN.md section 4, C errors). On a
 // failure it also calls cudaGetLastError(), which clears a non-sticky error
 // (a refused cudaHostAlloc, a bad launch configuration) so the next launch
@@ -12,13 +12,20 @@
 
 #include "moepeak.h"
 
+static inline mp_status mp_cuda_status(cudaError_t e, const char *file, int line, const char *expr) {
+  if (e == cudaSuccess) return MP_OK;
+  mp_set_error(file, line, "%s: %s", expr, cudaGetErrorString(e));
+  (void)cudaGetLastError(); /* clear it when not sticky */
+  return MP_ERR_CUDA;
+}
+// The status of one runtime call: MP_OK, or MP_ERR_CUDA with "file:line: expr: reason"
+// recorded and a non-sticky error cleared.
+#define MP_CUDA_STATUS(expr) mp_cuda_status((expr), __FILE__, __LINE__, #expr)
 #define MP_CUDA_CHECK(st, expr)                                                 \
   do {                                                                          \
-    cudaError_t mp_e_ = (expr);                                                 \
-    if (mp_e_ != cudaSuccess) {                                                 \
-      mp_set_error(__FILE__, __LINE__, "%s: %s", #expr, cudaGetErrorString(mp_e_)); \
-      (void)cudaGetLastError(); /* clear it when not sticky */                  \
-      (st) = MP_ERR_CUDA;                                                       \
+    const mp_status mp_s_ = MP_CUDA_STATUS(expr);                               \
+    if (mp_s_ != MP_OK) {                                                       \
+      (st) = mp_s_;                                                             \
       goto fail;                                                                \
     }                                                                           \
   } while (0)

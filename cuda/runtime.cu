@@ -11,55 +11,34 @@
 extern "C" {
 
 mp_status mp_cu_set_device(int device) {
-  mp_status st = MP_OK;
-  MP_CUDA_CHECK(st, cudaSetDevice(device));
-fail:
-  return st;
+  return MP_CUDA_STATUS(cudaSetDevice(device));
 }
 
 mp_status mp_cu_device_count(int *count) {
-  mp_status st = MP_OK;
   *count = 0;
-  MP_CUDA_CHECK(st, cudaGetDeviceCount(count));
-fail:
-  return st;
+  return MP_CUDA_STATUS(cudaGetDeviceCount(count));
 }
 
 mp_status mp_cu_host_alloc(void **ptr, size_t nbytes) {
-  mp_status st = MP_OK;
   *ptr = nullptr;
-  MP_CUDA_CHECK(st, cudaHostAlloc(ptr, nbytes, cudaHostAllocPortable));
-fail:
-  return st;
+  return MP_CUDA_STATUS(cudaHostAlloc(ptr, nbytes, cudaHostAllocPortable));
 }
 
 mp_status mp_cu_host_free(void *ptr) {
-  mp_status st = MP_OK;
-  MP_CUDA_CHECK(st, cudaFreeHost(ptr));
-fail:
-  return st;
+  return MP_CUDA_STATUS(cudaFreeHost(ptr));
 }
 
 mp_status mp_cu_host_register(void *ptr, size_t nbytes) {
-  mp_status st = MP_OK;
-  MP_CUDA_CHECK(st, cudaHostRegister(ptr, nbytes, cudaHostRegisterPortable));
-fail:
-  return st;
+  return MP_CUDA_STATUS(cudaHostRegister(ptr, nbytes, cudaHostRegisterPortable));
 }
 
 mp_status mp_cu_host_unregister(void *ptr) {
-  mp_status st = MP_OK;
-  MP_CUDA_CHECK(st, cudaHostUnregister(ptr));
-fail:
-  return st;
+  return MP_CUDA_STATUS(cudaHostUnregister(ptr));
 }
 
 mp_status mp_cu_memcpy_async(void *dst, const void *src, size_t nbytes, uintptr_t stream) {
-  mp_status st = MP_OK;
   if (nbytes == 0) return MP_OK;
-  MP_CUDA_CHECK(st, cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, MP_STREAM(stream)));
-fail:
-  return st;
+  return MP_CUDA_STATUS(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, MP_STREAM(stream)));
 }
 
 mp_status mp_cu_stream_create(uintptr_t *stream, int priority) {
@@ -72,24 +51,15 @@ fail:
 }
 
 mp_status mp_cu_stream_destroy(uintptr_t stream) {
-  mp_status st = MP_OK;
-  MP_CUDA_CHECK(st, cudaStreamDestroy(MP_STREAM(stream)));
-fail:
-  return st;
+  return MP_CUDA_STATUS(cudaStreamDestroy(MP_STREAM(stream)));
 }
 
 mp_status mp_cu_stream_synchronize(uintptr_t stream) {
-  mp_status st = MP_OK;
-  MP_CUDA_CHECK(st, cudaStreamSynchronize(MP_STREAM(stream)));
-fail:
-  return st;
+  return MP_CUDA_STATUS(cudaStreamSynchronize(MP_STREAM(stream)));
 }
 
 mp_status mp_cu_stream_wait_event(uintptr_t stream, uintptr_t event) {
-  mp_status st = MP_OK;
-  MP_CUDA_CHECK(st, cudaStreamWaitEvent(MP_STREAM(stream), MP_EVENT(event), 0));
-fail:
-  return st;
+  return MP_CUDA_STATUS(cudaStreamWaitEvent(MP_STREAM(stream), MP_EVENT(event), 0));
 }
 
 mp_status mp_cu_event_create(uintptr_t *event) {
@@ -102,24 +72,15 @@ fail:
 }
 
 mp_status mp_cu_event_destroy(uintptr_t event) {
-  mp_status st = MP_OK;
-  MP_CUDA_CHECK(st, cudaEventDestroy(MP_EVENT(event)));
-fail:
-  return st;
+  return MP_CUDA_STATUS(cudaEventDestroy(MP_EVENT(event)));
 }
 
 mp_status mp_cu_event_record(uintptr_t event, uintptr_t stream) {
-  mp_status st = MP_OK;
-  MP_CUDA_CHECK(st, cudaEventRecord(MP_EVENT(event), MP_STREAM(stream)));
-fail:
-  return st;
+  return MP_CUDA_STATUS(cudaEventRecord(MP_EVENT(event), MP_STREAM(stream)));
 }
 
 mp_status mp_cu_event_synchronize(uintptr_t event) {
-  mp_status st = MP_OK;
-  MP_CUDA_CHECK(st, cudaEventSynchronize(MP_EVENT(event)));
-fail:
-  return st;
+  return MP_CUDA_STATUS(cudaEventSynchronize(MP_EVENT(event)));
 }
 
 mp_status mp_cu_event_query(uintptr_t event, int *done) {

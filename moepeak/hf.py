@@ -42,7 +42,7 @@ what transformers expects. Three parts, each can be turned off:
   model.gradient_checkpointing_disable() turns checkpointing off.
 
 - tile_tokens (off unless given): every Qwen3MoeDecoderLayer's forward becomes
-  moepeak.tiled.tiled_qwen3_moe_layer_forward (the block's position-wise parts in
+  moepeak.tiled_adapters.tiled_qwen3_moe_layer_forward (the block's position-wise parts in
   sequence tiles of tile_tokens tokens, only attention at full length) in training
   with grad; in eval / no_grad the layer's own forward runs. Refused with
   output_router_logits=True (the router aux loss is computed over all tokens' router
@@ -416,7 +416,7 @@ def _patch_tiled_layers(model, tile_tokens, report):
         raise ValueError("moepeak.hf: tile_tokens needs config.output_router_logits=False: the router aux loss "
                          "is computed over every token's router logits, which the sequence tiles do not keep; "
                          "set model.config.output_router_logits = False (no aux loss) or leave tile_tokens=None")
-    from .tiled import tiled_qwen3_moe_layer_forward
+    from .tiled_adapters import tiled_qwen3_moe_layer_forward
     layers = [m for m in model.modules() if type(m).__name__ in TILED_LAYERS]
     if not layers:
         kinds = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("DecoderLayer")})

@@ -40,6 +40,16 @@ import torch
 from . import _C
 from ._ext import current_stream_handle, require_cuda_build
 
+
+
+def use_extension(ext) -> object:
+    """Testing hook (moepeak.testing.sco_extension): the engine makes its extension calls
+    on ext in place of moepeak._C from now on; returns the one it used before."""
+    global _C
+    previous, _C = _C, ext
+    return previous
+
+
 _ALIGN = 512  # slot alignment in the arena (bytes): keeps every slot DMA-friendly
 
 # ---------------------------------------------------------------------------

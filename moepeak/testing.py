@@ -11,13 +11,16 @@ failing test cannot leak its setting into the next one.
   grouped_mm_enabled()
       Whether the grouped path is still on (it switches itself off for the
       process the first time torch._grouped_mm raises).
+  sco_extension(ext)
+      SCO's engine (moepeak.sco_engine) makes its extension calls on ext in place
+      of moepeak._C inside the block, e.g. a proxy that counts them.
 """
 from __future__ import annotations
 
 import contextlib
 from typing import Iterator
 
-from . import llep_gemm
+from . import llep_gemm, sco_engine
 
 
 @contextlib.contextmanager
@@ -33,4 +36,13 @@ def grouped_mm_enabled() -> bool:
     return llep_gemm.grouped_mm_settings()[0]
 
 
-__all__ = ["force_grouped_mm", "grouped_mm_enabled"]
+@contextlib.contextmanager
+def sco_extension(ext) -> Iterator[object]:
+    previous = sco_engine.use_extension(ext)
+    try:
+        yield ext
+    finally:
+        sco_engine.use_extension(previous)
+
+
+__all__ = ["force_grouped_mm", "grouped_mm_enabled", "sco_extension"]

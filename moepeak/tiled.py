@@ -340,5 +340,3 @@ class TiledBlock(torch.nn.Module):
     def forward(self, x, *args, **kwargs):
         return tiled_block(x, self.make_spec(self.block, x, *args, **kwargs), self.tile_tokens)
 
-
-from .tiled_adapters import demo_block_spec, qwen3_moe_layer_spec, tiled_qwen3_moe_layer_forward  # noqa: E402,F401

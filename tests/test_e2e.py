@@ -49,6 +49,18 @@ def _close(a, b, tol, what):
                                            f"{float(d.mean()):.3e}, max |ref| {float(scale):.3e}")
 
 
+def _setup(switches, device, dtype, steps):
+    """`steps` batches of 2 x 24 bytes, the plain config, and two seed-7 models in `dtype`:
+    moepeak's (the switches' schedules on) and plain PyTorch's."""
+    ds = TokenStream("auto", max_bytes=1 << 20)
+    batches = [ds.batch(s, 2, 24) for s in range(steps)]
+    plain_cfg = MoEConfig(**TINY, moe="dense", head="plain", checkpoint="torch")
+    cfg = plain_cfg.replace(**{s: SWITCH[s] for s in switches if s != "optimizer"})
+    mine = MoELM(cfg, device=device, dtype=dtype, seed=7)
+    plain = MoELM(plain_cfg, device=device, dtype=dtype, seed=7)
+    return batches, plain_cfg, mine, plain
+
+
 def _compare(switches, device="cpu", dtype=torch.float32, tol=1e-5, steps=3):
     """moepeak's model trains `steps` steps with its optimizer. At every step the plain
     model is loaded with moepeak's current weights, so loss and gradients are compared
@@ -61,12 +73,7 @@ def _compare(switches, device="cpu", dtype=torch.float32, tol=1e-5, steps=3):
     2.3e-5 of max |ref| at step 1 with 32 CPU threads, 7.8e-6 with 2, from step-0
     gradients equal to 2.9e-7). That comparison said more about the CPU's thread
     count than about the schedules."""
-    ds = TokenStream("auto", max_bytes=1 << 20)
-    batches = [ds.batch(s, 2, 24) for s in range(steps)]
-    plain_cfg = MoEConfig(**TINY, moe="dense", head="plain", checkpoint="torch")
-    cfg = plain_cfg.replace(**{s: SWITCH[s] for s in switches if s != "optimizer"})
-    mine = MoELM(cfg, device=device, dtype=dtype, seed=7)
-    plain = MoELM(plain_cfg, device=device, dtype=dtype, seed=7)
+    batches, plain_cfg, mine, plain = _setup(switches, device, dtype, steps)
     opt = build_optimizer(mine.parameters(), "stream" if "optimizer" in switches else "torch",
                           lr=1e-2, weight_decay=0.1)
     shadow = [p.detach().clone() for p in mine.parameters()]
@@ -204,12 +211,7 @@ def _compare_low_precision(switches, device, dtype, steps=3):
     model in float64 at the *same weights*: at every step the plain models are loaded
     with moepeak's current weights (its trajectory, driven by its own optimizer), so
     the three gradients are of one function at one point."""
-    ds = TokenStream("auto", max_bytes=1 << 20)
-    batches = [ds.batch(s, 2, 24) for s in range(steps)]
-    plain_cfg = MoEConfig(**TINY, moe="dense", head="plain", checkpoint="torch")
-    cfg = plain_cfg.replace(**{s: SWITCH[s] for s in switches if s != "optimizer"})
-    mine = MoELM(cfg, device=device, dtype=dtype, seed=7)
-    plain = MoELM(plain_cfg, device=device, dtype=dtype, seed=7)
+    batches, plain_cfg, mine, plain = _setup(switches, device, dtype, steps)
     truth = MoELM(plain_cfg, device=device, dtype=torch.float64, seed=7)
     opt = build_optimizer(mine.parameters(), "stream" if "optimizer" in switches else "torch",
                           lr=1e-2, weight_decay=0.1)

@@ -79,15 +79,20 @@ def _cases(rank, P, group):
     _run_case(rank, P, zero, 0.95, 3 * P, 1, **kw)                                  # T = 0 on the last rank
 
 
+def _rank_share(rank, P, seed):
+    """The global problem of 50 + 3r tokens on rank r (skew 0.95, `seed`), this rank's token
+    rows [lo, hi) and its experts' slice es of the E (a module global) experts."""
+    tokens = [50 + 3 * r for r in range(P)]
+    problem = _global_problem(tokens, 0.95, seed)
+    return problem, sum(tokens[:rank]), sum(tokens[:rank + 1]), slice(rank * (E // P), (rank + 1) * (E // P))
+
+
 def _grouped_vs_loop(rank, P, group):
     """bf16: the torch._grouped_mm path (local + borrowed weight stacks) gives
     the per-expert-GEMM result; run where torch has _grouped_mm on CPU."""
     global E, I
     E, I = 8, 16  # grouped_mm wants 16-byte aligned rows: bf16 dims multiple of 8
-    tokens = [50 + 3 * r for r in range(P)]
-    x, ids, tw, wgu, wd, gy = _global_problem(tokens, 0.95, 11)
-    lo, hi = sum(tokens[:rank]), sum(tokens[:rank + 1])
-    es = slice(rank * (E // P), (rank + 1) * (E // P))
+    (x, ids, tw, wgu, wd, gy), lo, hi, es = _rank_share(rank, P, 11)
     outs = []
     for grouped in (False, True):
         with force_grouped_mm(True, on_cpu=grouped):
@@ -111,10 +116,7 @@ def _hf_layout(rank, P, group):
     gradients have the views' strides."""
     global E
     E = 8
-    tokens = [50 + 3 * r for r in range(P)]
-    x, ids, tw, wgu, wd, gy = _global_problem(tokens, 0.95, 13)
-    lo, hi = sum(tokens[:rank]), sum(tokens[:rank + 1])
-    es = slice(rank * (E // P), (rank + 1) * (E // P))
+    (x, ids, tw, wgu, wd, gy), lo, hi, es = _rank_share(rank, P, 13)
     outs = []
     for hf in (False, True):
         gu, d = wgu[es].float(), wd[es].float()

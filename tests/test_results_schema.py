@@ -78,3 +78,57 @@ def test_git_commit_without_a_repository(monkeypatch, tmp_path):
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
     assert _common.git_commit(str(tmp_path)) == "unknown"
     assert re.fullmatch(r"[0-9a-f]{7,40}|unknown", _common.git_commit())
+
+
+def test_git_commit_prefers_moepeak_commit_over_git(monkeypatch):
+    # A copy of the tree may carry a stale .git (the GPU machine's does): the environment wins.
+    monkeypatch.setenv("MOEPEAK_COMMIT", "feed123")
+    assert _common.git_commit() == "feed123"
+    assert _common.run_columns(gpu="GPU X")["commit"] == "feed123"
+
+
+def _load_bench(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_hf_appends_to_the_results_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEPEAK_COMMIT", "feed123")
+    bench_hf = _load_bench("bench_hf")
+    src = os.path.join(ROOT, "benchmarks", "results", "hf.csv")
+    copy = tmp_path / "hf.csv"
+    copy.write_bytes(open(src, "rb").read())
+    with open(src, newline="") as f:
+        before = list(csv.reader(f))
+    assert before[0] == LEADING + bench_hf.FIELDS
+    row = dict(transformers="5.17.0", arm="moepeak", T=8192, status="ok", peak_gib="1.25", step_s="0.500",
+               step_s_spread="0.010", tokens_per_s="16384", loss="12.0000", params=123, note="")
+    bench_hf.append(str(copy), [row, dict(arm="hf", T=0, status="error", note="boom")])
+    with open(copy, newline="") as f:
+        after = list(csv.reader(f))
+    assert after[:len(before)] == before
+    assert len(after) == len(before) + 2
+    new = dict(zip(after[0], after[-2]))
+    assert new["commit"] == "feed123" and new["arm"] == "moepeak" and new["T"] == "8192"
+    assert new["params"] == "123" and new["tokens_per_s"] == "16384"
+    err = dict(zip(after[0], after[-1]))
+    assert (err["arm"], err["status"], err["note"], err["peak_gib"]) == ("hf", "error", "boom", "")
+
+
+def test_bench_titan_writes_the_schema(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEPEAK_COMMIT", "feed123")
+    bench_titan = _load_bench("bench_titan")
+    row = dict(job="stock", T=64, status="ok", peak_gib="0.000", step_s_median="0.1000", step_s_spread="0.0000",
+               tokens_per_s="640.0")
+    path = str(tmp_path / "titan.csv")
+    bench_titan.append(path, [row])
+    bench_titan.append(path, [dict(job="moepeak", T=64, status="oom")])
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == LEADING + bench_titan.FIELDS
+    assert [(r["job"], r["status"], r["commit"]) for r in rows] == [("stock", "ok", "feed123"),
+                                                                     ("moepeak", "oom", "feed123")]

@@ -530,7 +530,7 @@ def test_cuda_steady_state_never_blocks_the_host(monkeypatch):
     # synchronize, no pinned allocation (cudaHostAlloc blocks), no new events,
     # no torch-level synchronize either; the GPU tensors are released by event
     # polling or by compute waits (W rule / reload), never by a host wait.
-    import moepeak.sco_engine as sco_mod
+    from moepeak.testing import sco_extension
 
     blocks = _stack(6, device="cuda", dtype=torch.bfloat16, h=256, attention=False)
     cfg = SCOConfig(max_in_flight=2, prefetch=1)
@@ -538,16 +538,16 @@ def test_cuda_steady_state_never_blocks_the_host(monkeypatch):
     _sco_forward(blocks, x, cfg, keep_last=True).float().sum().backward()  # warm-up: arena, events
     torch.cuda.synchronize()
     before = dict(cfg.stats("cuda"))
-    fake = _CountingC(sco_mod._C)
-    monkeypatch.setattr(sco_mod, "_C", fake)
-    torch_syncs = []
-    for mod, name in ((torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"),
-                      (torch.cuda.Event, "synchronize"), (torch.Tensor, "item")):
-        orig = getattr(mod, name)
-        monkeypatch.setattr(mod, name, lambda *a, _o=orig, _n=name, **k: (torch_syncs.append(_n), _o(*a, **k))[1])
-    for _ in range(2):
-        _sco_forward(blocks, x, cfg, keep_last=True).float().sum().backward()
-    monkeypatch.undo()
+    with sco_extension(_CountingC(moepeak._C)) as fake:
+        torch_syncs = []
+        for mod, name in ((torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"),
+                          (torch.cuda.Event, "synchronize"), (torch.Tensor, "item")):
+            orig = getattr(mod, name)
+            monkeypatch.setattr(mod, name,
+                                lambda *a, _o=orig, _n=name, **k: (torch_syncs.append(_n), _o(*a, **k))[1])
+        for _ in range(2):
+            _sco_forward(blocks, x, cfg, keep_last=True).float().sum().backward()
+        monkeypatch.undo()
     torch.cuda.synchronize()
     after = cfg.stats("cuda")
     assert not torch_syncs, torch_syncs

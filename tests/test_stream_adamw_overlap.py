@@ -45,6 +45,14 @@ def _assert_same(ours_m, ref_m, ours, ref):
             assert torch.equal(ours.state[a][k], ref.state[b][k]), k
 
 
+def _step_then_zero(*optimizers):
+    """step() each optimizer in turn, then zero_grad() each in the same order."""
+    for o in optimizers:
+        o.step()
+    for o in optimizers:
+        o.zero_grad()
+
+
 @pytest.mark.parametrize("host_pipeline", [False, True])
 def test_overlap_bitwise_vs_torch_fused(host_pipeline):
     ours_m, ref_m, ours, ref = _pair(_host_pipeline=host_pipeline)
@@ -97,10 +105,7 @@ def test_microbatch_accumulation():
                 assert ours.overlap_stats()["params_in_backward"] == 8 * step  # nothing updated yet
             else:
                 _loss(ours_m, x, y).backward()
-        ref.step()
-        ours.step()
-        ref.zero_grad()
-        ours.zero_grad()
+        _step_then_zero(ref, ours)
     _assert_same(ours_m, ref_m, ours, ref)
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.utils.checkpoint as torch_ckpt
 
-from moepeak.tiled import TiledBlock, TiledBlockSpec, demo_block_spec, tiled_block
+from moepeak.tiled import TiledBlock, TiledBlockSpec, tiled_block
+from moepeak.tiled_adapters import demo_block_spec
 from tiled_blocks import LiveBytes, RefBlock, linear_causal_core
 
 
@@ -271,7 +272,7 @@ def _qwen3_layer(dtype, attn_impl, seed=0):
 
 
 def _run_hf(layer, rope, x, gy, tile=None, mask=None, head_groups=None):
-    from moepeak.tiled import qwen3_moe_layer_spec
+    from moepeak.tiled_adapters import qwen3_moe_layer_spec
     x = x.detach().requires_grad_(True)
     pos = torch.arange(x.shape[1]).unsqueeze(0)
     pe = rope(x, pos)
@@ -318,7 +319,7 @@ def test_qwen3_moe_layer_bf16_within_twice_plain_error(T, tile):
 
 
 def test_qwen3_moe_layer_refuses_router_aux_loss_and_cache():
-    from moepeak.tiled import tiled_qwen3_moe_layer_forward
+    from moepeak.tiled_adapters import tiled_qwen3_moe_layer_forward
     layer, rope, cfg = _qwen3_layer(torch.float32, "sdpa")
     x = torch.randn(1, 8, 32, requires_grad=True)
     pe = rope(x, torch.arange(8).unsqueeze(0))

@@ -28,10 +28,7 @@ pytest.importorskip("torchtitan.models.qwen3")  # needs triton at import time
 
 from torchtitan.components.loss import ChunkedLossWrapper  # noqa: E402
 from torchtitan.config.override import OverrideConfig, apply_overrides  # noqa: E402
-from torchtitan.distributed.activation_checkpoint import FullAC  # noqa: E402
-from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
 from torchtitan.models.common.moe import GroupedExperts  # noqa: E402
-from torchtitan.models.qwen3.config_registry import qwen3_moe_debug  # noqa: E402
 
 import moepeak.titan as mt  # noqa: E402
 
@@ -42,19 +39,7 @@ STEPS = 3
 
 
 def small_job():
-    cfg = qwen3_moe_debug()
-    model = cfg.model_spec.model
-    model.layers = model.layers[:2]
-    for layer in model.layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-        moe = layer.moe
-        moe.num_experts = E
-        inner = moe.routed_experts.inner_experts
-        inner.num_experts, inner.hidden_dim = E, F_HID
-        disp = moe.routed_experts.token_dispatcher
-        disp.num_experts, disp.top_k = E, K
-        moe.router.num_experts, moe.router.top_k, moe.router.gate.out_features = E, K, E
-    cfg.activation_checkpoint = FullAC.Config()
+    cfg = mt.qwen3_moe_config(2, E, K, F_HID)
     cfg.optimizer.implementation = "fused"
     return cfg
 

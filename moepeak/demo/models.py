@@ -462,7 +462,8 @@ class MoELM(nn.Module):
 
 
 def _tiled_block_forward(blk, tile_tokens: int, x):
-    from moepeak.tiled import demo_block_spec, tiled_block
+    from moepeak.tiled import tiled_block
+    from moepeak.tiled_adapters import demo_block_spec
     return tiled_block(x, demo_block_spec(blk, x), tile_tokens)
 
 
