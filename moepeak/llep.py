@@ -139,45 +139,41 @@ def _dispatch_backward(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, gro
 
 
 
-@torch.library.custom_op("moepeak::llep_dispatch_backward", mutates_args=())
-def llep_dispatch_backward(grad_y: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
-                           topk_weights: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, group: str,
-                           chunk_rows: int, alpha: float, min_tokens_per_gemm: int,
-                           imbalance_threshold: float, cache: Optional[torch.Tensor] = None,
-                           w_up: Optional[torch.Tensor] = None, b_gate_up: Optional[torch.Tensor] = None,
-                           b_down: Optional[torch.Tensor] = None, activation: str = "swiglu",
-                           load: Optional[torch.Tensor] = None, send_index: Optional[torch.Tensor] = None
-                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                      torch.Tensor, torch.Tensor]:
+def _backward_op(name: str, overwrite_cache: bool, doc: str):
+    """One of the two backward ops: the same schema, `overwrite_cache` fixed per op
+    (the in-place one declares the cache mutated)."""
+    def op(grad_y: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+           w_gate_up: torch.Tensor, w_down: torch.Tensor, group: str, chunk_rows: int, alpha: float,
+           min_tokens_per_gemm: int, imbalance_threshold: float, cache: Optional[torch.Tensor] = None,
+           w_up: Optional[torch.Tensor] = None, b_gate_up: Optional[torch.Tensor] = None,
+           b_down: Optional[torch.Tensor] = None, activation: str = "swiglu",
+           load: Optional[torch.Tensor] = None, send_index: Optional[torch.Tensor] = None
+           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                      torch.Tensor]:
+        return _dispatch_backward(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha,
+                                  min_tokens_per_gemm, imbalance_threshold, cache, w_up, b_gate_up, b_down,
+                                  activation, load, send_index, overwrite_cache)
+    op.__name__ = op.__qualname__ = name.split("::")[1]
+    op.__doc__ = doc
+    return torch.library.custom_op(name, op, mutates_args=("cache",) if overwrite_cache else ())
+
+
+llep_dispatch_backward = _backward_op(
+    "moepeak::llep_dispatch_backward", False,
     """-> (dx, d topk_weights, dW_gate_up, dW_down, dW_up, db_gate_up, db_down);
     the last three are empty [0] tensors where w_up / the biases are absent.
     load and send_index: forward's (llep_dispatch's 3rd and 4th outputs);
     without them backward counts and routes again. cache: forward's
-    activation cache (only read)."""
-    return _dispatch_backward(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha,
-                              min_tokens_per_gemm, imbalance_threshold, cache, w_up, b_gate_up, b_down,
-                              activation, load, send_index, False)
+    activation cache (only read).""")
 
-
-@torch.library.custom_op("moepeak::llep_dispatch_backward_lean_", mutates_args=("cache",))
-def llep_dispatch_backward_lean_(grad_y: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
-                                 topk_weights: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, group: str,
-                                 chunk_rows: int, alpha: float, min_tokens_per_gemm: int,
-                                 imbalance_threshold: float, cache: Optional[torch.Tensor] = None,
-                                 w_up: Optional[torch.Tensor] = None, b_gate_up: Optional[torch.Tensor] = None,
-                                 b_down: Optional[torch.Tensor] = None, activation: str = "swiglu",
-                                 load: Optional[torch.Tensor] = None, send_index: Optional[torch.Tensor] = None
-                                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                            torch.Tensor, torch.Tensor]:
+llep_dispatch_backward_lean_ = _backward_op(
+    "moepeak::llep_dispatch_backward_lean_", True,
     """llep_dispatch_backward, except that on the one-chunk path
     (llep_sched.lean_one_chunk) dh is written over the cached h, so that
     backward holds no second [T*K, 2I] (llep_workspace.one_chunk_peak_bytes):
     the cache serves one backward (a second one over a retained graph raises
     autograd's in-place modification error). Eager autograd uses it; traced
-    graphs (torch.compile) use llep_dispatch_backward: the same values."""
-    return _dispatch_backward(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha,
-                              min_tokens_per_gemm, imbalance_threshold, cache, w_up, b_gate_up, b_down,
-                              activation, load, send_index, True)
+    graphs (torch.compile) use llep_dispatch_backward: the same values.""")
 
 
 @llep_dispatch_backward.register_fake
