@@ -47,8 +47,10 @@ if [ $# -eq 0 ]; then
   # The C kernels' callers on CPU: bindings, planner/layout/kernels of LLEP,
   # the Ring-DTP fold/gradient/finish kernels, SCO, the AdamW kernels and
   # the fuzz tests (default, small example counts).
-  set -- tests/test_bindings.py tests/test_plan.py tests/test_llep.py tests/test_ring_dtp.py tests/test_sco.py \
-         tests/test_stream_adamw.py $(ls tests/test_fuzz_*.py 2>/dev/null)
+  set -- tests/test_bindings.py tests/test_plan.py tests/test_llep.py tests/test_llep_act.py \
+         tests/test_llep_one_chunk.py tests/test_ring_dtp_ops.py tests/test_ring_dtp_kernels.py \
+         tests/test_ring_dtp_edge.py tests/test_sco.py tests/test_stream_adamw.py \
+         tests/test_stream_adamw_amsgrad.py $(ls tests/test_fuzz_*.py 2>/dev/null)
 fi
 rc=0
 python -m pytest -q -p no:cacheprovider "$@" || rc=$?
