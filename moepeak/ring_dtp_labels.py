@@ -17,11 +17,6 @@ import torch
 from torch import Tensor
 
 
-def _is_compiling() -> bool:
-    f = getattr(torch.compiler, "is_compiling", None)
-    return bool(f()) if f is not None else False
-
-
 class LabelGuard:
     """Pending out-of-range-label flags of CUDA calls: [(event, pinned int32 [1], V)]."""
 
@@ -42,7 +37,7 @@ class LabelGuard:
         (GuardOnDataDependentSymNode under torch.compile). The op bodies run eagerly
         (custom ops are opaque to the compiler) and call this there, so an error
         recorded by a compiled call still surfaces at the next call."""
-        if _is_compiling():
+        if torch.compiler.is_compiling():
             return
         keep = []
         err = None

@@ -343,7 +343,7 @@ class StreamAdamW(torch.optim.Optimizer):
             ready.record(torch.cuda.current_stream(cuda_dev))
             if cuda_dev not in self._streams:
                 self._streams[cuda_dev] = side_stream(cuda_dev)
-        compiling = torch.compiler.is_compiling() if hasattr(torch, "compiler") else False
+        compiling = torch.compiler.is_compiling()
         if not compiling:  # what the op's dispatcher would do for the params (autograd's in-place check)
             _bump_versions([lp for _, _, lp, _, _ in entries])
         return dict(args=args, kw=kw, compiling=compiling, device=cuda_dev, ready=ready,

@@ -205,9 +205,9 @@ def test_context_parallel_fsdp2_nccl_fp32_matches_single_gpu(tmp_path, monkeypat
     batches = _batches(B=2, T=256)
     got = _run(tmp_path, monkeypatch, ["moepeak", "plain"], batches, torch.float32, "nccl")
     # 2e-4 of max |ref| elementwise: step 1's gradients follow step 0's AdamW update, which
-    # turns fp32-rounding differences in near-zero gradients into lr-sized steps (H200,
-    # 2026-11-29: layer 1's v_proj gradient at step 1 differed by 1.06e-4 of max |ref|, mean
-    # 4e-6, once the CE kernels' exponentials became ex2.approx (2^-22 relative))
+    # turns fp32-rounding differences in near-zero gradients into lr-sized steps (on an H200
+    # layer 1's v_proj gradient at step 1 differs by 1.06e-4 of max |ref|, mean 4e-6, with the
+    # CE kernels' ex2.approx exponentials, 2^-22 relative)
     _check_fp32(got, _ref_trajectory(batches, "cuda"), ["moepeak", "plain"], 2e-4, 1e-4)
 
 

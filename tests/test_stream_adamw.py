@@ -732,3 +732,14 @@ print("ok")
 '''
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stdout, r.stderr[-2000:])
+
+
+def test_pool_trim_bad_input():
+    """The pool bindings name the argument and refuse what is out of range, touching nothing."""
+    before = _C.pool_workers()
+    for bad in (-1, 257):
+        with pytest.raises(ValueError, match="keep"):
+            _C.pool_trim(bad)
+    with pytest.raises(TypeError):
+        _C.pool_trim("2")
+    assert _C.pool_workers() == before
