@@ -48,7 +48,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _common import append_results  # noqa: E402
+from _common import append_results, is_oom  # noqa: E402
 
 # The figure columns of hf.csv, after _common.RESULT_COLUMNS (timestamp, gpu, torch, moepeak, commit).
 FIELDS = ["transformers", "arm", "T", "status", "peak_gib", "step_s", "step_s_spread", "tokens_per_s", "loss",
@@ -143,7 +143,9 @@ def run_arm(args, arm):
                 if device == "cuda":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
-        except torch.cuda.OutOfMemoryError as e:
+        except Exception as e:  # an OOM (also cuBLAS's or an allocator's) is a result; anything else a bug
+            if not is_oom(e):
+                raise
             del e
             opt.zero_grad(set_to_none=True)
             gc.collect()
