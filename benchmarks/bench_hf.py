@@ -42,11 +42,13 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # this checkout's moepeak, also in the workers
 sys.path.insert(0, HERE)
 from _common import append_results, is_oom  # noqa: E402
 
@@ -109,16 +111,17 @@ def run_arm(args, arm):
         try:
             import liger_kernel  # noqa: F401
         except ImportError as e:
-            return [dict(base, T=0, status="skipped", note=f"liger_kernel not importable: {e}")]
+            emit(dict(base, T=0, status="skipped", note=f"liger_kernel not importable: {e}"))
+            return
     model, opt, autocast, note = setup_arm(arm, shape, max(args.T), device, args.tile_tokens)
     params = sum(p.numel() for p in model.parameters())
     base.update(params=params)
     model.train()
-    rows, last_step = [], None
+    last_step = None
     for T in args.T:
         left = args.deadline - time.time()
         if last_step is not None and last_step * 2.5 * (args.warmup + args.steps) > left:
-            rows.append(dict(base, T=T, status="budget", note=f"{left:.0f} s left, previous step {last_step:.1f} s"))
+            emit(dict(base, T=T, status="budget", note=f"{left:.0f} s left, previous step {last_step:.1f} s"))
             break
         ids = torch.randint(0, shape["vocab_size"], (1, T), device=device)
 
@@ -149,20 +152,25 @@ def run_arm(args, arm):
             del e
             opt.zero_grad(set_to_none=True)
             gc.collect()
-            rows.append(dict(base, T=T, status="oom", note=note))
+            emit(dict(base, T=T, status="oom", note=note))
             break
         med = statistics.median(times)
         peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
         row = dict(base, T=T, status="ok", peak_gib=f"{peak:.2f}", step_s=f"{med:.3f}",
                    step_s_spread=f"{max(times) - min(times):.3f}", tokens_per_s=f"{T / med:.0f}",
                    loss=f"{loss.item():.4f}", note=note)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
         last_step = med
         if med > args.max_step_s:
             row["status"] = "too_slow"
+        emit(row)
+        if row["status"] == "too_slow":
             break
-    return rows
+
+
+def emit(row):
+    """A worker's row goes to the parent at once (one "ROW <json>" line), so a
+    call cut short by an outer timeout keeps every length already measured."""
+    print("ROW " + json.dumps(row), flush=True)
 
 
 def append(path, rows):
@@ -171,6 +179,13 @@ def append(path, rows):
     if not name.endswith(".csv"):
         raise SystemExit(f"bench_hf: --csv must name a .csv file, got {path!r}")
     append_results(out_dir, name[:-len(".csv")], rows, fields=FIELDS)
+
+
+def record(path, r):
+    append(path, [r])
+    print(f"{r['arm']:8s} T={r['T']:>7} {r['status']:8s} peak={r.get('peak_gib', ''):>7} GiB "
+          f"step={r.get('step_s', ''):>8} s tok/s={r.get('tokens_per_s', ''):>7} {r.get('note', '')[:80]}",
+          flush=True)
 
 
 def main(argv=None):
@@ -189,8 +204,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     args.T = [int(t) for t in args.T.split(",")] if args.T else (TINY_T if args.tiny else FULL_T)
     if args.worker:
-        rows = run_arm(args, args.worker)
-        print("ROWS " + json.dumps(rows), flush=True)
+        run_arm(args, args.worker)
         return 0
     arms = [a for a in args.arms.split(",") if a]
     bad = [a for a in arms if a not in ARMS]
@@ -207,19 +221,18 @@ def main(argv=None):
                "--T", ",".join(map(str, args.T)), "--warmup", str(args.warmup), "--steps", str(args.steps),
                "--max-step-s", str(args.max_step_s), "--tile-tokens", str(args.tile_tokens)] + (
                    ["--tiny"] if args.tiny else [])
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [ln for ln in res.stdout.splitlines() if ln.startswith("ROWS ")]
-        if res.returncode != 0 or not lines:
-            tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
-            rows = [dict(arm=arm, T=0, status="error", note=" / ".join(tail)[:500])]
-        else:
-            rows = json.loads(lines[-1][5:])
-        rows = [{**info, **r} for r in rows]
-        append(args.csv, rows)
-        for r in rows:
-            print(f"{r['arm']:8s} T={r['T']:>7} {r['status']:8s} peak={r.get('peak_gib', ''):>7} GiB "
-                  f"step={r.get('step_s', ''):>8} s tok/s={r.get('tokens_per_s', ''):>7} {r.get('note', '')[:80]}",
-                  flush=True)
+        with tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+            got = 0
+            for line in proc.stdout:  # rows are recorded as they come: a killed call keeps them
+                if line.startswith("ROW "):
+                    record(args.csv, {**info, **json.loads(line[4:])})
+                    got += 1
+            failed = proc.wait() != 0
+            err.seek(0)
+            tail = err.read().strip().splitlines()[-3:]
+        if failed or not got:
+            record(args.csv, {**info, **dict(arm=arm, T=0, status="error", note=" / ".join(tail)[:500])})
     return 0
 
 

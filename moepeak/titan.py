@@ -53,7 +53,8 @@ try:
     from torchtitan.distributed.activation_checkpoint import ActivationCheckpointing
     from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 except ImportError as e:  # pragma: no cover - exercised only without torchtitan
-    raise ImportError("moepeak.titan needs torchtitan (pip install 'moepeak[titan]'): " + str(e)) from e
+    raise ImportError(f"moepeak.titan needs torchtitan 0.3 (pip install 'moepeak[titan]'), which needs torch >= 2.12; "
+                      f"here torch {torch.__version__}: {e}") from e
 
 import moepeak
 

@@ -23,8 +23,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-titan_pkg = pytest.importorskip("torchtitan")
-pytest.importorskip("torchtitan.models.qwen3")  # needs triton at import time
+try:
+    from tests.titan_utils import require_torchtitan
+except ImportError:  # rootdir not on sys.path
+    from titan_utils import require_torchtitan
+
+titan_pkg = require_torchtitan()
 
 from torchtitan.components.loss import ChunkedLossWrapper  # noqa: E402
 from torchtitan.config.override import OverrideConfig, apply_overrides  # noqa: E402

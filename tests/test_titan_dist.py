@@ -23,8 +23,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("torchtitan")
-pytest.importorskip("torchtitan.models.qwen3")  # needs triton at import time
+try:
+    from tests.titan_utils import require_torchtitan
+except ImportError:  # rootdir not on sys.path
+    from titan_utils import require_torchtitan
+
+require_torchtitan()
 
 try:
     from tests.dist_utils import run_ranks
