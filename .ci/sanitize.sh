@@ -45,11 +45,13 @@ PY
 
 if [ $# -eq 0 ]; then
   # The C kernels' callers on CPU: bindings, planner/layout/kernels of LLEP,
-  # the Ring-DTP fold/gradient/finish kernels, SCO, the AdamW kernels and
-  # the fuzz tests (default, small example counts).
+  # the Ring-DTP fold/gradient/finish kernels (single device, and on 2 gloo ranks
+  # with padded shards, empty batches and non-finite rows: spawned ranks inherit
+  # LD_PRELOAD and import this copy), SCO, the AdamW kernels and the fuzz tests
+  # (default, small example counts).
   set -- tests/test_bindings.py tests/test_plan.py tests/test_llep.py tests/test_llep_act.py \
          tests/test_llep_one_chunk.py tests/test_ring_dtp_ops.py tests/test_ring_dtp_kernels.py \
-         tests/test_ring_dtp_edge.py tests/test_sco.py tests/test_stream_adamw.py \
+         tests/test_ring_dtp_edge.py tests/test_ring_dtp_dist_edge.py tests/test_sco.py tests/test_stream_adamw.py \
          tests/test_stream_adamw_amsgrad.py $(ls tests/test_fuzz_*.py 2>/dev/null)
 fi
 rc=0

@@ -25,13 +25,13 @@ gradients (mean over zero tokens := 0, never NaN). Labels outside [0, V) that
 are not ignore_index: on CPU a ValueError before any work; on CUDA (checking
 would need a host sync) those tokens' losses are NaN (so a mean loss is NaN),
 their gradients 0, and a ValueError is raised at the next call or by
-check_labels() (ring_dtp_labels: no sync, no device-side assert).
+check_labels() (ring_dtp_labels: no sync, no device-side assert). With `group`, on
+any device, a ValueError on every rank of the group from its exchange (ring_dtp_ring).
 z-loss adds z_loss * lse^2 per token; return_lse returns lse: [...] x fp32
 (not differentiable: use z_loss to put a gradient on it).
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import operator
 from typing import Optional, Tuple
@@ -44,7 +44,8 @@ from .transport import check_transport_choice
 from . import ring_dtp_blocks as B
 from . import ring_dtp_sched as sched
 from .ring_dtp_labels import LabelGuard, check_labels, sanitize_labels
-from .ring_dtp_ring import RINGS, gather_vocab_shards, ring_linear_cross_entropy
+from .ring_dtp_ring import (RINGS, agreed_options, check_no_bias, gather_vocab_shards, refuse_on_group,
+                            ring_linear_cross_entropy)
 from .ring_dtp_sched import FUSED_MODES, MODES, REDUCTIONS
 
 __all__ = ["linear_cross_entropy", "RingDTPLinearCrossEntropy", "check_labels", "ring_dtp_ce",
@@ -69,7 +70,7 @@ def ring_dtp_ce(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[T
     dev = hidden.device
     if T == 0:
         return _empty_batch(hidden, weight, bias, reduction, mode, grads)
-    with _no_autocast(dev):
+    with B.autocast_off(dev):
         return _ce_forward(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap,
                            mode, chunk_tokens, chunk_vocab, grads)
 
@@ -117,11 +118,6 @@ def _empty_batch(hidden, weight, bias, reduction, mode, grads):
     return loss, torch.empty(0, **f32), torch.empty(0, **f32), torch.empty(0, **f32), dx, dw, db
 
 
-def _no_autocast(dev):
-    """The op bodies run their own dtypes (the face has cast the inputs as autocast would)."""
-    return torch.autocast(dev.type, enabled=False) if dev.type in ("cpu", "cuda") else contextlib.nullcontext()
-
-
 @ring_dtp_ce.register_fake
 def _(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, mode,
       chunk_tokens, chunk_vocab, grads):
@@ -154,7 +150,7 @@ def ring_dtp_ce_backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labe
     if T == 0:
         db = torch.zeros(V if bias is not None else 0, dtype=torch.float32, device=hidden.device)
         return torch.empty_like(hidden), torch.zeros_like(weight), db
-    with _no_autocast(hidden.device):
+    with B.autocast_off(hidden.device):
         return _ce_backward(grad_loss, hidden, weight, labels, bias, m, ls, q, ignore_index, reduction,
                             label_smoothing, z_loss, softcap, mode, chunk_tokens, chunk_vocab)
 
@@ -250,24 +246,13 @@ def _double_backward_grads(grad_loss, hidden, weight, labels, bias, ignore_index
     penalty): the plain-torch loss over the whole [T, V] logits, differentiated with
     create_graph. Second-order graphs need those logits, so this path has the memory of
     the plain-PyTorch loss (only create_graph takes it)."""
-    V = weight.shape[0]
     inputs = [t for t in (hidden, weight, bias) if t is not None and t.requires_grad]
     if not inputs:
         return None, None, None
     with torch.enable_grad():
         z = torch.nn.functional.linear(hidden, weight, bias).float()       # [T, V] x fp32
-        if softcap:
-            z = softcap * torch.tanh(z / softcap)
+        rows = B.plain_rows(z, labels, ignore_index, eps, zloss, softcap)
         ign = labels == ignore_index
-        valid = ~ign & (labels >= 0) & (labels < V)
-        lse = torch.logsumexp(z, dim=1)
-        zy = z.gather(1, torch.where(valid, labels, torch.zeros_like(labels)).unsqueeze(1)).squeeze(1)
-        rows = lse - zy
-        if eps:
-            rows = (1.0 - eps) * rows + eps * (lse - z.mean(dim=1))
-        if zloss:
-            rows = rows + zloss * lse * lse
-        rows = torch.where(valid, rows, torch.zeros_like(rows))
         g = grad_loss.to(torch.float32)
         if reduction == 1:
             g = g / (~ign).sum().clamp_min(1).to(torch.float32)
@@ -399,7 +384,11 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
     weight, runs the single-device op (`mode` applies) and sums each shard's gradient back
     at its owner: it holds 2 V H more elements than a ring, and the single-device op may
     take its 3-GEMM schedules where the rings take 4, so it is faster where those fit (benchmarks/RESULTS.md has the numbers).
-    `ring` is checked with or without `group` (one of RINGS).
+    `ring` is checked with or without `group` (one of RINGS). Every rank of the group must
+    pass the same ring, chunk sizes, ignore_index, reduction, label_smoothing, z_loss and
+    softcap (ring_dtp_ring.AGREED), and call backward alike (the same create_graph): the first
+    are checked, a difference raises a ValueError on every rank; an argument refused on one
+    rank raises there, and a ValueError naming that rank on the others (none is left waiting).
     transport (with `group`): "auto" / "torch" (torch.distributed on the group), "nccl"
     (moepeak's NCCL-from-C transport, CUDA tensors; one communicator per group and
     device, created collectively on the first call and kept), or a moepeak Transport.
@@ -407,19 +396,32 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
     checks without a host sync, so a bad label gives a NaN loss and the ValueError comes at
     the latest from this call's backward (before any gradient is written), or from the next
     call or moepeak.check_labels(); "sync" checks before any work, at the cost of one host
-    sync per call (single device; with `group`, the deferred check).
+    sync per call (single device; with `group`, every rank's labels are checked in the group's
+    exchange, the call's one host sync, and a bad label raises on every rank).
     Under torch.autocast, hidden, weight and bias are cast to the autocast dtype (F.linear's
     behaviour); outside it their dtypes must match. softcap=inf is no cap. With
     create_graph=True the backward is built from torch ops over the whole [T, V] logits
-    (the memory of the plain-PyTorch loss), so second-order gradients are exact.
+    (the memory of the plain-PyTorch loss; with `group` also the whole weight, gathered), so
+    second-order gradients are exact.
     """
     if isinstance(softcap, (int, float)) and softcap == math.inf:
         softcap = None  # an infinite cap is no cap
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
-    _check(hidden, weight, labels, bias, reduction, mode, label_smoothing, z_loss, softcap, chunk_tokens,
-           chunk_vocab, ring=ring, sharded=group is not None, label_check=label_check)
-    ignore_index = _int64("ignore_index", ignore_index)
-    check_transport_choice(transport)
+    try:
+        _check(hidden, weight, labels, bias, reduction, mode, label_smoothing, z_loss, softcap, chunk_tokens,
+               chunk_vocab, ring=ring, sharded=group is not None, label_check=label_check)
+        ignore_index = _int64("ignore_index", ignore_index)
+        check_transport_choice(transport)
+        if group is not None:
+            check_no_bias(bias)
+            if LabelGuard.pending:  # earlier calls' CUDA label flags: read here, before the exchange
+                check_labels()
+    except (TypeError, ValueError) as err:
+        if group is None:
+            raise
+        # A rank raising alone would leave the others waiting in the group's first exchange:
+        # it takes part, flagged, and every rank raises.
+        refuse_on_group(err, group, transport, (weight if isinstance(weight, Tensor) else hidden).device)
     lead = tuple(labels.shape)
     x = _canonical(hidden.reshape(-1, hidden.shape[-1]))
     y = _canonical(labels.reshape(-1).to(torch.int64))
@@ -431,7 +433,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
             raise ValueError(f"moepeak: labels must be in [0, {weight.shape[0]}) or ignore_index={ignore_index}; "
                              f"got {y[bad][:5].tolist()}")
     if group is not None and ring == "gather":  # the whole weight here, then the single-device op
-        weight, group = gather_vocab_shards(weight, group, transport, bias, y, ignore_index), None
+        agreed = agreed_options(ring, ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_tokens,
+                                chunk_vocab)
+        weight, group = gather_vocab_shards(weight, group, agreed, transport, bias, y, ignore_index), None
     if group is not None:
         loss, lse = ring_linear_cross_entropy(x, weight, y, bias, group, ring, ignore_index, reduction,
                                               label_smoothing, z_loss, softcap or 0.0, chunk_tokens, chunk_vocab,

@@ -13,6 +13,7 @@ lse = m + log(s). Partial states of disjoint vocab ranges merge with merge_state
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional, Tuple
 
@@ -407,6 +408,34 @@ def row_losses(m, ls, zy, zsum, sx, valid, bad, eps: float, n_classes: int, zlos
         loss = loss + zloss * lse * lse
     loss = torch.where(valid, loss, torch.zeros_like(loss))
     return torch.where(bad, torch.full_like(loss, math.nan), loss)
+
+
+def plain_rows(z: torch.Tensor, labels: torch.Tensor, ignore_index: int, eps: float, zloss: float,
+               softcap: float) -> torch.Tensor:
+    """Per-token loss [T] x fp32 of the whole logits z: [T, V] x fp32 through torch ops alone,
+    so differentiable to any order (the backward under create_graph=True differentiates it):
+    softcap, cross-entropy with label smoothing, z-loss; 0 for ignored tokens and for labels
+    outside [0, V). Holds [T, V] tensors: the memory of the plain-PyTorch loss."""
+    V = z.shape[1]
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    valid = (labels != ignore_index) & (labels >= 0) & (labels < V)
+    lse = torch.logsumexp(z, dim=1)
+    zy = z.gather(1, torch.where(valid, labels, torch.zeros_like(labels)).unsqueeze(1)).squeeze(1)
+    rows = lse - zy
+    if eps:
+        rows = (1.0 - eps) * rows + eps * (lse - z.mean(dim=1))
+    if zloss:
+        rows = rows + zloss * lse * lse
+    return torch.where(valid, rows, torch.zeros_like(rows))
+
+
+def autocast_off(device: torch.device):
+    """A context without torch.autocast on `device`: the schedules run their own dtypes
+    (linear_cross_entropy has cast the inputs as autocast would)."""
+    if device.type in ("cpu", "cuda"):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def lowp_dx_chunk_tokens(cv: int, dtype: torch.dtype, budget: int = BLOCKED_WORKSPACE_BYTES) -> int:

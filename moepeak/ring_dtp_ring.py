@@ -34,9 +34,16 @@ Buffers: two payload buffers, two accumulator buffers, the block workspace. Shar
 e.g. FSDP2's ceil-split) are padded to V_max rows of zeros in the travelling
 buffers, and the columns past a shard's real rows are masked (-inf logits,
 zero gradient) by the kernels' v_valid bound; tokens are padded likewise with
-ignore_index labels. Shapes are exchanged once per call with an all_gather of
-six ints (shard rows, tokens, H and dtype, which must agree, and on CPU the labels' range:
-a host sync on GPU, once per call; the schedule itself has none).
+ignore_index labels. Shapes are exchanged once per call with an all_gather of a few ints
+(_Geometry: shard rows, tokens, H and dtype, which must agree; the labels' range; the
+options every rank must pass alike, AGREED; and whether a rank refused its arguments, so a
+refusal or mismatch on one rank raises on every rank and none waits in an exchange). It is a
+host sync on GPU, once per call; the schedule itself has none.
+
+Every rank must call backward, and with the same create_graph (it decides the exchanges).
+With create_graph=True the backward is not the ring: the whole weight is gathered and the
+gradients are formed with torch ops over this rank's [T, V] logits (_differentiable_grads),
+differentiable to any order.
 
 ring="gather" (never chosen by "auto"): all-gather the shards into the whole weight
 [V, H], run the single-device op on this rank's tokens (its 3-GEMM fused schedule, `mode`
@@ -52,14 +59,15 @@ Process groups: `group` is resolved once per call through moepeak.process_groups
 from __future__ import annotations
 
 import math
+import struct
+import zlib
 from typing import Optional
 
 import torch
 
 from . import ring_dtp_blocks as B
 from .process_groups import group_info
-from .ring_dtp_labels import sanitize_labels
-from .ring_dtp_sched import REDUCTIONS
+from .ring_dtp_sched import REDUCTIONS, reduce_rows
 from .transport import Transport, get_transport, shared_nccl_transport
 
 RINGS = ("auto", "weights", "activations", "gather")
@@ -132,35 +140,92 @@ class _AccRing:
         return self.cur
 
 
+# What every rank of a group must pass alike: a difference in ring or the chunk sizes would
+# make the ranks' exchanges differ (a hang), one in the loss options would mix the ranks'
+# conventions (the activations ring applies its own to the others' tokens).
+AGREED = ("ring", "ignore_index", "reduction", "label_smoothing", "z_loss", "softcap", "chunk_tokens",
+          "chunk_vocab")
+_ROW = 7 + len(AGREED)  # refused, V_r, T, H, dtype code, label min, label max, the AGREED codes
+
+
+def agreed_options(ring, ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_tokens, chunk_vocab
+                   ) -> dict:
+    """The AGREED arguments of a call by name, as _Geometry compares them (None sizes: 0)."""
+    return dict(ring=ring, ignore_index=ignore_index, reduction=reduction, label_smoothing=float(label_smoothing),
+                z_loss=float(z_loss), softcap=float(softcap or 0.0), chunk_tokens=chunk_tokens or 0,
+                chunk_vocab=chunk_vocab or 0)
+
+
+def _code(v) -> int:
+    """An AGREED value as one int64: ints as themselves, floats by their bits, strings by crc32."""
+    if isinstance(v, str):
+        return zlib.crc32(v.encode())
+    if isinstance(v, float):
+        return struct.unpack("<q", struct.pack("<d", v))[0]
+    return int(v)
+
+
+def _decode(code: int, like):
+    if isinstance(like, float):
+        return struct.unpack("<d", struct.pack("<q", code))[0]
+    return code if isinstance(like, int) else None
+
+
+_NO_LABEL = ((1 << 63) - 1, -(1 << 63))  # (min, max) of a rank without labels to check
+
+
+def _exchange(tr, row, device, labels: Optional[torch.Tensor] = None, ignore_index: int = -100) -> list:
+    """Every rank's row (one all_gather of _ROW int64): the group's first exchange of a call.
+    With labels, row[5:7] become their (min, max) leaving ignore_index out, made on the
+    labels' device (no host sync before the exchange's own)."""
+    out = torch.empty((tr.world_size, _ROW), dtype=torch.int64, device=device)
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    if labels is not None and labels.numel():
+        keep = labels != ignore_index
+        mine[5] = torch.where(keep, labels, _NO_LABEL[0]).min()
+        mine[6] = torch.where(keep, labels, _NO_LABEL[1]).max()
+    tr.all_gather(out, mine)
+    return out.tolist()
+
+
 class _Geometry:
     """Sizes of every rank, exchanged once: shard rows, offsets, token counts; the hidden
-    size and dtype of the shards, which must agree (and the shards not all be empty); and,
-    for CPU labels, the range of each rank's labels (ignore_index left out). Every rank sees
-    the same table, so a mismatch or an out-of-range label on any rank raises on all of them,
-    where a rank raising alone would leave the others waiting in the exchanges. (CUDA labels
-    keep the op's asynchronous check: ring_dtp_labels.)"""
+    size and dtype of the shards, which must agree (and the shards not all be empty); the
+    range of each rank's labels (ignore_index left out); the AGREED options;
+    and whether a rank refused its arguments (refuse_on_group). Every rank sees the same
+    table, so a refusal, a mismatch or an out-of-range label on any rank raises on all of
+    them, where a rank raising alone would leave the others waiting in the exchanges.
+    (On CUDA the exchange is the call's one host sync; the label range adds none.)"""
 
-    def __init__(self, tr, T: int, w: torch.Tensor, labels: Optional[torch.Tensor] = None, ignore_index: int = -100):
+    def __init__(self, tr, T: int, w: torch.Tensor, agreed: dict, labels: Optional[torch.Tensor] = None,
+                 ignore_index: int = -100):
+        if tuple(agreed) != AGREED:
+            raise ValueError(f"moepeak: agreed must name {AGREED}, got {tuple(agreed)}")
         Vr, H = w.shape
-        lo, hi = 0, -1  # no label to check
-        if labels is not None and labels.device.type != "cuda":
-            kept = labels[labels != ignore_index]
-            if kept.numel():
-                lo, hi = int(kept.min()), int(kept.max())
-        sizes = torch.empty((tr.world_size, 6), dtype=torch.int64, device=w.device)
-        tr.all_gather(sizes, torch.tensor([Vr, T, H, B.DTYPE_CODE.get(w.dtype, -1), lo, hi], dtype=torch.int64,
-                                          device=w.device))
-        rows = sizes.tolist()
-        if any(row[2:4] != rows[0][2:4] for row in rows):
+        head = [0, Vr, T, H, B.DTYPE_CODE.get(w.dtype, -1)]
+        codes = [_code(v) for v in agreed.values()]
+        rows = _exchange(tr, head + [_NO_LABEL[0], _NO_LABEL[1]] + codes, w.device, labels, ignore_index)
+        refused = [j for j, row in enumerate(rows) if row[0]]
+        if refused:
+            raise ValueError(f"moepeak: rank(s) {refused} of the group refused their arguments to "
+                             f"linear_cross_entropy (the error raised there says why); every rank raises")
+        differ = [(n, j) for j, n in enumerate(AGREED) if any(row[7 + j] != rows[0][7 + j] for row in rows)]
+        if differ:
+            per_rank = {n: ([_decode(row[7 + j], agreed[n]) for row in rows]
+                            if _decode(0, agreed[n]) is not None else f"differs (this rank: {agreed[n]!r})")
+                        for n, j in differ}
+            raise ValueError(f"moepeak: every rank of the group must pass the same {', '.join(AGREED)}; "
+                             f"per rank: {per_rank}")
+        if any(row[3:5] != rows[0][3:5] for row in rows):
             raise ValueError(f"moepeak: the vocab shards of the group must have one hidden size and dtype; "
-                             f"(H, dtype code {B.DTYPE_CODE}) per rank: {[tuple(row[2:4]) for row in rows]}")
+                             f"(H, dtype code {B.DTYPE_CODE}) per rank: {[tuple(row[3:5]) for row in rows]}")
         self.P, self.r = tr.world_size, tr.rank
-        self.Vs = [row[0] for row in rows]
-        self.Ts = [row[1] for row in rows]
+        self.Vs = [row[1] for row in rows]
+        self.Ts = [row[2] for row in rows]
         self.V = V = sum(self.Vs)
         if V < 1:
             raise ValueError("moepeak: the vocab shards of the group are all empty")
-        bad = [(j, row[4], row[5]) for j, row in enumerate(rows) if row[4] <= row[5] and (row[4] < 0 or row[5] >= V)]
+        bad = [(j, row[5], row[6]) for j, row in enumerate(rows) if row[5] <= row[6] and (row[5] < 0 or row[6] >= V)]
         if bad:
             raise ValueError(f"moepeak: labels must be in [0, {V}) or ignore_index={ignore_index}; "
                              f"(rank, min, max) of the ranks with others: {bad}")
@@ -168,6 +233,19 @@ class _Geometry:
         for v in self.Vs[:-1]:
             self.off.append(self.off[-1] + v)
         self.Vmax, self.Tmax = max(self.Vs), max(self.Ts)
+
+
+def refuse_on_group(error: BaseException, group, transport, device) -> None:
+    """This rank's arguments failed their checks (`error`): take part in the group's first
+    exchange flagged as refused, so that every other rank raises as well instead of waiting
+    in it, then raise `error` here. Where no transport can be made for the group, `error`
+    is raised at once."""
+    try:
+        tr = _ring_transport(transport, group, device)
+    except Exception:  # noqa: BLE001 (this rank's own error is the one to report)
+        raise error from None
+    _exchange(tr, [1] + [0] * (_ROW - 1), device)
+    raise error
 
 
 def _g_rows(grad_loss, valid, reduction, T):
@@ -181,10 +259,8 @@ def _g_rows(grad_loss, valid, reduction, T):
 
 class _GatherShards(torch.autograd.Function):
     """Forward: the whole weight [V, H] from every rank's dim-0 shard (all_gather, shards
-    padded to V_max rows when unequal, then their rows put together). Backward: rows
-    [off_o, off_o + V_o) of this rank's gradient go to owner o (all_to_all_v straight from
-    the gradient: the shards are consecutive in rank order), and each owner sums the P
-    contributions in fp32, in rank order, and rounds once (deterministic)."""
+    padded to V_max rows when unequal, then their rows put together). Backward: each shard's
+    rows of this rank's gradient summed at their owner (_ScatterSum)."""
 
     @staticmethod
     def forward(ctx, w, tr, geo):
@@ -204,7 +280,18 @@ class _GatherShards(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        tr, geo = ctx.tr, ctx.geo
+        return _ScatterSum.apply(g, ctx.tr, ctx.geo), None, None
+
+
+class _ScatterSum(torch.autograd.Function):
+    """Forward: rows [off_o, off_o + V_o) of this rank's whole-weight gradient g: [V, H] go to
+    owner o (all_to_all_v straight from g: the shards are consecutive in rank order), and each
+    owner sums the P contributions in fp32, in rank order, and rounds once (deterministic):
+    [V_r, H]. Backward: the all-gather (_GatherShards), so both are differentiable to any order."""
+
+    @staticmethod
+    def forward(ctx, g, tr, geo):
+        ctx.tr, ctx.geo = tr, geo
         P, Vr, H = geo.P, geo.Vs[geo.r], g.shape[1]
         g = g.contiguous()
         recv = torch.empty((P, Vr, H), dtype=g.dtype, device=g.device)
@@ -215,79 +302,42 @@ class _GatherShards(torch.autograd.Function):
         for b0 in range(0, Vr, step):
             b1 = min(Vr, b0 + step)
             out[b0:b1] = recv[:, b0:b1].float().sum(0)
-        return out, None, None
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return _GatherShards.apply(g.contiguous(), ctx.tr, ctx.geo), None, None
 
 
-def _refuse_bias(bias) -> None:
+def check_no_bias(bias) -> None:
+    """The rings and ring="gather" have no bias: a clear error when one is given."""
     if bias is not None:
         raise ValueError("moepeak: bias is not supported with group (vocab-sharded weight); fold it into "
                          "the weight (an extra hidden column of ones) or use group=None")
 
 
-def gather_vocab_shards(w, group, transport="auto", bias=None, labels=None, ignore_index=-100):
+def gather_vocab_shards(w, group, agreed: dict, transport="auto", bias=None, labels=None, ignore_index=-100):
     """ring="gather"'s weight: the whole [V, H] weight from this rank's dim-0 shard `w` and
-    the others' (autograd: the gradient of the result is summed back onto the shards).
-    labels (optional): this rank's, range-checked against V on every rank (_Geometry)."""
-    _refuse_bias(bias)
+    the others' (autograd, to any order: the gradient of the result is summed back onto the
+    shards). agreed: the AGREED options by name, checked equal on every rank (_Geometry).
+    labels (optional): this rank's, range-checked against V on every rank."""
+    check_no_bias(bias)
     tr = _ring_transport(transport, group, w.device)
     w = w if w.is_contiguous() else w.contiguous()
-    geo = _Geometry(tr, 0, w, labels, ignore_index)
+    geo = _Geometry(tr, 0, w, agreed, labels, ignore_index)
     return _GatherShards.apply(w, tr, geo)
 
 
 class _RingCE(torch.autograd.Function):
+    """This rank's loss (and lse) over the ring; backward: the ring again, or under
+    create_graph=True _differentiable_grads. Both bodies run without autocast (the inputs
+    are cast already)."""
+
     @staticmethod
     def forward(ctx, x, w, y, bad, tr, geo, variant, ignore_index, reduction, eps, zloss, softcap, ct, cv):
-        P, r = geo.P, geo.r
-        nxt, prv = (r + 1) % P, (r - 1) % P
-        T, H = x.shape
-        valid = y != ignore_index
-        if variant == "weights":
-            st = B.new_state(T, x.device)
-            cur = torch.zeros((geo.Vmax, H), dtype=w.dtype, device=w.device)
-            cur[:w.shape[0]] = w
-            other = torch.empty_like(cur)
-            for k in range(P):
-                o = (r - k) % P
-                h = tr.send_recv(cur, nxt, other, prv) if k < P - 1 else None
-                _fold_into(x, cur[:geo.Vs[o]], y, geo.off[o], geo.off[o] + geo.Vs[o], st, ignore_index, softcap,
-                           ct, cv)
-                if h is not None:
-                    h.wait()
-                    cur, other = other, cur
-        else:
-            xb = torch.zeros((geo.Tmax, H), dtype=x.dtype, device=x.device)
-            xb[:T] = x
-            yb = torch.full((geo.Tmax,), ignore_index, dtype=torch.int64, device=x.device)
-            yb[:T] = y
-            stb = torch.zeros((5, geo.Tmax), dtype=torch.float32, device=x.device)
-            stb[0].fill_(-math.inf)
-            xo, yo, sto = torch.empty_like(xb), torch.empty_like(yb), torch.empty_like(stb)
-            hs = None
-            for k in range(P):
-                j = (r - k) % P
-                hx = [tr.send_recv(xb, nxt, xo, prv), tr.send_recv(yb, nxt, yo, prv)] if k < P - 1 else []
-                if hs is not None:
-                    hs.wait()
-                    stb, sto = sto, stb
-                tj = geo.Ts[j]
-                _fold_into(xb[:tj], w, yb[:tj], geo.off[r], geo.off[r] + geo.Vs[r], tuple(stb[i, :tj] for i in range(5)),
-                           ignore_index, softcap, ct, cv)
-                hs = tr.send_recv(stb, nxt, sto, prv)  # the P-th hop brings each state home
-                for h in hx:
-                    h.wait()
-                if hx:
-                    xb, xo, yb, yo = xo, xb, yo, yb
-            hs.wait()
-            st = tuple(sto[i, :T].clone() for i in range(5))
-        m, ls, q = B.fin(st)
-        rows = B.row_losses(m, ls, st[2], st[3], st[4], valid, bad, eps, geo.V, zloss)
-        if reduction == 0:
-            loss = rows
-        elif reduction == 2:
-            loss = rows.sum()
-        else:
-            loss = rows.sum() / valid.sum().clamp_min(1).to(torch.float32)
+        with B.autocast_off(x.device):
+            loss, m, ls, q = _ring_forward(x, w, y, bad, tr, geo, variant, ignore_index, reduction, eps, zloss,
+                                           softcap, ct, cv)
         ctx.save_for_backward(x, w, y, m, ls, q)
         ctx.cfg = (tr, geo, variant, ignore_index, reduction, eps, zloss, softcap, ct, cv)
         lse = B.lse_report(m, ls)
@@ -298,71 +348,156 @@ class _RingCE(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_lse):
         x, w, y, m, ls, q = ctx.saved_tensors
         tr, geo, variant, ignore_index, reduction, eps, zloss, softcap, ct, cv = ctx.cfg
-        P, r = geo.P, geo.r
-        nxt, prv = (r + 1) % P, (r - 1) % P
-        T, H = x.shape
-        g = _g_rows(grad_loss, y != ignore_index, reduction, T)
-        if variant == "weights":
-            dx_acc = torch.zeros((T, H), dtype=torch.float32, device=x.device)
-            cur = torch.zeros((geo.Vmax, H), dtype=w.dtype, device=w.device)
-            cur[:w.shape[0]] = w
-            other = torch.empty_like(cur)
-            # dW of the shard travels with it, in vocab blocks of cv rows: vocab blocks
-            # are the outer loop, so block i is final (for this rank) before the next.
-            acc = _AccRing(tr, nxt, prv, geo.Vmax, H, cv, x.device)
-            for k in range(P):
-                o = (r - k) % P
-                hw = tr.send_recv(cur, nxt, other, prv) if k < P - 1 else None
-                vo = geo.Vs[o]
-                for i in range(acc.n):
-                    b0, b1 = acc.span(i)
-                    dw_i = acc.ready(i)
-                    for t0 in range(0, T, ct):
-                        _grad_block(x, cur[b0:min(b1, vo)], y, geo.off[o] + b0, geo.off[o] + vo, geo.V, m, ls, q,
-                                    g, dx_acc, dw_i, ignore_index, softcap, eps, zloss, t0, min(T, t0 + ct), 0,
-                                    max(0, min(b1, vo) - b0))
-                    acc.done(i)  # the P-th hop lands each dW at its owner
-                acc.next_step()
-                if hw is not None:
-                    hw.wait()
-                    cur, other = other, cur
-            dx = dx_acc.to(x.dtype)
-            dw = acc.home()[:w.shape[0]].to(w.dtype)
-        else:
-            xb = torch.zeros((geo.Tmax, H), dtype=x.dtype, device=x.device)
-            xb[:T] = x
-            yb = torch.full((geo.Tmax,), ignore_index, dtype=torch.int64, device=x.device)
-            yb[:T] = y
-            aux = torch.zeros((4, geo.Tmax), dtype=torch.float32, device=x.device)  # m, log s, 1 - p_y, g
-            aux[0, :T], aux[1, :T], aux[2, :T], aux[3, :T] = m, ls, q, g
-            xo, yo, auxo = torch.empty_like(xb), torch.empty_like(yb), torch.empty_like(aux)
-            # dX of the tokens travels with them (home on the P-th hop), in token
-            # chunks of ct rows: chunk i is final (for this rank) after its vocab blocks.
-            dxa = _AccRing(tr, nxt, prv, geo.Tmax, H, ct, x.device)
-            dw_acc = torch.zeros((w.shape[0], H), dtype=torch.float32, device=x.device)
-            Vr = w.shape[0]
-            for k in range(P):
-                j = (r - k) % P
-                hx = ([tr.send_recv(xb, nxt, xo, prv), tr.send_recv(yb, nxt, yo, prv),
-                       tr.send_recv(aux, nxt, auxo, prv)] if k < P - 1 else [])
-                tj = geo.Ts[j]
-                gj = aux[3].contiguous()
-                for i in range(dxa.n):
-                    t0, t1 = dxa.span(i)
-                    dx_i = dxa.ready(i)
-                    for b0 in range(0, Vr, cv):
-                        _grad_block(xb[t0:min(t1, tj)], w, yb[t0:min(t1, tj)], geo.off[r], geo.off[r] + Vr, geo.V,
-                                    aux[0, t0:], aux[1, t0:], aux[2, t0:], gj[t0:], dx_i, dw_acc, ignore_index,
-                                    softcap, eps, zloss, 0, max(0, min(t1, tj) - t0), b0, min(Vr, b0 + cv))
-                    dxa.done(i)
-                dxa.next_step()
-                for h in hx:
-                    h.wait()
-                if hx:
-                    xb, xo, yb, yo, aux, auxo = xo, xb, yo, yb, auxo, aux
-            dx = dxa.home()[:T].to(x.dtype)
-            dw = dw_acc.to(w.dtype)
+        with B.autocast_off(x.device):
+            if torch.is_grad_enabled():  # create_graph=True (the same on every rank: it decides the exchanges)
+                dx, dw = _differentiable_grads(x, w, y, grad_loss, tr, geo, ignore_index, reduction, eps, zloss,
+                                               softcap)
+            else:
+                dx, dw = _ring_backward(x, w, y, m, ls, q, grad_loss, tr, geo, variant, ignore_index, reduction,
+                                        eps, zloss, softcap, ct, cv)
         return dx, dw, None, None, None, None, None, None, None, None, None, None, None, None
+
+
+def _ring_forward(x, w, y, bad, tr, geo, variant, ignore_index, reduction, eps, zloss, softcap, ct, cv):
+    """(loss, m, ls, q) of this rank's tokens: the state folded over every shard, by the ring."""
+    P, r = geo.P, geo.r
+    nxt, prv = (r + 1) % P, (r - 1) % P
+    T, H = x.shape
+    valid = y != ignore_index
+    if variant == "weights":
+        st = B.new_state(T, x.device)
+        cur = torch.zeros((geo.Vmax, H), dtype=w.dtype, device=w.device)
+        cur[:w.shape[0]] = w
+        other = torch.empty_like(cur)
+        for k in range(P):
+            o = (r - k) % P
+            h = tr.send_recv(cur, nxt, other, prv) if k < P - 1 else None
+            _fold_into(x, cur[:geo.Vs[o]], y, geo.off[o], geo.off[o] + geo.Vs[o], st, ignore_index, softcap,
+                       ct, cv)
+            if h is not None:
+                h.wait()
+                cur, other = other, cur
+    else:
+        xb = torch.zeros((geo.Tmax, H), dtype=x.dtype, device=x.device)
+        xb[:T] = x
+        yb = torch.full((geo.Tmax,), ignore_index, dtype=torch.int64, device=x.device)
+        yb[:T] = y
+        stb = torch.zeros((5, geo.Tmax), dtype=torch.float32, device=x.device)
+        stb[0].fill_(-math.inf)
+        xo, yo, sto = torch.empty_like(xb), torch.empty_like(yb), torch.empty_like(stb)
+        hs = None
+        for k in range(P):
+            j = (r - k) % P
+            hx = [tr.send_recv(xb, nxt, xo, prv), tr.send_recv(yb, nxt, yo, prv)] if k < P - 1 else []
+            if hs is not None:
+                hs.wait()
+                stb, sto = sto, stb
+            tj = geo.Ts[j]
+            _fold_into(xb[:tj], w, yb[:tj], geo.off[r], geo.off[r] + geo.Vs[r], tuple(stb[i, :tj] for i in range(5)),
+                       ignore_index, softcap, ct, cv)
+            hs = tr.send_recv(stb, nxt, sto, prv)  # the P-th hop brings each state home
+            for h in hx:
+                h.wait()
+            if hx:
+                xb, xo, yb, yo = xo, xb, yo, yb
+        hs.wait()
+        st = tuple(sto[i, :T].clone() for i in range(5))
+    m, ls, q = B.fin(st)
+    rows = B.row_losses(m, ls, st[2], st[3], st[4], valid, bad, eps, geo.V, zloss)
+    if T == 0 and reduction == REDUCTIONS["mean"]:  # the mean of no token: NaN, as torch's
+        return torch.full((), math.nan, dtype=torch.float32, device=x.device), m, ls, q
+    return reduce_rows(rows, valid, reduction), m, ls, q
+
+
+def _ring_backward(x, w, y, m, ls, q, grad_loss, tr, geo, variant, ignore_index, reduction, eps, zloss, softcap,
+                   ct, cv):
+    """(dX, dW shard) by the ring (module docstring)."""
+    P, r = geo.P, geo.r
+    nxt, prv = (r + 1) % P, (r - 1) % P
+    T, H = x.shape
+    g = _g_rows(grad_loss, y != ignore_index, reduction, T)
+    if variant == "weights":
+        dx_acc = torch.zeros((T, H), dtype=torch.float32, device=x.device)
+        cur = torch.zeros((geo.Vmax, H), dtype=w.dtype, device=w.device)
+        cur[:w.shape[0]] = w
+        other = torch.empty_like(cur)
+        # dW of the shard travels with it, in vocab blocks of cv rows: vocab blocks
+        # are the outer loop, so block i is final (for this rank) before the next.
+        acc = _AccRing(tr, nxt, prv, geo.Vmax, H, cv, x.device)
+        for k in range(P):
+            o = (r - k) % P
+            hw = tr.send_recv(cur, nxt, other, prv) if k < P - 1 else None
+            vo = geo.Vs[o]
+            for i in range(acc.n):
+                b0, b1 = acc.span(i)
+                dw_i = acc.ready(i)
+                for t0 in range(0, T, ct):
+                    _grad_block(x, cur[b0:min(b1, vo)], y, geo.off[o] + b0, geo.off[o] + vo, geo.V, m, ls, q,
+                                g, dx_acc, dw_i, ignore_index, softcap, eps, zloss, t0, min(T, t0 + ct), 0,
+                                max(0, min(b1, vo) - b0))
+                acc.done(i)  # the P-th hop lands each dW at its owner
+            acc.next_step()
+            if hw is not None:
+                hw.wait()
+                cur, other = other, cur
+        dx = dx_acc.to(x.dtype)
+        dw = acc.home()[:w.shape[0]].to(w.dtype)
+    else:
+        xb = torch.zeros((geo.Tmax, H), dtype=x.dtype, device=x.device)
+        xb[:T] = x
+        yb = torch.full((geo.Tmax,), ignore_index, dtype=torch.int64, device=x.device)
+        yb[:T] = y
+        aux = torch.zeros((4, geo.Tmax), dtype=torch.float32, device=x.device)  # m, log s, 1 - p_y, g
+        aux[0, :T], aux[1, :T], aux[2, :T], aux[3, :T] = m, ls, q, g
+        xo, yo, auxo = torch.empty_like(xb), torch.empty_like(yb), torch.empty_like(aux)
+        # dX of the tokens travels with them (home on the P-th hop), in token
+        # chunks of ct rows: chunk i is final (for this rank) after its vocab blocks.
+        dxa = _AccRing(tr, nxt, prv, geo.Tmax, H, ct, x.device)
+        dw_acc = torch.zeros((w.shape[0], H), dtype=torch.float32, device=x.device)
+        Vr = w.shape[0]
+        for k in range(P):
+            j = (r - k) % P
+            hx = ([tr.send_recv(xb, nxt, xo, prv), tr.send_recv(yb, nxt, yo, prv),
+                   tr.send_recv(aux, nxt, auxo, prv)] if k < P - 1 else [])
+            tj = geo.Ts[j]
+            gj = aux[3].contiguous()
+            for i in range(dxa.n):
+                t0, t1 = dxa.span(i)
+                dx_i = dxa.ready(i)
+                for b0 in range(0, Vr, cv):
+                    _grad_block(xb[t0:min(t1, tj)], w, yb[t0:min(t1, tj)], geo.off[r], geo.off[r] + Vr, geo.V,
+                                aux[0, t0:], aux[1, t0:], aux[2, t0:], gj[t0:], dx_i, dw_acc, ignore_index,
+                                softcap, eps, zloss, 0, max(0, min(t1, tj) - t0), b0, min(Vr, b0 + cv))
+                dxa.done(i)
+            dxa.next_step()
+            for h in hx:
+                h.wait()
+            if hx:
+                xb, xo, yb, yo, aux, auxo = xo, xb, yo, yb, auxo, aux
+        dx = dxa.home()[:T].to(x.dtype)
+        dw = dw_acc.to(w.dtype)
+    return dx, dw
+
+
+def _differentiable_grads(x, w, y, grad_loss, tr, geo, ignore_index, reduction, eps, zloss, softcap):
+    """(dX, dW shard) for grad_loss as differentiable functions of x, grad_loss and every rank's
+    shard (and, for dW, of every rank's tokens): the backward under create_graph=True (e.g. a
+    gradient penalty). The whole weight is gathered (_GatherShards), this rank's loss formed
+    over its [T, V] logits with torch ops (B.plain_rows) and differentiated with create_graph,
+    and every rank's gradient of the whole weight summed onto the owners' shards
+    (_ScatterSum). Those two are autograd Functions, each the other's backward, so the graph
+    is differentiable to any order, and every rank makes the same exchanges. Memory: the
+    plain-PyTorch loss's [T, V] logits, plus the whole weight and its gradient."""
+    with torch.enable_grad():
+        wl = w if w.requires_grad else w.detach().requires_grad_()
+        w_full = _GatherShards.apply(wl, tr, geo)                       # [V, H]
+        z = torch.nn.functional.linear(x, w_full).float()               # [T, V] x fp32
+        rows = B.plain_rows(z, y, ignore_index, eps, zloss, softcap)
+        total = (rows * _g_rows(grad_loss, y != ignore_index, reduction, x.shape[0])).sum()
+        inputs = (x, w_full) if x.requires_grad else (w_full,)
+        got = torch.autograd.grad(total, inputs, create_graph=True)
+        dw = _ScatterSum.apply(got[-1], tr, geo)                        # every rank: the same exchange
+    return (got[0] if x.requires_grad else None), dw
 
 
 def _ring_transport(transport, group, device):
@@ -384,17 +519,21 @@ def _ring_transport(transport, group, device):
 
 def ring_linear_cross_entropy(x, w, y, bias, group, ring, ignore_index, reduction, eps, zloss, softcap,
                               chunk_tokens: Optional[int], chunk_vocab: Optional[int], transport="auto"):
-    """x: [T, H] (contiguous), w: [V_r, H] this rank's vocab shard, y: [T] int64."""
+    """x: [T, H] (contiguous), w: [V_r, H] this rank's vocab shard, y: [T] int64. Every rank
+    of the group must pass the AGREED arguments alike (checked: a clear error on every rank)."""
     if ring not in ("auto", "weights", "activations"):  # "gather" never comes here: linear_cross_entropy
         raise ValueError(f"moepeak: ring must be one of {RINGS}, got {ring!r}")  # runs it (gather_vocab_shards)
-    _refuse_bias(bias)
+    check_no_bias(bias)
     tr = _ring_transport(transport, group, x.device)
     w = w if w.is_contiguous() else w.contiguous()
-    geo = _Geometry(tr, x.shape[0], w, y, ignore_index)
+    agreed = agreed_options(ring, ignore_index, reduction, eps, zloss, softcap, chunk_tokens, chunk_vocab)
+    geo = _Geometry(tr, x.shape[0], w, agreed, y, ignore_index)
     variant = ring
     if ring == "auto":
         variant = "weights" if geo.Vmax <= geo.Tmax else "activations"
-    y, _valid, bad = sanitize_labels(y, geo.V, ignore_index)
+    # Every rank's labels are in range (the exchange checked them, on every device), so no
+    # token is `bad` (row_losses' mask for out-of-range labels) and no flag is deferred.
+    bad = torch.zeros_like(y, dtype=torch.bool)
     ct, cv = B.blocked_chunks(max(geo.Tmax, 1), x.shape[1], x.dtype, chunk_tokens=chunk_tokens)
     cv = chunk_vocab or cv
     return _RingCE.apply(x, w, y, bad, tr, geo, variant, ignore_index, REDUCTIONS[reduction], float(eps),
