@@ -41,13 +41,20 @@ what transformers expects. Three parts, each can be turned off:
   superseded (SCO offloads the boundaries itself); every_n_layers is honoured.
   model.gradient_checkpointing_disable() turns checkpointing off.
 
-- tile_tokens (off unless given): every Qwen3MoeDecoderLayer's forward becomes
-  moepeak.tiled_adapters.tiled_qwen3_moe_layer_forward (the block's position-wise parts in
-  sequence tiles of tile_tokens tokens, only attention at full length) in training
-  with grad; in eval / no_grad the layer's own forward runs. Refused with
-  output_router_logits=True (the router aux loss is computed over all tokens' router
-  logits, which the tiles do not keep). Other families' layers are left alone (the
-  report says so).
+- tile_tokens (off unless given): every decoder layer of a family in TILED_LAYERS
+  (Qwen3-MoE, Mixtral) runs moepeak.tiled_adapters.tiled_hf_moe_layer_forward (the block's
+  position-wise parts in sequence tiles of tile_tokens tokens, only attention at full
+  length) in training with grad; in eval / no_grad the layer's own forward runs. With
+  output_router_logits (config or call) each tiled layer hands transformers' output
+  collector one router-logits tensor [B*T, E] for all its tokens, as the untiled router
+  does, instead of the per-tile ones its router produced: an output of the tiled block's
+  autograd node, so the model's own router aux loss (load_balancing_loss_func) is that of
+  the untiled model and its gradient reaches the routers and the layer inputs through the
+  tiled recompute. (Reads transformers' private output collector,
+  transformers.utils.output_capturing._active_collector; checked at apply time.) The
+  logits cost L x [T, E] in the activation dtype: 32 B/token per layer at E = 16 in bf16,
+  1/128 of one [T, H] at H = 2048 (transformers' aux loss also keeps each layer's softmax
+  of them). Other families' layers are left alone (the report says so).
 
 The optimizer is not patched: moepeak.StreamAdamW(model.parameters(), lr=...)
 works in a plain loop, and with the Trainer as
@@ -73,8 +80,9 @@ TESTED_TRANSFORMERS = ((5, 17), (6, 0))  # [lowest, first untested major)
 EXPERTS_OPTIONS = ("chunk_rows", "alpha", "min_tokens_per_gemm", "imbalance_threshold", "save_budget_mb")
 LOSS_OPTIONS = {"ce_mode": "mode", "ce_chunk_tokens": "chunk_tokens", "ce_chunk_vocab": "chunk_vocab"}
 CHECKPOINT_OPTIONS = ("sco_config",)
-# Decoder layers the tiled block adapter runs (moepeak.tiled_adapters), by class name.
-TILED_LAYERS = ("Qwen3MoeDecoderLayer",)
+# Decoder layers the tiled block adapter runs (moepeak.tiled_adapters.hf_moe_layer_spec), by class
+# name, each read for transformers 5.17: pre-norm attention + MoE with the adapter's submodule names.
+TILED_LAYERS = ("Qwen3MoeDecoderLayer", "MixtralDecoderLayer")
 
 
 # ---------------------------------------------------------------------------
@@ -412,27 +420,47 @@ def _patch_checkpoint(model, options, report):
 def _patch_tiled_layers(model, tile_tokens, report):
     if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 1:
         raise ValueError(f"moepeak.hf: tile_tokens must be a positive integer or None, got {tile_tokens!r}")
-    if getattr(model.config, "output_router_logits", False):
-        raise ValueError("moepeak.hf: tile_tokens needs config.output_router_logits=False: the router aux loss "
-                         "is computed over every token's router logits, which the sequence tiles do not keep; "
-                         "set model.config.output_router_logits = False (no aux loss) or leave tile_tokens=None")
-    from .tiled_adapters import tiled_qwen3_moe_layer_forward
+    from .tiled_adapters import tiled_hf_moe_layer_forward
     layers = [m for m in model.modules() if type(m).__name__ in TILED_LAYERS]
     if not layers:
         kinds = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("DecoderLayer")})
         report.left_alone.append(f"tile_tokens: no decoder layer the tiled adapter runs ({', '.join(TILED_LAYERS)}); "
                                  f"{', '.join(kinds) or 'no decoder layers'} stay untiled")
         return
+    _router_logits_collector()  # the hand-off below needs it: refuse now, not mid-training
     for layer in layers:
         untiled = layer.forward
 
         def forward(hidden_states, *args, _layer=layer, _untiled=untiled, **kwargs):
             if not (_layer.training and torch.is_grad_enabled()):
                 return _untiled(hidden_states, *args, **kwargs)
-            return tiled_qwen3_moe_layer_forward(_layer, hidden_states, *args, tile_tokens=tile_tokens, **kwargs)
+            collected = _router_logits_collector().get()
+            wanted = None if collected is None else collected.get("router_logits")
+            if wanted is None:
+                return tiled_hf_moe_layer_forward(_layer, hidden_states, *args, tile_tokens=tile_tokens, **kwargs)
+            first = len(wanted)
+            y, logits = tiled_hf_moe_layer_forward(_layer, hidden_states, *args, tile_tokens=tile_tokens,
+                                                   return_router_logits=True, **kwargs)
+            # transformers' hook on the router recorded one graph-less entry per tile (the
+            # tiled forward); the layer's entry is the full-length logits with their graph
+            del wanted[first:]
+            wanted.append(logits)
+            return y
         layer.forward = forward
-    report.patched.append(f"tile_tokens: {len(layers)} decoder layers run moepeak.tiled_qwen3_moe_layer_forward in "
+    report.patched.append(f"tile_tokens: {len(layers)} decoder layers run moepeak.tiled_hf_moe_layer_forward in "
                           f"training (tiles of {tile_tokens} tokens)")
+
+
+def _router_logits_collector():
+    """transformers' context variable holding the outputs being collected in this forward
+    ({"router_logits": [...], ...} or None): where an untiled router's logits go."""
+    try:
+        from transformers.utils import output_capturing
+        return output_capturing._active_collector
+    except (ImportError, AttributeError) as e:
+        raise RuntimeError("moepeak.hf: tile_tokens needs transformers' output collector "
+                           "(transformers.utils.output_capturing._active_collector, transformers 5.17) to hand the "
+                           "router logits to the aux loss; this transformers has none") from e
 
 
 # ---------------------------------------------------------------------------

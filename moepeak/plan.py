@@ -25,6 +25,24 @@ the final RMSNorm's 8H+4 + the head's input b*H per token.
 
 The step's peak is the larger of two phases:
   total = fixed + optimizer + boundaries + max(block + dispatch, head_act + vocab).
+
+--impl hf (Setup.impl = "hf"): the layers are a Hugging Face transformers model under
+moepeak.hf.apply_moepeak (read off transformers 5.17's Qwen3-MoE / Mixtral code, checked on
+CPU by tests/test_plan_hf.py and against bench_hf.py's H200 peaks), where three terms differ:
+  RoPE      cos, sin [B, T, d] in the activation dtype + position_ids int64, made once by the
+            model and held by every layer's checkpoint: 2*b*d + 8 per token (not 8*d)
+  head      transformers' eager RMSNorm (x.to(fp32), pow, mean, rsqrt, mul, .to(dtype),
+            * weight) saves fp32 x 4H, rstd 4 and the normalised bf16 b*H; its backward peaks
+            at the saved fp32 x + five fp32 [T, H] temporaries (the mul's dx, mean's expanded
+            grad, pow's x^1, 2*x^1 and grad * 2x): 'final_norm' = 24H per token, beside
+            which the head's own backward ('head_act' = 4H + 4 + 2*b*H, + vocab) is smaller
+  phase     the head's backward runs before any block's: with zero_grad(set_to_none=True)
+            only the head's gradients exist then (lm_head V*H, the norm's H), so the moepeak
+            head phase holds params + those gradients, not every gradient (demo: 'fixed')
+  moepeak total = optimizer + boundaries + max(fixed + block + dispatch,
+                                               head_fixed + max(head_act + vocab, final_norm)).
+(The untiled block term stays the demo block's saved-tensor count; bench_hf measured the
+untiled HF model within 15% of it.)
 With --tile-tokens t (moepeak.tiled; moepeak plan only): the block term becomes
   T * tiled_full_len_bytes (the attention core's full-length tensors at the backward peak,
   see tiled_full_len_bytes) + min(t, T) * (the untiled block's per-token bytes), and the
@@ -149,7 +167,10 @@ PRESETS.update({
 })
 
 PEAKS = ("dispatch", "vocab", "boundaries", "optimizer")
-BINDING = PEAKS + ("block",)  # what the report can name as binding
+BINDING = PEAKS + ("block", "final_norm")  # what the report can name as binding
+# Whose modeling code runs the layers (Setup.impl, --impl): moepeak's demo model, or a Hugging
+# Face transformers model under moepeak.hf.apply_moepeak.
+IMPLS = ("demo", "hf")
 
 
 def tiled_full_len_bytes(m: "ModelShape", b: int) -> float:
@@ -178,8 +199,12 @@ rows (GiB per GPU):
               attention core's full-length tensors + one tile's position-wise working set
   head_act    what the head's backward holds besides the vocab peak: the final RMSNorm's
               saved tensors and the head's input
+  final_norm  (--impl hf) the final RMSNorm's own backward at its peak: transformers' eager
+              RMSNorm, its saved fp32 input + five fp32 [T, H] temporaries
   total       fixed + optimizer + boundaries + max(block + dispatch, head_act + vocab): the
-              step's peak (the block's backward and the head's backward do not overlap)"""
+              step's peak (the block's backward and the head's backward do not overlap);
+              --impl hf, moepeak: the head phase is max(head_act + vocab, final_norm) over
+              the params and the head's gradients only (no block has run its backward yet)"""
 
 
 @dataclass
@@ -192,6 +217,7 @@ class Setup:
     llep_save_budget_mb: Optional[int] = None  # PipelinedLLEP activation cache (None: llep.default_save_budget_mb)
     ring_workspace_mb: Optional[float] = None  # Ring-DTP's fused workspace (None: its defaults)
     tile_tokens: Optional[int] = None  # moepeak.tiled's tile (None: whole blocks)
+    impl: str = "demo"          # IMPLS: whose modeling code runs the layers
     bucket_mb: float = 64.0     # StreamAdamW bucket (its slots are pinned host memory: 0 GPU bytes)
     sco_in_flight: int = 2      # SCOConfig.max_in_flight (W): forward D2H copies still referenced
     sco_prefetch: int = 1       # SCOConfig.prefetch: boundaries loaded ahead in backward
@@ -238,6 +264,9 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
     """
     if plan not in ("plain", "moepeak"):
         raise ValueError(f"moepeak plan: plan must be 'plain' or 'moepeak', got {plan!r}")
+    if s.impl not in IMPLS:
+        raise ValueError(f"moepeak plan: impl must be one of {IMPLS}, got {s.impl!r}")
+    hf = s.impl == "hf"
     P, b = s.gpus, s.act_bytes
     T = s.batch * -(-context // P)
     H, I, V, K, L, E = m.hidden, m.intermediate, m.vocab, m.top_k, m.layers, m.experts
@@ -256,8 +285,14 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
     attn = b * (H + 5 * Hq) + 4 * m.heads
     router = 4 * H + 4 * E + 12 * K + 4
     out = {"saved_norm": 8 * H + 4, "saved_router": router}  # per token (checked on CPU)
-    rope = 8 * d                                 # cos, sin tables [T, d] x fp32, cached
-    head_act = 8 * H + 4 + b * H                 # final RMSNorm (as above) + the head's input
+    if hf:  # module docstring, --impl hf
+        rope = 2 * b * d + 8                     # cos, sin [B, T, d] x activation dtype + position_ids int64
+        head_act = 4 * H + 4 + 2 * b * H         # final RMSNorm's fp32 x, rstd, normalised b*H + the head's input
+        out["final_norm"] = T * 24 * H           # its backward: saved fp32 x + five fp32 [T, H]
+    else:
+        rope = 8 * d                             # cos, sin tables [T, d] x fp32, cached
+        head_act = 8 * H + 4 + b * H             # final RMSNorm (as above) + the head's input
+        out["final_norm"] = 0.0                  # not modelled apart from head_act
     if plan == "plain":
         rho = min(max(s.imbalance, 1.0), float(P))
         # DenseMoE per routed row (K per token): gathered x b*H, gate_up output b*2I (silu, mul),
@@ -314,8 +349,14 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         out["fixed"] = 2 * b * N / P + gathered + T * rope
     out["block"] = block                   # the recomputed block's saved tensors (+ its grad in)
     out["head_act"] = T * head_act         # what the head's backward also holds
-    out["total"] = out["fixed"] + out["optimizer"] + out["boundaries"] + \
-        max(out["block"] + out["dispatch"], out["head_act"] + out["vocab"])
+    # Held during the head's backward: every gradient (demo, plain: conservative), or (hf,
+    # moepeak) the params and the head's gradients only, lm_head [V, H] and the norm's [H].
+    out["head_fixed"] = out["fixed"]
+    if hf and plan == "moepeak":
+        out["head_fixed"] -= b * (N - V * H - H) / P
+    head = max(out["head_act"] + out["vocab"], out["final_norm"])
+    out["total"] = out["optimizer"] + out["boundaries"] + \
+        max(out["fixed"] + out["block"] + out["dispatch"], out["head_fixed"] + head)
     out["binding"] = max(BINDING, key=lambda k: out[k])
     return out
 
@@ -341,10 +382,11 @@ def report(m: ModelShape, s: Setup, context: int) -> str:
     rows.append(f"model: {m.params() / 1e9:.2f} B params, L={m.layers} H={m.hidden} E={m.experts} "
                 f"K={m.top_k} I={m.intermediate} V={m.vocab} heads={m.heads}/{m.kv_heads}")
     rows.append(f"context {context} tokens over {s.gpus} GPU(s) of {s.gpu_mem_gib:g} GiB "
-                f"({-(-context // s.gpus)} tokens per GPU), activations {s.act_bytes} B/elem")
+                f"({-(-context // s.gpus)} tokens per GPU), activations {s.act_bytes} B/elem"
+                + (", Hugging Face layers (--impl hf)" if s.impl == "hf" else ""))
     rows.append("")
     rows.append(f"{'GiB per GPU':<22}{'plain FSDP2+AC':>16}{'moepeak':>12}")
-    for k in PEAKS + ("fixed", "block", "head_act", "total"):
+    for k in PEAKS + ("fixed", "block", "head_act") + (("final_norm",) if s.impl == "hf" else ()) + ("total",):
         rows.append(f"{k:<22}{res['plain'][k] / GiB:>16.2f}{res['moepeak'][k] / GiB:>12.2f}")
     cap = s.gpu_mem_gib * GiB
     for p in ("plain", "moepeak"):
@@ -448,6 +490,10 @@ def add_args(ap: argparse.ArgumentParser):
                          "rho x the mean rows; capped to [1, P])")
     ap.add_argument("--act-bytes", type=int, default=2, choices=(2, 4),
                     help="bytes per activation element (2: bf16/fp16, 4: fp32)")
+    ap.add_argument("--impl", choices=IMPLS, default="demo",
+                    help="whose modeling code runs the layers: moepeak's demo model, or a Hugging Face "
+                         "transformers model under moepeak.hf.apply_moepeak (its RoPE tables, its final "
+                         "RMSNorm's fp32 backward, the head's backward before any block's gradient exists)")
     ap.add_argument("--tile-tokens", type=int, default=None,
                     help="moepeak plan: sequence-tiled blocks (moepeak.tiled) with tiles of this many tokens "
                          "(default %(default)s: whole blocks)")
@@ -490,7 +536,7 @@ def from_args(a) -> (ModelShape, Setup):
     if tile is not None and tile < 1:
         raise ValueError(f"moepeak plan: need --tile-tokens >= 1 (got {tile})")
     return m, Setup(gpus=a.gpus, gpu_mem_gib=a.gpu_mem, act_bytes=a.act_bytes, imbalance=a.imbalance,
-                    tile_tokens=tile)
+                    tile_tokens=tile, impl=getattr(a, "impl", "demo"))
 
 
 def main(argv=None) -> int:

@@ -53,12 +53,25 @@ row-blocking (bitwise on the CPU for the fp32 blocks in tests/test_tiled.py). We
 gradients are sums over tiles instead of one GEMM over all tokens: accumulated in fp32
 (in the weight's dtype when that is wider), rounded once to the weight's dtype.
 
+Side outputs (spec.extras = n): post_attn may also return n per-token tensors of the tile
+(e.g. the router logits [B, t, E] that an auxiliary load-balancing loss reads over all
+tokens). tiled_block then returns them at full length beside y, as outputs of the same
+autograd node: their gradients enter step 3 with grad_y (each tile's autograd.grad takes
+(y_t, e_t) with (grad_y_t, grad_e_t)), so a loss over all tokens' side outputs reaches the
+weights and x through the same tiled recompute. Full-length bytes: n side outputs of
+[T, E] beside the [T, H] list above (router logits in bf16 at E = 16: 32 B/token per
+block, 1/128 of one [T, H] bf16 unit).
+
 Requirements on the block (checked where possible, else documented):
   - the position-wise parts are deterministic and token-local: each output row depends
-    only on its own input row (token-choice top-k routing with no capacity limit and no
-    loss term computed over all tokens; no dropout);
-  - nothing outside the block reads tensors the parts create (e.g. router logits
-    captured for an auxiliary loss: the Hugging Face adapter refuses that case).
+    only on its own input row (token-choice top-k routing with no capacity limit; a loss
+    over all tokens reads them through side outputs, never from inside a part; no dropout);
+  - nothing outside the block reads tensors the parts create except through side outputs.
+
+q, k, v buffers keep the memory order of pre_attn's tiles (q_t [B, h, t, d] viewing
+[B, t, h, d] memory gives a [B, h, T, d] buffer viewing [B, T, h, d] memory), so a core
+whose output follows q's layout (SDPA) and is then transposed back to [B, T, h, d] (the
+Hugging Face attention interface) returns a view, not a second full-length copy.
 """
 from __future__ import annotations
 
@@ -67,8 +80,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["TiledBlockSpec", "tiled_block", "TiledBlock", "demo_block_spec", "qwen3_moe_layer_spec",
-           "tiled_qwen3_moe_layer_forward", "tile_ranges"]
+__all__ = ["TiledBlockSpec", "tiled_block", "TiledBlock", "tile_ranges"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +101,10 @@ class TiledBlockSpec:
         [g*nq/G, (g+1)*nq/G) (true of GQA attention for any G dividing nkv). The tiled
         block then keeps q, k, v, out, dout as G separate buffers and runs the core's
         backward one group at a time, freeing each group's inputs as it goes.
+    extras: n > 0 makes post_attn return (y_t, e_1, ..., e_n): per-token side outputs of
+        the tile (floating point, tokens at dim `seq_dim`, e.g. router logits [B, t, E]);
+        tiled_block then returns (y, E_1, ..., E_n), each E_i at full length, and the
+        gradients reaching E_i flow back through the tiled recompute like y's.
     """
 
     pre_attn: Callable[[torch.Tensor, int], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -101,6 +117,7 @@ class TiledBlockSpec:
     head_groups: int = 1
     qkv_head_dim: int = 1
     out_head_dim: int = 2
+    extras: int = 0
 
 
 def tile_ranges(T: int, tile_tokens: int) -> List[Tuple[int, int]]:
@@ -174,21 +191,32 @@ class _TiledBlock(torch.autograd.Function):
         ctx.box, ctx.spec, ctx.tile_tokens = box, spec, tile_tokens
         ctx.n_params = len(params)
         ctx.x_requires_grad = x.requires_grad
+        if spec.extras:
+            ctx.set_materialize_grads(False)  # an unused side output's gradient stays None
         qkv = _pre_attn_groups(x, spec, tile_tokens)
         outs = [spec.attn_core(q, k, v) for q, k, v in qkv]
         del qkv
+        sd, T = spec.seq_dim, x.shape[spec.seq_dim]
         y = torch.empty_like(x)
-        for s, n in tile_ranges(x.shape[spec.seq_dim], tile_tokens):
-            y.narrow(spec.seq_dim, s, n).copy_(
-                spec.post_attn(x.narrow(spec.seq_dim, s, n), _tile_of(outs, spec.out_seq_dim, spec.out_head_dim, s, n)))
-        return y
+        extras = None  # the side outputs at full length: [e_i with dim sd of size T]
+        for s, n in tile_ranges(T, tile_tokens):
+            y_t, e_t = _split_post_attn(
+                spec.post_attn(x.narrow(sd, s, n), _tile_of(outs, spec.out_seq_dim, spec.out_head_dim, s, n)), spec)
+            y.narrow(sd, s, n).copy_(y_t)
+            if extras is None:
+                extras = [_full_length_like(e, sd, T) for e in e_t]
+            for full, e in zip(extras, e_t):
+                full.narrow(sd, s, n).copy_(e)
+        return (y, *extras) if spec.extras else y
 
     @staticmethod
-    def backward(ctx, grad_y):
+    def backward(ctx, grad_y, *grad_extras):
         spec, tile = ctx.spec, ctx.tile_tokens
         (x,) = ctx.box.ctx.saved_tensors
         ctx.box = None
         x = x.detach()
+        if grad_y is None and all(g is None for g in grad_extras):
+            return (None,) * (4 + ctx.n_params)
         params = list(spec.parameters())
         if len(params) != ctx.n_params:
             raise RuntimeError(f"moepeak: tiled block's parameters() returned {len(params)} tensors in backward, "
@@ -215,9 +243,13 @@ class _TiledBlock(torch.autograd.Function):
             x_t = _detached_leaf(x.narrow(sd, s, n))
             o_t = _detached_leaf(_tile_of(out_values, osd, ohd, s, n))
             with torch.enable_grad():
-                y_t = spec.post_attn(x_t, o_t)
-            g = torch.autograd.grad(y_t, [x_t, o_t] + grad_params, grad_y.narrow(sd, s, n), allow_unused=True)
-            del y_t
+                y_t, e_t = _split_post_attn(spec.post_attn(x_t, o_t), spec)
+            # y_t and the side outputs that received a gradient, with their gradients' tiles
+            pairs = [(y_t, grad_y)] + list(zip(e_t, grad_extras))
+            pairs = [(t, g.narrow(sd, s, n)) for t, g in pairs if g is not None and t.requires_grad]
+            g = torch.autograd.grad([t for t, _ in pairs], [x_t, o_t] + grad_params, [g for _, g in pairs],
+                                    allow_unused=True) if pairs else [None] * (2 + len(grad_params))
+            del y_t, e_t, pairs
             dx.narrow(sd, s, n).copy_(_zero_if_none(g[0], x_t))
             _scatter_tile(douts, _zero_if_none(g[1], o_t), osd, ohd, s, n)
             _add_into(accs, grad_params, g[2:])
@@ -264,6 +296,34 @@ def _zero_if_none(g, like):
     return torch.zeros_like(like) if g is None else g
 
 
+def _split_post_attn(result, spec: TiledBlockSpec):
+    """(y_t, [e_1 .. e_n]) from what post_attn returned (y_t alone when spec.extras == 0)."""
+    if not spec.extras:
+        return result, []
+    if not isinstance(result, (tuple, list)) or len(result) != 1 + spec.extras:
+        got = f"{len(result)} values" if isinstance(result, (tuple, list)) else type(result).__name__
+        raise ValueError(f"moepeak: tiled block spec.extras = {spec.extras}: post_attn must return (y_t, "
+                         f"{spec.extras} side outputs), got {got}")
+    return result[0], list(result[1:])
+
+
+def _full_length_like(e: torch.Tensor, seq_dim: int, T: int) -> torch.Tensor:
+    """An empty side-output buffer: e's shape with T tokens at seq_dim."""
+    if not e.is_floating_point():
+        raise TypeError(f"moepeak: tiled block side outputs must be floating point, got {e.dtype}")
+    shape = list(e.shape)
+    shape[seq_dim] = T
+    return torch.empty(shape, dtype=e.dtype, device=e.device)
+
+
+def _empty_in_layout_of(t: torch.Tensor, shape) -> torch.Tensor:
+    """An empty tensor of `shape` whose dims lie in memory in t's order (outermost = largest
+    stride; ties keep the dim order): the full-length buffer of tiles shaped like t."""
+    order = sorted(range(t.dim()), key=lambda i: t.stride(i), reverse=True)
+    buf = torch.empty([shape[i] for i in order], dtype=t.dtype, device=t.device)
+    return buf.permute(*[order.index(i) for i in range(t.dim())])
+
+
 def _pre_attn_groups(x, spec: TiledBlockSpec, tile_tokens: int) -> List[List[torch.Tensor]]:
     """[[q_g, k_g, v_g] for each head group g]: q, k, v at full length, built tile by tile
     (the only full-length tensors pre_attn makes), each group its own buffer."""
@@ -285,7 +345,7 @@ def _pre_attn_groups(x, spec: TiledBlockSpec, tile_tokens: int) -> List[List[tor
                 for t in parts:
                     shape = list(t.shape)
                     shape[d], shape[hd] = T, t.shape[hd] // G
-                    bufs.append(torch.empty(shape, dtype=t.dtype, device=t.device))
+                    bufs.append(_empty_in_layout_of(t, shape))
                 groups.append(bufs)
         for j, t in enumerate(parts):
             _scatter_tile([grp[j] for grp in groups], t, d, hd, s, n)
@@ -293,8 +353,9 @@ def _pre_attn_groups(x, spec: TiledBlockSpec, tile_tokens: int) -> List[List[tor
     return groups
 
 
-def tiled_block(x: torch.Tensor, spec: TiledBlockSpec, tile_tokens: int) -> torch.Tensor:
-    """y = block(x), its position-wise parts run in tiles of `tile_tokens` tokens.
+def tiled_block(x: torch.Tensor, spec: TiledBlockSpec, tile_tokens: int):
+    """y = block(x), its position-wise parts run in tiles of `tile_tokens` tokens;
+    (y, E_1, ..., E_n) when spec.extras = n (the side outputs at full length).
 
     With grad enabled it is also the block's checkpoint: only x is kept for backward
     (wrap it in moepeak.sco_checkpoint to keep x in host memory instead). Under
@@ -310,6 +371,8 @@ def tiled_block(x: torch.Tensor, spec: TiledBlockSpec, tile_tokens: int) -> torc
         raise ValueError(f"moepeak: spec.seq_dim {spec.seq_dim} is out of range for x of shape {tuple(x.shape)}")
     if isinstance(spec.head_groups, bool) or not isinstance(spec.head_groups, int) or spec.head_groups < 1:
         raise ValueError(f"moepeak: spec.head_groups must be a positive integer, got {spec.head_groups!r}")
+    if isinstance(spec.extras, bool) or not isinstance(spec.extras, int) or spec.extras < 0:
+        raise ValueError(f"moepeak: spec.extras must be a non-negative integer, got {spec.extras!r}")
     if x.shape[spec.seq_dim] == 0:
         raise ValueError(f"moepeak: tiled_block x has no tokens (shape {tuple(x.shape)})")
     params = tuple(spec.parameters())
@@ -324,12 +387,15 @@ def tiled_block(x: torch.Tensor, spec: TiledBlockSpec, tile_tokens: int) -> torc
 class _NoCtx:
     """Stands in for an autograd ctx when the forward runs without a graph."""
 
+    def set_materialize_grads(self, value):
+        pass
+
 
 class TiledBlock(torch.nn.Module):
     """Wraps a block module: forward(x, *a, **kw) = tiled_block(x, make_spec(block, x, *a, **kw), tile_tokens).
 
     The block stays a submodule (state_dict keys gain a `block.` prefix); make_spec is an
-    adapter such as demo_block_spec or qwen3_moe_layer_spec."""
+    adapter such as moepeak.tiled_adapters.demo_block_spec or hf_moe_layer_spec."""
 
     def __init__(self, block: torch.nn.Module, tile_tokens: int, make_spec: Callable[..., TiledBlockSpec]):
         super().__init__()

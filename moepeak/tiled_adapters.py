@@ -3,9 +3,10 @@
 demo_block_spec(block, x)             moepeak's demo decoder block (attribute names of
                                       moepeak's demo model Block: attn_norm, attn.{q,k,v,o}_proj,
                                       attn.rotary, attn.cp, mlp_norm, moe)
-qwen3_moe_layer_spec(layer, x, ...)   a Hugging Face Qwen3MoeDecoderLayer (and any layer with
-                                      the same submodule names: input_layernorm, self_attn with
-                                      q/k/v/o_proj and q_norm/k_norm, post_attention_layernorm, mlp)
+hf_moe_layer_spec(layer, x, ...)      a Hugging Face Qwen3MoeDecoderLayer or MixtralDecoderLayer (and
+                                      any layer with the same submodule names: input_layernorm,
+                                      self_attn with q/k/v/o_proj and optional per-head q_norm/k_norm,
+                                      post_attention_layernorm, mlp with its router at mlp.gate)
 
 Each runs exactly the ops of the block's own forward, in the same order, on a tile of
 rows; only the split into pre_attn / attn_core / post_attn is new.
@@ -64,32 +65,50 @@ def demo_block_spec(block: torch.nn.Module, x: torch.Tensor) -> TiledBlockSpec:
                           out_head_dim=1)
 
 
-# --------------------------------------------------------------------------- Hugging Face Qwen3-MoE
+# --------------------------------------------------------------------------- Hugging Face MoE layers
 
-def qwen3_moe_layer_spec(layer: torch.nn.Module, x: torch.Tensor, attention_mask=None, position_ids=None,
-                         past_key_values=None, use_cache=False, position_embeddings=None,
-                         **kwargs) -> TiledBlockSpec:
-    """Spec for a Hugging Face Qwen3MoeDecoderLayer called as layer(hidden_states, ...):
-    the same arguments. x [B, T, H]; position_embeddings (cos, sin) [B, T, d]; q/k/v
-    [B, heads, T, d]; out [B, T, heads, d] (the attention interface's layout)."""
+def hf_moe_layer_spec(layer: torch.nn.Module, x: torch.Tensor, attention_mask=None, position_ids=None,
+                      past_key_values=None, use_cache=False, position_embeddings=None, return_router_logits=False,
+                      **kwargs) -> TiledBlockSpec:
+    """Spec for a Hugging Face pre-norm MoE decoder layer called as layer(hidden_states, ...):
+    the same arguments. Submodules read: input_layernorm; self_attn with q/k/v/o_proj, head_dim,
+    scaling and, when present, per-head q_norm / k_norm (Qwen3-MoE has them, Mixtral not);
+    post_attention_layernorm; mlp (returns the MoE output) with its router mlp.gate (returns
+    (router_logits, weights, indices), as transformers' *TopKRouter does). RoPE, the eager
+    attention fallback: the layer's own modeling module (apply_rotary_pos_emb,
+    eager_attention_forward). x [B, T, H]; position_embeddings (cos, sin) [B, T, d]; q/k/v
+    [B, heads, T, d]; out [B, T, heads, d] (the attention interface's layout).
+
+    return_router_logits: post_attn also returns the tile's router logits [B, t, E] (spec.extras
+    = 1): tiled_block then gives (y, logits [B, T, E]), and a loss over all tokens' logits (the
+    router aux loss) backpropagates through the tiled recompute."""
+    import sys
+
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
 
-    attn = layer.self_attn
+    attn, mlp = layer.self_attn, layer.mlp
+    modeling = sys.modules[type(attn).__module__]
+    name = type(layer).__name__
     if past_key_values is not None or use_cache:
-        raise ValueError("moepeak: a tiled Qwen3-MoE layer does not take a KV cache "
+        raise ValueError(f"moepeak: a tiled {name} does not take a KV cache "
                          "(past_key_values / use_cache are for generation, not training)")
     if position_embeddings is None:
-        raise ValueError("moepeak: a tiled Qwen3-MoE layer needs position_embeddings (cos, sin) "
-                         "[B, T, head_dim], as the model passes them")
-    if torch.is_grad_enabled() and getattr(attn.config, "output_router_logits", False):
-        raise ValueError("moepeak: a tiled Qwen3-MoE layer cannot feed the router auxiliary loss "
-                         "(config.output_router_logits=True): the router logits it would capture are "
-                         "per tile and carry no gradient; set output_router_logits=False")
+        raise ValueError(f"moepeak: a tiled {name} needs position_embeddings (cos, sin) [B, T, head_dim], "
+                         "as the model passes them")
     dropout = attn.attention_dropout if attn.training else 0.0
     if dropout and torch.is_grad_enabled():
-        raise ValueError(f"moepeak: a tiled Qwen3-MoE layer cannot use attention dropout "
+        raise ValueError(f"moepeak: a tiled {name} cannot use attention dropout "
                          f"({dropout}): the attention core is recomputed in backward")
+    jitter = getattr(mlp, "jitter_noise", 0.0) if mlp.training else 0.0
+    if jitter and torch.is_grad_enabled():
+        raise ValueError(f"moepeak: a tiled {name} cannot use router jitter noise ({jitter}): the MoE part is "
+                         "recomputed in backward and would draw other noise; set config.router_jitter_noise = 0")
+    router = getattr(mlp, "gate", None)
+    if return_router_logits and not isinstance(router, torch.nn.Module):
+        raise ValueError(f"moepeak: a tiled {name} returns router logits only with a router module at mlp.gate")
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    sliding_window = attn.sliding_window if hasattr(attn, "sliding_window") else \
+        getattr(attn.config, "sliding_window", None)
     cos, sin = position_embeddings
     B, hd = x.shape[0], attn.head_dim
 
@@ -97,31 +116,53 @@ def qwen3_moe_layer_spec(layer: torch.nn.Module, x: torch.Tensor, attention_mask
         t = x_t.shape[1]
         n = layer.input_layernorm(x_t)
         shape = (B, t, -1, hd)
-        q = attn.q_norm(attn.q_proj(n).view(shape)).transpose(1, 2)
-        k = attn.k_norm(attn.k_proj(n).view(shape)).transpose(1, 2)
+        q = attn.q_proj(n).view(shape)
+        q = (q if q_norm is None else q_norm(q)).transpose(1, 2)
+        k = attn.k_proj(n).view(shape)
+        k = (k if k_norm is None else k_norm(k)).transpose(1, 2)
         v = attn.v_proj(n).view(shape).transpose(1, 2)
-        q, k = hf.apply_rotary_pos_emb(q, k, cos[:, start:start + t], sin[:, start:start + t])
+        q, k = modeling.apply_rotary_pos_emb(q, k, cos[:, start:start + t], sin[:, start:start + t])
         return q, k, v
 
     def attn_core(q, k, v):
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
-                                                          hf.eager_attention_forward)
+                                                          modeling.eager_attention_forward)
         out, _ = interface(attn, q, k, v, attention_mask, dropout=dropout, scaling=attn.scaling,
-                           sliding_window=attn.sliding_window, **kwargs)
+                           sliding_window=sliding_window, **kwargs)
         return out
+
+    def moe_part(h):
+        return h + mlp(layer.post_attention_layernorm(h))
 
     def post_attn(x_t, o_t):
         t = x_t.shape[1]
         h = x_t + attn.o_proj(o_t.reshape(B, t, -1).contiguous())
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        if not return_router_logits:
+            return moe_part(h)
+        seen = []  # the router's outputs of this tile: exactly one call
+        handle = router.register_forward_hook(lambda module, args, out: seen.append(out[0]))
+        try:
+            y = moe_part(h)
+        finally:
+            handle.remove()
+        if len(seen) != 1:
+            raise RuntimeError(f"moepeak: {name}.mlp called its router {len(seen)} times for one tile (expected 1)")
+        return y, seen[0].view(B, t, -1)  # the router's [B*t, E] rows are batch-major
 
     return TiledBlockSpec(pre_attn, attn_core, post_attn, _requires_grad_params(layer),
                           seq_dim=1, qkv_seq_dim=2, out_seq_dim=1, head_groups=attn.config.num_key_value_heads,
-                          qkv_head_dim=1, out_head_dim=2)
+                          qkv_head_dim=1, out_head_dim=2, extras=1 if return_router_logits else 0)
 
 
-def tiled_qwen3_moe_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *args,
-                                  tile_tokens: int, **kwargs) -> torch.Tensor:
-    """Drop-in for Qwen3MoeDecoderLayer.forward (same arguments, plus tile_tokens):
-    e.g. layer.forward = functools.partial(tiled_qwen3_moe_layer_forward, layer, tile_tokens=8192)."""
-    return tiled_block(hidden_states, qwen3_moe_layer_spec(layer, hidden_states, *args, **kwargs), tile_tokens)
+def tiled_hf_moe_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *args,
+                               tile_tokens: int, **kwargs):
+    """Drop-in for a Hugging Face MoE decoder layer's forward (same arguments, plus tile_tokens;
+    see hf_moe_layer_spec): e.g. layer.forward = functools.partial(tiled_hf_moe_layer_forward,
+    layer, tile_tokens=8192). With return_router_logits=True: (y, router logits [B*T, E]), the
+    logits in the router's own row order (batch-major), with their gradient path."""
+    spec = hf_moe_layer_spec(layer, hidden_states, *args, **kwargs)
+    out = tiled_block(hidden_states, spec, tile_tokens)
+    if not spec.extras:
+        return out
+    y, logits = out
+    return y, logits.reshape(-1, logits.shape[-1])

@@ -155,6 +155,11 @@ def test_bad_arguments():
         tiled_block(torch.randn(1, 0, 32), spec, 4)
     with pytest.raises(ValueError, match="seq_dim"):
         tiled_block(x, dataclasses.replace(spec, seq_dim=5), 4)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="extras"):
+            tiled_block(x, dataclasses.replace(spec, extras=bad), 4)
+    with pytest.raises(ValueError, match="post_attn must return"):  # declares a side output, returns none
+        tiled_block(x, dataclasses.replace(spec, extras=1), 4)
 
 
 # --------------------------------------------------------------------------- training
@@ -272,14 +277,14 @@ def _qwen3_layer(dtype, attn_impl, seed=0):
 
 
 def _run_hf(layer, rope, x, gy, tile=None, mask=None, head_groups=None):
-    from moepeak.tiled_adapters import qwen3_moe_layer_spec
+    from moepeak.tiled_adapters import hf_moe_layer_spec
     x = x.detach().requires_grad_(True)
     pos = torch.arange(x.shape[1]).unsqueeze(0)
     pe = rope(x, pos)
     if tile is None:
         y = layer(x, attention_mask=mask, position_embeddings=pe)
     else:
-        spec = qwen3_moe_layer_spec(layer, x, attention_mask=mask, position_embeddings=pe)
+        spec = hf_moe_layer_spec(layer, x, attention_mask=mask, position_embeddings=pe)
         if head_groups is not None:
             spec = dataclasses.replace(spec, head_groups=head_groups)
         y = tiled_block(x, spec, tile)
@@ -318,16 +323,52 @@ def test_qwen3_moe_layer_bf16_within_twice_plain_error(T, tile):
         assert e_tiled <= 2 * e_plain + 2 ** -8 * r.abs().max().item(), (name, e_tiled, e_plain)
 
 
-def test_qwen3_moe_layer_refuses_router_aux_loss_and_cache():
-    from moepeak.tiled_adapters import tiled_qwen3_moe_layer_forward
+@pytest.mark.parametrize("T,tile", [(23, 4), (23, 23), (1, 3)])
+def test_hf_layer_router_logits_side_output(T, tile):
+    """return_router_logits: the tiled layer's router logits [B*T, E] equal the untiled router's
+    (batch-major rows), and a loss on y and on the logits gives the untiled gradients: the
+    logits' gradient goes back through the tiled recompute into x and every weight."""
+    from moepeak.tiled_adapters import tiled_hf_moe_layer_forward
+    layer, rope, _ = _qwen3_layer(torch.float32, "sdpa")
+    x0 = torch.randn(2, T, 32, generator=torch.Generator().manual_seed(25))
+    gy = torch.randn(2, T, 32, generator=torch.Generator().manual_seed(26))
+    gl = torch.randn(2 * T, 4, generator=torch.Generator().manual_seed(27))
+    pe = rope(x0, torch.arange(T).unsqueeze(0))
+    results = []
+    for tiled in (False, True):
+        x = x0.clone().requires_grad_(True)
+        if tiled:
+            y, logits = tiled_hf_moe_layer_forward(layer, x, position_embeddings=pe, tile_tokens=tile,
+                                                   return_router_logits=True)
+        else:
+            seen = []
+            handle = layer.mlp.gate.register_forward_hook(lambda m, a, out: seen.append(out[0]))
+            y = layer(x, position_embeddings=pe)
+            handle.remove()
+            (logits,) = seen
+        loss = (y * gy).sum() + (logits * gl).sum()
+        results.append([y.detach(), logits.detach()] + list(torch.autograd.grad(loss, [x] + list(layer.parameters()))))
+    want, got = results
+    assert got[1].shape == (2 * T, 4)
+    for name, w, g in zip(["y", "logits", "dx"] + [n for n, _ in layer.named_parameters()], want, got):
+        assert _max_err(w, g) <= 1e-5 * max(w.abs().max().item(), 1e-3), (name, _max_err(w, g))
+    # the logits' gradient is a real part of the router's: without it the router gradient differs
+    x = x0.clone().requires_grad_(True)
+    y = tiled_hf_moe_layer_forward(layer, x, position_embeddings=pe, tile_tokens=tile)
+    (no_logits,) = torch.autograd.grad((y * gy).sum(), [layer.mlp.gate.weight])
+    router = 3 + [n for n, _ in layer.named_parameters()].index("mlp.gate.weight")  # after y, logits, dx
+    assert _max_err(no_logits, want[router]) > 1e-3 * want[router].abs().max().item()
+
+
+def test_hf_layer_refuses_cache_jitter_and_missing_rope():
+    from moepeak.tiled_adapters import tiled_hf_moe_layer_forward
     layer, rope, cfg = _qwen3_layer(torch.float32, "sdpa")
     x = torch.randn(1, 8, 32, requires_grad=True)
     pe = rope(x, torch.arange(8).unsqueeze(0))
-    cfg.output_router_logits = True
-    with pytest.raises(ValueError, match="output_router_logits"):
-        tiled_qwen3_moe_layer_forward(layer, x, position_embeddings=pe, tile_tokens=4)
-    cfg.output_router_logits = False
     with pytest.raises(ValueError, match="KV cache"):
-        tiled_qwen3_moe_layer_forward(layer, x, position_embeddings=pe, use_cache=True, tile_tokens=4)
+        tiled_hf_moe_layer_forward(layer, x, position_embeddings=pe, use_cache=True, tile_tokens=4)
     with pytest.raises(ValueError, match="position_embeddings"):
-        tiled_qwen3_moe_layer_forward(layer, x, tile_tokens=4)
+        tiled_hf_moe_layer_forward(layer, x, tile_tokens=4)
+    layer.mlp.jitter_noise = 0.01  # Mixtral's router jitter: random per call, so not recomputable
+    with pytest.raises(ValueError, match="jitter"):
+        tiled_hf_moe_layer_forward(layer, x, position_embeddings=pe, tile_tokens=4)
