@@ -63,10 +63,27 @@ def default_save_budget_mb(P: int) -> int:
     return DEFAULT_SAVE_BUDGET_MB if P == 1 else 0
 
 
+# Testing hook (moepeak.testing.llep_transport): a function that wraps the transport
+# every llep op call talks to (None: the transport itself).
+_TRANSPORT_WRAPPER = {"fn": None}
+
+
+def set_transport_wrapper(fn):
+    """Every llep op call's transport becomes fn(transport) (None: unwrapped);
+    returns the previous wrapper. For tests (moepeak.testing.llep_transport)."""
+    prev = _TRANSPORT_WRAPPER["fn"]
+    _TRANSPORT_WRAPPER["fn"] = fn
+    return prev
+
+
 def _transport(key: str):
     """The transport of the group registered under `key` (None for "": one rank)."""
     group = lookup_group(key)
-    return get_transport(group) if group is not None else None
+    if group is None:
+        return None
+    tr = get_transport(group)
+    wrap = _TRANSPORT_WRAPPER["fn"]
+    return wrap(tr) if wrap is not None else tr
 
 
 # ---------------------------------------------------------------------------
@@ -517,5 +534,4 @@ class PipelinedLLEPMoE(nn.Module):
 
 
 __all__ = ["PipelinedLLEPMoE", "llep_moe", "llep_dispatch", "llep_dispatch_backward", "llep_dispatch_backward_lean_",
-           "llep_combine_",
-           "dense_moe_reference"]
+           "llep_combine_", "dense_moe_reference", "default_save_budget_mb", "set_transport_wrapper"]
