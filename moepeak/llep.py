@@ -45,7 +45,8 @@ from . import llep_plan as lp
 from . import llep_sched as sched
 from .llep_context import ACTIVATIONS
 from .llep_experts import lean_ok_static
-from .llep_workspace import capped_save_bytes, effective_chunk_rows, one_chunk_ep_rows, one_chunk_fits
+from .llep_workspace import (capped_save_bytes, effective_chunk_rows, ep_cache_room, one_chunk_ep_rows,
+                             one_chunk_fits)
 from ._ext import check_tensor
 from .process_groups import lookup_group, register_group
 from .transport import get_transport
@@ -53,13 +54,16 @@ from .transport import get_transport
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # Activation-cache budget (save_budget_mb=None picks it from the group size):
 # on one rank it keeps the peak bounded while caching every chunk of short
-# inputs; on several ranks the cache costs more peak than the time it saves
-# (measured in benchmarks/bench_llep.py; see benchmarks/RESULTS.md).
+# inputs; on several ranks no cache beyond the room the single-buffered
+# dispatch leaves within the chunk budget's bound (llep_workspace.ep_cache_room),
+# so the cache never raises the peak bound there.
 DEFAULT_SAVE_BUDGET_MB = 1536
 
 
 def default_save_budget_mb(P: int) -> int:
-    """The activation-cache budget (MiB) save_budget_mb=None picks for P ranks."""
+    """The activation-cache budget (MiB) save_budget_mb=None picks for P
+    ranks beyond the chunk budget's own room (llep_workspace.ep_cache_room at
+    P > 1, which the bound b*C*(16H + 7I) already holds)."""
     return DEFAULT_SAVE_BUDGET_MB if P == 1 else 0
 
 
@@ -395,12 +399,20 @@ def llep_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     with its whole h cached peaks no higher than permute + grouped GEMM and
     stays within the chunked working-set bound
     (llep_workspace.one_chunk_fits; swiglu, fused gate/up, no biases, not
-    fp16): backward then recomputes nothing.
+    fp16): backward then recomputes nothing. On several ranks the step runs
+    as one chunk (standard EP's one dispatch, grouped GEMMs and combine,
+    moepeak/llep_one_chunk.py) when no rank sends or receives more rows than
+    fit the chunked working-set bound at chunk_rows
+    (llep_workspace.one_chunk_ep_rows) and, with an explicit chunk_rows,
+    than chunk_rows itself (the budget covers the step's rows).
     save_budget_mb: bytes (MiB) fixed at launch for an activation cache: the
     first chunks whose [C, 2I] forward intermediates fit are kept for
     backward, which recomputes only the others (0: recompute all; no cache
-    when no gradient is needed; None: 1536 on one rank, 0 on several, see
-    DEFAULT_SAVE_BUDGET_MB). The cache is also capped so that it and the
+    when no gradient is needed; None: 1536 on one rank; on several the
+    room the chunk budget's bound leaves, llep_workspace.ep_cache_room, see
+    DEFAULT_SAVE_BUDGET_MB). At P > 1 the one-chunk step keeps h and its
+    grouped x rows whole for backward unless save_budget_mb=0 (counted
+    within the bound, llep_workspace.one_chunk_ep_rows). The cache is also capped so that it and the
     backward working set together stay within what permute + grouped GEMM
     holds at its peak for the same T (llep_workspace.capped_save_bytes). Results
     are identical either way.
@@ -411,6 +423,7 @@ def llep_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     P = tr.world_size if tr is not None else 1
     C = lp.default_chunk_rows(P) if chunk_rows is None else chunk_rows
     keep_allowed = save_budget_mb != 0  # None or a budget: the P > 1 one-chunk step keeps h and grouped x
+    default_budget = save_budget_mb is None
     if save_budget_mb is None:
         save_budget_mb = default_save_budget_mb(P)
     w_up = None
@@ -428,20 +441,22 @@ def llep_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     params = (x, topk_weights, w_gate_up, w_down, w_up, b_gate_up, b_down)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params)
     b = x.element_size()
+    # P > 1, save_budget_mb=None: the cache room within the chunk budget's bound
+    room = ep_cache_room(int(C), H, b) if P > 1 and default_budget else 0
     lean = (grad and P == 1 and (chunk_rows is None or T * K <= C) and activation == "swiglu" and w_up is None
             and b_gate_up is None and x.dtype != torch.float16
             and one_chunk_fits(T, K, w_down.shape[0], H, I, int(C), b, save_budget_mb << 20))
     if lean:  # one chunk, h cached whole, backward's buffers held only while used
         C, slots = T * K, 1
     else:
-        budget = capped_save_bytes(save_budget_mb << 20, T, K, int(C), H, I, P, b,
+        budget = capped_save_bytes((save_budget_mb << 20) + room, T, K, int(C), H, I, P, b,
                                    activation=activation, bias=b_gate_up is not None, split=w_up is not None)
         slots = sched.cache_slots(budget, T, K, int(C), I, P, b) if grad else 0
     one_rows, keep = 0, False
     if P > 1:  # from shapes, options and the arguments only: the same on every rank
         keep = grad and keep_allowed
         options = dict(activation=activation, bias=b_gate_up is not None, split=w_up is not None)
-        one_rows = one_chunk_ep_rows(int(C), H, I, P, b, save_budget_mb << 20, keep=keep, grad=grad,
+        one_rows = one_chunk_ep_rows(int(C), H, I, P, b, (save_budget_mb << 20) + room, keep=keep, grad=grad,
                                      lean=lean_ok_static(activation, w_up, b_gate_up, x.dtype)
                                      and not torch.compiler.is_compiling(),
                                      grouped=x.dtype == torch.bfloat16, **options)

@@ -5,10 +5,10 @@ the per-call state (moepeak/llep_context.py: counts, plan, send list, lent
 weights), then either the one-chunk step (moepeak/llep_one_chunk.py: P > 1
 when one chunk covers every rank's rows; P = 1's lean backward) or the chunk
 loop. Forward: dispatch(j+1) is issued before GEMM(j), combine(j) is issued
-after GEMM(j) and finished after GEMM(j+1). Backward: the same with chunks in
-reverse order and x, dy and the pick weights travelling; dx rows and
-d(topk_weights) come back; borrowed experts' weight gradients return to their
-owner at the end and are summed there.
+after GEMM(j) and finished after GEMM(j+1), through one buffer of each kind.
+Backward: the same with chunks in reverse order and x, dy and the pick
+weights travelling; dx rows and d(topk_weights) come back; borrowed experts'
+weight gradients return to their owner at the end and are summed there.
 
 The buffers are allocated once per call from C, never from the routing
 (moepeak/llep_workspace.py lists them); the expert arithmetic is
@@ -60,43 +60,48 @@ def forward(ctx: Ctx, cache: Optional[torch.Tensor] = None, keep: bool = False) 
         xr = buf = None  # release the working set before the output copy
         return acc.to(x.dtype)
 
+    # One send, receive, combine-send and combine-receive buffer each: chunk
+    # j+1's dispatch is issued once chunk j's rows are grouped out of rx (and
+    # its own send has completed), and chunk j's combine once chunk j-1's has
+    # been summed in, so every buffer's next writer is ordered after its last
+    # reader (on the stream, or by a wait) and both collectives still overlap
+    # chunk j's GEMMs.
     tr = ctx.tr
-    sx, rx, yb, back = (ws.ring(2, (C, H), x.dtype) for _ in range(4))
+    sx, rx, yb, back = (ws.alloc((C, H), x.dtype) for _ in range(4))
     gx = ws.alloc((C, H), x.dtype)
-    idxr = ws.ring(3, (C,), torch.int64)
+    idxr = ws.ring(3, (C,), torch.int64)  # send indices of chunks j-1, j, j+1
     pib = ws.alloc((2 * C,), torch.int64)  # a chunk's perm and inverse perm
     ws.frozen = True
 
     def dispatch(j):
         lay = ctx.layout(j)
         idx = ctx.send_idx(lay, idxr[j % 3])
-        lp.gather_rows(x, idx, K, sx[j % 2])
-        hd = tr.all_to_all_v(sx[j % 2][:idx.numel()], lay.send_len, rx[j % 2][:lay.rows], lay.recv_len)
-        return lay, idx, hd
+        lp.gather_rows(x, idx, K, sx)
+        return lay, idx, tr.all_to_all_v(sx[:idx.numel()], lay.send_len, rx[:lay.rows], lay.recv_len)
 
     def finish_chunk(p):
-        hc, idx, b = p
+        hc, idx = p
         hc.wait()
-        lp.combine_rows(acc, b[:idx.numel()], idx, ctx.wflat, K)
+        lp.combine_rows(acc, back[:idx.numel()], idx, ctx.wflat, K)
 
     cur, pend = (dispatch(0) if ctx.n else None), None
     ctx.wait_lent()
     for j in range(ctx.n):
-        nxt = dispatch(j + 1) if j + 1 < ctx.n else None
         lay, idx, hd = cur
         hd.wait()
         rows = lay.rows
         if rows:
             perm, inv = ctx.grouped_perms(lay, pib)
-            xg = lp.gather_rows(rx[j % 2], perm, 1, gx)
-            y = experts_fwd(ctx, xg, lay.ecount, buf, _slot_views(ctx, cache, j))
-            lp.gather_rows(y, inv, 1, yb[j % 2])
+            xg = lp.gather_rows(rx, perm, 1, gx)
+        cur = dispatch(j + 1) if j + 1 < ctx.n else None             # overlaps GEMM(j)
+        y = experts_fwd(ctx, xg, lay.ecount, buf, _slot_views(ctx, cache, j)) if rows else None
+        if pend is not None:
+            finish_chunk(pend)                                       # frees yb and back
+        if rows:
+            lp.gather_rows(y, inv, 1, yb)
             y = None
         _zero_tail(_slot_views(ctx, cache, j), rows)
-        hc = tr.all_to_all_v(yb[j % 2][:rows], lay.recv_len, back[j % 2][:idx.numel()], lay.send_len)
-        if pend is not None:
-            finish_chunk(pend)
-        pend, cur = (hc, idx, back[j % 2]), nxt
+        pend = (tr.all_to_all_v(yb[:rows], lay.recv_len, back[:idx.numel()], lay.send_len), idx)
     if pend is not None:
         finish_chunk(pend)
     _zero_unused(ctx, cache)
@@ -171,60 +176,61 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True, cache: Optional[t
         buf = xr = gr = wr = None  # release the working set before the dx copy
         return finish(ctx, g, dx, dtw)
 
+    # One buffer each, ordered as in forward (see there).
     tr = ctx.tr
-    sx, sg, rx, rg, dxb, back = (ws.ring(2, (C, H), dt) for _ in range(6))
+    sx, sg, rx, rg, dxb, back = (ws.alloc((C, H), dt) for _ in range(6))
     gx, gg_ = ws.alloc((C, H), dt), ws.alloc((C, H), dt)
-    sw, rw, dwb, dwback = (ws.ring(2, (C,), torch.float32) for _ in range(4))
+    sw, rw, dwb, dwback = (ws.alloc((C,), torch.float32) for _ in range(4))
     wr = ws.alloc((C,), torch.float32)
-    idxr = ws.ring(3, (C,), torch.int64)
+    idxr = ws.ring(3, (C,), torch.int64)  # send indices of chunks j+1, j, j-1
     pib = ws.alloc((2 * C,), torch.int64)  # a chunk's perm and inverse perm
     ws.frozen = True
 
     def dispatch(j):
         lay = ctx.layout(j)
-        b = j % 2
         idx = ctx.send_idx(lay, idxr[j % 3])
         ns = idx.numel()
-        lp.gather_rows(x, idx, K, sx[b])
-        lp.gather_rows(gy, idx, K, sg[b])
-        torch.index_select(ctx.wflat, 0, idx, out=sw[b][:ns])
-        hs = [tr.all_to_all_v(sx[b][:ns], lay.send_len, rx[b][:lay.rows], lay.recv_len),
-              tr.all_to_all_v(sg[b][:ns], lay.send_len, rg[b][:lay.rows], lay.recv_len),
-              tr.all_to_all_v(sw[b][:ns], lay.send_len, rw[b][:lay.rows], lay.recv_len)]
+        lp.gather_rows(x, idx, K, sx)
+        lp.gather_rows(gy, idx, K, sg)
+        torch.index_select(ctx.wflat, 0, idx, out=sw[:ns])
+        hs = [tr.all_to_all_v(sx[:ns], lay.send_len, rx[:lay.rows], lay.recv_len),
+              tr.all_to_all_v(sg[:ns], lay.send_len, rg[:lay.rows], lay.recv_len),
+              tr.all_to_all_v(sw[:ns], lay.send_len, rw[:lay.rows], lay.recv_len)]
         return lay, idx, hs
 
     def finish_chunk(p):
-        hs, idx, b = p
+        hs, idx = p
         for hnd in hs:
             hnd.wait()
         ns = idx.numel()
-        lp.combine_rows(dx, back[b][:ns], idx, None, K)
-        dtw.index_copy_(0, idx, dwback[b][:ns])
+        lp.combine_rows(dx, back[:ns], idx, None, K)
+        dtw.index_copy_(0, idx, dwback[:ns])
 
     order = list(reversed(range(ctx.n)))
     cur, pend = (dispatch(order[0]) if order else None), None
     ctx.wait_lent()
     for i, j in enumerate(order):
-        nxt = dispatch(order[i + 1]) if i + 1 < len(order) else None
         lay, idx, hs = cur
         for hnd in hs:
             hnd.wait()
-        b, rows = j % 2, lay.rows
+        rows = lay.rows
         if rows:
             perm, inv = ctx.grouped_perms(lay, pib)
-            xg = lp.gather_rows(rx[b], perm, 1, gx)
-            gg = lp.gather_rows(rg[b], perm, 1, gg_)
-            torch.index_select(rw[b][:rows], 0, perm, out=wr[:rows])
+            xg = lp.gather_rows(rx, perm, 1, gx)
+            gg = lp.gather_rows(rg, perm, 1, gg_)
+            torch.index_select(rw[:rows], 0, perm, out=wr[:rows])
+        cur = dispatch(order[i + 1]) if i + 1 < len(order) else None  # overlaps chunk j's GEMMs
+        if rows:
             dxr = rows_backward(ctx, buf, g, xg, gg, wr[:rows], lay.ecount, _slot_views(ctx, cache, j))
-            lp.gather_rows(dxr, inv, 1, dxb[b])
-            dxr = None
-            torch.index_select(buf.dwr[:rows], 0, inv, out=dwb[b][:rows])
-        ns = idx.numel()
-        hc = [tr.all_to_all_v(dxb[b][:rows], lay.recv_len, back[b][:ns], lay.send_len),
-              tr.all_to_all_v(dwb[b][:rows], lay.recv_len, dwback[b][:ns], lay.send_len)]
         if pend is not None:
-            finish_chunk(pend)
-        pend, cur = (hc, idx, b), nxt
+            finish_chunk(pend)                                        # frees dxb, dwb, back, dwback
+        if rows:
+            lp.gather_rows(dxr, inv, 1, dxb)
+            dxr = None
+            torch.index_select(buf.dwr[:rows], 0, inv, out=dwb[:rows])
+        ns = idx.numel()
+        pend = ([tr.all_to_all_v(dxb[:rows], lay.recv_len, back[:ns], lay.send_len),
+                 tr.all_to_all_v(dwb[:rows], lay.recv_len, dwback[:ns], lay.send_len)], idx)
     if pend is not None:
         finish_chunk(pend)
     LAST_STATS.update(workspace_bytes_bwd=ws.nbytes)

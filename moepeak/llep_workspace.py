@@ -4,14 +4,15 @@ size C alone (never from the routing), and the activation cache's size.
 Buffers (allocated once per call, before the chunk loop; names as in
 moepeak/llep_sched.py; b = bytes per element of x):
   forward, P = 1:  xr [C, H], h [C, 2I], a [C, I], o [C, H]          (b each)
-  forward, P > 1:  sx, rx, yb, back: 2 x [C, H] each (double-buffered send,
-                   receive, combine-send, combine-receive); gx [C, H] grouped
-                   rows; h [C, 2I]; a [C, I]; o [C, H]
+  forward, P > 1:  sx, rx, yb, back [C, H] (send, receive, combine-send,
+                   combine-receive: one each, llep_sched orders the chunks'
+                   collectives around them); gx [C, H] grouped rows; h [C, 2I];
+                   a [C, I]; o [C, H]
   backward, P = 1: xr, gr, o, do [C, H]; h, dh [C, 2I]; s, a, da [C, I];
                    wr, wp, dwr [C] fp32
-  backward, P > 1: sx, sg, rx, rg, dxb, back: 2 x [C, H]; gx, gg, o, do
-                   [C, H]; h, dh [C, 2I]; s, a, da [C, I]; sw, rw, dwb, dwback
-                   2 x [C] fp32; wr, wp, dwr [C] fp32
+  backward, P > 1: sx, sg, rx, rg, dxb, back [C, H]; gx, gg, o, do [C, H];
+                   h, dh [C, 2I]; s, a, da [C, I]; sw, rw, dwb, dwback [C]
+                   fp32; wr, wp, dwr [C] fp32
   plus int64 index rings (3 x [C] send indices, [C] perm and inverse perm).
   Options add: "gpt_oss" s [C, I] in forward, t [C, I] and a bool mask
   [C, I] in backward; biases a scratch of C * max(2I, H) elements (b each;
@@ -159,10 +160,19 @@ def workspace_bytes(C: int, H: int, I: int, P: int, b: int, backward: bool, *, a
     if not backward:
         if P == 1:
             return b * C * (2 * H + 3 * I) + extra
-        return b * C * (10 * H + 3 * I) + idx + extra
+        return b * C * (6 * H + 3 * I) + idx + extra
     if P == 1:
         return b * C * (4 * H + 7 * I) + 12 * C + extra
-    return b * C * (16 * H + 7 * I) + 4 * C * 11 + idx + extra
+    return b * C * (10 * H + 7 * I) + 4 * C * 7 + idx + extra
+
+
+def ep_cache_room(C: int, H: int, b: int) -> int:
+    """At P > 1, the activation-cache bytes save_budget_mb=None gives the
+    chunked schedule: b*C*6H, so that backward's working set and the cache
+    together hold b*C*(16H + 7I) (+ fp32 rows and index rings), the chunk
+    budget's bound. Worked once: C = 16384, H = I = 2880, bf16: 540 MiB,
+    three [C, 2I] slots of h."""
+    return 6 * b * C * H
 
 
 def effective_chunk_rows(C: int, T: int, K: int, P: int) -> int:

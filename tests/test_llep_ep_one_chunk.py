@@ -8,7 +8,9 @@ for GPT-OSS with biases), nothing kept (save_budget_mb=0: x re-sent, h
 recomputed), forward only (no grad), Hugging Face's transposed weight views.
 The chunk budget exactly covering the step's rows gives one chunk, one row
 less the chunked schedule, both exact with the same integer plan. The
-collectives (a counting transport through moepeak.testing.llep_transport),
+chunked schedule's default cache fits the room its single-buffered working
+set leaves within the same bound. The collectives (a counting transport
+through moepeak.testing.llep_transport),
 host reads and host->device copies of the one-chunk step are counted, and
 the bytes it holds equal llep_workspace.one_chunk_ep_bytes and stay within
 the chunked working-set bound. One spawn of 3 ranks runs P = 3 and P = 2."""
@@ -18,7 +20,8 @@ import torch.distributed as dist
 from moepeak import llep_plan as lp
 from moepeak import llep_sched
 from moepeak.llep import llep_moe
-from moepeak.llep_workspace import one_chunk_ep_bytes, one_chunk_ep_rows, working_set_bound
+from moepeak.llep_workspace import (capped_save_bytes, cache_slots, ep_cache_room, one_chunk_ep_bytes,
+                                   one_chunk_ep_rows, working_set_bound, workspace_bytes)
 from moepeak.testing import llep_transport
 from moepeak.transport import Transport
 
@@ -128,7 +131,8 @@ def _gpt_oss_case(rank, P, group, frac):
 
 def _check_bytes(P, fwd, bwd, keep, lean, **options):
     """The tracked peaks are one_chunk_ep_bytes' exactly, and with the kept
-    cache within the chunked bound at the default chunk budget."""
+    cache within the chunked bound at the default chunk budget (and its
+    default cache room; save_budget_mb=0 has none)."""
     R, N = fwd["recv_rows"], fwd["send_rows"]
     cache = 4 * R * (2 * I + H) if keep else 0
     assert fwd["cache_bytes"] == cache
@@ -138,7 +142,8 @@ def _check_bytes(P, fwd, bwd, keep, lean, **options):
         assert bwd["recomputed_chunks"] == (0 if keep else 1)
         assert bwd["workspace_bytes_bwd"] == one_chunk_ep_bytes(R, N, H, I, 4, True, keep=keep, lean=lean,
                                                                 **options)
-    bound = working_set_bound(lp.default_chunk_rows(P), H, I, P, 4, True, 0, **options)
+    C = lp.default_chunk_rows(P)
+    bound = working_set_bound(C, H, I, P, 4, True, ep_cache_room(C, H, 4) if keep or not bwd else 0, **options)
     assert max(fwd["workspace_bytes"], bwd.get("workspace_bytes_bwd", 0)) + cache <= bound
 
 
@@ -195,6 +200,26 @@ def _boundary(rank, P, group):
     assert one_chunk_ep_rows(C, H, I, P, 4, 0, keep=True, grad=True, lean=True) >= C
 
 
+def _chunked_default_cache(rank, P, group):
+    """Chunked (a small explicit chunk budget), save_budget_mb=None: the
+    single-buffered working set leaves ep_cache_room within the bound, which
+    caches the first chunks' h; exact, and working set + cache within
+    working_set_bound with that room."""
+    C = 8
+    T = 40 + 7 * rank
+    for frac in (0.0, 0.95):
+        fwd, bwd, _ = _swiglu_case(rank, P, group, frac, 10, chunk_rows=C, min_tokens_per_gemm=2)
+        assert not fwd["one_chunk_ep"] and fwd["n_chunks"] > 1
+        room = ep_cache_room(C, H, 4)
+        slots = cache_slots(capped_save_bytes(room, T, K, C, H, I, P, 4), T, K, C, I, P, 4)
+        assert slots > 0 and fwd["cached_chunks"] == min(slots, fwd["n_chunks"])
+        assert fwd["cache_bytes"] == slots * 4 * C * 2 * I <= room
+        assert fwd["workspace_bytes"] == workspace_bytes(C, H, I, P, 4, False)
+        assert bwd["workspace_bytes_bwd"] == workspace_bytes(C, H, I, P, 4, True)
+        assert bwd["recomputed_chunks"] == fwd["n_chunks"] - fwd["cached_chunks"]
+        assert bwd["workspace_bytes_bwd"] + fwd["cache_bytes"] <= working_set_bound(C, H, I, P, 4, True, room)
+
+
 def _counts(rank, P, group):
     """The one-chunk step's collectives, host reads and host->device copies:
     forward one all-gather (loads and config), one all-to-all-v out and one
@@ -229,6 +254,7 @@ def _ranks_main(rank, world):
     if rank < 2:
         _paths(rank, 2, g2)
         _boundary(rank, 2, g2)
+        _chunked_default_cache(rank, 2, g2)
         _counts(rank, 2, g2)
 
 
@@ -238,18 +264,20 @@ def test_one_chunk_ep_on_gloo_ranks():
 
 def test_one_chunk_ep_rows_at_the_issue_shapes():
     """At E128 K4 H = I = 2880 bf16 on 2 ranks (default chunk budget 16384,
-    no cache budget) the kept lean one-chunk step covers 8k tokens per rank
-    (32768 rows each way) with room for the routing's spread below the
-    imbalance threshold (1.3 x): 49152 rows; at 32k tokens (131072 rows) the
+    default cache room) the kept lean one-chunk step covers 8k tokens per
+    rank (32768 rows each way) with room for the routing's spread below the
+    imbalance threshold (1.3 x): 49145 rows; at 32k tokens (131072 rows) the
     schedule stays chunked. Per row: forward's and backward's peak above
     the cache and the cache itself, within the chunked bound."""
     C, H_, I_, b = 16384, 2880, 2880, 2
-    rows = one_chunk_ep_rows(C, H_, I_, 2, b, 0, keep=True, grad=True, lean=True, grouped=True)
-    assert rows == 49152
+    room = ep_cache_room(C, H_, b)
+    assert room == 540 << 20
+    rows = one_chunk_ep_rows(C, H_, I_, 2, b, room, keep=True, grad=True, lean=True, grouped=True)
+    assert rows == 49145
     assert 1.3 * 32768 <= rows < 131072
-    bound = working_set_bound(C, H_, I_, 2, b, True, 0)
+    bound = working_set_bound(C, H_, I_, 2, b, True, room)
     for bwd in (False, True):
         peak = one_chunk_ep_bytes(rows, rows, H_, I_, b, bwd, keep=True, lean=True, grouped=True)
         assert peak + b * rows * (2 * I_ + H_) + b * C * 2 * I_ <= bound
     # nothing kept and no gradient: the forward alone bounds the rows
-    assert one_chunk_ep_rows(C, H_, I_, 2, b, 0, keep=False, grad=False, lean=False, grouped=True) > rows
+    assert one_chunk_ep_rows(C, H_, I_, 2, b, room, keep=False, grad=False, lean=False, grouped=True) > rows
