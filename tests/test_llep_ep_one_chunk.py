@@ -14,6 +14,7 @@ through moepeak.testing.llep_transport),
 host reads and host->device copies of the one-chunk step are counted, and
 the bytes it holds equal llep_workspace.one_chunk_ep_bytes and stay within
 the chunked working-set bound. One spawn of 3 ranks runs P = 3 and P = 2."""
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -281,3 +282,58 @@ def test_one_chunk_ep_rows_at_the_issue_shapes():
         assert peak + b * rows * (2 * I_ + H_) + b * C * 2 * I_ <= bound
     # nothing kept and no gradient: the forward alone bounds the rows
     assert one_chunk_ep_rows(C, H_, I_, 2, b, room, keep=False, grad=False, lean=False, grouped=True) > rows
+
+
+# ---------------------------------------------------------------------------
+# Two GPUs, NCCL (skipped below 2 GPUs): the one-chunk step through
+# torch._grouped_mm (bf16) and fp32 GEMMs, pinned host->device copies
+# ---------------------------------------------------------------------------
+def _two_gpus(rank, P):
+    import os
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = torch.device("cuda", rank)
+    group = dist.group.WORLD
+    E2, K2, H2, I2, tokens = 8, 4, 64, 96, (300, 237)
+    ts, es = slice(sum(tokens[:rank]), sum(tokens[:rank + 1])), slice(rank * E2 // P, (rank + 1) * E2 // P)
+    for frac in (0.0, 0.95):
+        x, ids, tw, wgu, wd, gy = (t.to(dev) for t in refs.moe_problem(sum(tokens), E2, K2, H2, I2, frac, 17))
+
+        def dense(dtype):
+            leaves = [t.to(dtype).requires_grad_() for t in (x, tw, wgu, wd)]
+            y = refs.moe_dense_ref(leaves[0], ids, *leaves[1:])
+            out = (y.detach(),) + torch.autograd.grad(y, leaves, gy.to(dtype))
+            return [out[0][ts], out[1][ts], out[2][ts], out[3][es], out[4][es]]
+
+        truth, bf = dense(torch.float64), dense(torch.bfloat16)
+        for dtype in (torch.float32, torch.bfloat16):
+            counts = {}
+            leaves = [x[ts].to(dtype).requires_grad_(), tw[ts].float().requires_grad_(),
+                      wgu[es].to(dtype).requires_grad_(), wd[es].to(dtype).requires_grad_()]
+            with llep_transport(lambda tr: CountingTransport(tr, counts)):
+                y = llep_moe(leaves[0], ids[ts], leaves[1], leaves[2], leaves[3], group=group,
+                             min_tokens_per_gemm=2)
+                fwd = dict(llep_sched.LAST_STATS)
+                got = (y.detach(),) + torch.autograd.grad(y, leaves, gy[ts].to(dtype))
+                bwd = dict(llep_sched.LAST_STATS)
+            case = f"rank {rank} frac={frac} {dtype}"
+            assert fwd["one_chunk_ep"] and bwd["lean_one_chunk"] and fwd["host_syncs"] == 1, (case, fwd)
+            assert bwd["host_syncs"] == 0 and fwd["spilled"] == (frac > 0), (case, bwd)
+            spill = int(frac > 0)
+            assert counts == {"all_gather": 1, "all_to_all_v": 6 + 3 * spill}, (case, counts)
+            if dtype == torch.bfloat16:
+                assert fwd["grouped_mm"] > 0, (case, fwd)
+            for name, a, t, b in zip(NAMES, got, truth, bf):
+                err = (a.double() - t).abs().max().item()
+                if dtype == torch.float32:
+                    assert torch.allclose(a.double(), t, rtol=1e-4, atol=1e-4), f"{case}: {name} {err:.3g}"
+                else:  # at most 2x torch's bf16 dense layer's error
+                    eb = (b.double() - t).abs().max().item()
+                    assert err <= 2 * eb + 1e-4 * t.abs().max().item(), f"{case}: {name} {err:.3g} vs {eb:.3g}"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason=f"needs 2 CUDA GPUs (this machine has {torch.cuda.device_count()})")
+def test_one_chunk_ep_two_gpus_nccl():
+    run_ranks(2, _two_gpus, timeout=240, backend="nccl")
