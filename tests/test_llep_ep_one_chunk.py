@@ -248,6 +248,24 @@ def _counts(rank, P, group):
         assert (bwd["host_syncs"], bwd["h2d_copies"]) == (0, 1)
 
 
+def _bad_kept_cache(rank, P, group):
+    """A kept cache of the wrong size is reported (on every rank, before any
+    collective) instead of being read out of bounds."""
+    from moepeak.llep import llep_dispatch, llep_dispatch_backward
+    from moepeak.process_groups import register_group
+    tokens = [40 + 7 * r for r in range(P)]
+    x, ids, tw, wgu, wd, gy = (t.float() if t.is_floating_point() else t
+                               for t in refs.moe_problem(sum(tokens), E, K, H, I, 0.0, 11))
+    ts, es = _share(rank, P, tokens)
+    args = (x[ts], ids[ts], tw[ts], wgu[es], wd[es], register_group(group), 64, 1.0, 2, 1.3)
+    _, cache, load, send_index = llep_dispatch(*args, 0, None, None, None, "swiglu", 1 << 20, True)
+    R = llep_sched.LAST_STATS["recv_rows"]
+    assert llep_sched.LAST_STATS["one_chunk_ep"] and cache.shape == (1, R * (2 * I + H))
+    with pytest.raises(ValueError, match="kept one-chunk cache"):
+        llep_dispatch_backward(gy[ts], *args, cache[:, 1:], None, None, None, "swiglu", load, send_index, 1 << 20,
+                               True)
+
+
 def _ranks_main(rank, world):
     g2 = dist.new_group([0, 1])
     _paths(rank, 3, dist.group.WORLD)
@@ -257,6 +275,7 @@ def _ranks_main(rank, world):
         _boundary(rank, 2, g2)
         _chunked_default_cache(rank, 2, g2)
         _counts(rank, 2, g2)
+        _bad_kept_cache(rank, 2, g2)
 
 
 def test_one_chunk_ep_on_gloo_ranks():
