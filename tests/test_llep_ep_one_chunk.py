@@ -5,7 +5,8 @@ Every path against the dense fp64 reference (tests/refs.py), forward and
 every gradient, balanced and 95:4 routing: h and grouped x kept (the lean
 backward, dh over h; the generic backward for split gate/up weights and
 for GPT-OSS with biases), nothing kept (save_budget_mb=0: x re-sent, h
-recomputed), forward only (no grad), Hugging Face's transposed weight views.
+recomputed), forward only (no grad), T = 0 on some ranks, Hugging Face's
+transposed weight views.
 The chunk budget exactly covering the step's rows gives one chunk, one row
 less the chunked schedule, both exact with the same integer plan. The
 chunked schedule's default cache fits the room its single-buffered working
@@ -70,10 +71,10 @@ def _share(rank, P, tokens):
     return slice(lo, hi), slice(rank * El, (rank + 1) * El)
 
 
-def _swiglu_case(rank, P, group, frac, seed, *, split=False, grad=True, hf=False, **kw):
+def _swiglu_case(rank, P, group, frac, seed, *, split=False, grad=True, hf=False, tokens=None, **kw):
     """llep_moe on this rank's share (fp32) vs the dense fp64 reference;
-    returns (forward stats, backward stats)."""
-    tokens = [40 + 7 * r for r in range(P)]
+    returns (forward stats, backward stats, this rank's results)."""
+    tokens = tokens or [40 + 7 * r for r in range(P)]
     x, ids, tw, wgu, wd, gy = refs.moe_problem(sum(tokens), E, K, H, I, frac, seed)
     leaves = [t.clone().requires_grad_() for t in (x, tw, wgu, wd)]
     yref = refs.moe_dense_ref(leaves[0], ids, *leaves[1:])
@@ -167,6 +168,8 @@ def _paths(rank, P, group):
         fwd, bwd = _gpt_oss_case(rank, P, group, frac)
         assert fwd["one_chunk_ep"] and not bwd["lean_one_chunk"] and fwd["spilled"] == (frac > 0)
         _check_bytes(P, fwd, bwd, True, False, activation="gpt_oss", bias=True)
+    fwd, bwd, _ = _swiglu_case(rank, P, group, 0.95, 12, tokens=[50] + [0] * (P - 1), min_tokens_per_gemm=2)
+    assert fwd["one_chunk_ep"] and fwd["send_rows"] == (150 if rank == 0 else 0)  # T = 0 on all but rank 0
     outs = [_swiglu_case(rank, P, group, 0.95, 7, hf=hf, min_tokens_per_gemm=2)[2] for hf in (False, True)]
     for a, b in zip(*outs):  # transposed weight views: the contiguous weights' bits
         assert torch.equal(a, b)
