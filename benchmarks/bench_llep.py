@@ -4,6 +4,10 @@ One GPU (P = 1):   python benchmarks/bench_llep.py --out benchmarks/results [--q
   issue 26's P = 1 check (pipelined vs grouped_mm, summary with ratios at the end):
   python benchmarks/bench_llep.py --quick --tokens 16384,65536,262144 --arms grouped_mm,pipelined --iters 5
 Two GPUs (P = 2):  torchrun --nproc-per-node 2 benchmarks/bench_llep.py --out benchmarks/results [--quick]
+  issue 26's P = 2 check (pipelined vs standard EP, summary with ratios at the end):
+  NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/bench_llep.py --tokens 8192,32768
+      --arms standard_ep,pipelined --out benchmarks/results
+  (--smoke runs the same arms on gloo CPU ranks at tiny shapes: code paths only)
 
 Arms at P = 1 (same inputs, same process):
   hf_loop        Hugging Face-style loop over experts (one-hot mask, index_add)
@@ -18,7 +22,11 @@ Arms at P = 2 (T tokens per rank):
   standard_ep    all_to_all_single dispatch/combine (torch.distributed.nn, autograd)
                  of the expanded rows, local grouped GEMMs
   llep_1chunk    LLEP plan, one chunk
-  pipelined      PipelinedLLEP, default chunk budget (16384 rows at P > 1) and cache
+  pipelined      PipelinedLLEP, default chunk budget (16384 rows at P > 1) and cache; the
+                 step runs as one chunk (standard EP's one dispatch, grouped GEMM and
+                 combine, h and grouped x kept for backward) when every rank's rows fit
+                 the chunked working-set bound (llep_workspace.one_chunk_ep_rows); the
+                 log line says which ("1 chunk" or "n chunks")
   pipelined_nocache  the same with save_budget_mb=0
   pipelined_c32k PipelinedLLEP with chunk_rows=32768 (the P = 1 default)
 Imbalance "x:4": x% of tokens send all K picks to experts 0..3 (K > 4: experts
@@ -41,6 +49,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from _common import append_results  # noqa: E402
+from moepeak import llep_sched  # noqa: E402
 from moepeak.llep import llep_moe  # noqa: E402
 
 CONFIGS = {"E128_K4_H2880_I2880": (128, 4, 2880, 2880), "E256_K8_H7168_I2048": (256, 8, 7168, 2048)}
@@ -274,7 +283,9 @@ def main():
                         err = (o - first).abs().max().item()
                         assert err <= 3e-2 * first.abs().max().item() + 1e-3, f"{a} differs by {err}"
                 for arm in arms:
+                    llep_sched.LAST_STATS.clear()
                     res = run_arm(arm, fns[arm], x, tw, [wgu, wd], gy, iters, warmup)
+                    n_chunks = llep_sched.LAST_STATS.get("n_chunks")  # the last llep call's (its backward)
                     if P > 1:  # max over ranks
                         import torch.distributed as dist
                         v = torch.tensor([res["peak_gib"], res["ms"], res["ms_min"], res["ms_max"],
@@ -290,9 +301,10 @@ def main():
                                tokens_per_s=round(tps) if tps == tps else float("nan"))
                     rows.append(row)
                     if rank == 0:
+                        path = "" if n_chunks is None else f"  {n_chunks} chunk{'s' if n_chunks != 1 else ''}"
                         print(f"{cname:22s} T={T:7d} {iname:8s} {arm:15s} {res['status']:6s} "
                               f"peak {res['peak_gib']:7.2f} GiB  {res['ms']:9.1f} ms "
-                              f"({res['ms_min']:.1f}-{res['ms_max']:.1f})  {tps:12.0f} tok/s", flush=True)
+                              f"({res['ms_min']:.1f}-{res['ms_max']:.1f})  {tps:12.0f} tok/s{path}", flush=True)
                 del x, tw, gy, ids
         del wgu, wd
         if rank == 0 and args.out:  # per config, so a run cut short keeps what it measured
@@ -306,6 +318,7 @@ def main():
     if rank == 0:
         _summary(rows)
         _vs_grouped_mm(rows)
+        _vs_standard_ep(rows)
         if args.out:
             print(f"appended {len(rows)} rows to {os.path.join(args.out, 'llep.csv')}")
     if dist_mode:
@@ -339,6 +352,23 @@ def _vs_grouped_mm(rows, max_time_ratio=1.02):
         tr, pr = p["ms_fwd_bwd"] / g["ms_fwd_bwd"], p["peak_gib"] / g["peak_gib"]
         ok = "PASS" if tr <= max_time_ratio and pr <= 1.0 else "FAIL"
         print(f"  {k[0]} T={k[1]:7d} {k[2]:8s} time {tr:.3f}x  peak {pr:.3f}x  {ok}")
+
+
+def _vs_standard_ep(rows):
+    """Per (config, T, imbalance) at P > 1: pipelined vs standard_ep, time
+    and peak ratios, against issue 26's P > 1 target (throughput >= standard
+    EP's: time <= 1.0x) and the peak flat across imbalance (_summary)."""
+    by = {(r["config"], r["T"], r["imbalance"], r["arm"]): r for r in rows if r["P"] > 1 and r["status"] == "ok"}
+    keys = sorted({k[:3] for k in by if k[3] == "pipelined" and k[:3] + ("standard_ep",) in by})
+    if not keys:
+        return
+    print("\npipelined vs standard_ep (target: time <= 1.0x):")
+    for k in keys:
+        p, s = by[k + ("pipelined",)], by[k + ("standard_ep",)]
+        if not (s["ms_fwd_bwd"] > 0 and s["peak_gib"] > 0):  # CPU smoke runs measure neither
+            continue
+        tr, pr = p["ms_fwd_bwd"] / s["ms_fwd_bwd"], p["peak_gib"] / s["peak_gib"]
+        print(f"  {k[0]} T={k[1]:7d} {k[2]:8s} time {tr:.3f}x  peak {pr:.3f}x  {'PASS' if tr <= 1.0 else 'FAIL'}")
 
 
 if __name__ == "__main__":

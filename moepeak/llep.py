@@ -4,7 +4,8 @@ imbalance nor tokens (DESIGN.md "PipelinedLLEP").
 Ops (in order: custom_op, register_fake, register_autograd, then the public API):
   moepeak::llep_dispatch(x [T, H], topk_ids [T, K], topk_weights [T, K],
                          w_gate_up [E_local, H, 2I], w_down [E_local, I, H], ...,
-                         w_up=None, b_gate_up=None, b_down=None, activation="swiglu")
+                         w_up=None, b_gate_up=None, b_down=None, activation="swiglu",
+                         one_chunk_rows=0, keep_one_chunk=False)
       -> (y [T, H], cache, load [P, E] int64 CPU, send_index [T*K] int64)
       y[t] = sum_k topk_weights[t, k] * expert_{ids[t, k]}(x[t]),
       expert_e(v) = act(v @ Wgu_e + bgu_e) @ Wd_e + bd_e; act "swiglu":
@@ -13,7 +14,12 @@ Ops (in order: custom_op, register_fake, register_autograd, then the public API)
       w_gate_up is the gate [E_local, H, I] and w_up the up projection.
       Rank r owns experts [r*E_local, (r+1)*E_local). cache, load and
       send_index are kept for backward (load and send_index: the plan's
-      inputs, so backward has no host round trip).
+      inputs, so backward has no host round trip). At P > 1, when no rank
+      sends or receives more than one_chunk_rows rows, the step is one chunk
+      (moepeak/llep_one_chunk.py: standard EP's dispatch, grouped GEMMs and
+      combine); with keep_one_chunk its cache is then [1, R*(2I + H)] (h and
+      the R grouped x rows this rank receives: backward recomputes nothing
+      and re-sends no x), else [save_slots, C*2I].
   moepeak::llep_dispatch_backward(dy, x, ...) -> (dx, d topk_weights, dW_gate_up, dW_down, dW_up,
                                                   db_gate_up, db_down)  (empty [0] where absent)
   moepeak::llep_combine_(acc, y, idx, w, div): acc[idx // div] += w[idx] * y (fp32 acc)
@@ -38,7 +44,9 @@ import torch.nn.functional as F
 from . import llep_plan as lp
 from . import llep_sched as sched
 from .llep_context import ACTIVATIONS
-from .llep_workspace import capped_save_bytes, effective_chunk_rows, one_chunk_fits
+from .llep_experts import lean_ok_static
+from .llep_workspace import (capped_save_bytes, effective_chunk_rows, ep_cache_room, one_chunk_ep_rows,
+                             one_chunk_fits)
 from ._ext import check_tensor
 from .process_groups import lookup_group, register_group
 from .transport import get_transport
@@ -46,31 +54,55 @@ from .transport import get_transport
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # Activation-cache budget (save_budget_mb=None picks it from the group size):
 # on one rank it keeps the peak bounded while caching every chunk of short
-# inputs; on several ranks the cache costs more peak than the time it saves
-# (measured in benchmarks/bench_llep.py; see benchmarks/RESULTS.md).
+# inputs; on several ranks no cache beyond the room the single-buffered
+# dispatch leaves within the chunk budget's bound (llep_workspace.ep_cache_room),
+# so the cache never raises the peak bound there.
 DEFAULT_SAVE_BUDGET_MB = 1536
 
 
 def default_save_budget_mb(P: int) -> int:
-    """The activation-cache budget (MiB) save_budget_mb=None picks for P ranks."""
+    """The activation-cache budget (MiB) save_budget_mb=None picks for P
+    ranks beyond the chunk budget's own room (llep_workspace.ep_cache_room at
+    P > 1, which the bound b*C*(16H + 7I) already holds)."""
     return DEFAULT_SAVE_BUDGET_MB if P == 1 else 0
+
+
+# Testing hook (moepeak.testing.llep_transport): a function that wraps the transport
+# every llep op call talks to (None: the transport itself).
+_TRANSPORT_WRAPPER = {"fn": None}
+
+
+def set_transport_wrapper(fn):
+    """Every llep op call's transport becomes fn(transport) (None: unwrapped);
+    returns the previous wrapper. For tests (moepeak.testing.llep_transport)."""
+    prev = _TRANSPORT_WRAPPER["fn"]
+    _TRANSPORT_WRAPPER["fn"] = fn
+    return prev
 
 
 def _transport(key: str):
     """The transport of the group registered under `key` (None for "": one rank)."""
     group = lookup_group(key)
-    return get_transport(group) if group is not None else None
+    if group is None:
+        return None
+    tr = get_transport(group)
+    wrap = _TRANSPORT_WRAPPER["fn"]
+    return wrap(tr) if wrap is not None else tr
 
 
 # ---------------------------------------------------------------------------
 # Ops
 # ---------------------------------------------------------------------------
 def _ctx(x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha, min_tokens_per_gemm,
-         imbalance_threshold, w_up, b_gate_up, b_down, activation, plan_state=None):
+         imbalance_threshold, w_up, b_gate_up, b_down, activation, plan_state=None, one_chunk_rows=0,
+         keep_one_chunk=False):
     if activation not in ACTIVATIONS:
         raise ValueError(f"moepeak: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if not (isinstance(one_chunk_rows, int) and one_chunk_rows >= 0):
+        raise ValueError(f"moepeak: one_chunk_rows must be an int >= 0, got {one_chunk_rows!r}")
     return sched.Ctx(x, topk_ids, topk_weights, (w_gate_up, w_down, w_up), (b_gate_up, b_down), activation,
-                     _transport(group), chunk_rows, alpha, min_tokens_per_gemm, imbalance_threshold, plan_state)
+                     _transport(group), chunk_rows, alpha, min_tokens_per_gemm, imbalance_threshold, plan_state,
+                     one_chunk_rows, keep_one_chunk)
 
 
 @torch.library.custom_op("moepeak::llep_dispatch", mutates_args=())
@@ -78,14 +110,20 @@ def llep_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
                   w_down: torch.Tensor, group: str, chunk_rows: int, alpha: float, min_tokens_per_gemm: int,
                   imbalance_threshold: float, save_slots: int = 0, w_up: Optional[torch.Tensor] = None,
                   b_gate_up: Optional[torch.Tensor] = None, b_down: Optional[torch.Tensor] = None,
-                  activation: str = "swiglu"
+                  activation: str = "swiglu", one_chunk_rows: int = 0, keep_one_chunk: bool = False
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (y [T, H], activation cache [save_slots, C*2I], load [P, E] int64
-    CPU, send_index [T*K] int64): the last three are for backward."""
+    """-> (y [T, H], activation cache [save_slots, C*2I] (or the kept
+    one-chunk cache [1, R*(2I + H)]), load [P, E] int64 CPU, send_index
+    [T*K] int64): the last three are for backward."""
     ctx = _ctx(x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha, min_tokens_per_gemm,
-               imbalance_threshold, w_up, b_gate_up, b_down, activation)
-    cache = _new_cache(x, w_down, chunk_rows, save_slots)
-    return sched.forward(ctx, cache), cache, ctx.load, ctx.send_index
+               imbalance_threshold, w_up, b_gate_up, b_down, activation, one_chunk_rows=one_chunk_rows,
+               keep_one_chunk=keep_one_chunk)
+    keep = keep_one_chunk and ctx.one_chunk
+    if keep:
+        cache = x.new_empty(1, ctx.recv_rows * (2 * ctx.I + ctx.H))
+    else:
+        cache = _new_cache(x, w_down, chunk_rows, save_slots)
+    return sched.forward(ctx, cache, keep), cache, ctx.load, ctx.send_index
 
 
 def _new_cache(x, w_down, chunk_rows, save_slots):
@@ -98,17 +136,23 @@ def _new_cache(x, w_down, chunk_rows, save_slots):
 
 @llep_dispatch.register_fake
 def _(x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha, min_tokens_per_gemm,
-      imbalance_threshold, save_slots=0, w_up=None, b_gate_up=None, b_down=None, activation="swiglu"):
+      imbalance_threshold, save_slots=0, w_up=None, b_gate_up=None, b_down=None, activation="swiglu",
+      one_chunk_rows=0, keep_one_chunk=False):
     tr = _transport(group)
     P = tr.world_size if tr is not None else 1
     load = torch.empty(P, w_gate_up.shape[0] * P, dtype=torch.int64, device="cpu")
     send_index = topk_ids.new_empty(topk_ids.numel(), dtype=torch.int64)
-    return torch.empty_like(x), _new_cache(x, w_down, chunk_rows, save_slots), load, send_index
+    if keep_one_chunk:  # the kept one-chunk cache's size depends on the routing
+        fake = torch.library.get_ctx()
+        cache = x.new_empty(fake.new_dynamic_size(), fake.new_dynamic_size())
+    else:
+        cache = _new_cache(x, w_down, chunk_rows, save_slots)
+    return torch.empty_like(x), cache, load, send_index
 
 
 def _dispatch_backward(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha,
                        min_tokens_per_gemm, imbalance_threshold, cache, w_up, b_gate_up, b_down, activation,
-                       load, send_index, overwrite_cache):
+                       load, send_index, one_chunk_rows, keep_one_chunk, overwrite_cache):
     """Both backward ops' body (overwrite_cache: the lean op's in-place dh)."""
     plan_state = None
     if load is not None or send_index is not None:
@@ -121,16 +165,22 @@ def _dispatch_backward(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, gro
                              f"got {send_index.numel()}")
         plan_state = (load, send_index)
     ctx = _ctx(x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha, min_tokens_per_gemm,
-               imbalance_threshold, w_up, b_gate_up, b_down, activation, plan_state)
+               imbalance_threshold, w_up, b_gate_up, b_down, activation, plan_state, one_chunk_rows)
     if plan_state is not None and tuple(load.shape) != (ctx.P, ctx.E):
         raise ValueError(f"moepeak: load must be [P={ctx.P}, E={ctx.E}], got {tuple(load.shape)}")
+    kept = keep_one_chunk and ctx.one_chunk
+    if kept:
+        want = (1, ctx.recv_rows * (2 * ctx.I + ctx.H))
+        if cache is None or tuple(cache.shape) != want:
+            raise ValueError(f"moepeak: the kept one-chunk cache must be {list(want)} (forward's), got "
+                             f"{None if cache is None else tuple(cache.shape)}")
     if cache is not None:
         check_tensor("cache", cache, dtypes=(x.dtype,), ndim=2, device=x.device, contiguous=True)
         se = sched.slot_elems(chunk_rows, w_down.shape[1])
-        if cache.shape[1] != se:
+        if not kept and cache.shape[1] != se:
             raise ValueError(f"moepeak: cache must be [slots, {se}] (chunk_rows*2I), got {tuple(cache.shape)}")
     dx, dtw, dW, dbgu, dbd = sched.backward(ctx, grad_y.contiguous(), cache=cache,
-                                           overwrite_cache=overwrite_cache)
+                                           overwrite_cache=overwrite_cache, kept=kept)
     def or_empty(t):
         return t if t is not None else x.new_empty(0)
     return (dx, dtw.view(topk_weights.shape).to(topk_weights.dtype), dW[0], dW[1],
@@ -147,12 +197,13 @@ def _backward_op(name: str, overwrite_cache: bool, doc: str):
            min_tokens_per_gemm: int, imbalance_threshold: float, cache: Optional[torch.Tensor] = None,
            w_up: Optional[torch.Tensor] = None, b_gate_up: Optional[torch.Tensor] = None,
            b_down: Optional[torch.Tensor] = None, activation: str = "swiglu",
-           load: Optional[torch.Tensor] = None, send_index: Optional[torch.Tensor] = None
+           load: Optional[torch.Tensor] = None, send_index: Optional[torch.Tensor] = None,
+           one_chunk_rows: int = 0, keep_one_chunk: bool = False
            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                       torch.Tensor]:
         return _dispatch_backward(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha,
                                   min_tokens_per_gemm, imbalance_threshold, cache, w_up, b_gate_up, b_down,
-                                  activation, load, send_index, overwrite_cache)
+                                  activation, load, send_index, one_chunk_rows, keep_one_chunk, overwrite_cache)
     op.__name__ = op.__qualname__ = name.split("::")[1]
     op.__doc__ = doc
     return torch.library.custom_op(name, op, mutates_args=("cache",) if overwrite_cache else ())
@@ -164,13 +215,15 @@ llep_dispatch_backward = _backward_op(
     the last three are empty [0] tensors where w_up / the biases are absent.
     load and send_index: forward's (llep_dispatch's 3rd and 4th outputs);
     without them backward counts and routes again. cache: forward's
-    activation cache (only read).""")
+    activation cache (only read). one_chunk_rows, keep_one_chunk:
+    forward's.""")
 
 llep_dispatch_backward_lean_ = _backward_op(
     "moepeak::llep_dispatch_backward_lean_", True,
-    """llep_dispatch_backward, except that on the one-chunk path
-    (llep_sched.lean_one_chunk) dh is written over the cached h, so that
-    backward holds no second [T*K, 2I] (llep_workspace.one_chunk_peak_bytes):
+    """llep_dispatch_backward, except that on the one-chunk paths
+    (llep_sched.lean_one_chunk at P = 1; the kept one-chunk step at P > 1,
+    llep_one_chunk.backward_ep) dh is written over the cached h, so that
+    backward holds no second [R, 2I] (llep_workspace.one_chunk_peak_bytes):
     the cache serves one backward (a second one over a retained graph raises
     autograd's in-place modification error). Eager autograd uses it; traced
     graphs (torch.compile) use llep_dispatch_backward: the same values.""")
@@ -179,7 +232,8 @@ llep_dispatch_backward_lean_ = _backward_op(
 @llep_dispatch_backward.register_fake
 def _dispatch_backward_fake(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha,
                             min_tokens_per_gemm, imbalance_threshold, cache=None, w_up=None, b_gate_up=None,
-                            b_down=None, activation="swiglu", load=None, send_index=None):
+                            b_down=None, activation="swiglu", load=None, send_index=None, one_chunk_rows=0,
+                            keep_one_chunk=False):
     def like(t):
         return torch.empty_like(t) if t is not None else x.new_empty(0)
     return (torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w_gate_up),
@@ -196,6 +250,7 @@ def _setup_context(ctx, inputs, output):
                           output[2], output[3])
     ctx.args = inputs[5:10]
     ctx.activation = inputs[14]
+    ctx.one_chunk = inputs[15:17]  # (one_chunk_rows, keep_one_chunk)
     ctx.mark_non_differentiable(*output[1:])
     # No zero-filled gradient for the cache output (it would cost the whole
     # cache budget again in backward).
@@ -204,16 +259,17 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_y, *grad_rest):
     if grad_y is None:  # y did not reach the loss: nothing flows back
-        return (None,) * 15
+        return (None,) * 17
     x, topk_ids, topk_weights, w_gate_up, w_down, cache, w_up, b_gate_up, b_down, load, send_index = \
         ctx.saved_tensors
     # the lean op overwrites the cache: eager only (a traced graph keeps it read-only)
-    lean = cache.shape[0] > 0 and type(grad_y) is torch.Tensor and not torch.compiler.is_compiling()
+    # (no test of the cache's size while tracing: the kept one-chunk cache's is data-dependent)
+    lean = not torch.compiler.is_compiling() and type(grad_y) is torch.Tensor and cache.shape[0] > 0
     dx, dtw, dwgu, dwd, dwu, dbgu, dbd = (llep_dispatch_backward_lean_ if lean else llep_dispatch_backward)(
-        grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, *ctx.args, cache if cache.shape[0] else None,
-        w_up, b_gate_up, b_down, ctx.activation, load, send_index)
+        grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, *ctx.args, cache,
+        w_up, b_gate_up, b_down, ctx.activation, load, send_index, *ctx.one_chunk)
     return (dx, None, dtw, dwgu, dwd, None, None, None, None, None, None, dwu if w_up is not None else None,
-            dbgu if b_gate_up is not None else None, dbd if b_down is not None else None, None)
+            dbgu if b_gate_up is not None else None, dbd if b_down is not None else None, None, None, None)
 
 
 llep_dispatch.register_autograd(_backward, setup_context=_setup_context)
@@ -343,12 +399,20 @@ def llep_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     with its whole h cached peaks no higher than permute + grouped GEMM and
     stays within the chunked working-set bound
     (llep_workspace.one_chunk_fits; swiglu, fused gate/up, no biases, not
-    fp16): backward then recomputes nothing.
+    fp16): backward then recomputes nothing. On several ranks the step runs
+    as one chunk (standard EP's one dispatch, grouped GEMMs and combine,
+    moepeak/llep_one_chunk.py) when no rank sends or receives more rows than
+    fit the chunked working-set bound at chunk_rows
+    (llep_workspace.one_chunk_ep_rows) and, with an explicit chunk_rows,
+    than chunk_rows itself (the budget covers the step's rows).
     save_budget_mb: bytes (MiB) fixed at launch for an activation cache: the
     first chunks whose [C, 2I] forward intermediates fit are kept for
     backward, which recomputes only the others (0: recompute all; no cache
-    when no gradient is needed; None: 1536 on one rank, 0 on several, see
-    DEFAULT_SAVE_BUDGET_MB). The cache is also capped so that it and the
+    when no gradient is needed; None: 1536 on one rank; on several the
+    room the chunk budget's bound leaves, llep_workspace.ep_cache_room, see
+    DEFAULT_SAVE_BUDGET_MB). At P > 1 the one-chunk step keeps h and its
+    grouped x rows whole for backward unless save_budget_mb=0 (counted
+    within the bound, llep_workspace.one_chunk_ep_rows). The cache is also capped so that it and the
     backward working set together stay within what permute + grouped GEMM
     holds at its peak for the same T (llep_workspace.capped_save_bytes). Results
     are identical either way.
@@ -358,6 +422,8 @@ def llep_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     tr = get_transport(group)
     P = tr.world_size if tr is not None else 1
     C = lp.default_chunk_rows(P) if chunk_rows is None else chunk_rows
+    keep_allowed = save_budget_mb != 0  # None or a budget: the P > 1 one-chunk step keeps h and grouped x
+    default_budget = save_budget_mb is None
     if save_budget_mb is None:
         save_budget_mb = default_save_budget_mb(P)
     w_up = None
@@ -375,19 +441,32 @@ def llep_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     params = (x, topk_weights, w_gate_up, w_down, w_up, b_gate_up, b_down)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params)
     b = x.element_size()
+    # P > 1, save_budget_mb=None: the cache room within the chunk budget's bound
+    room = ep_cache_room(int(C), H, b) if P > 1 and default_budget else 0
     lean = (grad and P == 1 and (chunk_rows is None or T * K <= C) and activation == "swiglu" and w_up is None
             and b_gate_up is None and x.dtype != torch.float16
             and one_chunk_fits(T, K, w_down.shape[0], H, I, int(C), b, save_budget_mb << 20))
     if lean:  # one chunk, h cached whole, backward's buffers held only while used
         C, slots = T * K, 1
     else:
-        budget = capped_save_bytes(save_budget_mb << 20, T, K, int(C), H, I, P, b,
+        budget = capped_save_bytes((save_budget_mb << 20) + room, T, K, int(C), H, I, P, b,
                                    activation=activation, bias=b_gate_up is not None, split=w_up is not None)
         slots = sched.cache_slots(budget, T, K, int(C), I, P, b) if grad else 0
+    one_rows, keep = 0, False
+    if P > 1:  # from shapes, options and the arguments only: the same on every rank
+        keep = grad and keep_allowed
+        options = dict(activation=activation, bias=b_gate_up is not None, split=w_up is not None)
+        one_rows = one_chunk_ep_rows(int(C), H, I, P, b, (save_budget_mb << 20) + room, keep=keep, grad=grad,
+                                     lean=lean_ok_static(activation, w_up, b_gate_up, x.dtype)
+                                     and not torch.compiler.is_compiling(),
+                                     grouped=x.dtype == torch.bfloat16, **options)
+        if chunk_rows is not None:  # an explicit budget: one chunk only where it covers the step's rows
+            one_rows = min(one_rows, int(C))
     shape = x.shape
     y = llep_dispatch(x.reshape(T, H).contiguous(), topk_ids.contiguous(), topk_weights.contiguous(),
                       w_gate_up, w_down, register_group(group), int(C), float(alpha), int(min_tokens_per_gemm),
-                      float(imbalance_threshold), int(slots), w_up, b_gate_up, b_down, activation)[0]
+                      float(imbalance_threshold), int(slots), w_up, b_gate_up, b_down, activation, int(one_rows),
+                      bool(keep))[0]
     return y.view(shape)
 
 
@@ -470,5 +549,4 @@ class PipelinedLLEPMoE(nn.Module):
 
 
 __all__ = ["PipelinedLLEPMoE", "llep_moe", "llep_dispatch", "llep_dispatch_backward", "llep_dispatch_backward_lean_",
-           "llep_combine_",
-           "dense_moe_reference"]
+           "llep_combine_", "dense_moe_reference", "default_save_budget_mb", "set_transport_wrapper"]

@@ -2,16 +2,25 @@
 derives from its inputs before the chunk loop, with identical control flow on
 every rank.
 
-  1. count picks per expert (kernel), all-gather a config fingerprint, then the
-     P x E load matrix (one small all-gather each; bad ids and differing
-     configs are reported on every rank, so no rank is left hanging);
-  2. plan (C, identical everywhere), n chunks, this rank's send list (route);
+  1. count picks per expert (kernel), then ONE all-gather of [counts | bad-id
+     count | config fingerprint] per rank and ONE host read of it (the call's
+     only device->host sync): bad ids and differing configs are reported on
+     every rank, so no rank is left hanging;
+  2. plan (C, identical everywhere), n chunks (or the one-chunk step, see
+     `one_chunk_rows`), this rank's send list (route);
   3. lend spilled experts' weights (and biases) to their helpers (one
-     all-to-all-v): borrowed ones live in bflat [n_borrowed, per] (param
-     dtype), row i = slot i's weight kinds row-major ([H, 2I] or [H, I] gate,
-     [I, H] down, [H, I] up when split), then b_gate_up [2I] and b_down [H].
+     all-to-all-v, only when the plan spills; waited for at first use):
+     borrowed ones live in bflat [n_borrowed, per] (param dtype), row i =
+     slot i's weight kinds row-major ([H, 2I] or [H, I] gate, [I, H] down,
+     [H, I] up when split), then b_gate_up [2I] and b_down [H].
 Backward passes forward's load matrix and send list (plan_state), so steps 1
 and the route are not repeated: the plan itself is host-only and cheap.
+
+Host->device copies of per-chunk tables (grouping offsets, permutations) go
+through `host_to_device`: staged in pinned memory on CUDA, so the copy is
+truly asynchronous (a copy from pageable memory may wait for the stream).
+LAST_STATS counts host reads (`host_syncs`) and these copies (`h2d_copies`)
+per call, so tests can pin them down.
 
 Weights may have any strides (e.g. Hugging Face's [E, 2I, H] storage seen
 through transpose(1, 2)): they are only sliced per expert, never copied
@@ -46,10 +55,14 @@ class Ctx:
     column of h = [gate | up], or interleaved for "gpt_oss"), b_down
     [E_local, H]. `plan_state` (load [P, E] int64 CPU, send_index [T*K]
     int64 on x's device), when given, is forward's: the call skips the
-    count, the all-gathers and the route (no host round trip)."""
+    count, the all-gather and the route (no host round trip).
+    `one_chunk_rows` (P > 1): when no rank sends or receives more rows than
+    this, the step runs as one chunk (n = 1, `one_chunk`: standard EP's
+    single dispatch, grouped GEMM and combine; moepeak/llep_one_chunk.py);
+    0: never. Decided from the all-gathered loads: the same on every rank."""
 
     def __init__(self, x, topk_ids, topk_weights, weights, biases, activation, tr, C, alpha, m, lam,
-                 plan_state=None):
+                 plan_state=None, one_chunk_rows: int = 0, keep_one_chunk: bool = False):
         w0, w_down, w_up = weights
         self.x, self.tr, self.C, self.activation = x, tr, C, activation
         self.W = [w0, w_down, w_up]
@@ -65,16 +78,24 @@ class Ctx:
         self.P = tr.world_size if tr is not None else 1
         self.r = tr.rank if tr is not None else 0
         self.E = self.El * self.P
+        self.pinned = x.is_cuda  # host->device copies staged in pinned memory
+        LAST_STATS.update(host_syncs=0, h2d_copies=0)
         self.ids = topk_ids.reshape(-1).to(torch.int64).contiguous()
         self.wflat = topk_weights.reshape(-1).to(torch.float32).contiguous()
+        self.one_chunk_rows, self.keep_one_chunk = int(one_chunk_rows), bool(keep_one_chunk)
         if plan_state is None:
             self.load = self._gather_loads(alpha, m, lam)
         else:
             self.load = plan_state[0]
         self.plan = lp.llep_plan(self.load, alpha, m, lam)
-        self.n = lp.num_chunks(self.plan.S, C)
+        S = self.plan.S
+        # rows this rank receives; the most any rank sends or receives (the one-chunk test)
+        self.recv_rows = int(S[:, self.r].sum())
+        step_rows = max(int(S.sum(0).max()), int(S.sum(1).max()))
+        self.one_chunk = self.P > 1 and 0 < step_rows <= one_chunk_rows
+        self.n = 1 if self.one_chunk else lp.num_chunks(S, C)
         if plan_state is None:
-            self.send_index = lp.route(self.ids, self.E, self.plan, self.r, self.load[self.r])
+            self.send_index = lp.route(self.ids, self.E, self.plan, self.r, self.load[self.r], self.host_to_device)
         else:
             self.send_index = plan_state[1]
         # Borrowed experts (run here, owned elsewhere) and lent ones (ours, run
@@ -94,6 +115,7 @@ class Ctx:
         self.per = off + (2 * self.I + self.H if self.has_bias else 0)
         self.bW = {}  # which -> per borrowed slot, the [in, N] matrix
         self.bias_table = None
+        self._lent = None  # the lending all-to-all-v's handle until waited for
         if self.plan.spilled:
             self._lend_weights()
         if self.has_bias:
@@ -103,39 +125,67 @@ class Ctx:
         self.touched = (set(), set(), set())
         self._staging = [None, None, None]  # see staging()
         LAST_STATS.update(n_chunks=self.n, chunk_rows=C, spilled=self.plan.spilled, borrowed=list(self.borrowed),
-                          max_rows=0, grouped_mm=0, grouped_dw=0)
+                          max_rows=0, grouped_mm=0, grouped_dw=0, one_chunk_ep=self.one_chunk)
 
     def _gather_loads(self, alpha, m, lam):
-        """Count picks per expert, all-gather a config fingerprint and the
-        P x E load matrix; bad ids and differing configs are reported on every
-        rank. Returns load [P, E] int64 CPU (one host round trip)."""
+        """Count picks per expert and all-gather [counts (E) | ids outside
+        [0, E) (1) | config fingerprint (F)] per rank in ONE collective and
+        ONE host read; bad ids and differing configs are reported on every
+        rank. Returns load [P, E] int64 CPU."""
         tr, dev, x = self.tr, self.x.device, self.x
         cnt = lp.count(self.ids, self.E)
         fp = lp.config_fingerprint(E=self.E, K=self.K, H=self.H, I=self.I, C=self.C, m=m, alpha=float(alpha),
                                    lam=float(lam), dtype=lp.DTYPE_CODE[x.dtype], cuda=int(x.is_cuda),
                                    split=int(self.split), bias=int(self.has_bias),
-                                   act=ACTIVATIONS.index(self.activation))
-        fpt = torch.tensor(fp, dtype=torch.int64)
+                                   act=ACTIVATIONS.index(self.activation), one=self.one_chunk_rows,
+                                   keep=int(self.keep_one_chunk))
         if tr is not None:
-            fps = torch.empty(self.P, len(fp), dtype=torch.int64, device=dev)
-            tr.all_gather(fps, fpt.to(dev))
-            fps = fps.cpu()
+            mine = torch.cat([cnt, self.host_to_device(torch.tensor(fp, dtype=torch.int64))])
+            rows = torch.empty(self.P, mine.numel(), dtype=torch.int64, device=dev)
+            tr.all_gather(rows, mine)
+            rows = self.to_host(rows)
+            fps = rows[:, self.E + 1:]
             bad = [s for s in range(self.P) if not torch.equal(fps[s], fps[0])]
             if bad:
                 raise ValueError(f"moepeak: llep_moe configuration differs across ranks {bad} vs rank 0 "
                                  "(num_experts, top_k, hidden/intermediate size, chunk_rows, alpha, "
                                  "min_tokens_per_gemm, imbalance_threshold, dtype, device type, activation, "
-                                 "biases and weight split must agree)")
-            loads = torch.empty(self.P, self.E + 1, dtype=torch.int64, device=dev)
-            tr.all_gather(loads, cnt)
-            loads = loads.cpu()
+                                 "biases, weight split, one_chunk_rows and keep_one_chunk must agree)")
         else:
-            loads = cnt.cpu()[None]
-        badr = [s for s in range(self.P) if int(loads[s, self.E]) != 0]
+            rows = self.to_host(cnt)[None]
+        badr = [s for s in range(self.P) if int(rows[s, self.E]) != 0]
         if badr:
-            raise ValueError(f"moepeak: topk_ids has {int(loads[badr[0], self.E])} id(s) outside "
+            raise ValueError(f"moepeak: topk_ids has {int(rows[badr[0], self.E])} id(s) outside "
                              f"[0, num_experts={self.E}) on rank(s) {badr}")
-        return loads[:, :self.E].contiguous()
+        return rows[:, :self.E].contiguous()
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """t on the host: the call's device->host syncs all go through here
+        (LAST_STATS["host_syncs"] counts them)."""
+        LAST_STATS["host_syncs"] = int(LAST_STATS.get("host_syncs", 0)) + 1
+        return t.cpu()
+
+    def host_to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host table t on x's device, copied asynchronously: staged in
+        pinned memory on CUDA (the caching host allocator keeps the staging
+        block until the copy has run). LAST_STATS["h2d_copies"] counts them."""
+        LAST_STATS["h2d_copies"] = int(LAST_STATS.get("h2d_copies", 0)) + 1
+        if self.pinned:
+            t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+        return t.to(self.x.device, non_blocking=True)
+
+    def grouped_perms(self, lay: lp.ChunkLayout, out: torch.Tensor):
+        """(perm, inv) [rows] int64 on x's device, in out [>= 2*rows] (int64):
+        perm maps a grouped position to its receive row, inv a receive row
+        to its grouped position; one host->device copy."""
+        rows = lay.rows
+        host = torch.empty(2 * rows, dtype=torch.int64, pin_memory=self.pinned)
+        host[:rows] = lay.perm
+        host[rows:].index_copy_(0, lay.perm, torch.arange(rows, dtype=torch.int64))
+        LAST_STATS["h2d_copies"] = int(LAST_STATS.get("h2d_copies", 0)) + 1
+        dev = out[:2 * rows]
+        dev.copy_(host, non_blocking=True)
+        return dev[:rows], dev[rows:]
 
     def dims(self, which: int):
         """(in, N) of weight kind `which`: the forward GEMM is [rows, in] x [in, N]."""
@@ -154,13 +204,24 @@ class Ctx:
         send = torch.cat(parts) if parts else self.wgu.new_empty(0)
         recv_counts = [sum(1 for e in self.borrowed if e // self.El == o) * self.per for o in range(self.P)]
         recv = self.wgu.new_empty(len(self.borrowed) * self.per)
-        self.tr.all_to_all_v(send, [len(l) * self.per for l in self.lend], recv, recv_counts).wait()
+        self._lent = self.tr.all_to_all_v(send, [len(l) * self.per for l in self.lend], recv, recv_counts)
         self.bflat = recv.view(len(self.borrowed), self.per)
         for which in self.kinds:
-            self.bW[which] = [self.borrowed_stack(which, i, 1)[0] for i in range(len(self.borrowed))]
+            self.bW[which] = [self._slot_stack(which, i, 1)[0] for i in range(len(self.borrowed))]
+
+    def wait_lent(self):
+        """The lent weights have arrived (waited for once, at first use, so the
+        lending overlaps the first dispatch)."""
+        if self._lent is not None:
+            self._lent.wait()
+            self._lent = None
 
     def borrowed_stack(self, which: int, i0: int, n: int):
         """[n, in, N] view of borrowed slots i0..i0+n-1's weight kind `which`."""
+        self.wait_lent()
+        return self._slot_stack(which, i0, n)
+
+    def _slot_stack(self, which: int, i0: int, n: int):
         a, N = self.dims(which)
         o = self.flat_off[which]
         return self.bflat[i0:i0 + n, o:o + a * N].unflatten(1, (a, N))
@@ -172,6 +233,7 @@ class Ctx:
         if not self.borrowed:
             self.bias_table = (self.bgu_local, self.bd_local)
             return
+        self.wait_lent()
         o = self.bias_off
         bgu = self.bflat[:, o:o + 2 * self.I]
         bd = self.bflat[:, o + 2 * self.I:o + 2 * self.I + self.H]
@@ -185,22 +247,24 @@ class Ctx:
         if e // self.El == self.r:
             le = e - self.r * self.El
             return tuple(W[le] if W is not None else None for W in self.W)
+        self.wait_lent()
         i = self.slot[e]
         return tuple(self.bW[w][i] if w in self.bW else None for w in range(3))
 
     def layout(self, j: int) -> lp.ChunkLayout:
         lay = self.layouts.get(j)
         if lay is None:
-            lay = lp.chunk_layout(self.plan, self.r, self.n, j, self.C)
+            cap = self.recv_rows if self.one_chunk else self.C
+            lay = lp.chunk_layout(self.plan, self.r, self.n, j, cap)
             LAST_STATS["max_rows"] = max(int(LAST_STATS["max_rows"]), lay.rows, sum(lay.send_len))
             self.layouts = {j: lay}  # keep one: layouts are cheap to recompute
         return lay
 
     def send_idx(self, lay: lp.ChunkLayout, buf: torch.Tensor) -> torch.Tensor:
         """Chunk's send indices (dst-major) as one contiguous int64 tensor."""
-        if self.P == 1:
+        if self.P == 1 or self.one_chunk:  # one chunk: the whole send list (dst-major)
             a = lay.send_start[0]
-            return self.send_index[a:a + lay.send_len[0]]
+            return self.send_index[a:a + sum(lay.send_len)]
         pos = 0
         for d in range(self.P):
             a, k = lay.send_start[d], lay.send_len[d]

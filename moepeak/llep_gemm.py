@@ -213,8 +213,8 @@ class Groups:
     """One chunk's expert grouping, computed on the host from ecount (no device
     read): segments of grouped rows whose experts form one weight stack, with
     their grouped_mm offsets (int32, cumulative rows within the segment) moved
-    to the device in ONE host-to-device copy per chunk, shared by every GEMM
-    of the chunk."""
+    to the device in ONE host-to-device copy per chunk (Ctx.host_to_device:
+    pinned, asynchronous), shared by every GEMM of the chunk."""
 
     def __init__(self, ctx: Ctx, ecount):
         self.ctx, self.ecount = ctx, ecount
@@ -238,7 +238,7 @@ class Groups:
                 spans.append((row, row + nrows, experts, kind, c, len(host)))
             row += nrows
         self.host = host
-        self.dev = torch.tensor(host, dtype=torch.int32).to(ctx.x.device, non_blocking=True) if host else None
+        self.dev = ctx.host_to_device(torch.tensor(host, dtype=torch.int32)) if host else None
         self.segments = [(a, b, ex, kind, self.dev[c0:c1]) for a, b, ex, kind, c0, c1 in spans]
 
     def row_table_index(self) -> torch.Tensor:
@@ -249,7 +249,7 @@ class Groups:
             ex = [e for e, c in enumerate(self.ecount) if c]
             rows_of = torch.tensor([ctx.table_row(e) for e in ex], dtype=torch.int64)
             counts = torch.tensor([self.ecount[e] for e in ex], dtype=torch.int64)
-            self._rows_index = torch.repeat_interleave(rows_of, counts).to(ctx.x.device, non_blocking=True)
+            self._rows_index = ctx.host_to_device(torch.repeat_interleave(rows_of, counts))
         return self._rows_index
 
     def dw_runs(self, which: int, touched):
@@ -286,6 +286,6 @@ class Groups:
             out.append((start, ex, "l" if ex[0] // ctx.El == ctx.r else "b", c0, len(host)))
         if not host:
             return []
-        dev = torch.tensor(host, dtype=torch.int32).to(ctx.x.device, non_blocking=True)
+        dev = ctx.host_to_device(torch.tensor(host, dtype=torch.int32))
         return [(s, ex, kind, dev[c0:c1]) for s, ex, kind, c0, c1 in out]
 

@@ -124,9 +124,11 @@ def count(ids_flat: torch.Tensor, E: int) -> torch.Tensor:
     return cnt
 
 
-def route(ids_flat: torch.Tensor, E: int, plan: Plan, rank: int, local_cnt: torch.Tensor) -> torch.Tensor:
+def route(ids_flat: torch.Tensor, E: int, plan: Plan, rank: int, local_cnt: torch.Tensor,
+          to_device=None) -> torch.Tensor:
     """send_index [N] int64: rank's flat (t, k) picks in dst-major send order
-    (within a dst expert-ascending, within an expert token order)."""
+    (within a dst expert-ascending, within an expert token order). to_device:
+    how the host tables reach a CUDA device (default: a blocking copy)."""
     P = plan.S.shape[0]
     Ar = plan.A[:, rank, :].contiguous()                        # [E, P]
     cum = (Ar.cumsum(1) - Ar).contiguous()                      # start of dst d within expert e
@@ -139,7 +141,8 @@ def route(ids_flat: torch.Tensor, E: int, plan: Plan, rank: int, local_cnt: torc
     if _is_cuda(ids_flat):
         estart = torch.zeros(E * P, dtype=torch.int64)
         estart[:E] = local_cnt.cumsum(0) - local_cnt
-        tables = torch.stack([Ar.flatten(), cum.flatten(), blk.flatten(), estart]).to(ids_flat.device)
+        tables = torch.stack([Ar.flatten(), cum.flatten(), blk.flatten(), estart])
+        tables = to_device(tables) if to_device is not None else tables.to(ids_flat.device)
         sorted_ids, pos = torch.sort(ids_flat, stable=True)
         _C.llep_route_cuda(pos.data_ptr(), sorted_ids.data_ptr(), N, E, P, tables.data_ptr(), out.data_ptr(),
                            current_stream_handle(ids_flat.device))

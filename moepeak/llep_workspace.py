@@ -4,14 +4,15 @@ size C alone (never from the routing), and the activation cache's size.
 Buffers (allocated once per call, before the chunk loop; names as in
 moepeak/llep_sched.py; b = bytes per element of x):
   forward, P = 1:  xr [C, H], h [C, 2I], a [C, I], o [C, H]          (b each)
-  forward, P > 1:  sx, rx, yb, back: 2 x [C, H] each (double-buffered send,
-                   receive, combine-send, combine-receive); gx [C, H] grouped
-                   rows; h [C, 2I]; a [C, I]; o [C, H]
+  forward, P > 1:  sx, rx, yb, back [C, H] (send, receive, combine-send,
+                   combine-receive: one each, llep_sched orders the chunks'
+                   collectives around them); gx [C, H] grouped rows; h [C, 2I];
+                   a [C, I]; o [C, H]
   backward, P = 1: xr, gr, o, do [C, H]; h, dh [C, 2I]; s, a, da [C, I];
                    wr, wp, dwr [C] fp32
-  backward, P > 1: sx, sg, rx, rg, dxb, back: 2 x [C, H]; gx, gg, o, do
-                   [C, H]; h, dh [C, 2I]; s, a, da [C, I]; sw, rw, dwb, dwback
-                   2 x [C] fp32; wr, wp, dwr [C] fp32
+  backward, P > 1: sx, sg, rx, rg, dxb, back [C, H]; gx, gg, o, do [C, H];
+                   h, dh [C, 2I]; s, a, da [C, I]; sw, rw, dwb, dwback [C]
+                   fp32; wr, wp, dwr [C] fp32
   plus int64 index rings (3 x [C] send indices, [C] perm and inverse perm).
   Options add: "gpt_oss" s [C, I] in forward, t [C, I] and a bool mask
   [C, I] in backward; biases a scratch of C * max(2I, H) elements (b each;
@@ -35,6 +36,11 @@ One chunk at P = 1 (one_chunk_fits; llep_moe's default chunk size): the
   whole h is cached and backward allocates its buffers at first use and
   drops them after the last, writing dh over the cached h; its peak is
   one_chunk_peak_bytes.
+One chunk at P > 1 (llep_one_chunk; when no rank sends or receives more
+  rows than one_chunk_ep_rows allows): buffers sized by the step's rows,
+  each held from first to last use (Held); its peak is one_chunk_ep_bytes
+  (plus the kept cache: h [R, 2I] and grouped x [R, H], b each), and
+  one_chunk_ep_rows keeps it within working_set_bound at the call's C.
 Outside the working set: fp32 accumulators [T, H] (forward y, backward dx),
   the send list [T*K] int64, and borrowed experts' weights (and their grads).
 """
@@ -73,6 +79,55 @@ class Workspace:
         return [self.alloc(shape, dtype) for _ in range(k)]
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Held:
+    """Bytes held by the buffers of a schedule that allocates each buffer at
+    its first use and drops it after its last (the one-chunk steps): `live`
+    now and `peak` at most, from `base` (e.g. an activation cache held
+    throughout). GEMM outputs torch allocates are counted through gemm();
+    alloc/gemm_out make it usable wherever a Workspace is."""
+
+    def __init__(self, device: torch.device, base: int = 0):
+        self.device = device
+        self.live = self.peak = int(base)
+
+    def count(self, nbytes: int) -> None:
+        self.live += int(nbytes)
+        self.peak = max(self.peak, self.live)
+
+    def new(self, shape, dtype) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype, device=self.device)
+        self.count(_nbytes(t))
+        return t
+
+    alloc = new
+
+    def gemm_out(self, shape, dtype, grouped: bool) -> Optional[torch.Tensor]:
+        """As Workspace.gemm_out: counted either way, allocated only without
+        torch._grouped_mm (which returns its own output)."""
+        if not grouped:
+            return self.new(shape, dtype)
+        self.count(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
+        return None
+
+    def gemm(self, t: torch.Tensor) -> torch.Tensor:
+        """t, a tensor torch allocated (a GEMM's output), counted."""
+        self.count(_nbytes(t))
+        return t
+
+    def drop(self, *tensors: torch.Tensor) -> None:
+        """The tensors' bytes are no longer held (their last use is issued)."""
+        for t in tensors:
+            self.live -= _nbytes(t)
+
+    def release_to(self, mark: int) -> None:
+        """Back to `live` = mark (everything counted since then dropped)."""
+        self.live = mark
+
+
 def slot_elems(C: int, I: int) -> int:
     """Elements of one activation-cache slot: h [C, 2I] (o is never cached:
     backward does not need it)."""
@@ -105,10 +160,19 @@ def workspace_bytes(C: int, H: int, I: int, P: int, b: int, backward: bool, *, a
     if not backward:
         if P == 1:
             return b * C * (2 * H + 3 * I) + extra
-        return b * C * (10 * H + 3 * I) + idx + extra
+        return b * C * (6 * H + 3 * I) + idx + extra
     if P == 1:
         return b * C * (4 * H + 7 * I) + 12 * C + extra
-    return b * C * (16 * H + 7 * I) + 4 * C * 11 + idx + extra
+    return b * C * (10 * H + 7 * I) + 4 * C * 7 + idx + extra
+
+
+def ep_cache_room(C: int, H: int, b: int) -> int:
+    """At P > 1, the activation-cache bytes save_budget_mb=None gives the
+    chunked schedule: b*C*6H, so that backward's working set and the cache
+    together hold b*C*(16H + 7I) (+ fp32 rows and index rings), the chunk
+    budget's bound. Worked once: C = 16384, H = I = 2880, bf16: 540 MiB,
+    three [C, 2I] slots of h."""
+    return 6 * b * C * H
 
 
 def effective_chunk_rows(C: int, T: int, K: int, P: int) -> int:
@@ -193,8 +257,79 @@ def one_chunk_fits(T: int, K: int, E: int, H: int, I: int, C: int, b: int, budge
     return held <= working_set_bound(C, H, I, 1, b, True, budget_bytes)
 
 
-def working_set_bound(C: int, H: int, I: int, P: int, b: int, backward: bool, save_budget_bytes: int) -> int:
+def working_set_bound(C: int, H: int, I: int, P: int, b: int, backward: bool, save_budget_bytes: int,
+                      **options) -> int:
     """Bytes above the [T, H]-sized tensors and weight gradients: the working
     set plus the activation cache (alive in both passes), from C and the
-    launch-time budget alone."""
-    return workspace_bytes(C, H, I, P, b, backward) + max(0, save_budget_bytes)
+    launch-time budget alone. options: workspace_bytes' keywords."""
+    return workspace_bytes(C, H, I, P, b, backward, **options) + max(0, save_budget_bytes)
+
+
+def one_chunk_ep_bytes(R: int, N: int, H: int, I: int, b: int, backward: bool, *, keep: bool, lean: bool = False,
+                       activation: str = "swiglu", bias: bool = False, split: bool = False,
+                       grouped: bool = False) -> int:
+    """The most the P > 1 one-chunk step (moepeak/llep_one_chunk.py) holds
+    above the kept cache (b*R*(2I + H) with keep) on a rank that receives R
+    rows and sends N, buffer by buffer as llep_workspace.Held counts them
+    (b bytes per element of x; fp32 row vectors 4 B, int64 8 B). keep:
+    forward kept h and grouped x (backward re-sends x and recomputes h
+    without); lean: backward's lean rows path (llep_experts.lean_ok, eager);
+    grouped: GEMMs through torch._grouped_mm (its own h before the copy into
+    the kept cache counts in forward). The phases, each the live set when its
+    last buffer is allocated:
+      forward   sx + rx [N + R, H]; rx + grouped x [R, H] (no keep) + perms
+                16R; grouped x (no keep) + h, a, (s), o, (bias scratch)
+                [R, .] + perms; o + ungrouped y [R, H] + perms; y + back
+                [R + N, H]
+      backward  dy rows [N + R, H] (+ x rows [N + R, H] without keep) +
+                pick weights 4(N + R); received rows + grouped ones + perms
+                + weights; the rows backward (lean: do [R, H], a, s, da
+                [R, I], 3 fp32 rows, then dx rows and ungrouped dx [R, H];
+                else llep_experts.Bufs of R rows (no h when kept) over dy,
+                x (no keep) rows, plus the ungrouped dx); dx + back [R + N, H]
+                + d(pick weight) 4(R + N)."""
+    RH, NH, RI = b * R * H, b * N * H, b * R * I
+    perms = 16 * R
+    gpt = activation == "gpt_oss"
+    scr = b * R * max(2 * I, H) if bias else 0
+    if not backward:
+        h = 2 * RI if (not keep or grouped) else 0
+        xg = 0 if keep else RH
+        bufs = h + RI + (RI if gpt else 0) + RH + scr
+        return max(NH + RH, RH + xg + perms, xg + perms + bufs, 2 * RH + perms, RH + NH)
+    x_rows = 0 if keep else NH + RH
+    arrive = NH + RH + 4 * (N + R) + x_rows
+    if keep:
+        grouping = RH + 4 * R + perms + 4 * R                                 # rg, rw, perms, wg
+    else:
+        grouping = max(2 * RH + 4 * R + perms + 4 * R, 3 * RH + perms + 4 * R)  # ... then grouped x
+    if keep and lean:
+        rows_bwd = max(2 * RH + perms + 8 * R,                                # rg, do; wg, w1
+                       RH + 3 * RI + perms + 12 * R,                          # do, a, s, da; wg, w1, dwr
+                       RH + perms + 12 * R)                                   # ungrouped dx; wg, dwr, dwb
+    else:
+        before = (RH if keep else 2 * RH) + perms + 4 * R                     # dy (+ x) grouped, perms, wg
+        bufs = (b * R * (2 * H + 5 * I) + 8 * R + (0 if keep else 2 * RI)
+                + ((RI + R * I) if gpt else 0) + scr)
+        rows_bwd = max(before + RH, before + bufs + RH + 4 * R)               # gg over rg; + dx, dwb
+    back = RH + NH + 4 * (R + N)
+    return max(arrive, grouping, rows_bwd, back)
+
+
+def one_chunk_ep_rows(C: int, H: int, I: int, P: int, b: int, save_budget_bytes: int, *, keep: bool,
+                      grad: bool, lean: bool, **options) -> int:
+    """The most rows any rank may send or receive for the P > 1 one-chunk
+    step to stay within the chunked schedule's bound at chunk size C
+    (working_set_bound with the same budget and options): per row, the
+    larger of one_chunk_ep_bytes' forward and (with grad) backward at R = N =
+    1, plus the kept cache b*(2I + H) with keep; less, up front, one grouped
+    weight-gradient result of borrowed experts, at most b*C*max(2I, H)
+    (llep_gemm.dw_accumulate). options: activation, bias, split, grouped."""
+    bound = working_set_bound(C, H, I, P, b, True, save_budget_bytes,
+                              **{k: v for k, v in options.items() if k != "grouped"})
+    bound -= b * C * max(2 * I, H)
+    per_row = one_chunk_ep_bytes(1, 1, H, I, b, False, keep=keep, **options)
+    if grad:
+        per_row = max(per_row, one_chunk_ep_bytes(1, 1, H, I, b, True, keep=keep, lean=lean, **options))
+    per_row += b * (2 * I + H) if keep else 0
+    return max(0, bound // per_row)

@@ -14,6 +14,10 @@ failing test cannot leak its setting into the next one.
   sco_extension(ext)
       SCO's engine (moepeak.sco_engine) makes its extension calls on ext in place
       of moepeak._C inside the block, e.g. a proxy that counts them.
+  llep_transport(wrapper)
+      PipelinedLLEP's ops talk to wrapper(transport) in place of their group's
+      transport inside the block, e.g. a moepeak.transport.Transport that counts
+      the collectives and passes them on.
 """
 from __future__ import annotations
 
@@ -45,4 +49,14 @@ def sco_extension(ext) -> Iterator[object]:
         sco_engine.use_extension(previous)
 
 
-__all__ = ["force_grouped_mm", "grouped_mm_enabled", "sco_extension"]
+@contextlib.contextmanager
+def llep_transport(wrapper) -> Iterator[None]:
+    from . import llep  # noqa: WPS433 (the ops' module: imported when the hook is used)
+    previous = llep.set_transport_wrapper(wrapper)
+    try:
+        yield
+    finally:
+        llep.set_transport_wrapper(previous)
+
+
+__all__ = ["force_grouped_mm", "grouped_mm_enabled", "sco_extension", "llep_transport"]

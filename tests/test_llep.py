@@ -509,6 +509,8 @@ def test_bad_input():
         llep_moe(x, ids, tw, wgu, wd, save_budget_mb=-1)
     with pytest.raises(ValueError, match="save_slots"):
         llep_dispatch(x, ids, tw, wgu, wd, "", 6, 1.0, 1024, 1.3, -1)
+    with pytest.raises(ValueError, match="one_chunk_rows"):
+        llep_dispatch(x, ids, tw, wgu, wd, "", 6, 1.0, 1024, 1.3, 0, None, None, None, "swiglu", -1)
     with pytest.raises(ValueError, match="multiple"):
         lp.llep_plan(torch.zeros(4, 6, dtype=torch.int64), 1.0, 1, 1.3)
     with pytest.raises(ValueError, match="top_k"):
@@ -524,6 +526,8 @@ def test_opcheck():
             1024, 1.3)
     torch.library.opcheck(llep_dispatch, args)
     torch.library.opcheck(llep_dispatch, args + (3,))  # with an activation cache (4 chunks, 3 slots)
+    # keep_one_chunk: the fake's cache has data-dependent sizes (the kept one-chunk step's, at P > 1)
+    torch.library.opcheck(llep_dispatch, args + (2, None, None, None, "swiglu", 0, True))
     acc = torch.zeros(11, 8)
     idx = torch.randperm(22)[:15]
     torch.library.opcheck(llep_combine_, (acc, torch.randn(15, 8), idx, torch.rand(22), 2))
