@@ -316,7 +316,7 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         # + forward's send list 8K (int64, so backward need not route again);
         # its backward adds an fp32 [T, H]
         # dX and fp32 [T*K] d(weights); the chunk's GEMM working set C*(2H + 3I)
-        # (P > 1 adds 2 recv + 1 send buffers of C rows).
+        # (P > 1 adds the single-buffered send, receive and combine buffers of C rows: llep_workspace.workspace_bytes).
         out["saved_moe"] = b * H + 4 * K + 8 * K
         block = T * (norms + attn + router + b * H)
         Tm = T  # tokens one MoE call sees
