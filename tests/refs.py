@@ -389,3 +389,10 @@ def ref_causal_attention(q, k, v):
     s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
     mask = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
     return s.masked_fill(mask, float("-inf")).softmax(-1) @ v
+
+
+def rms_norm_ref(x, weight, eps):
+    """Llama-style RMSNorm in fp64: x [..., H], weight [H] -> [..., H] fp64,
+    weight * x / sqrt(mean(x^2) + eps) (no intermediate rounding)."""
+    xd = x.double()
+    return weight.double() * (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps))

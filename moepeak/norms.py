@@ -1,0 +1,114 @@
+"""moepeak.norms: an RMSNorm whose backward holds chunk-sized fp32 temporaries.
+
+    y = rms_norm(x, weight, eps, chunk_tokens=DEFAULT_CHUNK_TOKENS)
+
+computes what transformers' Llama-style RMSNorm forward computes (Qwen3MoeRMSNorm,
+MixtralRMSNorm, ... in transformers 5.17), op for op, so for contiguous x the result is
+bitwise that of the module (strided x: torch's reduction order over strided rows depends
+on how many rows one call sees, so it agrees to rounding):
+
+    h = x.to(float32); var = h.pow(2).mean(-1, keepdim=True)
+    h = h * rsqrt(var + eps); y = weight * h.to(x.dtype)
+
+Eager autograd through those ops saves fp32 x [T, H] and its backward peaks at that
+plus five fp32 [T, H] temporaries (24*H bytes per token). This function saves only
+x [T, H] in its own dtype and rstd [T] fp32, and its forward and backward run T in
+chunks of chunk_tokens rows, so the fp32 temporaries are [chunk_tokens, H].
+
+Backward, per row (exact math; n = h * rstd is the fp32 normalised row, g = grad_y * weight):
+    dx = rstd * (g - n * mean(g * n))          (cast to x.dtype)
+    dweight = sum over rows of grad_y * n      (accumulated over chunks in fp32)
+Its live bytes at the peak: the saved x and rstd, the incoming grad_y, dx [T, H] and
+three fp32 [chunk_tokens, H] (h, g and one product); BACKWARD_CHUNK_FP32 names that 3.
+"""
+from __future__ import annotations
+
+import torch
+
+# 4096 rows x H = 2048: each fp32 chunk temporary is 32 MiB, three of them 96 MiB.
+DEFAULT_CHUNK_TOKENS = 4096
+BACKWARD_CHUNK_FP32 = 3  # fp32 [chunk_tokens, H] temporaries alive at once in the backward
+
+
+def _check(x, weight, eps, chunk_tokens):
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise ValueError(f"rms_norm: x must be a tensor [..., H], got {getattr(x, 'shape', type(x).__name__)}")
+    if not x.is_floating_point():
+        raise TypeError(f"rms_norm: x must be floating point, got {x.dtype}")
+    H = x.shape[-1]
+    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (H,):
+        raise ValueError(f"rms_norm: weight must be a tensor [H] = [{H}] (x's last dim), got "
+                         f"{tuple(getattr(weight, 'shape', ())) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+    if not weight.is_floating_point():
+        raise TypeError(f"rms_norm: weight must be floating point, got {weight.dtype}")
+    if weight.device != x.device:
+        raise ValueError(f"rms_norm: weight is on {weight.device}, x on {x.device} (expected the same device)")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"rms_norm: eps must be a float >= 0, got {eps!r}")
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(f"rms_norm: chunk_tokens must be a positive integer, got {chunk_tokens!r}")
+
+
+def _backward_chunk(x, rstd, grad_y, w32, dx, dw):
+    """One chunk of rows: writes dx [c, H] (x.dtype; None: not wanted) and adds into dw [H]
+    fp32 (None: not wanted). Its fp32 [c, H] temporaries die on return (at most three alive)."""
+    r = rstd.unsqueeze(-1)                        # [c, 1] fp32
+    # x * r and grad_y * w32 promote to fp32: new tensors, the saved x and grad_y stay untouched
+    n = x * r                                     # [c, H] fp32: normalised rows
+    if dw is not None:
+        dw += (grad_y * n).sum(0)
+    if dx is not None:
+        g = grad_y * w32                          # [c, H] fp32: grad wrt n
+        proj = (g * n).mean(-1, keepdim=True)     # [c, 1]
+        g.sub_(n.mul_(proj)).mul_(r)
+        dx.copy_(g)
+
+
+class _LeanRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, weight, eps, chunk_tokens):
+        # x2: [T, H] x dtype (any strides); out: [T, H] x promote(weight, x); rstd: [T] fp32
+        T, H = x2.shape
+        out = torch.empty((T, H), dtype=torch.promote_types(weight.dtype, x2.dtype), device=x2.device)
+        rstd = torch.empty(T, dtype=torch.float32, device=x2.device)
+        for lo in range(0, T, chunk_tokens):
+            hi = min(lo + chunk_tokens, T)
+            # transformers' op order, on rows [lo, hi)
+            h = x2[lo:hi].to(torch.float32)
+            variance = h.pow(2).mean(-1, keepdim=True)
+            r = torch.rsqrt(variance + eps)
+            h = h * r
+            out[lo:hi] = weight * h.to(x2.dtype)
+            rstd[lo:hi] = r.squeeze(-1)
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.chunk_tokens = chunk_tokens
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2, weight, rstd = ctx.saved_tensors
+        T, H = x2.shape
+        want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx = torch.empty_like(x2) if want_dx else None          # [T, H] x dtype
+        dw = torch.zeros(H, dtype=torch.float32, device=x2.device) if want_dw else None  # fp32 [H] accumulator
+        w32 = weight.to(torch.float32)
+        for lo in range(0, T, ctx.chunk_tokens):
+            hi = min(lo + ctx.chunk_tokens, T)
+            _backward_chunk(x2[lo:hi], rstd[lo:hi], grad_out[lo:hi], w32,
+                            dx[lo:hi] if want_dx else None, dw)
+        return dx, (dw.to(weight.dtype) if want_dw else None), None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+             chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+    """Llama-style RMSNorm of x [..., H] with weight [H]: weight * normalise(x.float()).to(x.dtype),
+    for contiguous x bitwise equal to transformers' Qwen3MoeRMSNorm / MixtralRMSNorm forward; returns [..., H]
+    in promote(weight.dtype, x.dtype). Saves x and fp32 rstd [T] only; forward and backward
+    run chunk_tokens rows at a time (see the module docstring)."""
+    _check(x, weight, eps, chunk_tokens)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])  # a view where x's layout allows (then its strides are kept)
+    return _LeanRMSNorm.apply(x2, weight, float(eps), chunk_tokens).view(*shape[:-1], shape[-1])
+
+
+__all__ = ["rms_norm", "DEFAULT_CHUNK_TOKENS", "BACKWARD_CHUNK_FP32"]
