@@ -31,7 +31,11 @@ what transformers expects. Three parts, each can be turned off:
   accumulation), the sum divided by it; router_aux_loss_coef * aux_loss added
   when the model computes it (output_router_logits). Under autocast the
   projection runs in the autocast dtype, as lm_head would. In eval or without
-  labels the model's own forward runs unchanged.
+  labels the model's own forward runs unchanged. With lean_norm (default) the
+  final norm (the base model's .norm, a class in LEAN_NORMS) runs
+  moepeak.norms.rms_norm: bitwise its forward, a backward that saves the input
+  and fp32 rstd only and works in chunks of norm_chunk_tokens rows (the
+  instance's forward is replaced; module tree and state_dict keys unchanged).
 - checkpoint: SCO (moepeak.sco_checkpoint) as the model's gradient
   checkpointing function on every GradientCheckpointingLayer, enabled at once.
   The instance's _set_gradient_checkpointing is replaced, so a later
@@ -79,6 +83,7 @@ TESTED_TRANSFORMERS = ((5, 17), (6, 0))  # [lowest, first untested major)
 # Options apply_moepeak accepts (**options) and where each goes.
 EXPERTS_OPTIONS = ("chunk_rows", "alpha", "min_tokens_per_gemm", "imbalance_threshold", "save_budget_mb")
 LOSS_OPTIONS = {"ce_mode": "mode", "ce_chunk_tokens": "chunk_tokens", "ce_chunk_vocab": "chunk_vocab"}
+NORM_OPTIONS = ("norm_chunk_tokens",)
 CHECKPOINT_OPTIONS = ("sco_config",)
 # Decoder layers the tiled block adapter runs (moepeak.tiled_adapters.hf_moe_layer_spec), by class
 # name, each read for transformers 5.17: pre-norm attention + MoE with the adapter's submodule names.
@@ -351,6 +356,32 @@ def _patch_loss(model, options, report):
                           f"hidden state in training with labels (no logits; {LOSS_FAMILIES[cls.__name__]})")
 
 
+# Final RMSNorm classes whose forward (transformers 5.17) is, op for op, moepeak.norms.rms_norm's:
+# weight * (x.float() * rsqrt(x.float().pow(2).mean(-1) + variance_epsilon)).to(x.dtype).
+# (GptOssRMSNorm multiplies by the weight before the cast; Gemma-style norms use 1 + weight.)
+LEAN_NORMS = ("Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm", "MixtralRMSNorm", "OlmoeRMSNorm", "DeepseekV3RMSNorm")
+
+
+def _patch_final_norm(model, options, report):
+    from .norms import DEFAULT_CHUNK_TOKENS, rms_norm
+    base = getattr(model, model.base_model_prefix, None)
+    norm = getattr(base, "norm", None)
+    kind = type(norm).__name__
+    if kind not in LEAN_NORMS or not isinstance(getattr(norm, "variance_epsilon", None), float):
+        report.left_alone.append(f"final norm: {kind} is not in moepeak.hf.LEAN_NORMS; its eager forward and "
+                                 "backward run")
+        return
+    chunk = options.get("norm_chunk_tokens", DEFAULT_CHUNK_TOKENS)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"moepeak.hf: norm_chunk_tokens must be a positive integer, got {chunk!r}")
+
+    def forward(hidden_states, _norm=norm):
+        return rms_norm(hidden_states, _norm.weight, _norm.variance_epsilon, chunk_tokens=chunk)
+    norm.forward = forward
+    report.patched.append(f"final norm: {model.base_model_prefix}.norm ({kind}) runs moepeak.norms.rms_norm "
+                          f"(same forward; backward saves x and rstd only, in chunks of {chunk} tokens)")
+
+
 def causal_lm_loss(hidden, lm_head: torch.nn.Linear, labels, *, num_items_in_batch=None, ignore_index=-100,
                    shift_labels=None, **ce_options):
     """transformers' ForCausalLMLoss(lm_head(hidden), labels, ...) without the logits.
@@ -484,7 +515,7 @@ class MoepeakReport:
 
 
 def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint: bool = True, group=None,
-                  tile_tokens: Optional[int] = None, **options) -> MoepeakReport:
+                  tile_tokens: Optional[int] = None, lean_norm: bool = True, **options) -> MoepeakReport:
     """Put moepeak's schedules into a transformers model instance (in place);
     returns a MoepeakReport. See the module docstring for what each part does.
 
@@ -493,8 +524,10 @@ def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint:
     options: for the experts, llep_moe's chunk_rows, alpha,
     min_tokens_per_gemm, imbalance_threshold, save_budget_mb; for the loss,
     ce_mode, ce_chunk_tokens, ce_chunk_vocab (linear_cross_entropy's mode,
-    chunk_tokens, chunk_vocab); for checkpointing, sco_config (a
+    chunk_tokens, chunk_vocab); for the lean final norm, norm_chunk_tokens
+    (moepeak.norms.rms_norm's chunk_tokens); for checkpointing, sco_config (a
     moepeak.SCOConfig).
+    lean_norm: with loss, the final norm runs moepeak.norms.rms_norm (see the module docstring).
     tile_tokens: sequence-tiled decoder layers (see the module docstring; None: off)."""
     transformers = _transformers()
     if not isinstance(model, transformers.PreTrainedModel):
@@ -502,7 +535,7 @@ def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint:
     if getattr(model, "_moepeak_hf", None) is not None:
         raise RuntimeError(f"moepeak.hf: apply_moepeak was already applied to this {type(model).__name__} "
                            "instance; apply it once, to a fresh model")
-    known = EXPERTS_OPTIONS + tuple(LOSS_OPTIONS) + CHECKPOINT_OPTIONS
+    known = EXPERTS_OPTIONS + tuple(LOSS_OPTIONS) + NORM_OPTIONS + CHECKPOINT_OPTIONS
     unknown = sorted(set(options) - set(known))
     if unknown:
         raise TypeError(f"moepeak.hf: unknown option(s) {unknown}; expected some of {list(known)}")
@@ -517,6 +550,10 @@ def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint:
             raise ValueError("moepeak.hf: group (expert parallelism) needs experts=True")
     if loss:
         _patch_loss(model, {k: v for k, v in options.items() if k in LOSS_OPTIONS}, report)
+        if lean_norm:
+            _patch_final_norm(model, options, report)
+        else:
+            report.left_alone.append("final norm: turned off (lean_norm=False)")
     else:
         report.left_alone.append("loss: turned off (loss=False)")
     if checkpoint:
@@ -527,5 +564,5 @@ def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint:
     return report
 
 
-__all__ = ["apply_moepeak", "MoepeakReport", "ExpertsLayout", "SUPPORTED_LAYOUTS", "LOSS_FAMILIES",
+__all__ = ["apply_moepeak", "MoepeakReport", "ExpertsLayout", "SUPPORTED_LAYOUTS", "LOSS_FAMILIES", "LEAN_NORMS",
            "experts_layout", "causal_lm_loss", "moepeak_experts_forward", "IMPLEMENTATION"]

@@ -56,7 +56,18 @@ def gpt_oss():
 
 
 FAMILIES = {"qwen3_moe": qwen3_moe, "mixtral": mixtral, "deepseek_v3": deepseek_v3, "gpt_oss": gpt_oss}
-OPTS = dict(chunk_rows=32)  # T*K = 48 picks: two chunks per call
+OPTS = dict(chunk_rows=32, norm_chunk_tokens=7)  # T*K = 48 picks: two chunks per call; B*T = 24 norm rows:
+# four chunks, the last partial
+LEAN_NORM_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")  # gpt_oss: GptOssRMSNorm casts after the weight
+
+
+def assert_final_norm_report(family, report):
+    lean = [p for p in report.patched if p.startswith("final norm:")]
+    if family in LEAN_NORM_FAMILIES:
+        assert lean and "moepeak.norms.rms_norm" in lean[0] and "chunks of 7 tokens" in lean[0], str(report)
+    else:
+        assert not lean and any(p.startswith("final norm:") and "LEAN_NORMS" in p for p in report.left_alone), \
+            str(report)
 
 
 def build(family, dtype=torch.float32, seed=0):
@@ -123,6 +134,8 @@ def test_three_steps_fp32_equal_unpatched(family, optim):
     report = apply_moepeak(model, **OPTS)
     assert isinstance(report, MoepeakReport)
     assert report.experts_on_moepeak and not report.experts_fallback, str(report)
+    assert_final_norm_report(family, report)
+    assert "forward" in vars(model.model.norm) or family not in LEAN_NORM_FAMILIES
     if optim == "adamw":
         opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(ref.parameters(), lr=1e-3)
     else:
@@ -152,6 +165,7 @@ def test_three_steps_bf16_within_twice_torch_error(family):
     truth = reference(model).double()
     report = apply_moepeak(model, **OPTS)
     assert report.experts_on_moepeak and not report.experts_fallback, str(report)
+    assert_final_norm_report(family, report)
     data = batches()
     losses, params = train(model, torch.optim.AdamW(model.parameters(), lr=1e-3), data)
     ref_losses, ref_params = train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3), data)
@@ -238,6 +252,10 @@ def test_each_part_can_be_turned_off():
     assert report.patched == [] and len(report.left_alone) == 3
     assert model.config._experts_implementation == "grouped_mm"
     assert "forward" not in vars(model) and not model.is_gradient_checkpointing
+    eager_norm = build("qwen3_moe")
+    report = apply_moepeak(eager_norm, experts=False, checkpoint=False, lean_norm=False)
+    assert "final norm: turned off (lean_norm=False)" in report.left_alone
+    assert "forward" not in vars(eager_norm.model.norm) and "forward" in vars(eager_norm)
 
 
 def test_apply_twice_is_a_clear_error():
@@ -254,6 +272,8 @@ def test_bad_input():
         apply_moepeak(build("qwen3_moe"), chunk_row=8)
     with pytest.raises(TypeError, match="sco_config"):
         apply_moepeak(build("qwen3_moe"), sco_config="yes")
+    with pytest.raises(ValueError, match="norm_chunk_tokens must be a positive integer"):
+        apply_moepeak(build("qwen3_moe"), norm_chunk_tokens=0)
 
 
 def test_unsupported_activation_falls_back_with_reason():

@@ -50,29 +50,35 @@ def test_final_norm_backward_peak_is_24H_per_token(family, T, H):
     g = torch.randn(1, T, H, dtype=torch.bfloat16)
     with LiveBytes() as live:
         (norm(x) * g).sum().backward()  # the product's backward hands the norm a [T, H] bf16 grad
-    pred = P.peaks(_shape(H=H), P.Setup(gpus=1, impl="hf"), T, "moepeak")["final_norm"]
+    pred = P.peaks(_shape(H=H), P.Setup(gpus=1, impl="hf", hf_lean_norm=False), T, "moepeak")["final_norm"]
     assert pred == 24 * H * T
     assert 0 <= live.peak - pred <= 1e-3 * pred, (live.peak / T, pred / T)
 
 
-def test_head_act_is_the_final_norms_saved_bytes_plus_the_head_input():
-    """What the final RMSNorm saves for backward (fp32 x, rstd, the normalised bf16 rows) plus
-    the head's bf16 input: the plan's head_act for --impl hf."""
+@pytest.mark.parametrize("lean", [False, True])
+def test_head_act_is_the_final_norms_saved_bytes_plus_the_head_input(lean):
+    """What the final RMSNorm saves for backward plus the head's bf16 input: the plan's head_act
+    for --impl hf. Eager: fp32 x, rstd, the normalised bf16 rows. Lean (moepeak.norms.rms_norm):
+    x itself (its bf16 input, counted here as the norm keeps it alive) and rstd."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+    from moepeak.norms import rms_norm
     T, H = 300, 64
     norm = Qwen3MoeRMSNorm(H).to(torch.bfloat16)
     x = torch.randn(1, T, H, dtype=torch.bfloat16, requires_grad=True)
+    run = (lambda t: rms_norm(t, norm.weight, norm.variance_epsilon)) if lean else norm
     seen = {}
 
     def pack(t):
         st = t.untyped_storage()
-        if st.data_ptr() not in (x.untyped_storage().data_ptr(), norm.weight.untyped_storage().data_ptr()):
+        if st.data_ptr() != norm.weight.untyped_storage().data_ptr():
             seen[st.data_ptr()] = st.nbytes()
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = norm(x)
-    pred = P.peaks(_shape(H=H), P.Setup(gpus=1, impl="hf"), T, "moepeak")["head_act"]
-    assert sum(seen.values()) + out.numel() * out.element_size() == pred == T * (4 * H + 4 + 2 * 2 * H)
+        out = run(x)
+    pred = P.peaks(_shape(H=H), P.Setup(gpus=1, impl="hf", hf_lean_norm=lean), T, "moepeak")["head_act"]
+    assert (x.untyped_storage().data_ptr() in seen) == lean  # eager saves a fp32 copy, not x
+    assert sum(seen.values()) + out.numel() * out.element_size() == pred
+    assert pred == T * ((2 * 2 * H + 4) if lean else (4 * H + 4 + 2 * 2 * H))
 
 
 def test_rope_tables_are_the_models_cos_sin_in_the_activation_dtype():
@@ -107,16 +113,18 @@ def test_head_backward_runs_before_any_block_gradient_exists():
     assert r["fixed"] - r["head_fixed"] == b * (n - m.vocab * m.hidden - m.hidden)
 
 
-def test_head_phase_of_a_tiled_hf_model_on_cpu_grows_as_planned():
+@pytest.mark.parametrize("lean", [True, False])
+def test_head_phase_of_a_tiled_hf_model_on_cpu_grows_as_planned(lean):
     """A whole tiled Qwen3-MoE under apply_moepeak on CPU, forward and the head's backward (up to
     the end of the final norm's backward): live bytes per token, between T and 2T, are the plan's
     final_norm + RoPE + the boundaries that CPU SCO keeps in place (all L block inputs: on the GPU
-    only 'boundaries' of them are). Nothing else of [T, H] size is alive then."""
+    only 'boundaries' of them are). Nothing else of [T, H] size is alive then. With apply_moepeak's
+    lean final norm (default) and with transformers' eager one (lean_norm=False)."""
     m = _shape(H=128, heads=8, kv_heads=2, d=16, layers=2, V=512, E=4, K=2, I=48)
     peaks = {}
     for T in (512, 1024):
         model = _hf_model(m, T)
-        apply_moepeak(model, tile_tokens=128)
+        apply_moepeak(model, tile_tokens=128, lean_norm=lean)
         model.train()
         live = _PeakUntil()
 
@@ -128,7 +136,7 @@ def test_head_phase_of_a_tiled_hf_model_on_cpu_grows_as_planned():
             model(input_ids=ids, labels=ids).loss.backward()
         peaks[T] = live.peak
     per_token = (peaks[1024] - peaks[512]) / 512
-    r = P.peaks(m, P.Setup(gpus=1, impl="hf"), 512, "moepeak")
+    r = P.peaks(m, P.Setup(gpus=1, impl="hf", hf_lean_norm=lean), 512, "moepeak")
     rope = 2 * 2 * m.d() + 8
     want = r["final_norm"] / 512 + rope + m.layers * 2 * m.hidden
     print(f"head phase: {per_token:.1f} B/token live, plan {want:.1f}")
@@ -152,7 +160,8 @@ class _PeakUntil(LiveBytes):
 
 
 # MEASURED on one H200 by benchmarks/bench_hf.py (torch 2.11, transformers 5.17): arms moepeak and
-# moepeak_tiled (apply_moepeak, tile_tokens 8192), StreamAdamW, bf16 params, one sequence; peak =
+# moepeak_tiled (apply_moepeak, tile_tokens 8192), StreamAdamW, bf16 params, one sequence, before
+# apply_moepeak had the lean final norm (so: transformers' eager RMSNorm, hf_lean_norm=False); peak =
 # torch.cuda.max_memory_allocated over the step. The model is bench_hf.py's Qwen3-MoE 2.0B shape.
 MEASURED_HF_H200_GIB = {
     (131072, None): 19.46, (524288, None): 57.58,       # untiled
@@ -167,7 +176,7 @@ def _bench_hf_shape():
 
 @pytest.mark.parametrize("context, tile", sorted(MEASURED_HF_H200_GIB, key=lambda k: (k[1] or 0, k[0])))
 def test_plan_hf_within_15_percent_of_bench_hf(context, tile):
-    s = P.Setup(gpus=1, act_bytes=2, tile_tokens=tile, impl="hf")
+    s = P.Setup(gpus=1, act_bytes=2, tile_tokens=tile, impl="hf", hf_lean_norm=False)
     pred = P.peaks(_bench_hf_shape(), s, context, "moepeak")["total"] / P.GiB
     meas = MEASURED_HF_H200_GIB[(context, tile)]
     print(f"tile {tile} @ {context}: plan {pred:.2f} GiB, measured {meas:.2f} GiB, ratio {pred / meas:.3f}")
@@ -178,7 +187,7 @@ def test_the_demo_accounting_misses_the_hf_head_phase():
     """Without --impl hf the plan is 18% low at 512k tiled: the final norm's backward binds there."""
     s = P.Setup(gpus=1, tile_tokens=8192)
     demo = P.peaks(_bench_hf_shape(), s, 524288, "moepeak")
-    hf = P.peaks(_bench_hf_shape(), dataclasses.replace(s, impl="hf"), 524288, "moepeak")
+    hf = P.peaks(_bench_hf_shape(), dataclasses.replace(s, impl="hf", hf_lean_norm=False), 524288, "moepeak")
     assert demo["total"] / P.GiB / MEASURED_HF_H200_GIB[(524288, 8192)] < 0.85
     assert hf["binding"] == "final_norm" and demo["binding"] == "block"
 
@@ -187,12 +196,26 @@ def test_cli_impl_hf(capsys):
     argv = ["plan", "--layers", "16", "--hidden", "2048", "--experts", "16", "--top-k", "4", "--intermediate",
             "768", "--vocab", "151936", "--heads", "16", "--kv-heads", "4", "--head-dim", "128", "--gpus", "1",
             "--context", "524288", "--tile-tokens", "8192"]
-    assert cli.main(argv + ["--impl", "hf"]) == 0
+    assert cli.main(argv + ["--impl", "hf", "--hf-eager-norm"]) == 0
     out = capsys.readouterr().out
     assert "final_norm" in out and "binding peak = final_norm" in out and "--impl hf" in out
+    assert cli.main(argv + ["--impl", "hf"]) == 0  # apply_moepeak's lean final norm: the block binds
+    out = capsys.readouterr().out
+    assert "final_norm" in out and "binding peak = block" in out
     assert cli.main(argv) == 0
     assert "final_norm  " not in capsys.readouterr().out.split("rows (GiB")[0]  # demo: no such row
     with pytest.raises(SystemExit):
         P.main(["--preset", "Qwen3-30B-A3B", "--impl", "vllm"])
     with pytest.raises(ValueError, match="impl"):
         P.peaks(_bench_hf_shape(), P.Setup(impl="vllm"), 4096, "moepeak")
+
+
+def test_lean_final_norm_moves_the_tiled_512k_peak_to_the_block_phase():
+    """bench_hf's tiled 512k: with the lean norm the head phase drops below the block phase, so
+    the total is the block phase's (which the norm does not touch)."""
+    s = P.Setup(gpus=1, tile_tokens=8192, impl="hf")
+    lean = P.peaks(_bench_hf_shape(), s, 524288, "moepeak")
+    eager = P.peaks(_bench_hf_shape(), dataclasses.replace(s, hf_lean_norm=False), 524288, "moepeak")
+    block_phase = lean["optimizer"] + lean["boundaries"] + lean["fixed"] + lean["block"] + lean["dispatch"]
+    assert lean["final_norm"] < eager["final_norm"] / 3 and lean["binding"] == "block"
+    assert lean["total"] == block_phase < eager["total"]
