@@ -29,6 +29,7 @@ _LAZY = {
     "PipelinedLLEPMoE": "llep",
     "llep_moe": "llep",
     "get_transport": "transport",
+    "rms_norm": "norms",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
