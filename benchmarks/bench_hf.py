@@ -93,7 +93,9 @@ def setup_arm(arm, shape, max_T, device, tile_tokens=8192):
         model = build_model(shape, max_T, torch.bfloat16, device)
         tile = tile_tokens if arm == "moepeak_tiled" else None
         report = apply_moepeak(model, tile_tokens=tile)
-        note = (f"tile_tokens {tile}; " if tile else "") + f"experts on moepeak: {len(report.experts_on_moepeak)}" + "".join(
+        lean = any(line.startswith("final norm:") for line in report.patched)
+        note = (f"tile_tokens {tile}; " if tile else "") + ("lean final norm; " if lean else "") + \
+            f"experts on moepeak: {len(report.experts_on_moepeak)}" + "".join(
             f"; left alone: {line}" for line in report.left_alone)
         opt = moepeak.StreamAdamW(model.parameters(), lr=1e-4)
         return model, opt, None, note
