@@ -524,7 +524,9 @@ class PipelinedLLEPMoE(nn.Module):
         self.router.reset_parameters()
 
     def route(self, x2):
-        logits = F.linear(x2.float(), self.router.weight.float())
+        # fp32 logits even under autocast (which would run F.linear in bf16)
+        with torch.autocast(x2.device.type, enabled=False):
+            logits = F.linear(x2.float(), self.router.weight.float())
         probs = logits.softmax(-1)
         tw, ti = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:

@@ -137,3 +137,23 @@ def test_resolve_falls_back_with_notes():
     for sw, name in (("moe", "llep"), ("head", "ring_dtp"), ("checkpoint", "sco")):
         assert (getattr(cfg, sw) == name) == available(sw)
     assert len(notes) == sum(not available(s) for s in ("moe", "head", "checkpoint", "optimizer"))
+
+
+@pytest.mark.parametrize("moe", ["dense", "llep"])
+def test_router_logits_stay_fp32_under_autocast(moe):
+    """Under bf16 autocast the router's logits are the fp32 ones (autocast
+    would run F.linear in bf16), and the dense loop's accumulator keeps one
+    dtype (CUDA autocast's fp32 softmax once met a bf16 accumulator there)."""
+    if moe == "llep" and not available("moe"):
+        pytest.skip("moepeak.PipelinedLLEPMoE is not in this build")
+    torch.manual_seed(0)
+    cfg = MoEConfig(moe=moe, head="plain", checkpoint="none")
+    moe_layer = MoELM(cfg).layers[0].moe
+    x2 = torch.randn(16, cfg.hidden)
+    want = x2 @ moe_layer.router.weight.t()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = moe_layer.route(x2)[0]
+        y = moe_layer(x2.view(1, 16, -1))[0]
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-6)
+    assert y.shape == (1, 16, cfg.hidden) and torch.isfinite(y).all()

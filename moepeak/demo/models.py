@@ -290,7 +290,8 @@ class DenseMoE(nn.Module):
 
     def route(self, x2):
         acc = torch.promote_types(x2.dtype, torch.float32)
-        logits = F.linear(x2.to(acc), self.router.weight.to(acc))          # [N, E] fp32 (fp64 in)
+        with torch.autocast(x2.device.type, enabled=False):                # fp32 even under autocast
+            logits = F.linear(x2.to(acc), self.router.weight.to(acc))      # [N, E] fp32 (fp64 in)
         probs = logits.softmax(-1)
         w, ids = probs.topk(self.K, dim=-1)                                 # [N, K]
         if self.norm_topk_prob:
@@ -309,7 +310,7 @@ class DenseMoE(nn.Module):
                 continue
             h = x2[tok] @ self.w_gate_up[e]                                  # [n, 2I]
             a = F.silu(h[:, :self.I]) * h[:, self.I:]
-            out = (a @ self.w_down[e]).to(acc) * w[tok, slot, None]
+            out = (a @ self.w_down[e]).to(acc) * w[tok, slot, None].to(acc)
             y = y.index_add(0, tok, out)
         return y.to(x.dtype).view(shape), logits
 
