@@ -36,22 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # this checkout's moepeak
 sys.path.insert(0, HERE)
 from _common import append_results, is_oom  # noqa: E402
-
-
-def torch_2_11_compat():
-    """torchtitan 0.3 imports torch.distributed.fsdp.DataParallelMeshDims (torch >= 2.12) for its
-    full-DTensor SPMD modes only; neither job here uses them. On an older torch a placeholder
-    lets both jobs import; the GPU machine's torch is 2.11 (results/titan.csv records it)."""
-    import torch.distributed.fsdp as fsdp
-    if not hasattr(fsdp, "DataParallelMeshDims"):
-        from dataclasses import dataclass
-
-        @dataclass(frozen=True)
-        class DataParallelMeshDims:
-            shard: object = None
-            replicate: object = None
-
-        fsdp.DataParallelMeshDims = DataParallelMeshDims
+from moepeak.titan_compat import provide_missing_torch_names  # noqa: E402
 
 
 def build_config(tiny: bool):
@@ -183,7 +168,7 @@ def main(argv=None):
     ap.add_argument("--max-step-s", type=float, default=300.0)
     ap.add_argument("--budget-s", type=float, default=None, help="wall-clock budget per job (default 240 s)")
     args = ap.parse_args(argv)
-    torch_2_11_compat()
+    provide_missing_torch_names()  # torchtitan 0.3 on torch 2.11 (moepeak/titan_compat.py)
     if args.start_t is None:
         args.start_t = 64 if args.tiny else 4096
     if args.max_t is None:

@@ -46,6 +46,9 @@ from typing import Any, Optional
 
 import torch
 
+from moepeak.titan_compat import provide_missing_torch_names
+
+provide_missing_torch_names()  # torchtitan 0.3 on torch 2.11 / 2.13 (see moepeak/titan_compat.py)
 try:
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss, BaseLoss, IGNORE_INDEX
     from torchtitan.components.optimizer import OptimizersContainer
@@ -53,7 +56,7 @@ try:
     from torchtitan.distributed.activation_checkpoint import ActivationCheckpointing
     from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 except ImportError as e:  # pragma: no cover - exercised only without torchtitan
-    raise ImportError(f"moepeak.titan needs torchtitan 0.3 (pip install 'moepeak[titan]'), which needs torch >= 2.12; "
+    raise ImportError(f"moepeak.titan needs torchtitan 0.3 (pip install 'moepeak[titan]'); "
                       f"here torch {torch.__version__}: {e}") from e
 
 import moepeak

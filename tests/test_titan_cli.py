@@ -36,12 +36,12 @@ import torch
 
 try:
     from tests.titan_utils import (OVERRIDES, REFERENCE_EXPERTS, ROOT, TWO_RANKS, applied_overrides,
-                                   require_torchtitan, run_jobs, titan_command)
+                                   require_torchtitan_trainer, run_jobs, titan_command)
 except ImportError:  # rootdir not on sys.path
     from titan_utils import (OVERRIDES, REFERENCE_EXPERTS, ROOT, TWO_RANKS, applied_overrides,
-                             require_torchtitan, run_jobs, titan_command)
+                             require_torchtitan_trainer, run_jobs, titan_command)
 
-require_torchtitan()
+require_torchtitan_trainer()
 
 STEPS = 3  # qwen3_moe_cpu's training.steps
 

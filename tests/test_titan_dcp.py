@@ -29,13 +29,13 @@ import os
 import pytest
 
 try:
-    from tests.titan_utils import (OVERRIDES, REFERENCE_EXPERTS, TWO_RANKS, applied_overrides, require_torchtitan,
-                                   run_jobs, titan_command)
+    from tests.titan_utils import (OVERRIDES, REFERENCE_EXPERTS, TWO_RANKS, applied_overrides,
+                                   require_torchtitan_trainer, run_jobs, titan_command)
 except ImportError:  # rootdir not on sys.path
-    from titan_utils import (OVERRIDES, REFERENCE_EXPERTS, TWO_RANKS, applied_overrides, require_torchtitan,
-                             run_jobs, titan_command)
+    from titan_utils import (OVERRIDES, REFERENCE_EXPERTS, TWO_RANKS, applied_overrides,
+                             require_torchtitan_trainer, run_jobs, titan_command)
 
-require_torchtitan()
+require_torchtitan_trainer()
 
 TOTAL_STEPS = 6
 RTOL = 1e-5

@@ -18,12 +18,11 @@ Run as a script under torchrun, this file is torchtitan's entry point
                    FSDP module is also set to plain-sum reductions
                    (set_force_sum_reduction_for_comms, the switch torchtitan's own
                    enable_fsdp_symm_mem flips): the same sums, scaled by 1.0.
-  provide_set_timeout()
-                   torchtitan 0.3.0 (built against a torch nightly) lowers the
-                   process groups' timeouts after step 1 with
-                   torch.distributed.set_timeout, which torch 2.13 lacks; it is
-                   provided where missing through ProcessGroup.set_timeout. Not
-                   CPU-specific: torchtitan.train on torch 2.13 needs it on a GPU too.
+  moepeak.titan_compat.provide_missing_torch_names()
+                   torchtitan 0.3.0 (built against a torch nightly) uses two
+                   names torch 2.11 / 2.13 lack (fsdp.DataParallelMeshDims,
+                   distributed.set_timeout); they are provided where missing,
+                   before torchtitan is imported. Not CPU-specific.
   record_metrics() every logged step's global loss and gradient norm are appended
                    in full precision to $MOEPEAK_TITAN_METRICS (rank 0); the
                    console shows five decimals.
@@ -58,6 +57,10 @@ if __package__ in (None, ""):  # run as a script: make `tests.titan_cpu` and moe
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dataclasses import dataclass  # noqa: E402
+
+from moepeak.titan_compat import provide_missing_torch_names  # noqa: E402
+
+provide_missing_torch_names()  # before torchtitan's first import
 
 from torchtitan.config import derive, override  # noqa: E402
 from torchtitan.models.common.moe import GroupedExperts  # noqa: E402
@@ -113,19 +116,6 @@ def sum_only_fsdp_reductions() -> None:
                 module.set_force_sum_reduction_for_comms(True)
 
     titan_fsdp.disable_fsdp_gradient_division = disable_division_sum_only
-
-
-def provide_set_timeout() -> None:
-    """torch.distributed.set_timeout(timeout, group=None) where this torch lacks it,
-    through the public ProcessGroup.set_timeout."""
-    import torch.distributed as dist
-    if hasattr(dist, "set_timeout"):
-        return
-
-    def set_timeout(timeout, group=None):
-        (group if group is not None else dist.group.WORLD).set_timeout(timeout)
-
-    dist.set_timeout = set_timeout
 
 
 def record_metrics(path: str) -> None:
@@ -215,7 +205,6 @@ def write_assets(root: str, n_docs: int = 96, seed: int = 0) -> str:
 def main() -> None:
     use_cpu()
     sum_only_fsdp_reductions()
-    provide_set_timeout()
     if os.environ.get("MOEPEAK_TITAN_METRICS"):
         record_metrics(os.environ["MOEPEAK_TITAN_METRICS"])
     from torchtitan.train import main as torchtitan_main

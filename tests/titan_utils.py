@@ -26,13 +26,28 @@ TWO_RANKS = ["--parallelism.spmd_backend", "partial_dtensor", "--parallelism.exp
 
 def require_torchtitan():
     """The torchtitan package, or a module-level skip that names the reason."""
+    from moepeak.titan_compat import provide_missing_torch_names
+    provide_missing_torch_names()  # torchtitan 0.3 on torch 2.11 / 2.13
     try:
         import torchtitan
-        import torchtitan.distributed.fsdp  # noqa: F401  torchtitan 0.3 needs torch >= 2.12's fsdp API
+        import torchtitan.distributed.fsdp  # noqa: F401
         import torchtitan.models.qwen3  # noqa: F401  needs triton at import time
     except ImportError as e:
         pytest.skip(f"torchtitan not usable with torch {torch.__version__}: {e}", allow_module_level=True)
     return torchtitan
+
+
+def require_torchtitan_trainer():
+    """require_torchtitan(), and a skip where torchtitan.train itself cannot run on this torch:
+    on torch < 2.12 its FSDP + expert-parallel path imports torch >= 2.12 names
+    (fsdp._fully_shard._fsdp_common.ShardPlacementResult) and its one-rank CPU job dies in
+    backward (SIGSEGV, torch 2.11). The in-process tests (test_titan.py, test_titan_dist.py)
+    run on torch 2.11 too, with moepeak.titan_compat's names."""
+    titan = require_torchtitan()
+    if torch.__version__ < "2.12":
+        pytest.skip(f"torchtitan 0.3's trainer needs torch >= 2.12 (here {torch.__version__})",
+                    allow_module_level=True)
+    return titan
 
 
 def titan_command(nproc: int, *flags: str, assets: str = "$ASSETS", out: str = "$OUT") -> list[str]:
