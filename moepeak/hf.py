@@ -356,10 +356,12 @@ def _patch_loss(model, options, report):
                           f"hidden state in training with labels (no logits; {LOSS_FAMILIES[cls.__name__]})")
 
 
-# Final RMSNorm classes whose forward (transformers 5.17) is, op for op, moepeak.norms.rms_norm's:
-# weight * (x.float() * rsqrt(x.float().pow(2).mean(-1) + variance_epsilon)).to(x.dtype).
-# (GptOssRMSNorm multiplies by the weight before the cast; Gemma-style norms use 1 + weight.)
-LEAN_NORMS = ("Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm", "MixtralRMSNorm", "OlmoeRMSNorm", "DeepseekV3RMSNorm")
+# Final RMSNorm classes whose forward (transformers 5.17) is, op for op, moepeak.norms.rms_norm's,
+# with its multiply_in_fp32 flag: False: weight * (x.float() * rsqrt(x.float().pow(2).mean(-1) +
+# variance_epsilon)).to(x.dtype); True (GptOssRMSNorm): the weight multiplies before the cast.
+# (Gemma-style norms use 1 + weight and are not here.)
+LEAN_NORMS = {"Qwen3MoeRMSNorm": False, "Qwen2MoeRMSNorm": False, "MixtralRMSNorm": False, "OlmoeRMSNorm": False,
+              "DeepseekV3RMSNorm": False, "GptOssRMSNorm": True}
 
 
 def _patch_final_norm(model, options, report):
@@ -375,8 +377,9 @@ def _patch_final_norm(model, options, report):
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"moepeak.hf: norm_chunk_tokens must be a positive integer, got {chunk!r}")
 
-    def forward(hidden_states, _norm=norm):
-        return rms_norm(hidden_states, _norm.weight, _norm.variance_epsilon, chunk_tokens=chunk)
+    def forward(hidden_states, _norm=norm, _fp32=LEAN_NORMS[kind]):
+        return rms_norm(hidden_states, _norm.weight, _norm.variance_epsilon, chunk_tokens=chunk,
+                        multiply_in_fp32=_fp32)
     norm.forward = forward
     report.patched.append(f"final norm: {model.base_model_prefix}.norm ({kind}) runs moepeak.norms.rms_norm "
                           f"(same forward; backward saves x and rstd only, in chunks of {chunk} tokens)")

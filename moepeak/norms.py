@@ -1,14 +1,16 @@
 """moepeak.norms: an RMSNorm whose backward holds chunk-sized fp32 temporaries.
 
-    y = rms_norm(x, weight, eps, chunk_tokens=DEFAULT_CHUNK_TOKENS)
+    y = rms_norm(x, weight, eps, chunk_tokens=DEFAULT_CHUNK_TOKENS, multiply_in_fp32=False)
 
-computes what transformers' Llama-style RMSNorm forward computes (Qwen3MoeRMSNorm,
-MixtralRMSNorm, ... in transformers 5.17), op for op, so for contiguous x the result is
-bitwise that of the module (strided x: torch's reduction order over strided rows depends
-on how many rows one call sees, so it agrees to rounding):
+computes what transformers' RMSNorm forwards compute, op for op, so for contiguous x the
+result is bitwise that of the module (strided x: torch's reduction order over strided rows
+depends on how many rows one call sees, so it agrees to rounding):
 
-    h = x.to(float32); var = h.pow(2).mean(-1, keepdim=True)
-    h = h * rsqrt(var + eps); y = weight * h.to(x.dtype)
+    h = x.to(float32); var = h.pow(2).mean(-1, keepdim=True); h = h * rsqrt(var + eps)
+    y = weight * h.to(x.dtype)              Llama order (Qwen3MoeRMSNorm, MixtralRMSNorm, ...
+                                            in transformers 5.17): the default
+    y = (h * weight.float()).to(x.dtype)    multiply_in_fp32=True (GptOssRMSNorm, the demo
+                                            model's RMSNorm)
 
 Eager autograd through those ops saves fp32 x [T, H] and its backward peaks at that
 plus five fp32 [T, H] temporaries (24*H bytes per token). This function saves only
@@ -66,11 +68,14 @@ def _backward_chunk(x, rstd, grad_y, w32, dx, dw):
 
 class _LeanRMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, weight, eps, chunk_tokens):
-        # x2: [T, H] x dtype (any strides); out: [T, H] x promote(weight, x); rstd: [T] fp32
+    def forward(ctx, x2, weight, eps, chunk_tokens, multiply_in_fp32):
+        # x2: [T, H] x dtype (any strides); out: [T, H] x promote(weight, x) (multiply_in_fp32:
+        # x dtype); rstd: [T] fp32
         T, H = x2.shape
-        out = torch.empty((T, H), dtype=torch.promote_types(weight.dtype, x2.dtype), device=x2.device)
+        out_dtype = x2.dtype if multiply_in_fp32 else torch.promote_types(weight.dtype, x2.dtype)
+        out = torch.empty((T, H), dtype=out_dtype, device=x2.device)
         rstd = torch.empty(T, dtype=torch.float32, device=x2.device)
+        w32 = weight.to(torch.float32) if multiply_in_fp32 else None
         for lo in range(0, T, chunk_tokens):
             hi = min(lo + chunk_tokens, T)
             # transformers' op order, on rows [lo, hi)
@@ -78,7 +83,7 @@ class _LeanRMSNorm(torch.autograd.Function):
             variance = h.pow(2).mean(-1, keepdim=True)
             r = torch.rsqrt(variance + eps)
             h = h * r
-            out[lo:hi] = weight * h.to(x2.dtype)
+            out[lo:hi] = (h * w32).to(x2.dtype) if multiply_in_fp32 else weight * h.to(x2.dtype)
             rstd[lo:hi] = r.squeeze(-1)
         ctx.save_for_backward(x2, weight, rstd)
         ctx.chunk_tokens = chunk_tokens
@@ -96,19 +101,22 @@ class _LeanRMSNorm(torch.autograd.Function):
             hi = min(lo + ctx.chunk_tokens, T)
             _backward_chunk(x2[lo:hi], rstd[lo:hi], grad_out[lo:hi], w32,
                             dx[lo:hi] if want_dx else None, dw)
-        return dx, (dw.to(weight.dtype) if want_dw else None), None, None
+        return dx, (dw.to(weight.dtype) if want_dw else None), None, None, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
-             chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
-    """Llama-style RMSNorm of x [..., H] with weight [H]: weight * normalise(x.float()).to(x.dtype),
-    for contiguous x bitwise equal to transformers' Qwen3MoeRMSNorm / MixtralRMSNorm forward; returns [..., H]
-    in promote(weight.dtype, x.dtype). Saves x and fp32 rstd [T] only; forward and backward
-    run chunk_tokens rows at a time (see the module docstring)."""
+             chunk_tokens: int = DEFAULT_CHUNK_TOKENS, multiply_in_fp32: bool = False) -> torch.Tensor:
+    """RMSNorm of x [..., H] with weight [H], for contiguous x bitwise equal to transformers'
+    forward: weight * normalise(x.float()).to(x.dtype) (Qwen3MoeRMSNorm / MixtralRMSNorm; returns
+    promote(weight.dtype, x.dtype)), or with multiply_in_fp32 (normalise(x.float()) *
+    weight.float()).to(x.dtype) (GptOssRMSNorm; returns x.dtype). Saves x and fp32 rstd [T]
+    only; forward and backward run chunk_tokens rows at a time (see the module docstring)."""
     _check(x, weight, eps, chunk_tokens)
+    if not isinstance(multiply_in_fp32, bool):
+        raise TypeError(f"rms_norm: multiply_in_fp32 must be a bool, got {multiply_in_fp32!r}")
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])  # a view where x's layout allows (then its strides are kept)
-    return _LeanRMSNorm.apply(x2, weight, float(eps), chunk_tokens).view(*shape[:-1], shape[-1])
+    return _LeanRMSNorm.apply(x2, weight, float(eps), chunk_tokens, multiply_in_fp32).view(*shape[:-1], shape[-1])
 
 
 __all__ = ["rms_norm", "DEFAULT_CHUNK_TOKENS", "BACKWARD_CHUNK_FP32"]

@@ -20,27 +20,30 @@ Peaks (bytes per GPU; each term read off the code that allocates it, see peaks()
 Also held: 'fixed' = params + grads (plain 4*N/P fp32 grads; moepeak bf16 params + grads
 2*b*N/P), two all-gathered blocks when P > 1, RoPE tables 8*d*T; 'block' = the saved
 tensors of the block being recomputed (two RMSNorms 2*(8H+4), attention b*(H+5*nh*d) +
-4*nh, router 4H+4E+12K, the incoming grad b*H, per token); 'head_act' =
-the final RMSNorm's 8H+4 + the head's input b*H per token.
+4*nh, router 4H+4E+12K, the incoming grad b*H, per token); 'head_act' = what the final
+RMSNorm saves + the head's input b*H per token; 'final_norm' = the final RMSNorm's own
+backward at its peak. The final norm (Setup.lean_norm): moepeak.norms.rms_norm (the
+default: the demo's with the Ring-DTP head, apply_moepeak's) saves x b*H and rstd 4
+('head_act' = 2*b*H + 4) and its backward holds those, the incoming grad b*H, dx b*H and
+three fp32 [c, H] chunk temporaries (c = min(norm chunk, T)): 'final_norm' = T*(3*b*H + 4)
++ 12*c*H. The eager demo norm (plain, or --eager-norm: MoEConfig(lean_norm=False)) saves
+fp32 x and the fp32 normalised rows ('head_act' = 8H + 4 + b*H) and its backward peaks at
+24H per token, as transformers' (checked on CPU, tests/test_plan.py).
 
 The step's peak is the larger of two phases:
-  total = fixed + optimizer + boundaries + max(block + dispatch, head_act + vocab).
+  total = fixed + optimizer + boundaries + max(block + dispatch, max(head_act + vocab, final_norm)).
 
 --impl hf (Setup.impl = "hf"): the layers are a Hugging Face transformers model under
 moepeak.hf.apply_moepeak (read off transformers 5.17's Qwen3-MoE / Mixtral code, checked on
 CPU by tests/test_plan_hf.py and against bench_hf.py's H200 peaks), where three terms differ:
   RoPE      cos, sin [B, T, d] in the activation dtype + position_ids int64, made once by the
             model and held by every layer's checkpoint: 2*b*d + 8 per token (not 8*d)
-  head      the final RMSNorm. apply_moepeak's lean norm (moepeak.norms.rms_norm; the default,
-            Setup.hf_lean_norm) saves x b*H and rstd 4 ('head_act' = 2*b*H + 4 with the head's
-            input); its backward holds those, the incoming grad b*H, dx b*H and three fp32
-            [c, H] chunk temporaries (c = min(norm chunk, T)): 'final_norm' = T*(3*b*H + 4)
-            + 12*c*H. transformers' eager RMSNorm (apply_moepeak(lean_norm=False); plan
-            --hf-eager-norm, Setup.hf_lean_norm=False: x.to(fp32), pow, mean, rsqrt, mul,
-            .to(dtype), * weight) saves fp32 x 4H, rstd 4 and the normalised bf16 b*H
-            ('head_act' = 4H + 4 + 2*b*H); its backward peaks at the saved fp32 x + five fp32
-            [T, H] temporaries (the mul's dx, mean's expanded grad, pow's x^1, 2*x^1 and
-            grad * 2x): 'final_norm' = 24H per token
+  head      the final RMSNorm. apply_moepeak's lean norm: as above. transformers' eager
+            RMSNorm (apply_moepeak(lean_norm=False); plan --eager-norm, Setup.lean_norm=False:
+            x.to(fp32), pow, mean, rsqrt, mul, .to(dtype), * weight) saves fp32 x 4H, rstd 4
+            and the normalised bf16 b*H ('head_act' = 4H + 4 + 2*b*H); its backward peaks at
+            the saved fp32 x + five fp32 [T, H] temporaries (the mul's dx, mean's expanded
+            grad, pow's x^1, 2*x^1 and grad * 2x): 'final_norm' = 24H per token
   phase     the head's backward runs before any block's: with zero_grad(set_to_none=True)
             only the head's gradients exist then (lm_head V*H, the norm's H), so the moepeak
             head phase holds params + those gradients, not every gradient (demo: 'fixed')
@@ -204,13 +207,13 @@ rows (GiB per GPU):
               attention core's full-length tensors + one tile's position-wise working set
   head_act    what the head's backward holds besides the vocab peak: the final RMSNorm's
               saved tensors and the head's input
-  final_norm  (--impl hf) the final RMSNorm's own backward at its peak: apply_moepeak's lean
-              norm, its saved input + grads in and out + chunk temporaries (--hf-eager-norm:
-              transformers' eager RMSNorm, its saved fp32 input + five fp32 [T, H] temporaries)
-  total       fixed + optimizer + boundaries + max(block + dispatch, head_act + vocab): the
-              step's peak (the block's backward and the head's backward do not overlap);
-              --impl hf, moepeak: the head phase is max(head_act + vocab, final_norm) over
-              the params and the head's gradients only (no block has run its backward yet)"""
+  final_norm  the final RMSNorm's own backward at its peak: moepeak.norms.rms_norm, its saved
+              input + grads in and out + chunk temporaries (--eager-norm, and plain: the
+              eager norm's fp32 saved tensors and temporaries)
+  total       fixed + optimizer + boundaries + max(block + dispatch, max(head_act + vocab,
+              final_norm)): the step's peak (the block's backward and the head's backward do
+              not overlap); --impl hf, moepeak: the head phase holds the params and the head's
+              gradients only (no block has run its backward yet)"""
 
 
 @dataclass
@@ -224,7 +227,7 @@ class Setup:
     ring_workspace_mb: Optional[float] = None  # Ring-DTP's fused workspace (None: its defaults)
     tile_tokens: Optional[int] = None  # moepeak.tiled's tile (None: whole blocks)
     impl: str = "demo"          # IMPLS: whose modeling code runs the layers
-    hf_lean_norm: bool = True   # impl "hf": apply_moepeak's lean final norm (False: transformers' eager)
+    lean_norm: bool = True      # moepeak plan: the final norm is moepeak.norms.rms_norm (False: the eager one)
     norm_chunk_tokens: Optional[int] = None  # its chunk (None: moepeak.norms.DEFAULT_CHUNK_TOKENS)
     bucket_mb: float = 64.0     # StreamAdamW bucket (its slots are pinned host memory: 0 GPU bytes)
     sco_in_flight: int = 2      # SCOConfig.max_in_flight (W): forward D2H copies still referenced
@@ -293,21 +296,20 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
     attn = b * (H + 5 * Hq) + 4 * m.heads
     router = 4 * H + 4 * E + 12 * K + 4
     out = {"saved_norm": 8 * H + 4, "saved_router": router}  # per token (checked on CPU)
-    if hf:  # module docstring, --impl hf
-        rope = 2 * b * d + 8                     # cos, sin [B, T, d] x activation dtype + position_ids int64
-        if s.hf_lean_norm:                       # moepeak.norms.rms_norm (apply_moepeak's default)
-            from .norms import BACKWARD_CHUNK_FP32, DEFAULT_CHUNK_TOKENS
-            c = min(s.norm_chunk_tokens or DEFAULT_CHUNK_TOKENS, T)
-            head_act = b * H + 4 + b * H         # saved x, rstd + the head's input
-            # its backward: saved x, rstd, the incoming grad, dx + the chunk's fp32 temporaries
-            out["final_norm"] = T * (3 * b * H + 4) + BACKWARD_CHUNK_FP32 * 4 * c * H
-        else:                                    # transformers' eager RMSNorm
-            head_act = 4 * H + 4 + 2 * b * H     # fp32 x, rstd, normalised b*H + the head's input
-            out["final_norm"] = T * 24 * H       # its backward: saved fp32 x + five fp32 [T, H]
-    else:
-        rope = 8 * d                             # cos, sin tables [T, d] x fp32, cached
-        head_act = 8 * H + 4 + b * H             # final RMSNorm (as above) + the head's input
-        out["final_norm"] = 0.0                  # not modelled apart from head_act
+    rope = 2 * b * d + 8 if hf else 8 * d       # hf: cos, sin [B, T, d] x b + position_ids int64;
+    #                                             demo: cos, sin tables [T, d] x fp32, cached
+    if s.lean_norm and plan == "moepeak":        # moepeak.norms.rms_norm (module docstring)
+        from .norms import BACKWARD_CHUNK_FP32, DEFAULT_CHUNK_TOKENS
+        c = min(s.norm_chunk_tokens or DEFAULT_CHUNK_TOKENS, T)
+        head_act = b * H + 4 + b * H             # saved x, rstd + the head's input
+        # its backward: saved x, rstd, the incoming grad, dx + the chunk's fp32 temporaries
+        out["final_norm"] = T * (3 * b * H + 4) + BACKWARD_CHUNK_FP32 * 4 * c * H
+    elif hf:                                     # transformers' eager RMSNorm
+        head_act = 4 * H + 4 + 2 * b * H         # fp32 x, rstd, normalised b*H + the head's input
+        out["final_norm"] = T * 24 * H           # its backward: saved fp32 x + five fp32 [T, H]
+    else:                                        # the demo's eager RMSNorm
+        head_act = 8 * H + 4 + b * H             # fp32 x, fp32 normalised rows, rstd + the head's input
+        out["final_norm"] = T * 24 * H           # its backward's peak
     if plan == "plain":
         rho = min(max(s.imbalance, 1.0), float(P))
         # DenseMoE per routed row (K per token): gathered x b*H, gate_up output b*2I (silu, mul),
@@ -401,7 +403,7 @@ def report(m: ModelShape, s: Setup, context: int) -> str:
                 + (", Hugging Face layers (--impl hf)" if s.impl == "hf" else ""))
     rows.append("")
     rows.append(f"{'GiB per GPU':<22}{'plain FSDP2+AC':>16}{'moepeak':>12}")
-    for k in PEAKS + ("fixed", "block", "head_act") + (("final_norm",) if s.impl == "hf" else ()) + ("total",):
+    for k in PEAKS + ("fixed", "block", "head_act", "final_norm", "total"):
         rows.append(f"{k:<22}{res['plain'][k] / GiB:>16.2f}{res['moepeak'][k] / GiB:>12.2f}")
     cap = s.gpu_mem_gib * GiB
     for p in ("plain", "moepeak"):
@@ -509,9 +511,9 @@ def add_args(ap: argparse.ArgumentParser):
                     help="whose modeling code runs the layers: moepeak's demo model, or a Hugging Face "
                          "transformers model under moepeak.hf.apply_moepeak (its RoPE tables, its final "
                          "RMSNorm's fp32 backward, the head's backward before any block's gradient exists)")
-    ap.add_argument("--hf-eager-norm", action="store_true",
-                    help="--impl hf: the model's final RMSNorm runs transformers' eager backward "
-                         "(apply_moepeak(lean_norm=False)); default: moepeak.norms.rms_norm")
+    ap.add_argument("--eager-norm", action="store_true",
+                    help="moepeak's final RMSNorm runs its eager autograd backward (apply_moepeak(lean_norm=False), "
+                         "the demo's MoEConfig(lean_norm=False)); default: moepeak.norms.rms_norm")
     ap.add_argument("--tile-tokens", type=int, default=None,
                     help="moepeak plan: sequence-tiled blocks (moepeak.tiled) with tiles of this many tokens "
                          "(default %(default)s: whole blocks)")
@@ -555,7 +557,7 @@ def from_args(a) -> (ModelShape, Setup):
         raise ValueError(f"moepeak plan: need --tile-tokens >= 1 (got {tile})")
     return m, Setup(gpus=a.gpus, gpu_mem_gib=a.gpu_mem, act_bytes=a.act_bytes, imbalance=a.imbalance,
                     tile_tokens=tile, impl=getattr(a, "impl", "demo"),
-                    hf_lean_norm=not getattr(a, "hf_eager_norm", False))
+                    lean_norm=not getattr(a, "eager_norm", False))
 
 
 def main(argv=None) -> int:

@@ -58,16 +58,11 @@ def gpt_oss():
 FAMILIES = {"qwen3_moe": qwen3_moe, "mixtral": mixtral, "deepseek_v3": deepseek_v3, "gpt_oss": gpt_oss}
 OPTS = dict(chunk_rows=32, norm_chunk_tokens=7)  # T*K = 48 picks: two chunks per call; B*T = 24 norm rows:
 # four chunks, the last partial
-LEAN_NORM_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")  # gpt_oss: GptOssRMSNorm casts after the weight
 
 
-def assert_final_norm_report(family, report):
+def assert_final_norm_report(report):
     lean = [p for p in report.patched if p.startswith("final norm:")]
-    if family in LEAN_NORM_FAMILIES:
-        assert lean and "moepeak.norms.rms_norm" in lean[0] and "chunks of 7 tokens" in lean[0], str(report)
-    else:
-        assert not lean and any(p.startswith("final norm:") and "LEAN_NORMS" in p for p in report.left_alone), \
-            str(report)
+    assert lean and "moepeak.norms.rms_norm" in lean[0] and "chunks of 7 tokens" in lean[0], str(report)
 
 
 def build(family, dtype=torch.float32, seed=0):
@@ -134,8 +129,8 @@ def test_three_steps_fp32_equal_unpatched(family, optim):
     report = apply_moepeak(model, **OPTS)
     assert isinstance(report, MoepeakReport)
     assert report.experts_on_moepeak and not report.experts_fallback, str(report)
-    assert_final_norm_report(family, report)
-    assert "forward" in vars(model.model.norm) or family not in LEAN_NORM_FAMILIES
+    assert_final_norm_report(report)
+    assert "forward" in vars(model.model.norm)
     if optim == "adamw":
         opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(ref.parameters(), lr=1e-3)
     else:
@@ -165,7 +160,7 @@ def test_three_steps_bf16_within_twice_torch_error(family):
     truth = reference(model).double()
     report = apply_moepeak(model, **OPTS)
     assert report.experts_on_moepeak and not report.experts_fallback, str(report)
-    assert_final_norm_report(family, report)
+    assert_final_norm_report(report)
     data = batches()
     losses, params = train(model, torch.optim.AdamW(model.parameters(), lr=1e-3), data)
     ref_losses, ref_params = train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3), data)
@@ -256,6 +251,16 @@ def test_each_part_can_be_turned_off():
     report = apply_moepeak(eager_norm, experts=False, checkpoint=False, lean_norm=False)
     assert "final norm: turned off (lean_norm=False)" in report.left_alone
     assert "forward" not in vars(eager_norm.model.norm) and "forward" in vars(eager_norm)
+
+
+def test_a_final_norm_not_in_lean_norms_is_left_alone():
+    model = build("qwen3_moe")
+    norm = model.model.norm
+    model.model.norm = type("MyRMSNorm", (type(norm),), {})(norm.weight.shape[0], eps=norm.variance_epsilon)
+    report = apply_moepeak(model, experts=False, checkpoint=False)
+    assert any(p.startswith("final norm: MyRMSNorm is not in moepeak.hf.LEAN_NORMS") for p in report.left_alone), \
+        str(report)
+    assert "forward" not in vars(model.model.norm)
 
 
 def test_apply_twice_is_a_clear_error():

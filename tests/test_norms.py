@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 from moepeak.hf import LEAN_NORMS  # noqa: E402
 
 MODULES = {"Qwen3MoeRMSNorm": "qwen3_moe", "Qwen2MoeRMSNorm": "qwen2_moe", "MixtralRMSNorm": "mixtral",
-           "OlmoeRMSNorm": "olmoe", "DeepseekV3RMSNorm": "deepseek_v3"}
+           "OlmoeRMSNorm": "olmoe", "DeepseekV3RMSNorm": "deepseek_v3", "GptOssRMSNorm": "gpt_oss"}
 
 
 def _module(name, H, dtype, eps=1e-6, seed=0):
@@ -28,6 +28,7 @@ def _module(name, H, dtype, eps=1e-6, seed=0):
 
 def test_lean_norms_list_is_what_is_tested():
     assert set(LEAN_NORMS) == set(MODULES)
+    assert [k for k, fp32 in LEAN_NORMS.items() if fp32] == ["GptOssRMSNorm"]
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
@@ -47,7 +48,8 @@ def test_forward_bitwise_and_grads_within_rule(name, dtype, T, chunk):
         y.backward(gy.to(y.dtype))
         return y.detach(), x.grad, norm.weight.grad.clone()
 
-    y, dx, dw = run(lambda x: rms_norm(x, norm.weight, norm.variance_epsilon, chunk_tokens=chunk), x0)
+    y, dx, dw = run(lambda x: rms_norm(x, norm.weight, norm.variance_epsilon, chunk_tokens=chunk,
+                                       multiply_in_fp32=LEAN_NORMS[name]), x0)
     y_hf, dx_hf, dw_hf = run(norm, x0)
     assert y.dtype == y_hf.dtype and torch.equal(y, y_hf), "forward differs from the module's"
     xd = x0.double().requires_grad_(True)
@@ -65,6 +67,27 @@ def test_forward_bitwise_and_grads_within_rule(name, dtype, T, chunk):
             f"{what}: max diff {e_ours.max().item():.3g} mean {e_ours.mean().item():.3g}, eager max " \
             f"{e_eager.max().item():.3g} mean {e_eager.mean().item():.3g}"
         assert e_ours.mean().item() <= 2 * e_eager.mean().item() + 1e-7 * truth.abs().max().item(), what
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_demo_models_norm(dtype):
+    """moepeak.demo.models.RMSNorm multiplies in fp32 (GPT-OSS's order): bitwise forward with
+    multiply_in_fp32=True, and its lean mode (the final norm's) is exactly that function."""
+    from moepeak.demo.models import RMSNorm
+    H = 40
+    eager = RMSNorm(H, 1e-5, dtype=dtype)
+    lean = RMSNorm(H, 1e-5, dtype=dtype, lean=True)
+    with torch.no_grad():
+        eager.weight.copy_(1 + 0.5 * torch.randn(H, generator=torch.Generator().manual_seed(1)))
+        lean.weight.copy_(eager.weight)
+    x = (3 * torch.randn(3, 11, H, generator=torch.Generator().manual_seed(2))).to(dtype).requires_grad_(True)
+    y4 = rms_norm(x, eager.weight, 1e-5, chunk_tokens=4, multiply_in_fp32=True)
+    assert y4.dtype == dtype and torch.equal(y4, eager(x)) and torch.equal(lean(x), eager(x))
+    y = rms_norm(x, eager.weight, 1e-5, multiply_in_fp32=True)  # the module's chunking: same dweight sums
+    g = torch.randn(3, 11, H, generator=torch.Generator().manual_seed(3)).to(dtype)
+    dx_lean, dw_lean = torch.autograd.grad(lean(x), [x, lean.weight], g)
+    dx, dw = torch.autograd.grad(y, [x, eager.weight], g)
+    assert torch.equal(dx_lean, dx) and torch.equal(dw_lean, dw)
 
 
 def test_empty_non_contiguous_and_no_grad_paths():
@@ -114,13 +137,15 @@ def test_bad_arguments():
         rms_norm(torch.tensor(1.0), torch.ones(1), 1e-6)
     with pytest.raises(TypeError, match="weight must be floating point"):
         rms_norm(x, torch.ones(8, dtype=torch.long), 1e-6)
+    with pytest.raises(TypeError, match="multiply_in_fp32 must be a bool"):
+        rms_norm(x, w, 1e-6, multiply_in_fp32=1)
 
 
 @pytest.mark.parametrize("T,H,chunk", [(512, 64, 64), (300, 128, 128), (256, 64, 4096)])
 def test_backward_live_bytes_are_the_plans_lean_final_norm(T, H, chunk):
     """bf16 lean norm: live bytes through forward and backward peak at the saved x, rstd, the
     incoming grad, dx and three fp32 [c, H] chunk temporaries (the plan's final_norm with
-    hf_lean_norm); not counted: the weight's [H] gradient and scalars (< 1% here)."""
+    lean_norm); not counted: the weight's [H] gradient and scalars (< 1% here)."""
     norm = _module("Qwen3MoeRMSNorm", H, torch.bfloat16)
     x = torch.randn(1, T, H, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(1, T, H, dtype=torch.bfloat16)
@@ -136,17 +161,19 @@ def test_backward_live_bytes_are_the_plans_lean_final_norm(T, H, chunk):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("name", ["Qwen3MoeRMSNorm", "GptOssRMSNorm"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_forward_bitwise_and_grads_within_rule(dtype):
+def test_cuda_forward_bitwise_and_grads_within_rule(dtype, name):
     """On the GPU: chunked forward bitwise the module's at the bench's H (2048), T not a multiple
     of the chunk; gradients within DESIGN's rule of the fp64 reference."""
     T, H, chunk = 10000, 2048, DEFAULT_CHUNK_TOKENS
-    norm = _module("Qwen3MoeRMSNorm", H, dtype).cuda()
+    norm = _module(name, H, dtype).cuda()
     g = torch.Generator(device="cuda").manual_seed(0)
     x0 = torch.randn(1, T, H, device="cuda", generator=g).to(dtype)
     gy = torch.randn(1, T, H, device="cuda", generator=g).to(dtype)
     grads = []
-    for fn in (lambda x: rms_norm(x, norm.weight, norm.variance_epsilon, chunk_tokens=chunk), norm):
+    for fn in (lambda x: rms_norm(x, norm.weight, norm.variance_epsilon, chunk_tokens=chunk,
+                                  multiply_in_fp32=LEAN_NORMS[name]), norm):
         x = x0.detach().requires_grad_(True)
         norm.weight.grad = None
         y = fn(x)

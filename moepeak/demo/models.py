@@ -3,6 +3,8 @@ switch per moepeak schedule.
 
     embed -> L x [ x + Attn(RMSNorm(x)) ; x + MoE(RMSNorm(x)) ] -> RMSNorm -> head+CE
 
+(with the Ring-DTP head the final RMSNorm is moepeak.norms.rms_norm unless lean_norm=False)
+
 Every switch changes only the schedule, never the parameters: the same
 state_dict drives both settings, which is how the end-to-end test compares
 moepeak with plain PyTorch.
@@ -43,6 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as torch_ckpt
 
+from ..norms import rms_norm
 from . import context_parallel as CP
 
 # scaled_dot_product_attention(..., enable_gqa=True): torch >= 2.5
@@ -109,6 +112,9 @@ class MoEConfig:
     # this many tokens, forward and backward; only attention holds full-length tensors
     # (None: whole blocks). Composes with every checkpoint setting.
     tile_tokens: Optional[int] = None
+    # With head "ring_dtp", the final RMSNorm runs moepeak.norms.rms_norm (the same forward, a
+    # backward without fp32 [T, H] tensors); False: autograd through the eager norm.
+    lean_norm: bool = True
 
     @property
     def head_dim(self) -> int:
@@ -194,12 +200,18 @@ def param_count(cfg: MoEConfig) -> int:
 # --------------------------------------------------------------------------- blocks
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim, eps=1e-6, device=None, dtype=None):
+    """(normalise(x.float()) * weight.float()).to(x.dtype). lean=True runs the same forward
+    through moepeak.norms.rms_norm (bitwise; its backward saves x and an fp32 rstd only and
+    works in row chunks instead of autograd's fp32 [T, H] tensors)."""
+
+    def __init__(self, dim, eps=1e-6, device=None, dtype=None, lean=False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.lean = eps, lean
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x):
+        if self.lean:
+            return rms_norm(x, self.weight, self.eps, multiply_in_fp32=True)
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.float()).to(x.dtype)
@@ -371,7 +383,8 @@ class MoELM(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden, device=device, dtype=dtype)
         self.layers = nn.ModuleList(Block(cfg, self.rotary, group, device, dtype)
                                     for _ in range(cfg.layers))
-        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, device, dtype)
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, device, dtype,
+                            lean=cfg.lean_norm and cfg.head == "ring_dtp")
         if cfg.head == "ring_dtp":
             kw = {k: getattr(cfg, k) for k in ("chunk_tokens", "chunk_vocab") if getattr(cfg, k)}
             self.head = component("head")(cfg.hidden, cfg.vocab_size, group=group, reduction=red,
