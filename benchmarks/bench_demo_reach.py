@@ -47,13 +47,10 @@ attention-bound (~200 s a step), memory ~75 GiB per rank expected:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import socket
 import sys
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -61,7 +58,8 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))  # the repo root
-from _common import append_results, is_oom  # noqa: E402
+from _common import append_results  # noqa: E402
+from _dist_points import sweep  # noqa: E402
 
 GiB = 2 ** 30
 SMOKE = dict(layers=2, hidden=64, heads=4, kv_heads=2, experts=4, top_k=2, intermediate=64, vocab=264,
@@ -77,147 +75,52 @@ def _model_tag(d):
 
 # --------------------------------------------------------------------------- child: one point
 
-def _child(arm, seq_len, steps, rank, world, port, d, device_kind, out_file, simulate_oom):
-    """One (arm, seq_len) point on one rank; writes {"status", ...} to out_file."""
-    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # our own store, not torchrun's
-    res = {"status": "error", "rank": rank}
-    try:
-        from moepeak.demo.context_parallel import cp_slice
-        from moepeak.demo.data import TokenStream
-        from moepeak.demo import shard_model
-        from moepeak.demo.models import MoEConfig, MoELM, build_optimizer, resolve
-        cuda = device_kind == "cuda"
+def _point(rank, world, dev, arm, seq_len, steps, d, simulate_oom):
+    """One (arm, seq_len) point on one rank (run by _dist_points in a fresh child process)."""
+    from moepeak.demo.context_parallel import cp_slice
+    from moepeak.demo.data import TokenStream
+    from moepeak.demo import shard_model
+    from moepeak.demo.models import MoEConfig, MoELM, build_optimizer, resolve
+    cuda = dev.type == "cuda"
+    cfg = MoEConfig(vocab_size=d["vocab"], hidden=d["hidden"], layers=d["layers"], heads=d["heads"],
+                    kv_heads=d["kv_heads"], experts=d["experts"], top_k=d["top_k"],
+                    intermediate=d["intermediate"], chunk_rows=d.get("chunk_rows"),
+                    context_parallel=True)
+    on = arm == "moepeak"
+    cfg, opt_kind, notes = resolve(cfg, "stream", want_moepeak=dict.fromkeys(
+        ("moe", "head", "checkpoint", "optimizer"), on))
+    settings = f"{cfg.moe}/{cfg.head}/{cfg.checkpoint}/{opt_kind}"
+    cfg.validate(world_size=world, seq_len=seq_len)
+    model = MoELM(cfg, group=dist.group.WORLD, world_size=world, device=dev,
+                  dtype=getattr(torch, d["dtype"]), seed=0)
+    local = shard_model(model, world)
+    opt = build_optimizer(model.parameters(), opt_kind, lr=1e-3, weight_decay=0.0)
+    data = TokenStream("auto", max_bytes=8 << 20)
+    times, losses = [], []
+    for s in range(steps):
+        x, y = (cp_slice(t, rank, world).to(dev) for t in data.batch(s, 1, seq_len))
         if cuda:
-            torch.cuda.set_device(rank)
-            dev = torch.device("cuda", rank)
-            res["gpu"] = torch.cuda.get_device_name(dev)
-            res["total_gib"] = torch.cuda.get_device_properties(dev).total_memory / GiB
-        else:
-            dev = torch.device("cpu")
-            torch.set_num_threads(1)
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=rank, world_size=world)
-        cfg = MoEConfig(vocab_size=d["vocab"], hidden=d["hidden"], layers=d["layers"], heads=d["heads"],
-                        kv_heads=d["kv_heads"], experts=d["experts"], top_k=d["top_k"],
-                        intermediate=d["intermediate"], chunk_rows=d.get("chunk_rows"),
-                        context_parallel=True)
-        on = arm == "moepeak"
-        cfg, opt_kind, notes = resolve(cfg, "stream", want_moepeak=dict.fromkeys(
-            ("moe", "head", "checkpoint", "optimizer"), on))
-        res["settings"] = f"{cfg.moe}/{cfg.head}/{cfg.checkpoint}/{opt_kind}"
-        cfg.validate(world_size=world, seq_len=seq_len)
-        model = MoELM(cfg, group=dist.group.WORLD, world_size=world, device=dev,
-                      dtype=getattr(torch, d["dtype"]), seed=0)
-        local = shard_model(model, world)
-        opt = build_optimizer(model.parameters(), opt_kind, lr=1e-3, weight_decay=0.0)
-        data = TokenStream("auto", max_bytes=8 << 20)
-        times, losses = [], []
-        for s in range(steps):
-            x, y = (cp_slice(t, rank, world).to(dev) for t in data.batch(s, 1, seq_len))
-            if cuda:
-                torch.cuda.synchronize(dev)
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = model(x, y)
-            if simulate_oom and simulate_oom == (arm, seq_len, rank):
-                raise torch.cuda.OutOfMemoryError("simulated: CUDA out of memory (bench --simulate-oom)")
-            loss.backward()
-            for p in local:
-                if p.grad is not None:
-                    p.grad.div_(world)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.synchronize(dev)
-            times.append(time.perf_counter() - t0)
-            losses.append(float(loss.detach()))
-        res.update(status="ok", step_s=times, loss=losses,
-                   peak_gib=torch.cuda.max_memory_allocated(dev) / GiB if cuda else None)
-        model.close()
-        dist.destroy_process_group()
-    except BaseException as e:  # noqa: BLE001 - an OOM is a result
-        res.update(status="oom" if is_oom(e) else "error", note=f"{type(e).__name__}: {str(e)[:300]}")
-        if res["status"] == "error":
-            res["traceback"] = traceback.format_exc()[-2000:]
-    _write_json(out_file, res)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # leave at once: a failed rank's peer may be blocked in a collective, and any
-    # cleanup (destroy_process_group, freeing) could block too; exiting frees it all
-    os._exit(0 if res["status"] == "ok" else 3)
-
-
-def _write_json(path, obj):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
-
-
-def _read_json(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
+            torch.cuda.synchronize(dev)
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = model(x, y)
+        if simulate_oom and tuple(simulate_oom) == (arm, seq_len, rank):
+            raise torch.cuda.OutOfMemoryError("simulated: CUDA out of memory (bench --simulate-oom)")
+        loss.backward()
+        for p in local:
+            if p.grad is not None:
+                p.grad.div_(world)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+    model.close()
+    return dict(step_s=times, loss=losses, settings=settings)
 
 
 # --------------------------------------------------------------------------- parent: the sweep
-
-def _run_point(arm, L, a, d, rank, world, port, workdir, timeout, device_kind):
-    import multiprocessing as mp
-    files = [os.path.join(workdir, f"{arm}_{L}_r{r}.json") for r in range(world)]
-    for f in files[rank:rank + 1]:
-        if os.path.exists(f):
-            os.remove(f)
-    dist.barrier()
-    sim = None
-    if a.simulate_oom:
-        sa, sl, sr = a.simulate_oom.split(":")
-        sim = (sa, int(sl), int(sr))
-    p = mp.get_context("spawn").Process(target=_child, args=(arm, L, a.steps, rank, world, port, d,
-                                                             device_kind, files[rank], sim))
-    p.start()
-    t0, failed_at, verdict = time.monotonic(), None, None
-    while True:
-        p.join(0.25)
-        if p.exitcode is not None:
-            break
-        now = time.monotonic()
-        if failed_at is None:
-            for f in files:
-                r = _read_json(f)
-                if r is not None and r["status"] != "ok":
-                    failed_at = now  # a peer failed: our child may be blocked in a collective
-        if failed_at is not None and now - failed_at > a.grace:
-            verdict = "peer-failed"
-        elif now - t0 > timeout:
-            verdict = "timeout"
-        if verdict:
-            p.kill()
-            p.join(10)
-            break
-    mine = _read_json(files[rank]) or {"status": verdict or "error", "rank": rank,
-                                       "note": f"child exit code {p.exitcode}, no result"}
-    outs = [None] * world
-    dist.all_gather_object(outs, mine)
-    return outs
-
-
-def _combine(outs):
-    """(status, peak GiB max over ranks, timed step s max over ranks, note). An OOM on
-    any rank makes the point an OOM (its peers then fail in a collective or are killed:
-    those consequences are not reported as errors of their own)."""
-    st = [o["status"] for o in outs]
-    for s in ("oom", "timeout", "error", "peer-failed"):
-        if s in st:
-            note = "; ".join(f"rank {o['rank']}: {o.get('note', o['status'])}" for o in outs
-                             if o["status"] == s)
-            return s, None, None, note
-    peak = max(o["peak_gib"] for o in outs) if outs[0].get("peak_gib") is not None else None
-    step = max(o["step_s"][-1] for o in outs)
-    return "ok", peak, step, outs[0].get("settings", "")
-
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -263,65 +166,38 @@ def main():
     say(f"bench_demo_reach: P={world}, model {_model_tag(d)}, lengths {lengths[0]}..{lengths[-1]}, "
         f"{a.steps} steps each, budget {budget:.0f} s per arm")
     say(f"{'arm':>8} {'seq_len':>9} {'status':>9} {'peak GiB':>9} {'step s':>8} {'tok/s':>10}  note")
-    reach, stop, last_ok, gpu, total_gib = {}, {}, {}, "cpu", None
-    for arm in a.arms.split(","):
-        t_arm, prev = time.monotonic(), None  # prev: (L, step_s, point wall s) of the last ok point
-        reach[arm], stop[arm] = 0, f"--max-len {lengths[-1]} reached"
-        for L in lengths:
-            # rank 0 decides (time cap, port) and tells the others: every rank takes the same path
-            plan = [None, None]
-            if rank == 0:
-                if prev is not None:
-                    est = prev[2] + (prev[1] * (L / prev[0]) ** 2 - prev[1]) * a.steps
-                    left = budget - (time.monotonic() - t_arm)
-                    if est > left:
-                        plan[0] = (f"next step predicted {prev[1] * (L / prev[0]) ** 2:.1f} s x {a.steps} "
-                                   f"(point ~{est:.0f} s): over the arm's budget ({left:.0f} s left)")
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", 0))
-                    plan[1] = s.getsockname()[1]
-            dist.broadcast_object_list(plan, src=0)
-            if plan[0] is not None:
-                row = dict(status="time-cap", note=plan[0])
-                stop[arm] = f"time-cap before {L}"
-                say(f"{arm:>8} {L:>9} {'time-cap':>9} {'':>9} {'':>8} {'':>10}  {row['note']}")
-                if rank == 0:
-                    append_results(a.out, "demo_reach", [dict(
-                        P=world, arm=arm, seq_len=L, model=_model_tag(d), steps=a.steps,
-                        peak_gib="", step_s="", tokens_per_s="", **row)], FIELDS, gpu=gpu)
-                break
-            port = plan[1]
-            t0 = time.monotonic()
-            timeout = max(60.0, budget - (t0 - t_arm) + 60.0)
-            outs = _run_point(arm, L, a, d, rank, world, port, workdir, timeout, device_kind)
-            wall = time.monotonic() - t0
-            gpu = outs[0].get("gpu", gpu)
-            total_gib = outs[0].get("total_gib", total_gib)
-            status, peak, step, note = _combine(outs)
-            tps = L / step if step else None
-            say(f"{arm:>8} {L:>9} {status:>9} {(f'{peak:.2f}' if peak is not None else '-'):>9} "
-                f"{(f'{step:.2f}' if step else '-'):>8} {(f'{tps:.0f}' if tps else '-'):>10}  {note}")
-            if rank == 0:
-                if status == "error":
-                    for o in outs:
-                        if o.get("traceback"):
-                            print(f"rank {o['rank']} traceback:\n{o['traceback']}", flush=True)
-                append_results(a.out, "demo_reach", [dict(
-                    P=world, arm=arm, seq_len=L, status=status,
-                    peak_gib=f"{peak:.3f}" if peak is not None else "", step_s=f"{step:.4f}" if step else "",
-                    tokens_per_s=f"{tps:.1f}" if tps else "", model=_model_tag(d), steps=a.steps,
-                    note=note)], FIELDS, gpu=gpu)
-            if status != "ok":
-                stop[arm] = f"{status} at {L}"
-                break
-            reach[arm] = L
-            last_ok.setdefault(arm, []).append((L, peak))
-            prev = (L, step, wall)
-    say("")
+    seen = {"gpu": "cpu", "total_gib": None}
+
+    def on_point(arm, L, status, peak, step, note, outs):
+        if outs is not None:
+            seen["gpu"] = outs[0].get("gpu", seen["gpu"])
+            seen["total_gib"] = outs[0].get("total_gib", seen["total_gib"])
+        tps = L / step if step else None
+        say(f"{arm:>8} {L:>9} {status:>9} {(f'{peak:.2f}' if peak is not None else '-'):>9} "
+            f"{(f'{step:.2f}' if step else '-'):>8} {(f'{tps:.0f}' if tps else '-'):>10}  {note}")
+        if rank != 0:
+            return
+        if status == "error":
+            for o in outs:
+                if o.get("traceback"):
+                    print(f"rank {o['rank']} traceback:\n{o['traceback']}", flush=True)
+        append_results(a.out, "demo_reach", [dict(
+            P=world, arm=arm, seq_len=L, status=status,
+            peak_gib=f"{peak:.3f}" if peak is not None else "", step_s=f"{step:.4f}" if step else "",
+            tokens_per_s=f"{tps:.1f}" if tps else "", model=_model_tag(d), steps=a.steps,
+            note=note)], FIELDS, gpu=seen["gpu"])
+
+    sim = tuple(int(v) if i else v for i, v in enumerate(a.simulate_oom.split(":"))) if a.simulate_oom else None
+    res = sweep(a.arms.split(","), lengths, _point, lambda arm, L: (arm, L, a.steps, d, sim), rank=rank,
+                world=world, steps=a.steps, budget=budget, grace=a.grace, workdir=workdir,
+                device_kind=device_kind, on_point=on_point, say=say)
+    reach = {arm: r[0] for arm, r in res.items()}
+    stop = {arm: r[1] for arm, r in res.items()}
+    total_gib = seen["total_gib"]
     for arm in reach:
         say(f"{arm}: longest context completed {reach[arm]} tokens ({reach[arm] // world} per rank); "
             f"stopped: {stop[arm]}")
-        pts = [p for p in last_ok.get(arm, []) if p[1] is not None]
+        pts = [p for p in res[arm][2] if p[1] is not None]
         if total_gib and len(pts) >= 2:
             (l1, p1), (l2, p2) = pts[-2], pts[-1]
             slope = (p2 - p1) / (l2 - l1)

@@ -1,0 +1,179 @@
+"""Multi-rank benchmark points where an OOM is a result on every rank, with no hang.
+
+Each point (one arm at one length) runs in a fresh child process per rank with its own
+process group: a rank that runs out of memory mid-step would leave its peer blocked in a
+collective. The child writes its outcome to a JSON file and leaves with os._exit; a
+parent whose sibling reports a failure kills its own (possibly blocked) child after a
+grace period; the parents (gloo on the CPU, never touching a GPU) then all-gather the
+outcomes, so every rank takes the same decision. Memory is freed with the child.
+
+    outs = run_point(point_fn, point_args, rank, world, port, files, device_kind, grace, timeout)
+    status, peak_gib, step_s, note = combine(outs)
+
+point_fn(rank, world, device, *point_args) -> dict runs in the child after its process
+group is up ("nccl" on CUDA with rank r on cuda:r, "gloo" on the CPU); it returns at
+least step_s (a list, the last timed) and may add fields (settings, loss, ...). The
+child adds status, rank, gpu, total_gib and peak_gib (max_memory_allocated on CUDA).
+point_fn must be a module-level function (the child is spawned).
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from _common import is_oom
+
+GiB = 2 ** 30
+FAILURES = ("oom", "timeout", "error", "peer-failed")  # worst first: what a point reports
+
+
+def _child(point_fn, point_args, rank, world, port, device_kind, out_file):
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # our own store, not torchrun's
+    res = {"status": "error", "rank": rank}
+    try:
+        cuda = device_kind == "cuda"
+        if cuda:
+            torch.cuda.set_device(rank)
+            dev = torch.device("cuda", rank)
+            res["gpu"] = torch.cuda.get_device_name(dev)
+            res["total_gib"] = torch.cuda.get_device_properties(dev).total_memory / GiB
+        else:
+            dev = torch.device("cpu")
+            torch.set_num_threads(1)
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=world)
+        res.update(point_fn(rank, world, dev, *point_args))
+        res.update(status="ok", peak_gib=torch.cuda.max_memory_allocated(dev) / GiB if cuda else None)
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - an OOM is a result
+        res.update(status="oom" if is_oom(e) else "error", note=f"{type(e).__name__}: {str(e)[:300]}")
+        if res["status"] == "error":
+            res["traceback"] = traceback.format_exc()[-2000:]
+    write_json(out_file, res)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # leave at once: a failed rank's peer may be blocked in a collective, and any
+    # cleanup (destroy_process_group, freeing) could block too; exiting frees it all
+    os._exit(0 if res["status"] == "ok" else 3)
+
+
+def write_json(path, obj):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+def read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def run_point(point_fn, point_args, rank, world, port, files, device_kind, grace, timeout):
+    """Run point_fn on every rank (this parent's child is rank `rank`); files[r] is rank r's
+    result file. Returns every rank's result dict (all-gathered over the parents' group)."""
+    if os.path.exists(files[rank]):
+        os.remove(files[rank])
+    dist.barrier()
+    p = mp.get_context("spawn").Process(target=_child, args=(point_fn, point_args, rank, world, port,
+                                                             device_kind, files[rank]))
+    p.start()
+    t0, failed_at, verdict = time.monotonic(), None, None
+    while True:
+        p.join(0.25)
+        if p.exitcode is not None:
+            break
+        now = time.monotonic()
+        if failed_at is None:
+            for f in files:
+                r = read_json(f)
+                if r is not None and r["status"] != "ok":
+                    failed_at = now  # a peer failed: our child may be blocked in a collective
+        if failed_at is not None and now - failed_at > grace:
+            verdict = "peer-failed"
+        elif now - t0 > timeout:
+            verdict = "timeout"
+        if verdict:
+            p.kill()
+            p.join(10)
+            break
+    mine = read_json(files[rank]) or {"status": verdict or "error", "rank": rank,
+                                      "note": f"child exit code {p.exitcode}, no result"}
+    outs = [None] * world
+    dist.all_gather_object(outs, mine)
+    return outs
+
+
+def combine(outs):
+    """(status, peak GiB max over ranks, timed step s max over ranks, note). An OOM on
+    any rank makes the point an OOM (its peers then fail in a collective or are killed:
+    those consequences are not reported as errors of their own)."""
+    st = [o["status"] for o in outs]
+    for s in FAILURES:
+        if s in st:
+            note = "; ".join(f"rank {o['rank']}: {o.get('note', o['status'])}" for o in outs if o["status"] == s)
+            return s, None, None, note
+    peak = max(o["peak_gib"] for o in outs) if outs[0].get("peak_gib") is not None else None
+    step = max(o["step_s"][-1] for o in outs)
+    return "ok", peak, step, outs[0].get("settings", "")
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sweep(arms, lengths, point_fn, point_args, *, rank, world, steps, budget, grace, workdir, device_kind,
+          on_point, say):
+    """Per arm, lengths ascending until a point fails or the next one is predicted (the last
+    step x (L / last L)^2 per step: attention is quadratic) to overrun the arm's wall budget
+    (status "time-cap"). point_args(arm, L) gives point_fn's arguments after (rank, world,
+    device). on_point(arm, L, status, peak_gib, step_s, note, outs) records each point (outs:
+    every rank's result, None for a time-cap). Every rank takes the same path: rank 0 decides
+    and broadcasts. Returns {arm: (longest ok length or 0, why it stopped, [(L, peak)] ok)}."""
+    result = {}
+    for arm in arms:
+        t_arm, prev = time.monotonic(), None  # prev: (L, step_s, point wall s) of the last ok point
+        reach, stop, ok = 0, f"--max-len {lengths[-1]} reached", []
+        for L in lengths:
+            plan = [None, None]
+            if rank == 0:
+                if prev is not None:
+                    est = prev[2] + (prev[1] * (L / prev[0]) ** 2 - prev[1]) * steps
+                    left = budget - (time.monotonic() - t_arm)
+                    if est > left:
+                        plan[0] = (f"next step predicted {prev[1] * (L / prev[0]) ** 2:.1f} s x {steps} "
+                                   f"(point ~{est:.0f} s): over the arm's budget ({left:.0f} s left)")
+                plan[1] = free_port()
+            dist.broadcast_object_list(plan, src=0)
+            if plan[0] is not None:
+                stop = f"time-cap before {L}"
+                on_point(arm, L, "time-cap", None, None, plan[0], None)
+                break
+            t0 = time.monotonic()
+            files = [os.path.join(workdir, f"{arm}_{L}_r{r}.json") for r in range(world)]
+            timeout = max(60.0, budget - (t0 - t_arm) + 60.0)
+            outs = run_point(point_fn, point_args(arm, L), rank, world, plan[1], files, device_kind, grace, timeout)
+            status, peak, step, note = combine(outs)
+            on_point(arm, L, status, peak, step, note, outs)
+            if status != "ok":
+                stop = f"{status} at {L}"
+                break
+            reach = L
+            ok.append((L, peak))
+            prev = (L, step, time.monotonic() - t0)
+        result[arm] = (reach, stop, ok)
+        say("")
+    return result

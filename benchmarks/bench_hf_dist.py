@@ -1,0 +1,187 @@
+"""Two (or more) GPUs: the Hugging Face Qwen3-MoE of bench_hf.py trained data parallel,
+one sequence of T tokens per rank, HF's own multi-GPU setup against apply_moepeak with
+the experts split over the ranks.
+
+Arms (the same random-init model; every point in fresh child processes, see
+_dist_points.py):
+  fsdp     HF's FSDP2 setup as accelerate builds it (its FSDP2 plugin with the decoder
+           layer as the wrap unit): torch fully_shard per Qwen3MoeDecoderLayer and at the
+           root, fp32 params, MixedPrecisionPolicy(bf16 params, fp32 reduce) on CUDA,
+           gradient_checkpointing_enable(), experts through transformers' grouped_mm,
+           the model's own loss, torch.optim.AdamW (fused on CUDA) on the shards.
+  moepeak  bf16 params, apply_moepeak(model, group=WORLD[, tile_tokens]): each rank
+           keeps E/P experts and PipelinedLLEP moves the tokens to them; the loss without
+           logits; SCO checkpointing; the lean final norm. The non-expert gradients are
+           summed over the ranks (all_reduce; the loss is scaled by 1/P, so these are the
+           mean over all tokens, as the expert slices' already are); moepeak.StreamAdamW.
+
+Per (arm, T): --steps steps (the first allocates optimizer state and pinned arenas),
+the last timed; T doubles from --min-len to --max-len until a failure or the arm's
+--max-seconds. Recorded (DIR/hf_dist.csv, after _common.RESULT_COLUMNS): P, arm,
+tokens_per_rank, status (ok / oom / time-cap / timeout / error / peer-failed),
+peak_gib (max over ranks of max_memory_allocated: weights, grads, optimizer state and
+activations), step_s (timed step, max over ranks), tokens_per_s_per_gpu, loss (rank 0),
+transformers, note.
+
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 benchmarks/bench_hf_dist.py --out benchmarks/results
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 benchmarks/bench_hf_dist.py --arms moepeak \\
+        --tile-tokens 8192 --min-len 262144 --max-len 524288 --out benchmarks/results
+    torchrun --nproc_per_node=2 benchmarks/bench_hf_dist.py --tiny --out /tmp/r   # CPU gloo (the test)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.dirname(HERE))  # the repo root
+from _common import append_results  # noqa: E402
+from _dist_points import sweep  # noqa: E402
+from bench_hf import FULL, TINY, build_model  # noqa: E402
+
+FIELDS = ["P", "arm", "tokens_per_rank", "status", "peak_gib", "step_s", "tokens_per_s_per_gpu", "loss",
+          "transformers", "note"]
+ARMS = ("fsdp", "moepeak")
+EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # Qwen3-MoE's expert weights
+
+
+def _point(rank, world, dev, arm, T, steps, shape, tile_tokens, simulate_oom):
+    """One (arm, T) point on one rank: build the arm, `steps` steps, the last timed."""
+    cuda = dev.type == "cuda"
+    if arm == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        model = build_model(shape, T, torch.float32, dev)
+        model.gradient_checkpointing_enable()
+        mp = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) \
+            if cuda else {}
+        for layer in model.model.layers:
+            fully_shard(layer, **mp)
+        fully_shard(model, **mp)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda, foreach=not cuda)
+        dense, scale, settings = [], 1.0, "FSDP2 + HF checkpointing + torch AdamW"
+    else:
+        import moepeak
+        from moepeak.hf import apply_moepeak
+        model = build_model(shape, T, torch.bfloat16, dev)
+        report = apply_moepeak(model, group=dist.group.WORLD, tile_tokens=tile_tokens)
+        opt = moepeak.StreamAdamW(model.parameters(), lr=1e-4)
+        dense = [p for n, p in model.named_parameters() if not n.endswith(EXPERT_PARAMS)]
+        scale = 1.0 / world
+        settings = (f"experts on moepeak: {len(report.experts_on_moepeak)} split over {world} ranks"
+                    + (f"; tile_tokens {tile_tokens}" if tile_tokens else ""))
+    model.train()
+    gen = torch.Generator().manual_seed(1000 * rank + T)
+    times, losses = [], []
+    for _ in range(steps):
+        ids = torch.randint(0, shape["vocab_size"], (1, T), generator=gen).to(dev)
+        if cuda:
+            torch.cuda.synchronize(dev)
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        if simulate_oom and tuple(simulate_oom) == (arm, T, rank):
+            raise torch.cuda.OutOfMemoryError("simulated: CUDA out of memory (bench --simulate-oom)")
+        (loss * scale).backward()
+        for p in dense:  # moepeak: the replicated parameters' gradients, summed over the ranks
+            dist.all_reduce(p.grad)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+    if dense:  # the replicated parameters took the same update on every rank
+        sums = torch.stack([p.detach().double().sum() for p in dense])
+        ref = sums.clone()
+        dist.broadcast(ref, src=0)
+        if not torch.equal(sums, ref):
+            raise RuntimeError(f"bench_hf_dist: rank {rank}'s replicated parameters differ from rank 0's")
+    return dict(step_s=times, loss=losses, settings=settings)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {ARMS}")
+    ap.add_argument("--tiny", action="store_true", help="bench_hf's tiny model on CPU gloo (tests the script)")
+    ap.add_argument("--min-len", type=int, default=None, help="tokens per rank (default 8192; --tiny 64)")
+    ap.add_argument("--max-len", type=int, default=None, help="(default 524288; --tiny 128)")
+    ap.add_argument("--steps", type=int, default=2, help="steps per length; the last is timed")
+    ap.add_argument("--max-seconds", type=float, default=270.0, help="wall-clock budget per arm")
+    ap.add_argument("--tile-tokens", type=int, default=None, help="moepeak arm: apply_moepeak's tile_tokens")
+    ap.add_argument("--grace", type=float, default=20.0,
+                    help="seconds a rank waits after its peer failed before killing its own child")
+    ap.add_argument("--simulate-oom", default=None, help=argparse.SUPPRESS)  # ARM:LEN:RANK (tests)
+    a = ap.parse_args(argv)
+    arms = a.arms.split(",")
+    if any(arm not in ARMS for arm in arms):
+        raise SystemExit(f"bench_hf_dist: --arms must name some of {ARMS}, got {a.arms!r}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world < 2 or "LOCAL_WORLD_SIZE" in os.environ and int(os.environ["LOCAL_WORLD_SIZE"]) != world:
+        print("bench_hf_dist: run under torchrun on one host with >= 2 ranks, e.g.\n  "
+              "NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 benchmarks/bench_hf_dist.py --out DIR")
+        return 2
+    import transformers
+    shape, device_kind = (TINY, "cpu") if a.tiny else (FULL, "cuda")
+    if shape["num_experts"] % world:
+        raise SystemExit(f"bench_hf_dist: {shape['num_experts']} experts do not split over {world} ranks")
+    lo = a.min_len or (64 if a.tiny else 8192)
+    hi = a.max_len or (128 if a.tiny else 1 << 19)
+    lengths = []
+    while lo <= hi:
+        lengths.append(lo)
+        lo *= 2
+    dist.init_process_group("gloo")  # the parents coordinate on the CPU; children own the GPUs
+    workdir = os.path.join(a.out, ".hf_dist_tmp")
+    os.makedirs(workdir, exist_ok=True)
+    say = (lambda *x: print(*x, flush=True)) if rank == 0 else (lambda *x: None)
+    say(f"bench_hf_dist: P={world}, Qwen3-MoE {'tiny' if a.tiny else '2.0B'}, tokens per rank "
+        f"{lengths[0]}..{lengths[-1]}, {a.steps} steps each, budget {a.max_seconds:.0f} s per arm")
+    say(f"{'arm':>8} {'T/rank':>9} {'status':>11} {'peak GiB':>9} {'step s':>8} {'tok/s/GPU':>10}  note")
+    gpu = {"name": "cpu"}
+
+    def on_point(arm, L, status, peak, step, note, outs):
+        loss = ""
+        if outs is not None:
+            gpu["name"] = outs[0].get("gpu", gpu["name"])
+            if status == "ok":
+                loss = f"{outs[0]['loss'][-1]:.4f}"
+        tps = L / step if step else None
+        say(f"{arm:>8} {L:>9} {status:>11} {(f'{peak:.2f}' if peak is not None else '-'):>9} "
+            f"{(f'{step:.2f}' if step else '-'):>8} {(f'{tps:.0f}' if tps else '-'):>10}  {note}")
+        if rank != 0:
+            return
+        if status == "error":
+            for o in outs:
+                if o.get("traceback"):
+                    print(f"rank {o['rank']} traceback:\n{o['traceback']}", flush=True)
+        append_results(a.out, "hf_dist", [dict(
+            P=world, arm=arm, tokens_per_rank=L, status=status, peak_gib=f"{peak:.3f}" if peak is not None else "",
+            step_s=f"{step:.4f}" if step else "", tokens_per_s_per_gpu=f"{tps:.1f}" if tps else "", loss=loss,
+            transformers=transformers.__version__, note=note)], FIELDS, gpu=gpu["name"])
+
+    sim = tuple(int(v) if i else v for i, v in enumerate(a.simulate_oom.split(":"))) if a.simulate_oom else None
+    res = sweep(arms, lengths, _point, lambda arm, L: (arm, L, a.steps, shape, a.tile_tokens, sim), rank=rank,
+                world=world, steps=a.steps, budget=a.max_seconds, grace=a.grace, workdir=workdir,
+                device_kind=device_kind, on_point=on_point, say=say)
+    for arm, (reach, stop, _) in res.items():
+        say(f"{arm}: longest length completed {reach} tokens per rank; stopped: {stop}")
+    if res.get("moepeak", (0,))[0] and res.get("fsdp", (0,))[0]:
+        say(f"reach ratio moepeak/fsdp: {res['moepeak'][0] / res['fsdp'][0]:.1f}x")
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(workdir, ignore_errors=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
