@@ -12,8 +12,10 @@ Arms (moepeak.demo.models.MoELM, the same parameters in each):
              + torch.optim.AdamW(fused=True) on the GPU; fp32 params, bf16 autocast
     liger    as plain with Liger's fused linear cross-entropy head (skipped with a
              note when liger_kernel is not importable)
-    moepeak  PipelinedLLEP + Ring-DTP head + SCO + StreamAdamW(overlap_backward=True),
-             bf16 params (fp32 master/state in host RAM)
+    moepeak  PipelinedLLEP + Ring-DTP head (and the lean final norm) + SCO +
+             StreamAdamW(overlap_backward=True), bf16 params (fp32 master/state in host RAM)
+    moepeak_tiled  moepeak with sequence-tiled blocks (MoEConfig.tile_tokens = 8192;
+             --tiny: 32), the fifth peak's schedule
 
 Per (arm, T): --warmup untimed steps then --steps timed ones (defaults 1 and 1).
 A timed step is forward + backward, synchronize (t_bwd), optimizer step(),
@@ -50,7 +52,8 @@ from _common import append_results, is_oom  # noqa: E402
 from bench_demo_reach import SMOKE  # noqa: E402  (the CPU smoke shape of the demo model)
 
 GiB = 2 ** 30
-ARMS = ("plain", "liger", "moepeak")
+ARMS = ("plain", "liger", "moepeak", "moepeak_tiled")
+TILE_TOKENS = 8192  # the moepeak_tiled arm's (the --tiny shape: 32)
 SHAPE_2B = dict(layers=16, hidden=2048, heads=16, kv_heads=4, experts=16, top_k=4, intermediate=768,
                 vocab=151936, dtype="bfloat16", chunk_rows=None)
 FIELDS = ["arm", "seq_len", "status", "peak_gib", "step_s", "tokens_per_s", "opt_exposed_s",
@@ -83,9 +86,12 @@ def build_arm(arm, d, device):
     cfg = MoEConfig(vocab_size=d["vocab"], hidden=d["hidden"], layers=d["layers"], heads=d["heads"],
                     kv_heads=d["kv_heads"], experts=d["experts"], top_k=d["top_k"],
                     intermediate=d["intermediate"], chunk_rows=d.get("chunk_rows"))
-    on = arm == "moepeak"
+    on = arm.startswith("moepeak")
     cfg, opt_kind, notes = resolve(cfg, "stream", want_moepeak=dict.fromkeys(("moe", "head", "checkpoint",
                                                                                "optimizer"), on))
+    if arm == "moepeak_tiled":
+        cfg = cfg.replace(tile_tokens=d.get("tile_tokens", TILE_TOKENS))
+        notes.append(f"tile_tokens {cfg.tile_tokens}")
     if on:
         model = MoELM(cfg, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
         opt = moepeak.StreamAdamW(model.parameters(), lr=1e-4, weight_decay=0.0, overlap_backward=True)
@@ -158,7 +164,7 @@ def sweep(arm, a, d, device, lengths, arm_deadline, base):
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
                 times = [timed_step(model, opt, ids, autocast, device) for _ in range(a.steps)]
-                if arm == "moepeak" and standalone is None:
+                if arm.startswith("moepeak") and standalone is None:
                     opt.set_overlap(False)
                     standalone = timed_step(model, opt, ids, autocast, device)[1]
                     opt.set_overlap(True)
@@ -214,7 +220,7 @@ def main(argv=None):
     if bad:
         ap.error(f"--arms: unknown {bad}; choose from {ARMS}")
     if a.tiny:
-        d, device = dict(SMOKE), torch.device("cpu")
+        d, device = dict(SMOKE, tile_tokens=32), torch.device("cpu")
         lo, hi = a.min_len or 64, a.max_len or 128
     else:
         if not torch.cuda.is_available():

@@ -1,6 +1,6 @@
 """benchmarks/bench_composed.py runs end to end on the CPU (--tiny) and writes
 its CSV: every arm gets rows (liger: a skip row when liger_kernel is absent),
-the moepeak arm reports its exposed and standalone optimizer times."""
+the moepeak arms report their exposed and standalone optimizer times."""
 import csv
 import os
 import sys
@@ -17,13 +17,14 @@ def test_bench_composed_tiny(tmp_path):
     by_arm = {}
     for r in rows:
         by_arm.setdefault(r["arm"], []).append(r)
-    assert set(by_arm) == {"plain", "liger", "moepeak"}
-    for arm in ("plain", "moepeak"):
+    assert set(by_arm) == {"plain", "liger", "moepeak", "moepeak_tiled"}
+    for arm in ("plain", "moepeak", "moepeak_tiled"):
         (r,) = by_arm[arm]
         assert r["status"] == "ok" and r["seq_len"] == "64", r
         assert float(r["step_s"]) > 0 and float(r["tokens_per_s"]) > 0
         assert float(r["opt_exposed_s"]) >= 0
     assert float(by_arm["moepeak"][0]["opt_standalone_s"]) > 0
+    assert "tile_tokens 32" in by_arm["moepeak_tiled"][0]["note"]
     try:
         import liger_kernel  # noqa: F401
         assert by_arm["liger"][0]["status"] == "ok"
