@@ -11,6 +11,8 @@ never reach the next):
   hf       fp32 params + bf16 autocast, gradient_checkpointing_enable(),
            experts through transformers' grouped_mm, the model's own loss
            (full logits), torch.optim.AdamW(fused=True) on the device.
+  hf_offload  hf with gradient_checkpointing_enable(offload=True) (torch checkpoint
+           under save_on_cpu: HF's own activation offload, what SCO replaces).
   liger    hf + apply_liger_kernel_to_qwen3_moe (fused linear cross-entropy,
            RMSNorm, SwiGLU, RoPE) + gradient_checkpointing_enable(offload=True)
            (torch checkpoint under save_on_cpu). Skipped with a note when
@@ -55,7 +57,7 @@ from _common import append_results, is_oom  # noqa: E402
 # The figure columns of hf.csv, after _common.RESULT_COLUMNS (timestamp, gpu, torch, moepeak, commit).
 FIELDS = ["transformers", "arm", "T", "status", "peak_gib", "step_s", "step_s_spread", "tokens_per_s", "loss",
           "params", "note"]
-ARMS = ("hf", "liger", "moepeak", "moepeak_tiled")
+ARMS = ("hf", "hf_offload", "liger", "moepeak", "moepeak_tiled")
 # Qwen3-MoE ~2.0B (issue 24): 16 x (10.5M attention + 75.5M experts) + 2 x 311M embeddings.
 FULL = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
             num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=128, num_experts=16,
@@ -100,7 +102,7 @@ def setup_arm(arm, shape, max_T, device, tile_tokens=8192):
         opt = moepeak.StreamAdamW(model.parameters(), lr=1e-4)
         return model, opt, None, note
     model = build_model(shape, max_T, torch.float32, device)
-    model.gradient_checkpointing_enable(offload=(arm == "liger"))
+    model.gradient_checkpointing_enable(offload=(arm in ("hf_offload", "liger")))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     return model, opt, torch.bfloat16, note
 
@@ -115,6 +117,9 @@ def run_arm(args, arm):
         except ImportError as e:
             emit(dict(base, T=0, status="skipped", note=f"liger_kernel not importable: {e}"))
             return
+    if arm == "hf_offload" and device == "cpu":
+        emit(dict(base, T=0, status="skipped", note="save_on_cpu pins host memory: needs CUDA"))
+        return
     model, opt, autocast, note = setup_arm(arm, shape, max(args.T), device, args.tile_tokens)
     params = sum(p.numel() for p in model.parameters())
     base.update(params=params)

@@ -345,7 +345,7 @@ def test_readme_example_runs(tmp_path):
 
 def test_bench_hf_tiny_runs(tmp_path):
     csv = tmp_path / "hf.csv"
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_hf.py"), "--tiny", "--arms", "hf,moepeak",
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_hf.py"), "--tiny", "--arms", "hf,hf_offload,moepeak",
                           "--csv", str(csv)], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": ROOT})
     assert res.returncode == 0, res.stdout + res.stderr
@@ -353,4 +353,8 @@ def test_bench_hf_tiny_runs(tmp_path):
     with open(csv) as f:
         rows = list(DictReader(f))
     ok = {r["arm"] for r in rows if r["status"] == "ok" and float(r["step_s"]) > 0 and r["loss"]}
-    assert {"hf", "moepeak"} <= ok, rows
+    if torch.cuda.is_available():
+        assert {"hf", "hf_offload", "moepeak"} <= ok, rows
+    else:  # save_on_cpu pins host memory
+        assert {"hf", "moepeak"} <= ok, rows
+        assert [r["status"] for r in rows if r["arm"] == "hf_offload"] == ["skipped"], rows
