@@ -36,6 +36,9 @@ what transformers expects. Three parts, each can be turned off:
   moepeak.norms.rms_norm: bitwise its forward, a backward that saves the input
   and fp32 rstd only and works in chunks of norm_chunk_tokens rows (the
   instance's forward is replaced; module tree and state_dict keys unchanged).
+  With checkpoint and lean_norm, the decoder layers' RMSNorms (input,
+  post-attention, per-head q/k) run it too, so a recomputed layer saves the
+  norms' inputs and rstd instead of fp32 copies.
 - checkpoint: SCO (moepeak.sco_checkpoint) as the model's gradient
   checkpointing function on every GradientCheckpointingLayer, enabled at once.
   The instance's _set_gradient_checkpointing is replaced, so a later
@@ -364,25 +367,61 @@ LEAN_NORMS = {"Qwen3MoeRMSNorm": False, "Qwen2MoeRMSNorm": False, "MixtralRMSNor
               "DeepseekV3RMSNorm": False, "GptOssRMSNorm": True}
 
 
-def _patch_final_norm(model, options, report):
-    from .norms import DEFAULT_CHUNK_TOKENS, rms_norm
-    base = getattr(model, model.base_model_prefix, None)
-    norm = getattr(base, "norm", None)
-    kind = type(norm).__name__
-    if kind not in LEAN_NORMS or not isinstance(getattr(norm, "variance_epsilon", None), float):
-        report.left_alone.append(f"final norm: {kind} is not in moepeak.hf.LEAN_NORMS; its eager forward and "
-                                 "backward run")
-        return
+def _norm_chunk(options):
+    from .norms import DEFAULT_CHUNK_TOKENS
     chunk = options.get("norm_chunk_tokens", DEFAULT_CHUNK_TOKENS)
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"moepeak.hf: norm_chunk_tokens must be a positive integer, got {chunk!r}")
+    return chunk
 
-    def forward(hidden_states, _norm=norm, _fp32=LEAN_NORMS[kind]):
+
+def _lean_forward(norm, chunk):
+    """Replace this instance's forward with moepeak.norms.rms_norm (same forward, bitwise)."""
+    from .norms import rms_norm
+
+    def forward(hidden_states, _norm=norm, _fp32=LEAN_NORMS[type(norm).__name__]):
         return rms_norm(hidden_states, _norm.weight, _norm.variance_epsilon, chunk_tokens=chunk,
                         multiply_in_fp32=_fp32)
     norm.forward = forward
+
+
+def _is_lean_candidate(norm):
+    return type(norm).__name__ in LEAN_NORMS and isinstance(getattr(norm, "variance_epsilon", None), float)
+
+
+def _patch_final_norm(model, options, report):
+    base = getattr(model, model.base_model_prefix, None)
+    norm = getattr(base, "norm", None)
+    kind = type(norm).__name__
+    if not _is_lean_candidate(norm):
+        report.left_alone.append(f"final norm: {kind} is not in moepeak.hf.LEAN_NORMS; its eager forward and "
+                                 "backward run")
+        return
+    chunk = _norm_chunk(options)
+    _lean_forward(norm, chunk)
     report.patched.append(f"final norm: {model.base_model_prefix}.norm ({kind}) runs moepeak.norms.rms_norm "
                           f"(same forward; backward saves x and rstd only, in chunks of {chunk} tokens)")
+
+
+def _patch_layer_norms(model, options, report):
+    """The decoder layers' RMSNorms (input / post-attention, per-head q/k norms): what a
+    checkpointed layer's recompute saves for backward shrinks from fp32 copies of their
+    inputs to the inputs themselves and an fp32 rstd."""
+    layers = [m for m in model.modules() if hasattr(m, "input_layernorm") and hasattr(m, "post_attention_layernorm")]
+    norms = [m for layer in layers for m in layer.modules() if _is_lean_candidate(m)]
+    others = sorted({type(m).__name__ for layer in layers for m in layer.modules()
+                     if "RMSNorm" in type(m).__name__ and not _is_lean_candidate(m)})
+    if others:
+        report.left_alone.append(f"layer norms: {others} not in moepeak.hf.LEAN_NORMS; their eager forward "
+                                 "and backward run")
+    if not norms:
+        return
+    chunk = _norm_chunk(options)
+    for norm in norms:
+        _lean_forward(norm, chunk)
+    kinds = sorted({type(m).__name__ for m in norms})
+    report.patched.append(f"layer norms: {len(norms)} {'/'.join(kinds)} modules in {len(layers)} decoder layers "
+                          f"run moepeak.norms.rms_norm (same forward; the recompute saves x and rstd only)")
 
 
 def causal_lm_loss(hidden, lm_head: torch.nn.Linear, labels, *, num_items_in_batch=None, ignore_index=-100,
@@ -530,7 +569,8 @@ def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint:
     chunk_tokens, chunk_vocab); for the lean final norm, norm_chunk_tokens
     (moepeak.norms.rms_norm's chunk_tokens); for checkpointing, sco_config (a
     moepeak.SCOConfig).
-    lean_norm: with loss, the final norm runs moepeak.norms.rms_norm (see the module docstring).
+    lean_norm: with loss, the final norm runs moepeak.norms.rms_norm; with checkpoint, the decoder
+    layers' norms too (see the module docstring).
     tile_tokens: sequence-tiled decoder layers (see the module docstring; None: off)."""
     transformers = _transformers()
     if not isinstance(model, transformers.PreTrainedModel):
@@ -561,6 +601,8 @@ def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint:
         report.left_alone.append("loss: turned off (loss=False)")
     if checkpoint:
         _patch_checkpoint(model, options, report)
+        if lean_norm:
+            _patch_layer_norms(model, options, report)
     else:
         report.left_alone.append("checkpoint: turned off (checkpoint=False)")
     model._moepeak_hf = report

@@ -19,7 +19,7 @@ Peaks (bytes per GPU; each term read off the code that allocates it, see peaks()
   optimizer  12*N/P (fp32 master, m, v)               0 (host RAM + pinned slots)
 Also held: 'fixed' = params + grads (plain 4*N/P fp32 grads; moepeak bf16 params + grads
 2*b*N/P), two all-gathered blocks when P > 1, RoPE tables 8*d*T; 'block' = the saved
-tensors of the block being recomputed (two RMSNorms 2*(8H+4), attention b*(H+5*nh*d) +
+tensors of the block being recomputed (two RMSNorms 2*(8H+4), lean: 4 + (b*H+4), attention b*(H+5*nh*d) +
 4*nh, router 4H+4E+12K, the incoming grad b*H, per token); 'head_act' = what the final
 RMSNorm saves + the head's input b*H per token; 'final_norm' = the final RMSNorm's own
 backward at its peak. The final norm (Setup.lean_norm): moepeak.norms.rms_norm (the
@@ -292,13 +292,17 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
     #   nh heads, the output and fp32 lse (4 * b*Hq + 4*nh); o_proj's input copy b*Hq;
     #   router: fp32 copy of its input 4H, softmax output 4E, top-k ids 8K, top-k values 4K,
     #   their sum 4 (normalisation).
-    norms = 2 * (8 * H + 4)
+    #   with lean norms (moepeak.norms.rms_norm: Setup.lean_norm, moepeak plan) each saves its input and
+    #   rstd, b*H + 4; the first one's input is the block input itself (in 'boundaries'), so 4 + (b*H + 4).
+    lean = s.lean_norm and plan == "moepeak"
+    saved_norm = b * H + 4 if lean else 8 * H + 4
+    norms = (4 + saved_norm) if lean else 2 * saved_norm
     attn = b * (H + 5 * Hq) + 4 * m.heads
     router = 4 * H + 4 * E + 12 * K + 4
-    out = {"saved_norm": 8 * H + 4, "saved_router": router}  # per token (checked on CPU)
+    out = {"saved_norm": saved_norm, "saved_router": router}  # per token (checked on CPU)
     rope = 2 * b * d + 8 if hf else 8 * d       # hf: cos, sin [B, T, d] x b + position_ids int64;
     #                                             demo: cos, sin tables [T, d] x fp32, cached
-    if s.lean_norm and plan == "moepeak":        # moepeak.norms.rms_norm (module docstring)
+    if lean:                                     # moepeak.norms.rms_norm (module docstring)
         from .norms import BACKWARD_CHUNK_FP32, DEFAULT_CHUNK_TOKENS
         c = min(s.norm_chunk_tokens or DEFAULT_CHUNK_TOKENS, T)
         head_act = b * H + 4 + b * H             # saved x, rstd + the head's input

@@ -63,6 +63,8 @@ OPTS = dict(chunk_rows=32, norm_chunk_tokens=7)  # T*K = 48 picks: two chunks pe
 def assert_final_norm_report(report):
     lean = [p for p in report.patched if p.startswith("final norm:")]
     assert lean and "moepeak.norms.rms_norm" in lean[0] and "chunks of 7 tokens" in lean[0], str(report)
+    layers = [p for p in report.patched if p.startswith("layer norms:")]  # with checkpoint (SCO)
+    assert layers and "in 2 decoder layers run moepeak.norms.rms_norm" in layers[0], str(report)
 
 
 def build(family, dtype=torch.float32, seed=0):
@@ -251,6 +253,10 @@ def test_each_part_can_be_turned_off():
     report = apply_moepeak(eager_norm, experts=False, checkpoint=False, lean_norm=False)
     assert "final norm: turned off (lean_norm=False)" in report.left_alone
     assert "forward" not in vars(eager_norm.model.norm) and "forward" in vars(eager_norm)
+    eager_layers = build("qwen3_moe")
+    report = apply_moepeak(eager_layers, experts=False, loss=False, lean_norm=False)
+    assert not any(p.startswith("layer norms:") for p in report.patched), str(report)
+    assert not any("forward" in vars(m) for m in eager_layers.modules() if "RMSNorm" in type(m).__name__)
 
 
 def test_a_final_norm_not_in_lean_norms_is_left_alone():

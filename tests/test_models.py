@@ -157,3 +157,30 @@ def test_router_logits_stay_fp32_under_autocast(moe):
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-6)
     assert y.shape == (1, 16, cfg.hidden) and torch.isfinite(y).all()
+
+
+def test_lean_norms_follow_the_schedules_and_keep_the_loss():
+    """lean_norm (default): the final RMSNorm with the Ring-DTP head and the blocks' with SCO
+    run moepeak.norms.rms_norm, plain PyTorch keeps the eager ones; the forward is bitwise the
+    same and the gradients agree to fp32 rounding."""
+    if not (available("head") and available("checkpoint")):
+        pytest.skip("moepeak's head / SCO not in this build")
+    cfg = MoEConfig(moe="dense", head="ring_dtp", checkpoint="sco")
+    lean, eager = MoELM(cfg), MoELM(cfg.replace(lean_norm=False))
+    plain = MoELM(cfg.plain())
+    assert lean.norm.lean and all(b.attn_norm.lean and b.mlp_norm.lean for b in lean.layers)
+    for m in (eager, plain):
+        assert not m.norm.lean and not any(b.attn_norm.lean or b.mlp_norm.lean for b in m.layers)
+    assert MoELM(cfg.replace(checkpoint="torch")).norm.lean  # the final norm follows the head only
+    eager.load_state_dict(lean.state_dict())
+    ids = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for m in (lean, eager):
+        loss = m(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.equal(losses[0], losses[1])
+    for (n, p), q in zip(lean.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=n)
+    for m in (lean, eager, plain):
+        m.close()

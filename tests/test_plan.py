@@ -192,6 +192,9 @@ def test_saved_tensor_terms_match_autograd_on_cpu():
     n = RMSNorm(H, dtype=torch.bfloat16)
     got = _saved_bytes_per_token(lambda: n(x), list(n.parameters()), T)
     assert abs(got - plain["saved_norm"]) <= 0.01 * got, (got, plain["saved_norm"])
+    lean = RMSNorm(H, dtype=torch.bfloat16, lean=True)  # saves x itself and an fp32 rstd
+    got = _saved_bytes_per_token(lambda: lean(x), list(lean.parameters()), T)
+    assert abs(got - mine["saved_norm"]) <= 0.01 * got and mine["saved_norm"] == 2 * H + 4, (got, mine["saved_norm"])
     d = DenseMoE(H, I, E, K, dtype=torch.bfloat16)
     for p in d.parameters():
         torch.nn.init.normal_(p)
@@ -389,7 +392,9 @@ def test_tiled_block_term_is_the_listed_full_length_tensors_plus_one_tile():
     untiled = P.peaks(m, P.Setup(gpus=1), 1 << 20, "moepeak")
     tile_part = b["block"] - (1 << 20) * per_token
     assert tile_part == 8192 * untiled["block"] / (1 << 20)  # one tile of the untiled block's bytes
-    assert b["block"] < 0.5 * untiled["block"] and b["dispatch"] < untiled["dispatch"]
+    assert b["block"] < 0.7 * untiled["block"] and b["dispatch"] < untiled["dispatch"]
+    eager = P.peaks(m, P.Setup(gpus=1, lean_norm=False), 1 << 20, "moepeak")  # fp32 norm copies in the block
+    assert b["block"] < 0.5 * eager["block"] and untiled["block"] < 0.75 * eager["block"]
     assert P.peaks(m, s, 4096, "moepeak")["block"] == P.peaks(m, P.Setup(gpus=1), 4096, "moepeak")["block"] \
         + 4096 * per_token  # T < tile: one tile of T tokens plus the full-length set
     assert P.longest_context(m, s, "moepeak") > P.longest_context(m, P.Setup(gpus=1), "moepeak")

@@ -3,7 +3,8 @@ switch per moepeak schedule.
 
     embed -> L x [ x + Attn(RMSNorm(x)) ; x + MoE(RMSNorm(x)) ] -> RMSNorm -> head+CE
 
-(with the Ring-DTP head the final RMSNorm is moepeak.norms.rms_norm unless lean_norm=False)
+(the RMSNorms run moepeak.norms.rms_norm, unless lean_norm=False: the final one with the Ring-DTP
+head, the blocks' with SCO checkpointing)
 
 Every switch changes only the schedule, never the parameters: the same
 state_dict drives both settings, which is how the end-to-end test compares
@@ -112,8 +113,9 @@ class MoEConfig:
     # this many tokens, forward and backward; only attention holds full-length tensors
     # (None: whole blocks). Composes with every checkpoint setting.
     tile_tokens: Optional[int] = None
-    # With head "ring_dtp", the final RMSNorm runs moepeak.norms.rms_norm (the same forward, a
-    # backward without fp32 [T, H] tensors); False: autograd through the eager norm.
+    # RMSNorms through moepeak.norms.rms_norm (the same forward, a backward without fp32 [T, H]
+    # tensors): the final one with head "ring_dtp", the blocks' with checkpoint "sco";
+    # False: autograd through the eager norms.
     lean_norm: bool = True
 
     @property
@@ -345,9 +347,10 @@ class PlainLMHead(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: MoEConfig, rotary: Rotary, group=None, device=None, dtype=None):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps, device, dtype)
+        lean = cfg.lean_norm and cfg.checkpoint == "sco"  # what the recompute saves: x and rstd only
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps, device, dtype, lean=lean)
         self.attn = Attention(cfg, rotary, device, dtype)
-        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps, device, dtype)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps, device, dtype, lean=lean)
         if cfg.moe == "llep":
             kw = {} if cfg.chunk_rows is None else {"chunk_rows": cfg.chunk_rows}
             self.moe = component("moe")(cfg.hidden, cfg.intermediate, cfg.experts, cfg.top_k,
