@@ -1,6 +1,6 @@
 """moepeak.norms: an RMSNorm whose backward holds chunk-sized fp32 temporaries.
 
-    y = rms_norm(x, weight, eps, chunk_tokens=DEFAULT_CHUNK_TOKENS, multiply_in_fp32=False)
+    y = rms_norm(x, weight, eps, chunk_tokens=None, multiply_in_fp32=False)
 
 computes what transformers' RMSNorm forwards compute, op for op, so for contiguous x the
 result is bitwise that of the module (strided x: torch's reduction order over strided rows
@@ -15,7 +15,10 @@ depends on how many rows one call sees, so it agrees to rounding):
 Eager autograd through those ops saves fp32 x [T, H] and its backward peaks at that
 plus five fp32 [T, H] temporaries (24*H bytes per token). This function saves only
 x [T, H] in its own dtype and rstd [T] fp32, and its forward and backward run T in
-chunks of chunk_tokens rows, so the fp32 temporaries are [chunk_tokens, H].
+chunks of chunk_tokens rows, so the fp32 temporaries are [chunk_tokens, H]. The default
+(chunk_tokens=None) is default_chunk_rows(H): DEFAULT_CHUNK_TOKENS rows at H = 2048 and the
+same fp32 bytes at any other width (a per-head q/k norm, H = 128, takes 16x the rows), so
+narrow norms do not pay a Python loop of tiny chunks.
 
 Backward, per row (exact math; n = h * rstd is the fp32 normalised row, g = grad_y * weight):
     dx = rstd * (g - n * mean(g * n))          (cast to x.dtype)
@@ -25,10 +28,19 @@ three fp32 [chunk_tokens, H] (h, g and one product); BACKWARD_CHUNK_FP32 names t
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 # 4096 rows x H = 2048: each fp32 chunk temporary is 32 MiB, three of them 96 MiB.
 DEFAULT_CHUNK_TOKENS = 4096
+CHUNK_ELEMENTS = DEFAULT_CHUNK_TOKENS * 2048  # the default chunk's elements, whatever H
+
+
+def default_chunk_rows(H: int) -> int:
+    """Rows per chunk when chunk_tokens is None: CHUNK_ELEMENTS // H (at least 1)."""
+    return max(1, CHUNK_ELEMENTS // max(1, H))
+
 BACKWARD_CHUNK_FP32 = 3  # fp32 [chunk_tokens, H] temporaries alive at once in the backward
 
 
@@ -47,8 +59,9 @@ def _check(x, weight, eps, chunk_tokens):
         raise ValueError(f"rms_norm: weight is on {weight.device}, x on {x.device} (expected the same device)")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"rms_norm: eps must be a float >= 0, got {eps!r}")
-    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-        raise ValueError(f"rms_norm: chunk_tokens must be a positive integer, got {chunk_tokens!r}")
+    if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
+                                     or chunk_tokens < 1):
+        raise ValueError(f"rms_norm: chunk_tokens must be a positive integer or None, got {chunk_tokens!r}")
 
 
 def _backward_chunk(x, rstd, grad_y, w32, dx, dw):
@@ -105,7 +118,7 @@ class _LeanRMSNorm(torch.autograd.Function):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
-             chunk_tokens: int = DEFAULT_CHUNK_TOKENS, multiply_in_fp32: bool = False) -> torch.Tensor:
+             chunk_tokens: Optional[int] = None, multiply_in_fp32: bool = False) -> torch.Tensor:
     """RMSNorm of x [..., H] with weight [H], for contiguous x bitwise equal to transformers'
     forward: weight * normalise(x.float()).to(x.dtype) (Qwen3MoeRMSNorm / MixtralRMSNorm; returns
     promote(weight.dtype, x.dtype)), or with multiply_in_fp32 (normalise(x.float()) *
@@ -116,7 +129,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
         raise TypeError(f"rms_norm: multiply_in_fp32 must be a bool, got {multiply_in_fp32!r}")
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])  # a view where x's layout allows (then its strides are kept)
+    if chunk_tokens is None:
+        chunk_tokens = default_chunk_rows(shape[-1])
     return _LeanRMSNorm.apply(x2, weight, float(eps), chunk_tokens, multiply_in_fp32).view(*shape[:-1], shape[-1])
 
 
-__all__ = ["rms_norm", "DEFAULT_CHUNK_TOKENS", "BACKWARD_CHUNK_FP32"]
+__all__ = ["rms_norm", "default_chunk_rows", "DEFAULT_CHUNK_TOKENS", "CHUNK_ELEMENTS", "BACKWARD_CHUNK_FP32"]

@@ -228,7 +228,7 @@ class Setup:
     tile_tokens: Optional[int] = None  # moepeak.tiled's tile (None: whole blocks)
     impl: str = "demo"          # IMPLS: whose modeling code runs the layers
     lean_norm: bool = True      # moepeak plan: the final norm is moepeak.norms.rms_norm (False: the eager one)
-    norm_chunk_tokens: Optional[int] = None  # its chunk (None: moepeak.norms.DEFAULT_CHUNK_TOKENS)
+    norm_chunk_tokens: Optional[int] = None  # its chunk (None: moepeak.norms.default_chunk_rows(H))
     bucket_mb: float = 64.0     # StreamAdamW bucket (its slots are pinned host memory: 0 GPU bytes)
     sco_in_flight: int = 2      # SCOConfig.max_in_flight (W): forward D2H copies still referenced
     sco_prefetch: int = 1       # SCOConfig.prefetch: boundaries loaded ahead in backward
@@ -303,8 +303,8 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
     rope = 2 * b * d + 8 if hf else 8 * d       # hf: cos, sin [B, T, d] x b + position_ids int64;
     #                                             demo: cos, sin tables [T, d] x fp32, cached
     if lean:                                     # moepeak.norms.rms_norm (module docstring)
-        from .norms import BACKWARD_CHUNK_FP32, DEFAULT_CHUNK_TOKENS
-        c = min(s.norm_chunk_tokens or DEFAULT_CHUNK_TOKENS, T)
+        from .norms import BACKWARD_CHUNK_FP32, default_chunk_rows
+        c = min(s.norm_chunk_tokens or default_chunk_rows(H), T)
         head_act = b * H + 4 + b * H             # saved x, rstd + the head's input
         # its backward: saved x, rstd, the incoming grad, dx + the chunk's fp32 temporaries
         out["final_norm"] = T * (3 * b * H + 4) + BACKWARD_CHUNK_FP32 * 4 * c * H

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from moepeak import plan as P
-from moepeak.norms import BACKWARD_CHUNK_FP32, DEFAULT_CHUNK_TOKENS, rms_norm
+from moepeak.norms import BACKWARD_CHUNK_FP32, DEFAULT_CHUNK_TOKENS, default_chunk_rows, rms_norm
 from refs import rms_norm_ref
 from tiled_blocks import LiveBytes
 
@@ -116,6 +116,23 @@ def test_empty_non_contiguous_and_no_grad_paths():
     assert xs.grad is not None
     with torch.no_grad():
         assert torch.equal(rms_norm(xs, w, 1e-6), norm(xs))
+
+
+def test_default_chunk_is_a_fixed_number_of_elements():
+    """chunk_tokens=None: DEFAULT_CHUNK_TOKENS rows at H = 2048, the same fp32 bytes at other
+    widths (a per-head norm, H = 128, takes 16x the rows), bitwise the explicit chunking."""
+    assert default_chunk_rows(2048) == DEFAULT_CHUNK_TOKENS
+    assert default_chunk_rows(128) == 16 * DEFAULT_CHUNK_TOKENS and default_chunk_rows(1 << 30) == 1
+    H = 4096 * 2048 // 48 + 1  # wide rows: a default chunk of 48 rows, so T = 100 runs three chunks
+    assert default_chunk_rows(H) == 47
+    w = 1 + 0.1 * torch.randn(H, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(100, H, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    g = torch.randn(100, H, generator=torch.Generator().manual_seed(2))
+    y = rms_norm(x, w, 1e-6)
+    (dx,) = torch.autograd.grad(y, x, g)
+    y2 = rms_norm(x, w, 1e-6, chunk_tokens=47)
+    (dx2,) = torch.autograd.grad(y2, x, g)
+    assert torch.equal(y, y2) and torch.equal(dx, dx2)
 
 
 def test_bad_arguments():
