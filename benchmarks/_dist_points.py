@@ -177,3 +177,25 @@ def sweep(arms, lengths, point_fn, point_args, *, rank, world, steps, budget, gr
         result[arm] = (reach, stop, ok)
         say("")
     return result
+
+
+def point_line(arm, L, status, peak, step, note) -> str:
+    """One point's console line: arm, length, status, peak GiB, step s, tokens/s (per rank), note."""
+    tps = L / step if step else None
+    return (f"{arm:>8} {L:>9} {status:>11} {(f'{peak:.2f}' if peak is not None else '-'):>9} "
+            f"{(f'{step:.2f}' if step else '-'):>8} {(f'{tps:.0f}' if tps else '-'):>10}  {note}")
+
+
+def print_tracebacks(outs) -> None:
+    """The tracebacks of the ranks whose point raised something other than an OOM."""
+    for o in outs or ():
+        if o.get("traceback"):
+            print(f"rank {o['rank']} traceback:\n{o['traceback']}", flush=True)
+
+
+def parse_simulated_oom(spec):
+    """--simulate-oom ARM:LEN:RANK (the tests' OOM on one rank) -> (arm, len, rank), or None."""
+    if not spec:
+        return None
+    arm, length, rank = spec.split(":")
+    return arm, int(length), int(rank)

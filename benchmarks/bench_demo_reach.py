@@ -59,7 +59,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))  # the repo root
 from _common import append_results  # noqa: E402
-from _dist_points import sweep  # noqa: E402
+from _dist_points import parse_simulated_oom, point_line, print_tracebacks, sweep  # noqa: E402
 
 GiB = 2 ** 30
 SMOKE = dict(layers=2, hidden=64, heads=4, kv_heads=2, experts=4, top_k=2, intermediate=64, vocab=264,
@@ -165,7 +165,7 @@ def main():
         L *= 2
     say(f"bench_demo_reach: P={world}, model {_model_tag(d)}, lengths {lengths[0]}..{lengths[-1]}, "
         f"{a.steps} steps each, budget {budget:.0f} s per arm")
-    say(f"{'arm':>8} {'seq_len':>9} {'status':>9} {'peak GiB':>9} {'step s':>8} {'tok/s':>10}  note")
+    say(f"{'arm':>8} {'seq_len':>9} {'status':>11} {'peak GiB':>9} {'step s':>8} {'tok/s':>10}  note")
     seen = {"gpu": "cpu", "total_gib": None}
 
     def on_point(arm, L, status, peak, step, note, outs):
@@ -173,21 +173,18 @@ def main():
             seen["gpu"] = outs[0].get("gpu", seen["gpu"])
             seen["total_gib"] = outs[0].get("total_gib", seen["total_gib"])
         tps = L / step if step else None
-        say(f"{arm:>8} {L:>9} {status:>9} {(f'{peak:.2f}' if peak is not None else '-'):>9} "
-            f"{(f'{step:.2f}' if step else '-'):>8} {(f'{tps:.0f}' if tps else '-'):>10}  {note}")
+        say(point_line(arm, L, status, peak, step, note))
         if rank != 0:
             return
         if status == "error":
-            for o in outs:
-                if o.get("traceback"):
-                    print(f"rank {o['rank']} traceback:\n{o['traceback']}", flush=True)
+            print_tracebacks(outs)
         append_results(a.out, "demo_reach", [dict(
             P=world, arm=arm, seq_len=L, status=status,
             peak_gib=f"{peak:.3f}" if peak is not None else "", step_s=f"{step:.4f}" if step else "",
             tokens_per_s=f"{tps:.1f}" if tps else "", model=_model_tag(d), steps=a.steps,
             note=note)], FIELDS, gpu=seen["gpu"])
 
-    sim = tuple(int(v) if i else v for i, v in enumerate(a.simulate_oom.split(":"))) if a.simulate_oom else None
+    sim = parse_simulated_oom(a.simulate_oom)
     res = sweep(a.arms.split(","), lengths, _point, lambda arm, L: (arm, L, a.steps, d, sim), rank=rank,
                 world=world, steps=a.steps, budget=budget, grace=a.grace, workdir=workdir,
                 device_kind=device_kind, on_point=on_point, say=say)

@@ -43,7 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))  # the repo root
 from _common import append_results  # noqa: E402
-from _dist_points import sweep  # noqa: E402
+from _dist_points import parse_simulated_oom, point_line, print_tracebacks, sweep  # noqa: E402
 from bench_hf import FULL, TINY, build_model  # noqa: E402
 
 FIELDS = ["P", "arm", "tokens_per_rank", "status", "peak_gib", "step_s", "tokens_per_s_per_gpu", "loss",
@@ -155,20 +155,17 @@ def main(argv=None):
             if status == "ok":
                 loss = f"{outs[0]['loss'][-1]:.4f}"
         tps = L / step if step else None
-        say(f"{arm:>8} {L:>9} {status:>11} {(f'{peak:.2f}' if peak is not None else '-'):>9} "
-            f"{(f'{step:.2f}' if step else '-'):>8} {(f'{tps:.0f}' if tps else '-'):>10}  {note}")
+        say(point_line(arm, L, status, peak, step, note))
         if rank != 0:
             return
         if status == "error":
-            for o in outs:
-                if o.get("traceback"):
-                    print(f"rank {o['rank']} traceback:\n{o['traceback']}", flush=True)
+            print_tracebacks(outs)
         append_results(a.out, "hf_dist", [dict(
             P=world, arm=arm, tokens_per_rank=L, status=status, peak_gib=f"{peak:.3f}" if peak is not None else "",
             step_s=f"{step:.4f}" if step else "", tokens_per_s_per_gpu=f"{tps:.1f}" if tps else "", loss=loss,
             transformers=transformers.__version__, note=note)], FIELDS, gpu=gpu["name"])
 
-    sim = tuple(int(v) if i else v for i, v in enumerate(a.simulate_oom.split(":"))) if a.simulate_oom else None
+    sim = parse_simulated_oom(a.simulate_oom)
     res = sweep(arms, lengths, _point, lambda arm, L: (arm, L, a.steps, shape, a.tile_tokens, sim), rank=rank,
                 world=world, steps=a.steps, budget=a.max_seconds, grace=a.grace, workdir=workdir,
                 device_kind=device_kind, on_point=on_point, say=say)
