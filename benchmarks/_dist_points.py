@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -140,7 +141,8 @@ def sweep(arms, lengths, point_fn, point_args, *, rank, world, steps, budget, gr
     """Per arm, lengths ascending until a point fails or the next one is predicted (the last
     step x (L / last L)^2 per step: attention is quadratic) to overrun the arm's wall budget
     (status "time-cap"). point_args(arm, L) gives point_fn's arguments after (rank, world,
-    device). on_point(arm, L, status, peak_gib, step_s, note, outs) records each point (outs:
+    device). Each point's line goes to say (with the failing ranks' tracebacks on rank 0, for
+    an error); on_point(arm, L, status, peak_gib, step_s, note, outs) then records it (outs:
     every rank's result, None for a time-cap). Every rank takes the same path: rank 0 decides
     and broadcasts. Returns {arm: (longest ok length or 0, why it stopped, [(L, peak)] ok)}."""
     result = {}
@@ -160,6 +162,7 @@ def sweep(arms, lengths, point_fn, point_args, *, rank, world, steps, budget, gr
             dist.broadcast_object_list(plan, src=0)
             if plan[0] is not None:
                 stop = f"time-cap before {L}"
+                say(point_line(arm, L, "time-cap", None, None, plan[0]))
                 on_point(arm, L, "time-cap", None, None, plan[0], None)
                 break
             t0 = time.monotonic()
@@ -167,6 +170,9 @@ def sweep(arms, lengths, point_fn, point_args, *, rank, world, steps, budget, gr
             timeout = max(60.0, budget - (t0 - t_arm) + 60.0)
             outs = run_point(point_fn, point_args(arm, L), rank, world, plan[1], files, device_kind, grace, timeout)
             status, peak, step, note = combine(outs)
+            say(point_line(arm, L, status, peak, step, note))
+            if rank == 0 and status == "error":
+                print_tracebacks(outs)
             on_point(arm, L, status, peak, step, note, outs)
             if status != "ok":
                 stop = f"{status} at {L}"
@@ -199,3 +205,23 @@ def parse_simulated_oom(spec):
         return None
     arm, length, rank = spec.split(":")
     return arm, int(length), int(rank)
+
+
+def finish(rank, workdir) -> None:
+    """End of a sweep: every parent done, rank 0 removes the result files, the group closes."""
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(workdir, ignore_errors=True)
+    dist.destroy_process_group()
+
+
+def torchrun_ranks(script):
+    """(rank, world) of this torchrun parent, or None (with the usage printed) when the script
+    is not run under torchrun on one host with >= 2 ranks."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world < 2 or "LOCAL_WORLD_SIZE" in os.environ and int(os.environ["LOCAL_WORLD_SIZE"]) != world:
+        print(f"{script}: run under torchrun on one host with >= 2 ranks, e.g.\n  "
+              f"NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 benchmarks/{script}.py --out DIR")
+        return None
+    return rank, world

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import time
 
@@ -59,7 +58,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))  # the repo root
 from _common import append_results  # noqa: E402
-from _dist_points import parse_simulated_oom, point_line, print_tracebacks, sweep  # noqa: E402
+from _dist_points import finish, parse_simulated_oom, sweep, torchrun_ranks  # noqa: E402
 
 GiB = 2 ** 30
 SMOKE = dict(layers=2, hidden=64, heads=4, kv_heads=2, experts=4, top_k=2, intermediate=64, vocab=264,
@@ -137,12 +136,10 @@ def main():
                     "failed before killing its own child")
     ap.add_argument("--simulate-oom", default=None, help=argparse.SUPPRESS)  # ARM:LEN:RANK (tests)
     a = ap.parse_args()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    if world < 2 or "LOCAL_WORLD_SIZE" in os.environ and int(os.environ["LOCAL_WORLD_SIZE"]) != world:
-        print("bench_demo_reach: run under torchrun on one host with >= 2 ranks, e.g.\n  "
-              "NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 benchmarks/bench_demo_reach.py --out DIR")
+    ranks = torchrun_ranks("bench_demo_reach")
+    if ranks is None:
         return 2
+    rank, world = ranks
     from moepeak.demo import DEFAULTS
     if a.smoke:
         d, device_kind = dict(SMOKE), "cpu"
@@ -173,11 +170,8 @@ def main():
             seen["gpu"] = outs[0].get("gpu", seen["gpu"])
             seen["total_gib"] = outs[0].get("total_gib", seen["total_gib"])
         tps = L / step if step else None
-        say(point_line(arm, L, status, peak, step, note))
         if rank != 0:
             return
-        if status == "error":
-            print_tracebacks(outs)
         append_results(a.out, "demo_reach", [dict(
             P=world, arm=arm, seq_len=L, status=status,
             peak_gib=f"{peak:.3f}" if peak is not None else "", step_s=f"{step:.4f}" if step else "",
@@ -207,10 +201,7 @@ def main():
         say(f"reach ratio moepeak/plain: {r:.1f}x" + ("" if exact else
             f" (not both arms stopped by OOM: moepeak {stop['moepeak']}, plain {stop['plain']}; "
             f"a lower bound if only plain hit its OOM)"))
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(workdir, ignore_errors=True)
-    dist.destroy_process_group()
+    finish(rank, workdir)
     return 0
 
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import time
 
@@ -43,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))  # the repo root
 from _common import append_results  # noqa: E402
-from _dist_points import parse_simulated_oom, point_line, print_tracebacks, sweep  # noqa: E402
+from _dist_points import finish, parse_simulated_oom, sweep, torchrun_ranks  # noqa: E402
 from bench_hf import FULL, TINY, build_model  # noqa: E402
 
 FIELDS = ["P", "arm", "tokens_per_rank", "status", "peak_gib", "step_s", "tokens_per_s_per_gpu", "loss",
@@ -123,12 +122,10 @@ def main(argv=None):
     arms = a.arms.split(",")
     if any(arm not in ARMS for arm in arms):
         raise SystemExit(f"bench_hf_dist: --arms must name some of {ARMS}, got {a.arms!r}")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    if world < 2 or "LOCAL_WORLD_SIZE" in os.environ and int(os.environ["LOCAL_WORLD_SIZE"]) != world:
-        print("bench_hf_dist: run under torchrun on one host with >= 2 ranks, e.g.\n  "
-              "NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 benchmarks/bench_hf_dist.py --out DIR")
+    ranks = torchrun_ranks("bench_hf_dist")
+    if ranks is None:
         return 2
+    rank, world = ranks
     import transformers
     shape, device_kind = (TINY, "cpu") if a.tiny else (FULL, "cuda")
     if shape["num_experts"] % world:
@@ -155,11 +152,8 @@ def main(argv=None):
             if status == "ok":
                 loss = f"{outs[0]['loss'][-1]:.4f}"
         tps = L / step if step else None
-        say(point_line(arm, L, status, peak, step, note))
         if rank != 0:
             return
-        if status == "error":
-            print_tracebacks(outs)
         append_results(a.out, "hf_dist", [dict(
             P=world, arm=arm, tokens_per_rank=L, status=status, peak_gib=f"{peak:.3f}" if peak is not None else "",
             step_s=f"{step:.4f}" if step else "", tokens_per_s_per_gpu=f"{tps:.1f}" if tps else "", loss=loss,
@@ -173,10 +167,7 @@ def main(argv=None):
         say(f"{arm}: longest length completed {reach} tokens per rank; stopped: {stop}")
     if res.get("moepeak", (0,))[0] and res.get("fsdp", (0,))[0]:
         say(f"reach ratio moepeak/fsdp: {res['moepeak'][0] / res['fsdp'][0]:.1f}x")
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(workdir, ignore_errors=True)
-    dist.destroy_process_group()
+    finish(rank, workdir)
     return 0
 
 
