@@ -5,7 +5,7 @@ state_dict keys unchanged)."""
 from __future__ import annotations
 
 
-# Final RMSNorm classes whose forward (transformers 5.17) is, op for op, moepeak.norms.rms_norm's,
+# RMSNorm classes whose forward (transformers 5.17) is, op for op, moepeak.norms.rms_norm's,
 # with its multiply_in_fp32 flag: False: weight * (x.float() * rsqrt(x.float().pow(2).mean(-1) +
 # variance_epsilon)).to(x.dtype); True (GptOssRMSNorm): the weight multiplies before the cast.
 # (Gemma-style norms use 1 + weight and are not here.)
@@ -46,7 +46,7 @@ def patch_final_norm(model, options, report):
     _lean_forward(norm, chunk)
     report.patched.append(f"final norm: {model.base_model_prefix}.norm ({kind}) runs moepeak.norms.rms_norm "
                           f"(same forward; backward saves x and rstd only, in chunks of "
-                          f"{chunk if chunk else 'default_chunk_rows(H)'} tokens)")
+                          f"{f'{chunk} tokens' if chunk else 'moepeak.norms.default_chunk_rows(H) rows'})")
 
 
 def patch_layer_norms(model, options, report):

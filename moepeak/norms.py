@@ -35,13 +35,12 @@ import torch
 # 4096 rows x H = 2048: each fp32 chunk temporary is 32 MiB, three of them 96 MiB.
 DEFAULT_CHUNK_TOKENS = 4096
 CHUNK_ELEMENTS = DEFAULT_CHUNK_TOKENS * 2048  # the default chunk's elements, whatever H
+BACKWARD_CHUNK_FP32 = 3  # fp32 [chunk_tokens, H] temporaries alive at once in the backward
 
 
 def default_chunk_rows(H: int) -> int:
     """Rows per chunk when chunk_tokens is None: CHUNK_ELEMENTS // H (at least 1)."""
     return max(1, CHUNK_ELEMENTS // max(1, H))
-
-BACKWARD_CHUNK_FP32 = 3  # fp32 [chunk_tokens, H] temporaries alive at once in the backward
 
 
 def _check(x, weight, eps, chunk_tokens):

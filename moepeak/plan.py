@@ -227,7 +227,7 @@ class Setup:
     ring_workspace_mb: Optional[float] = None  # Ring-DTP's fused workspace (None: its defaults)
     tile_tokens: Optional[int] = None  # moepeak.tiled's tile (None: whole blocks)
     impl: str = "demo"          # IMPLS: whose modeling code runs the layers
-    lean_norm: bool = True      # moepeak plan: the final norm is moepeak.norms.rms_norm (False: the eager one)
+    lean_norm: bool = True      # moepeak plan: the RMSNorms are moepeak.norms.rms_norm (False: the eager ones)
     norm_chunk_tokens: Optional[int] = None  # its chunk (None: moepeak.norms.default_chunk_rows(H))
     bucket_mb: float = 64.0     # StreamAdamW bucket (its slots are pinned host memory: 0 GPU bytes)
     sco_in_flight: int = 2      # SCOConfig.max_in_flight (W): forward D2H copies still referenced
@@ -308,12 +308,11 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         head_act = b * H + 4 + b * H             # saved x, rstd + the head's input
         # its backward: saved x, rstd, the incoming grad, dx + the chunk's fp32 temporaries
         out["final_norm"] = T * (3 * b * H + 4) + BACKWARD_CHUNK_FP32 * 4 * c * H
-    elif hf:                                     # transformers' eager RMSNorm
-        head_act = 4 * H + 4 + 2 * b * H         # fp32 x, rstd, normalised b*H + the head's input
-        out["final_norm"] = T * 24 * H           # its backward: saved fp32 x + five fp32 [T, H]
-    else:                                        # the demo's eager RMSNorm
-        head_act = 8 * H + 4 + b * H             # fp32 x, fp32 normalised rows, rstd + the head's input
-        out["final_norm"] = T * 24 * H           # its backward's peak
+    else:  # eager RMSNorm; its backward peaks at 24H per token, transformers' and the demo's alike
+        # saved: transformers' fp32 x, rstd, normalised b*H / the demo's fp32 x, fp32 normalised
+        # rows, rstd; + the head's input
+        head_act = (4 * H + 4 + 2 * b * H) if hf else (8 * H + 4 + b * H)
+        out["final_norm"] = T * 24 * H
     if plan == "plain":
         rho = min(max(s.imbalance, 1.0), float(P))
         # DenseMoE per routed row (K per token): gathered x b*H, gate_up output b*2I (silu, mul),
@@ -516,8 +515,9 @@ def add_args(ap: argparse.ArgumentParser):
                          "transformers model under moepeak.hf.apply_moepeak (its RoPE tables, its final "
                          "RMSNorm's fp32 backward, the head's backward before any block's gradient exists)")
     ap.add_argument("--eager-norm", action="store_true",
-                    help="moepeak's final RMSNorm runs its eager autograd backward (apply_moepeak(lean_norm=False), "
-                         "the demo's MoEConfig(lean_norm=False)); default: moepeak.norms.rms_norm")
+                    help="moepeak's RMSNorms (the final one, the checkpointed blocks') run their eager autograd "
+                         "backward (apply_moepeak(lean_norm=False), the demo's MoEConfig(lean_norm=False)); "
+                         "default: moepeak.norms.rms_norm")
     ap.add_argument("--tile-tokens", type=int, default=None,
                     help="moepeak plan: sequence-tiled blocks (moepeak.tiled) with tiles of this many tokens "
                          "(default %(default)s: whole blocks)")

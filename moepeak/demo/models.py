@@ -324,7 +324,7 @@ class DenseMoE(nn.Module):
                 continue
             h = x2[tok] @ self.w_gate_up[e]                                  # [n, 2I]
             a = F.silu(h[:, :self.I]) * h[:, self.I:]
-            out = (a @ self.w_down[e]).to(acc) * w[tok, slot, None].to(acc)
+            out = (a @ self.w_down[e]).to(acc) * w[tok, slot, None]
             y = y.index_add(0, tok, out)
         return y.to(x.dtype).view(shape), logits
 
