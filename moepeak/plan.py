@@ -15,7 +15,8 @@ Peaks (bytes per GPU; each term read off the code that allocates it, see peaks()
                                                        [ct, V] block + b*T*H dX; else 256 MiB
                                                        + (4+b)*T*H or + 4*cv*H + b*T*H + 4*T
                                                        (cv: vocab_outer_lowp's block); + 32*T
-  boundaries L*T*H*b (one checkpoint input/block)     max(W=2, 1+prefetch=2)*T*H*b (SCO)
+  boundaries L*T*H*b (one checkpoint input/block)     head phase W=2, block phase 1+prefetch=2
+                                                       (tiled blocks: 1) *T*H*b (SCO)
   optimizer  12*N/P (fp32 master, m, v)               0 (host RAM + pinned slots)
 Also held: 'fixed' = params + grads (plain 4*N/P fp32 grads; moepeak bf16 params + grads
 2*b*N/P), two all-gathered blocks when P > 1, RoPE tables 8*d*T; 'block' = the saved
@@ -31,7 +32,8 @@ fp32 x and the fp32 normalised rows ('head_act' = 8H + 4 + b*H) and its backward
 24H per token, as transformers' (checked on CPU, tests/test_plan.py).
 
 The step's peak is the larger of two phases:
-  total = fixed + optimizer + boundaries + max(block + dispatch, max(head_act + vocab, final_norm)).
+  total = fixed + optimizer + max(boundaries_block + block + dispatch,
+                                  boundaries_head + max(head_act + vocab, final_norm)).
 
 --impl hf (Setup.impl = "hf"): the layers are a Hugging Face transformers model under
 moepeak.hf.apply_moepeak (read off transformers 5.17's Qwen3-MoE / Mixtral code, checked on
@@ -197,7 +199,9 @@ ROW_LEGEND = """\
 rows (GiB per GPU):
   dispatch    the MoE layer's forward + backward (expert dispatch, combine, their saved rows)
   vocab       the lm_head + cross-entropy's forward + backward (the [T, V] logits in plain)
-  boundaries  the checkpoint inputs kept from forward to backward, one [T, H] per block in plain
+  boundaries  the checkpoint inputs kept from forward to backward, one [T, H] per block in plain;
+              moepeak: the larger of the head phase's (W forward copies) and the block phase's
+              (the reloaded input + the prefetch; a tiled block starts its prefetch after its peak)
   optimizer   AdamW's state on the GPU (moepeak's StreamAdamW keeps it in host RAM: 0)
   fixed       always resident: parameters + gradients (plain: fp32 grads; moepeak: params and
               grads in the activation dtype), FSDP2's two all-gathered blocks when P > 1,
@@ -210,10 +214,11 @@ rows (GiB per GPU):
   final_norm  the final RMSNorm's own backward at its peak: moepeak.norms.rms_norm, its saved
               input + grads in and out + chunk temporaries (--eager-norm, and plain: the
               eager norm's fp32 saved tensors and temporaries)
-  total       fixed + optimizer + boundaries + max(block + dispatch, max(head_act + vocab,
-              final_norm)): the step's peak (the block's backward and the head's backward do
-              not overlap); --impl hf, moepeak: the head phase holds the params and the head's
-              gradients only (no block has run its backward yet)"""
+  total       fixed + optimizer + the larger phase: block phase = its boundaries + block +
+              dispatch, head phase = its boundaries + max(head_act + vocab, final_norm); the
+              step's peak (the block's backward and the head's backward do not overlap);
+              --impl hf, moepeak: the head phase holds the params and the head's gradients
+              only (no block has run its backward yet)"""
 
 
 @dataclass
@@ -325,7 +330,7 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         # F.linear -> .float() -> F.cross_entropy: backward holds the saved fp32 log-softmax,
         # nll_loss's fp32 grad and log_softmax's fp32 grad, all [T, V]: 12 B per logit.
         out["vocab"] = 12.0 * T * V
-        out["boundaries"] = L * T * H * b
+        out["boundaries"] = bounds_head = bounds_block = L * T * H * b
         out["optimizer"] = s.plain_opt_bytes * N / P
         out["fixed"] = s.plain_fixed_bytes * N / P + gathered + T * rope
     else:
@@ -361,8 +366,11 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         out["vocab"] = ws
         # SCO (moepeak/sco.py): the last W forward copies stay referenced until the first
         # reload polls them (through the head's backward); in a block's backward: the input
-        # being recomputed + `prefetch` loaded ahead. Flat in L.
-        out["boundaries"] = min(L, max(s.sco_in_flight, 1 + s.sco_prefetch)) * T * H * b
+        # being recomputed + `prefetch` loaded ahead, except that a tiled block holds its
+        # prefetch back until its attention core's backward peak has passed. Flat in L.
+        bounds_head = min(L, s.sco_in_flight) * T * H * b
+        bounds_block = min(L, 1 + (0 if s.tile_tokens else s.sco_prefetch)) * T * H * b
+        out["boundaries"] = max(bounds_head, bounds_block)
         # StreamAdamW: fp32 master/m/v in host RAM, its bucket slots pinned host memory;
         # it adds no GPU memory (moepeak/stream_adamw.py). Params + grads are in 'fixed'.
         out["optimizer"] = 0.0
@@ -375,8 +383,9 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
     if hf and plan == "moepeak":
         out["head_fixed"] -= b * (N - V * H - H) / P
     head = max(out["head_act"] + out["vocab"], out["final_norm"])
-    out["total"] = out["optimizer"] + out["boundaries"] + \
-        max(out["fixed"] + out["block"] + out["dispatch"], out["head_fixed"] + head)
+    out["boundaries_block"], out["boundaries_head"] = bounds_block, bounds_head  # each phase's
+    out["total"] = out["optimizer"] + max(bounds_block + out["fixed"] + out["block"] + out["dispatch"],
+                                          bounds_head + out["head_fixed"] + head)
     out["binding"] = max(BINDING, key=lambda k: out[k])
     return out
 

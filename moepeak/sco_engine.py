@@ -12,7 +12,8 @@ Schedule (one engine per device and SCOConfig; compute = torch's current stream)
   backward block k: (first reload) if x_k was not prefetched, load it now;
                     compute waits on load_ev[k]; then prefetch x_{k-1..k-depth}
                     on the load stream into torch.empty buffers allocated on
-                    compute (load waits on compute and on copy_ev).
+                    compute (load waits on compute and on copy_ev); inside a
+                    DeferredPrefetch the prefetch waits for its start().
   next iteration:   slots are handed out by a bump pointer that rewinds when no
                     boundary is live; the first copy after a rewind waits on
                     the load stream's last event (a slot is never overwritten
@@ -33,6 +34,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import threading
 from typing import List
 
 import torch
@@ -51,6 +53,41 @@ def use_extension(ext) -> object:
 
 
 _ALIGN = 512  # slot alignment in the arena (bytes): keeps every slot DMA-friendly
+
+_DEFERRAL = threading.local()  # .open: the DeferredPrefetch collecting on this thread, or None
+
+
+class DeferredPrefetch:
+    """Holds back the prefetch that a reload starts, from `collect()` until `start()`.
+
+    A reload normally enqueues the previous boundaries' H2D at once, so the prefetched
+    buffers are allocated while the reloaded block's backward runs. A caller whose
+    backward peaks soon after its boundary is reloaded (the sequence-tiled block: its
+    attention core's backward) opens this around the reload and starts the prefetch once
+    that peak has passed, so the prefetched boundary is not part of it. Reloads on this
+    thread inside collect() queue their prefetch; start() issues the queue (once; later
+    calls do nothing). A prefetch never started is not lost: the next reload loads that
+    boundary itself (the same bytes, only not overlapped)."""
+
+    __slots__ = ("queue", "_outer")
+
+    def __init__(self):
+        self.queue: list = []  # (engine, seq of the reloaded boundary)
+
+    @contextlib.contextmanager
+    def collect(self):
+        self._outer = getattr(_DEFERRAL, "open", None)
+        _DEFERRAL.open = self
+        try:
+            yield self
+        finally:
+            _DEFERRAL.open = self._outer
+
+    def start(self) -> None:
+        queue, self.queue = self.queue, []
+        for engine, seq in queue:
+            with engine._bound() if engine.is_cuda else contextlib.nullcontext():
+                engine._prefetch_before(seq)
 
 # ---------------------------------------------------------------------------
 # Ops. Both copy raw bytes of a contiguous tensor; host is a uint8 [nbytes]
@@ -371,13 +408,20 @@ class SCOEngine:
             self.counts["reloads"] += 1
             self.log.append(("reload", rec.seq))
         self._release(rec)
-        # prefetch: the `prefetch` most recent live boundaries before rec still on the host
-        todo = [r for r in reversed(self.live.values()) if r.seq < rec.seq and r.state == "offloaded"]
+        deferral = getattr(_DEFERRAL, "open", None)
+        if deferral is not None:
+            deferral.queue.append((self, rec.seq))
+        else:
+            self._prefetch_before(rec.seq)
+        return x
+
+    def _prefetch_before(self, seq: int) -> None:
+        """Load the `prefetch` most recent live boundaries before seq still on the host."""
+        todo = [r for r in reversed(self.live.values()) if r.seq < seq and r.state == "offloaded"]
         for r in todo[: self.cfg.prefetch]:
             self._load(r)
             self.counts["prefetches"] += 1
             self.log.append(("prefetch", r.seq))
-        return x
 
     def _release(self, rec: _Boundary) -> None:
         for ev in (rec.copy_ev, rec.load_ev):

@@ -42,6 +42,9 @@ head_groups = 4; one unit = 4 KiB per token), with torch's flash attention:
         dk, dv expanded to the group's 4 q heads        0.5
         dq, dk, dv of the group                         0.38
     total                                               7.9  (31.6 KiB/token)
+Under SCO the previous block's boundary is not in this list: its prefetch, which the
+reload of x would start, is held back until half the head groups' core backward is done
+(sco_engine.DeferredPrefetch), when the set above has shrunk by more than it adds.
 Untiled checkpoint recompute of the same block (for comparison): ~17 units measured.
 Without head groups the core's backward alone would add 4 (dq_accum for 16 heads, dk/dv
 expanded to 16 heads) instead of 1. The tile's own working set (one tile of the
@@ -79,6 +82,8 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
+
+from .sco_engine import DeferredPrefetch
 
 __all__ = ["TiledBlockSpec", "tiled_block", "TiledBlock", "tile_ranges"]
 
@@ -212,10 +217,16 @@ class _TiledBlock(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y, *grad_extras):
         spec, tile = ctx.spec, ctx.tile_tokens
-        (x,) = ctx.box.ctx.saved_tensors
+        # Under SCO, reading x reloads it and would start the previous block's prefetch
+        # now; it is held back until the core's backward has freed more than that
+        # boundary's bytes (step 4), so the prefetched boundary is not part of this peak.
+        prefetch = DeferredPrefetch()
+        with prefetch.collect():
+            (x,) = ctx.box.ctx.saved_tensors
         ctx.box = None
         x = x.detach()
         if grad_y is None and all(g is None for g in grad_extras):
+            prefetch.start()
             return (None,) * (4 + ctx.n_params)
         params = list(spec.parameters())
         if len(params) != ctx.n_params:
@@ -257,14 +268,21 @@ class _TiledBlock(torch.autograd.Function):
         del out_values
 
         # 4. the attention core's backward, one head group at a time: each group's q, k, v,
-        # out and dout die as its dq, dk, dv are born (the full-length set shrinks)
+        # out and dout die as its dq, dk, dv are born (the full-length set shrinks). The
+        # peak is group 0's backward; after half the groups (all when G = 1) the set has
+        # shrunk by the q and out halves, nh*d*b bytes per token (at least the one [T, H]
+        # boundary the prefetch brings when nh*d >= H), so the held-back prefetch starts
+        # there and overlaps the remaining groups.
         dqkv = []
-        for i in range(len(leaves)):
+        G = len(leaves)
+        for i in range(G):
             group, out, dout = leaves[i], outs[i], douts[i]
             leaves[i] = outs[i] = douts[i] = None
             grads = torch.autograd.grad(out, group, dout, allow_unused=True)
             dqkv.append([_zero_if_none(gr, t) for gr, t in zip(grads, group)])
             del group, out, dout, grads
+            if i + 1 == (G + 1) // 2:
+                prefetch.start()
 
         # 5. pre-attention tiles. The post-attention part's dx (the residual path) enters
         # through an alias of x_t made after pre_attn's ops, so autograd runs it first and

@@ -221,6 +221,7 @@ def test_lean_final_norm_moves_the_tiled_512k_peak_to_the_block_phase():
     s = P.Setup(gpus=1, tile_tokens=8192, impl="hf")
     lean = P.peaks(_bench_hf_shape(), s, 524288, "moepeak")
     eager = P.peaks(_bench_hf_shape(), dataclasses.replace(s, lean_norm=False), 524288, "moepeak")
-    block_phase = lean["optimizer"] + lean["boundaries"] + lean["fixed"] + lean["block"] + lean["dispatch"]
+    block_phase = lean["optimizer"] + lean["boundaries_block"] + lean["fixed"] + lean["block"] + lean["dispatch"]
+    assert lean["boundaries_block"] == 524288 * 2048 * 2 < lean["boundaries"]  # the prefetch waits: x alone
     assert lean["final_norm"] < eager["final_norm"] / 3 and lean["binding"] == "block"
     assert lean["total"] == block_phase < eager["total"]

@@ -372,3 +372,68 @@ def test_hf_layer_refuses_cache_jitter_and_missing_rope():
     layer.mlp.jitter_noise = 0.01  # Mixtral's router jitter: random per call, so not recomputable
     with pytest.raises(ValueError, match="jitter"):
         tiled_hf_moe_layer_forward(layer, x, position_embeddings=pe, tile_tokens=4)
+
+
+def _prefetch_order(device, nkv):
+    """Two tiled blocks under sco_checkpoint; the order of the engine's loads and of each core
+    head group's backward (marked where dq is born) during backward."""
+    import moepeak
+    from moepeak import sco_engine
+    events = []
+
+    class Mark(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, tag):
+            ctx.tag = tag
+            return q.view_as(q)
+
+        @staticmethod
+        def backward(ctx, g):
+            events.append(("core", ctx.tag))
+            return g, None
+
+    blocks = [RefBlock(H=32, nh=8, nkv=nkv, seed=s).to(device) for s in (0, 1)]
+    calls = []
+
+    def fn(blk, t):
+        s = demo_block_spec(blk, t)
+
+        def core(q, k, v):
+            calls.append(None)
+            return s.attn_core(Mark.apply(q, (len(calls) - 1) % nkv), k, v)
+        return tiled_block(t, dataclasses.replace(s, attn_core=core), 8)
+
+    cfg = moepeak.SCOConfig(keep_last=False)
+    x = torch.randn(1, 20, 32, device=device, requires_grad=True)
+    y = x
+    for blk in blocks:
+        y = moepeak.sco_checkpoint(functools.partial(fn, blk), y, sco_config=cfg)
+    engine = cfg.engine(device)
+    real_load = engine._load
+    engine._load = lambda rec: (events.append(("load", rec.seq)), real_load(rec))[1]
+    y.sum().backward()
+    stats = cfg.stats(device)
+    cfg.free()
+    return events, stats
+
+
+@pytest.mark.parametrize("nkv", [1, 2, 4])
+def test_sco_prefetch_waits_for_half_the_core_backward(nkv):
+    """The previous block's boundary is prefetched only once half the head groups' core
+    backward is done (all of it when there is one group): not part of the block's peak."""
+    events, stats = _prefetch_order("cpu", nkv)
+    half = (nkv + 1) // 2
+    block2 = [("load", 1)] + [("core", g) for g in range(half)] + [("load", 0)] + \
+        [("core", g) for g in range(half, nkv)]
+    assert events == block2 + [("core", g) for g in range(nkv)]  # block 1's boundary: already loaded
+    assert stats["prefetches"] == 1 and stats["reloads"] == 2
+
+
+@pytest.mark.cuda
+def test_sco_prefetch_waits_for_half_the_core_backward_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    events, stats = _prefetch_order("cuda", 4)
+    assert events == [("load", 1), ("core", 0), ("core", 1), ("load", 0), ("core", 2), ("core", 3)] + \
+        [("core", g) for g in range(4)]
+    assert stats["prefetches"] == 1
