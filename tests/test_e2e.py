@@ -135,7 +135,9 @@ def _rank_fn(rank, world, switches, batches, out_path):
     from moepeak.demo import shard_model
     torch.manual_seed(0)
     plain = MoEConfig(**TINY, moe="dense", head="plain", checkpoint="torch")
-    cfg = plain.replace(**{s: SWITCH[s] for s in switches if s != "optimizer"})
+    cfg = plain.replace(**{s: SWITCH[s] for s in switches if s not in ("optimizer", "tile")})
+    if "tile" in switches:  # sequence-tiled blocks (7-token tiles: the last of 24 is shorter)
+        cfg = cfg.replace(tile_tokens=7)
     model = MoELM(cfg, group=dist.group.WORLD, world_size=world, seed=7)
     local = shard_model(model, world)  # params whose gradient is summed over ranks
     opt = build_optimizer(model.parameters(), "stream" if "optimizer" in switches else "torch",
@@ -157,10 +159,11 @@ def _rank_fn(rank, world, switches, batches, out_path):
         torch.save(losses, out_path)
 
 
-@pytest.mark.parametrize("switches", [[], ["moe", "checkpoint", "optimizer"], list(SWITCH)],
-                         ids=["plain-fsdp2", "llep-sco-stream-fsdp2", "moepeak-fsdp2"])
+@pytest.mark.parametrize("switches", [[], ["moe", "checkpoint", "optimizer"], list(SWITCH),
+                                      list(SWITCH) + ["tile"]],
+                         ids=["plain-fsdp2", "llep-sco-stream-fsdp2", "moepeak-fsdp2", "moepeak-tiled-fsdp2"])
 def test_fsdp2_gloo_two_ranks_match_single_process(switches, tmp_path, monkeypatch):
-    _need(switches)
+    _need([s for s in switches if s != "tile"])
     import os
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ranks import this checkout
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))

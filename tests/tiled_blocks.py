@@ -99,7 +99,7 @@ class DenseMoE(nn.Module):
         logits = F.linear(x2.to(acc), self.router.weight.to(acc))
         w, ids = logits.softmax(-1).topk(self.K, dim=-1)
         w = w / w.sum(-1, keepdim=True)
-        y = torch.zeros(x2.shape, dtype=acc)
+        y = torch.zeros(x2.shape, dtype=acc, device=x2.device)
         for e in range(self.E):
             tok, slot = (ids == e).nonzero(as_tuple=True)
             if tok.numel() == 0:

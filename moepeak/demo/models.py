@@ -35,7 +35,6 @@ Parameter names and layouts (E_local = experts / expert-parallel ranks):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 import math
 from dataclasses import dataclass
@@ -359,8 +358,15 @@ class Block(nn.Module):
         else:
             self.moe = DenseMoE(cfg.hidden, cfg.intermediate, cfg.experts, cfg.top_k,
                                 norm_topk_prob=cfg.norm_topk_prob, device=device, dtype=dtype)
+        self.tile_tokens = cfg.tile_tokens
 
     def forward(self, x):
+        # Tiled inside forward (not around the call), so that module hooks such as
+        # FSDP2's unshard/reshard run around the tiled block as around the plain one.
+        if self.tile_tokens is not None:
+            from moepeak.tiled import tiled_block
+            from moepeak.tiled_adapters import demo_block_spec
+            return tiled_block(x, demo_block_spec(self, x), self.tile_tokens)
         x = x + self.attn(self.attn_norm(x))
         y, _ = self.moe(self.mlp_norm(x))
         return x + y
@@ -448,15 +454,12 @@ class MoELM(nn.Module):
         only its input x for backward, so it is its own checkpoint ("torch" and "none" run
         it as is) and SCO wraps it to keep x in host memory. hidden_states() calls it for
         every block."""
-        fn = blk
-        if self.cfg.tile_tokens is not None:
-            fn = functools.partial(_tiled_block_forward, blk, self.cfg.tile_tokens)
         if not torch.is_grad_enabled() or self.cfg.checkpoint == "none":
-            return fn(x)
+            return blk(x)
         if self.cfg.checkpoint == "sco":
-            return self._ckpt(fn, x, sco_config=self.sco_config)
+            return self._ckpt(blk, x, sco_config=self.sco_config)
         if self.cfg.tile_tokens is not None:
-            return fn(x)
+            return blk(x)
         return torch_ckpt.checkpoint(blk, x, use_reentrant=False)
 
     def hidden_states(self, input_ids):
@@ -476,12 +479,6 @@ class MoELM(nn.Module):
         torch.distributed.all_reduce(n, group=self.group)
         scale = self.world / n.clamp_min(1.0)
         return self.head(self.hidden_states(input_ids), labels) * scale
-
-
-def _tiled_block_forward(blk, tile_tokens: int, x):
-    from moepeak.tiled import tiled_block
-    from moepeak.tiled_adapters import demo_block_spec
-    return tiled_block(x, demo_block_spec(blk, x), tile_tokens)
 
 
 def _stable_hash(s: str) -> int:
