@@ -104,7 +104,7 @@ def build_arm(arm, d, device):
 
 
 def timed_step(model, opt, ids, autocast, device):
-    """(step s, optimizer s after backward) of one training step."""
+    """(step s, optimizer s after backward, the perf_counter time backward ended) of one training step."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
@@ -117,7 +117,20 @@ def timed_step(model, opt, ids, autocast, device):
     sync()
     t1 = time.perf_counter()
     opt.zero_grad(set_to_none=True)
-    return t1 - t0, t1 - t_bwd
+    return t1 - t0, t1 - t_bwd, t_bwd
+
+
+def overlap_note(opt, t_bwd):
+    """What of StreamAdamW's overlapped update was left when backward ended (its last round's jobs)."""
+    jobs = opt.overlap_stats()["last_round"]
+    late = [j for j in jobs if j[3] > t_bwd]
+    if not late:
+        return "overlap: every job done before backward ended"
+    n_late = sum(j[0] for j in late)
+    last = jobs[-1]
+    return (f"overlap: {len(late)} of {len(jobs)} jobs ({n_late / 1e6:.1f}M params) ran after backward, "
+            f"the worker until +{max(j[3] for j in late) - t_bwd:.3f} s; last job {last[0] / 1e6:.1f}M params "
+            f"in {last[3] - last[2]:.3f} s")
 
 
 def run_arm(arm, a, d, device, lengths, arm_deadline, gpu):
@@ -164,6 +177,9 @@ def sweep(arm, a, d, device, lengths, arm_deadline, base):
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
                 times = [timed_step(model, opt, ids, autocast, device) for _ in range(a.steps)]
+                row_note = note
+                if arm.startswith("moepeak"):
+                    row_note = "; ".join(n for n in (note, overlap_note(opt, times[-1][2])) if n)
                 if arm.startswith("moepeak") and standalone is None:
                     opt.set_overlap(False)
                     standalone = timed_step(model, opt, ids, autocast, device)[1]
@@ -174,15 +190,16 @@ def sweep(arm, a, d, device, lengths, arm_deadline, base):
                 if status == "error":
                     traceback.print_exc()
                 break
-            step = min(t for t, _ in times)
-            exposed = min(x for _, x in times)
+            step = min(t for t, _, _ in times)
+            exposed = min(x for _, x, _ in times)
             peak = torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else None
             rows.append(dict(base, seq_len=T, status="ok", peak_gib=f"{peak:.3f}" if peak is not None else "",
                              step_s=f"{step:.4f}", tokens_per_s=f"{T / step:.1f}", opt_exposed_s=f"{exposed:.4f}",
-                             opt_standalone_s=f"{standalone:.4f}" if standalone is not None else "", note=note))
+                             opt_standalone_s=f"{standalone:.4f}" if standalone is not None else "", note=row_note))
             print(f"{arm:>8} {T:>8} ok  peak {rows[-1]['peak_gib'] or '-':>8} GiB  step {step:8.3f} s  "
                   f"{T / step:9.0f} tok/s  opt after bwd {exposed:.3f} s"
-                  + (f" (standalone {standalone:.3f} s)" if standalone is not None else ""), flush=True)
+                  + (f" (standalone {standalone:.3f} s)" if standalone is not None else "")
+                  + (f"\n{'':>17}{row_note}" if row_note else ""), flush=True)
             last = step
             if step > a.max_step_s:
                 rows.append(dict(base, seq_len=T * 2, status="slow",

@@ -386,13 +386,16 @@ class StreamAdamW(torch.optim.Optimizer):
         self._overlap.enabled = bool(enabled)
 
     def overlap_stats(self):
-        """{'enabled', 'params_in_backward', 'jobs_done'} since construction
-        (0 without overlap_backward): params handed to the worker after their
-        hook fired (updated during backward, or, for the last partial bucket,
-        by step()), and worker jobs finished."""
+        """{'enabled', 'params_in_backward', 'jobs_done', 'last_round'}: since
+        construction (0 without overlap_backward), params handed to the worker
+        after their hook fired (updated during backward, or, for the last
+        partial bucket, by step()) and worker jobs finished; and the jobs of
+        the last completed step() round, in order, as (elements, submitted,
+        started, finished) with time.perf_counter() times: how much of the
+        update ran after a given moment (e.g. the end of backward)."""
         ov = self._overlap
         return dict(enabled=ov is not None, params_in_backward=ov.params_in_backward if ov else 0,
-                    jobs_done=ov.jobs_done if ov else 0)
+                    jobs_done=ov.jobs_done if ov else 0, last_round=list(ov.last_round) if ov else [])
 
     def zero_grad(self, set_to_none=True):
         """torch's zero_grad, after the overlap worker has read every grad

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 import weakref
 
 import torch
@@ -39,6 +40,7 @@ class _WorkerState:
         self.inflight = 0  # jobs submitted and not finished
         self.jobs_done = 0
         self.error = None  # the first exception a job raised (re-raised by wait())
+        self.timeline = []  # this round's jobs: [params, submitted, started, finished] (perf_counter s)
 
 
 def _worker_loop(jobs, state):
@@ -46,14 +48,16 @@ def _worker_loop(jobs, state):
         item = jobs.get()
         if item is None:
             return
-        execute, job = item
+        execute, job, times = item
+        times[2] = time.perf_counter()
         try:
             if state.error is None:
                 execute(job)
         except BaseException as e:  # noqa: BLE001 - handed to the caller of wait()
             state.error = e
         finally:
-            del execute, job, item
+            times[3] = time.perf_counter()
+            del execute, job, item, times
             with state.cv:
                 state.inflight -= 1
                 state.jobs_done += 1
@@ -81,6 +85,7 @@ class BackwardOverlap:
         self.deferred = False  # True: hooks do nothing, step() updates (clip_grad_norm mode)
         self.enabled = True  # StreamAdamW.set_overlap(False): hooks do nothing
         self.params_in_backward = 0  # params submitted from hooks since construction
+        self.last_round = []  # the last finished round's jobs: (elements, submitted, started, finished)
         self._jobs = queue.SimpleQueue()
         self._state = _WorkerState()
         self._thread = None
@@ -118,13 +123,15 @@ class BackwardOverlap:
         if job is None:
             return
         self.params_in_backward += len(params)
+        times = [sum(_local_numel(p) for p in params), time.perf_counter(), None, None]
         with self._state.cv:
             self._state.inflight += 1
+            self._state.timeline.append(times)
         if self._thread is None:
             self._thread = threading.Thread(target=_worker_loop, args=(self._jobs, self._state),
                                              name="moepeak-stream-adamw", daemon=True)
             self._thread.start()
-        self._jobs.put((self._execute, job))
+        self._jobs.put((self._execute, job, times))
 
     def wait(self):
         """Block until every submitted job has finished; re-raise a job's error."""
@@ -138,6 +145,9 @@ class BackwardOverlap:
 
     def end_round(self):
         self.done.clear()
+        with self._state.cv:
+            self.last_round = [tuple(t) for t in self._state.timeline]
+            self._state.timeline = []
 
     @property
     def jobs_done(self):

@@ -65,6 +65,11 @@ def test_overlap_bitwise_vs_torch_fused(host_pipeline):
     stats = ours.overlap_stats()
     assert stats["params_in_backward"] == 4 * 8  # every param of every step was handed over by its hook
     assert stats["jobs_done"] >= 4 * 2  # bucket_mb=1e-3: several jobs per backward
+    # the last round's jobs: every element once, each submitted <= started <= finished, in order
+    jobs = stats["last_round"]
+    assert sum(n for n, *_ in jobs) == sum(p.numel() for p in ours_m.parameters())
+    assert all(sub <= start <= end for _, sub, start, end in jobs)
+    assert all(a[3] <= b[2] for a, b in zip(jobs, jobs[1:]))  # one worker: a job starts after the previous
 
 
 def test_update_runs_before_backward_returns():
