@@ -49,7 +49,7 @@ what transformers expects. Three parts, each can be turned off:
   model.gradient_checkpointing_disable() turns checkpointing off.
 
 - tile_tokens (off unless given): every decoder layer of a family in TILED_LAYERS
-  (Qwen3-MoE, Mixtral) runs moepeak.tiled_adapters.tiled_hf_moe_layer_forward (the block's
+  (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) runs moepeak.tiled_adapters.tiled_hf_moe_layer_forward (the block's
   position-wise parts in sequence tiles of tile_tokens tokens, only attention at full
   length) in training with grad; in eval / no_grad the layer's own forward runs. With
   output_router_logits (config or call) each tiled layer hands transformers' output
@@ -81,6 +81,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 import torch
 
 from .hf_norms import LEAN_NORMS, patch_final_norm, patch_layer_norms
+from .tiled_adapters import HF_TILED_LAYERS
 
 IMPLEMENTATION = "moepeak"
 TESTED_TRANSFORMERS = ((5, 17), (6, 0))  # [lowest, first untested major)
@@ -92,7 +93,7 @@ NORM_OPTIONS = ("norm_chunk_tokens",)
 CHECKPOINT_OPTIONS = ("sco_config",)
 # Decoder layers the tiled block adapter runs (moepeak.tiled_adapters.hf_moe_layer_spec), by class
 # name, each read for transformers 5.17: pre-norm attention + MoE with the adapter's submodule names.
-TILED_LAYERS = ("Qwen3MoeDecoderLayer", "MixtralDecoderLayer")
+TILED_LAYERS = tuple(HF_TILED_LAYERS)
 
 
 # ---------------------------------------------------------------------------

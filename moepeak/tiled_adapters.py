@@ -67,12 +67,23 @@ def demo_block_spec(block: torch.nn.Module, x: torch.Tensor) -> TiledBlockSpec:
 
 # --------------------------------------------------------------------------- Hugging Face MoE layers
 
+# The decoder layers hf_moe_layer_spec runs (transformers 5.17), by class name, each with what
+# its attention passes as the interface's sliding_window: "attn" (self.sliding_window), "config"
+# (getattr(config, "sliding_window", None)) or None (nothing: the mask alone carries a window).
+HF_TILED_LAYERS = {
+    "Qwen3MoeDecoderLayer": "attn",
+    "Qwen2MoeDecoderLayer": None,
+    "MixtralDecoderLayer": "config",
+    "OlmoeDecoderLayer": "config",
+}
+
 def hf_moe_layer_spec(layer: torch.nn.Module, x: torch.Tensor, attention_mask=None, position_ids=None,
                       past_key_values=None, use_cache=False, position_embeddings=None, return_router_logits=False,
                       **kwargs) -> TiledBlockSpec:
-    """Spec for a Hugging Face pre-norm MoE decoder layer called as layer(hidden_states, ...):
-    the same arguments. Submodules read: input_layernorm; self_attn with q/k/v/o_proj, head_dim,
-    scaling and, when present, per-head q_norm / k_norm (Qwen3-MoE has them, Mixtral not);
+    """Spec for a Hugging Face pre-norm MoE decoder layer (a class of HF_TILED_LAYERS) called as
+    layer(hidden_states, ...): the same arguments. Submodules read: input_layernorm; self_attn
+    with q/k/v/o_proj, head_dim, scaling and, when present, q_norm / k_norm, per head (Qwen3-MoE)
+    or over the whole projection (OLMoE, which also clamps q, k, v to config.clip_qkv);
     post_attention_layernorm; mlp (returns the MoE output) with its router mlp.gate (returns
     (router_logits, weights, indices), as transformers' *TopKRouter does). RoPE, the eager
     attention fallback: the layer's own modeling module (apply_rotary_pos_emb,
@@ -106,29 +117,39 @@ def hf_moe_layer_spec(layer: torch.nn.Module, x: torch.Tensor, attention_mask=No
     router = getattr(mlp, "gate", None)
     if return_router_logits and not isinstance(router, torch.nn.Module):
         raise ValueError(f"moepeak: a tiled {name} returns router logits only with a router module at mlp.gate")
+    if name not in HF_TILED_LAYERS:
+        raise ValueError(f"moepeak: no tiled adapter for {name} (tiled: {', '.join(HF_TILED_LAYERS)})")
+    window = HF_TILED_LAYERS[name]
+    core_kwargs = dict(kwargs)
+    if window is not None:
+        core_kwargs["sliding_window"] = attn.sliding_window if window == "attn" else \
+            getattr(attn.config, "sliding_window", None)
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    sliding_window = attn.sliding_window if hasattr(attn, "sliding_window") else \
-        getattr(attn.config, "sliding_window", None)
-    cos, sin = position_embeddings
     B, hd = x.shape[0], attn.head_dim
+    per_head_norm = q_norm is not None and q_norm.weight.numel() == hd
+    clip = getattr(attn.config, "clip_qkv", None)
+    cos, sin = position_embeddings
 
     def pre_attn(x_t, start):
         t = x_t.shape[1]
         n = layer.input_layernorm(x_t)
         shape = (B, t, -1, hd)
-        q = attn.q_proj(n).view(shape)
-        q = (q if q_norm is None else q_norm(q)).transpose(1, 2)
-        k = attn.k_proj(n).view(shape)
-        k = (k if k_norm is None else k_norm(k)).transpose(1, 2)
-        v = attn.v_proj(n).view(shape).transpose(1, 2)
-        q, k = modeling.apply_rotary_pos_emb(q, k, cos[:, start:start + t], sin[:, start:start + t])
-        return q, k, v
+        q, k, v = attn.q_proj(n), attn.k_proj(n), attn.v_proj(n)
+        if q_norm is not None and not per_head_norm:
+            q, k = q_norm(q), k_norm(k)
+        if clip is not None:
+            q, k, v = (u.clamp(min=-clip, max=clip) for u in (q, k, v))
+        q, k, v = q.view(shape), k.view(shape), v.view(shape)
+        if per_head_norm:
+            q, k = q_norm(q), k_norm(k)
+        q, k = modeling.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2),
+                                             cos[:, start:start + t], sin[:, start:start + t])
+        return q, k, v.transpose(1, 2)
 
     def attn_core(q, k, v):
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
                                                           modeling.eager_attention_forward)
-        out, _ = interface(attn, q, k, v, attention_mask, dropout=dropout, scaling=attn.scaling,
-                           sliding_window=sliding_window, **kwargs)
+        out, _ = interface(attn, q, k, v, attention_mask, dropout=dropout, scaling=attn.scaling, **core_kwargs)
         return out
 
     def moe_part(h):

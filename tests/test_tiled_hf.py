@@ -1,4 +1,4 @@
-"""moepeak.hf.apply_moepeak(..., tile_tokens=N): Qwen3-MoE and Mixtral decoder layers run
+"""moepeak.hf.apply_moepeak(..., tile_tokens=N): Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE decoder layers run
 sequence-tiled in training; 3 training steps equal the untiled patched model, also with the
 router aux loss (output_router_logits=True: same loss, aux loss, router logits and gradients);
 other families are left alone with the reason."""
@@ -30,7 +30,23 @@ def mixtral(output_router_logits=False, **extra):
     return _random_routers(transformers.MixtralForCausalLM(cfg))
 
 
-FAMILIES = {"qwen3_moe": qwen3_moe, "mixtral": mixtral}
+def qwen2_moe(output_router_logits=False, **extra):
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2MoeConfig(**COMMON, intermediate_size=24, moe_intermediate_size=24, num_experts=8,
+                                      shared_expert_intermediate_size=24, num_experts_per_tok=2, qkv_bias=True,
+                                      output_router_logits=output_router_logits, **extra)
+    return _random_routers(transformers.Qwen2MoeForCausalLM(cfg))
+
+
+def olmoe(output_router_logits=False, clip_qkv=0.5, **extra):
+    torch.manual_seed(0)  # q/k norms over the whole projection; clip_qkv small enough to clip
+    cfg = transformers.OlmoeConfig(**{k: v for k, v in COMMON.items() if k != "head_dim"}, intermediate_size=24,
+                                   num_experts=8, num_experts_per_tok=2, clip_qkv=clip_qkv,
+                                   output_router_logits=output_router_logits, **extra)
+    return _random_routers(transformers.OlmoeForCausalLM(cfg))
+
+
+FAMILIES = {"qwen3_moe": qwen3_moe, "mixtral": mixtral, "qwen2_moe": qwen2_moe, "olmoe": olmoe}
 
 
 def _random_routers(model):
@@ -162,10 +178,20 @@ def test_router_jitter_is_refused_clearly():
 
 
 def test_other_families_left_alone_with_reason():
-    cfg = transformers.Qwen2MoeConfig(**COMMON, intermediate_size=24, moe_intermediate_size=24,
-                                      shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2)
-    report = apply_moepeak(transformers.Qwen2MoeForCausalLM(cfg), tile_tokens=8)
-    assert "Qwen2MoeDecoderLayer stay untiled" in str(report), str(report)
+    cfg = transformers.GptOssConfig(**COMMON, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2)
+    report = apply_moepeak(transformers.GptOssForCausalLM(cfg), tile_tokens=8)
+    assert "GptOssDecoderLayer stay untiled" in str(report), str(report)
+
+
+def test_olmoe_clip_qkv_is_exercised():
+    """The OLMoE config above clips: the tiled pre-attention part must clamp as the layer does."""
+    model = olmoe()
+    seen = []
+    attn = model.model.layers[0].self_attn
+    h = attn.q_proj.register_forward_hook(lambda m, a, out: seen.append(attn.q_norm(out).abs().max().item()))
+    model(input_ids=torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(2)))
+    h.remove()
+    assert seen and seen[0] > 0.5
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True])
@@ -178,8 +204,11 @@ def test_bad_tile_tokens(bad):
 def test_router_aux_loss_bf16_within_twice_torch_error(family):
     """bf16, aux loss on (weight 1.0), tiles of 5 over T = 12: after 3 AdamW steps the tiled
     model's loss, aux loss and parameters are at most 2x as far from an fp64 run as transformers'
-    own bf16 model (eager experts, torch checkpoint, full-logits loss) is."""
-    model = FAMILIES[family](output_router_logits=True, router_aux_loss_coef=1.0).to(torch.bfloat16)
+    own bf16 model (eager experts, torch checkpoint, full-logits loss) is. OLMoE without its
+    clip: with most of q, k clipped, many gradients are exactly zero in one rounding and not in
+    another, and AdamW turns that noise into lr-sized steps (the fp32 tests cover the clip)."""
+    extra = {"clip_qkv": None} if family == "olmoe" else {}
+    model = FAMILIES[family](output_router_logits=True, router_aux_loss_coef=1.0, **extra).to(torch.bfloat16)
     plain = copy.deepcopy(model)
     plain.set_experts_implementation("eager")
     plain.gradient_checkpointing_enable()
