@@ -49,7 +49,7 @@ what transformers expects. Three parts, each can be turned off:
   model.gradient_checkpointing_disable() turns checkpointing off.
 
 - tile_tokens (off unless given): every decoder layer of a family in TILED_LAYERS
-  (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) runs moepeak.tiled_adapters.tiled_hf_moe_layer_forward (the block's
+  (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3) runs moepeak.tiled_adapters.tiled_hf_moe_layer_forward (the block's
   position-wise parts in sequence tiles of tile_tokens tokens, only attention at full
   length) in training with grad; in eval / no_grad the layer's own forward runs. With
   output_router_logits (config or call) each tiled layer hands transformers' output

@@ -67,14 +67,16 @@ def demo_block_spec(block: torch.nn.Module, x: torch.Tensor) -> TiledBlockSpec:
 
 # --------------------------------------------------------------------------- Hugging Face MoE layers
 
-# The decoder layers hf_moe_layer_spec runs (transformers 5.17), by class name, each with what
-# its attention passes as the interface's sliding_window: "attn" (self.sliding_window), "config"
-# (getattr(config, "sliding_window", None)) or None (nothing: the mask alone carries a window).
+# The decoder layers hf_moe_layer_spec runs (transformers 5.17), by class name: (how the
+# attention makes q, k, v: "mha" = q/k/v_proj, "mla" = DeepSeek's multi-head latent attention;
+# what it passes as the interface's sliding_window: "attn" (self.sliding_window), "config"
+# (getattr(config, "sliding_window", None)) or None (nothing: the mask alone carries a window)).
 HF_TILED_LAYERS = {
-    "Qwen3MoeDecoderLayer": "attn",
-    "Qwen2MoeDecoderLayer": None,
-    "MixtralDecoderLayer": "config",
-    "OlmoeDecoderLayer": "config",
+    "Qwen3MoeDecoderLayer": ("mha", "attn"),
+    "Qwen2MoeDecoderLayer": ("mha", None),
+    "MixtralDecoderLayer": ("mha", "config"),
+    "OlmoeDecoderLayer": ("mha", "config"),
+    "DeepseekV3DecoderLayer": ("mla", None),
 }
 
 def hf_moe_layer_spec(layer: torch.nn.Module, x: torch.Tensor, attention_mask=None, position_ids=None,
@@ -83,7 +85,9 @@ def hf_moe_layer_spec(layer: torch.nn.Module, x: torch.Tensor, attention_mask=No
     """Spec for a Hugging Face pre-norm MoE decoder layer (a class of HF_TILED_LAYERS) called as
     layer(hidden_states, ...): the same arguments. Submodules read: input_layernorm; self_attn
     with q/k/v/o_proj, head_dim, scaling and, when present, q_norm / k_norm, per head (Qwen3-MoE)
-    or over the whole projection (OLMoE, which also clamps q, k, v to config.clip_qkv);
+    or over the whole projection (OLMoE, which also clamps q, k, v to config.clip_qkv); for
+    DeepSeek-V3 its latent-attention projections (q_a/q_b or q_proj, kv_a_proj_with_mqa, the two
+    latent norms, kv_b_proj through its expand_kv) and rotary variant;
     post_attention_layernorm; mlp (returns the MoE output) with its router mlp.gate (returns
     (router_logits, weights, indices), as transformers' *TopKRouter does). RoPE, the eager
     attention fallback: the layer's own modeling module (apply_rotary_pos_emb,
@@ -119,18 +123,36 @@ def hf_moe_layer_spec(layer: torch.nn.Module, x: torch.Tensor, attention_mask=No
         raise ValueError(f"moepeak: a tiled {name} returns router logits only with a router module at mlp.gate")
     if name not in HF_TILED_LAYERS:
         raise ValueError(f"moepeak: no tiled adapter for {name} (tiled: {', '.join(HF_TILED_LAYERS)})")
-    window = HF_TILED_LAYERS[name]
+    projections, window = HF_TILED_LAYERS[name]
     core_kwargs = dict(kwargs)
     if window is not None:
         core_kwargs["sliding_window"] = attn.sliding_window if window == "attn" else \
             getattr(attn.config, "sliding_window", None)
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    B, hd = x.shape[0], attn.head_dim
+    B, hd = x.shape[0], getattr(attn, "head_dim", None)
     per_head_norm = q_norm is not None and q_norm.weight.numel() == hd
     clip = getattr(attn.config, "clip_qkv", None)
     cos, sin = position_embeddings
 
+    def mla_pre_attn(x_t, start):
+        # DeepseekV3Attention.forward's ops before the attention interface, on the tile
+        t = x_t.shape[1]
+        n = layer.input_layernorm(x_t)
+        q = attn.q_proj(n) if attn.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(n)))
+        q = q.view(B, t, -1, attn.qk_head_dim).transpose(1, 2)
+        q_pass, q_rot = torch.split(q, [attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
+        kv_nope, k_rot = torch.split(attn.kv_a_proj_with_mqa(n), [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
+        kv_nope = attn.kv_a_layernorm(kv_nope).view(B, 1, t, attn.kv_lora_rank)
+        k_rot = k_rot.view(B, 1, t, attn.qk_rope_head_dim)
+        rotate = modeling.apply_rotary_pos_emb_interleave if attn.config.rope_interleave else \
+            modeling.apply_rotary_pos_emb
+        q_rot, k_rot = rotate(q_rot, k_rot, cos[:, start:start + t], sin[:, start:start + t])
+        k, v = attn.expand_kv(kv_nope, k_rot)
+        return torch.cat((q_pass, q_rot), dim=-1), k, v
+
     def pre_attn(x_t, start):
+        if projections == "mla":
+            return mla_pre_attn(x_t, start)
         t = x_t.shape[1]
         n = layer.input_layernorm(x_t)
         shape = (B, t, -1, hd)
