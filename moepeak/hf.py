@@ -52,16 +52,16 @@ what transformers expects. Three parts, each can be turned off:
   (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3) runs
   moepeak.tiled_adapters.tiled_hf_moe_layer_forward (the block's position-wise parts in
   sequence tiles of tile_tokens tokens, only attention at full length) in training with
-  grad; in eval / no_grad the layer's own forward runs. With output_router_logits (config
-  or call) each tiled layer hands transformers' output collector one router-logits tensor
-  [B*T, E] for all its tokens, as the untiled router does, instead of the per-tile ones its router produced: an output of the tiled block's
-  autograd node, so the model's own router aux loss (load_balancing_loss_func) is that of
-  the untiled model and its gradient reaches the routers and the layer inputs through the
-  tiled recompute. (Reads transformers' private output collector,
-  transformers.utils.output_capturing._active_collector; checked at apply time.) The
-  logits cost L x [T, E] in the activation dtype: 32 B/token per layer at E = 16 in bf16,
-  1/128 of one [T, H] at H = 2048 (transformers' aux loss also keeps each layer's softmax
-  of them). Other families' layers are left alone (the report says so).
+  grad; in eval / no_grad the layer's own forward runs. With output_router_logits (config or
+  call) each tiled layer hands transformers' output collector one router-logits tensor [B*T,
+  E] for all its tokens, as the untiled router does, instead of the per-tile ones its router
+  produced: an output of the tiled block's autograd node, so the model's own router aux loss
+  (load_balancing_loss_func) is that of the untiled model and its gradient reaches the
+  routers and the layer inputs through the tiled recompute. (Reads transformers' private
+  output collector, transformers.utils.output_capturing._active_collector; checked at apply
+  time.) The logits cost L x [T, E] in the activation dtype: 32 B/token per layer at E = 16
+  in bf16, 1/128 of one [T, H] at H = 2048 (transformers' aux loss also keeps each layer's
+  softmax of them). Other families' layers are left alone (the report says so).
 
 The optimizer is not patched: moepeak.StreamAdamW(model.parameters(), lr=...)
 works in a plain loop, and with the Trainer as
