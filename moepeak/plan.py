@@ -82,7 +82,8 @@ class ModelShape:
     vocab: int
     heads: int
     kv_heads: int
-    head_dim: Optional[int] = None          # default hidden // heads
+    head_dim: Optional[int] = None          # default hidden // heads (MLA: the value head size)
+    qk_head_dim: Optional[int] = None       # q and k head size when it differs (MLA: nope + rope)
     attn_params_per_layer: Optional[int] = None  # override (e.g. MLA)
     shared_experts: int = 0
     dense_layers: int = 0                   # leading dense-MLP layers (DeepSeek-V3)
@@ -92,6 +93,9 @@ class ModelShape:
     def d(self) -> int:
         return self.head_dim or self.hidden // self.heads
 
+    def dqk(self) -> int:
+        return self.qk_head_dim or self.d()
+
     def validate(self):
         bad = []
         for f in ("layers", "hidden", "experts", "top_k", "intermediate", "vocab", "heads", "kv_heads"):
@@ -99,6 +103,8 @@ class ModelShape:
             if not isinstance(v, int) or v < 1:
                 bad.append(f"{f} must be a positive integer, got {v!r}")
         if not bad:
+            if self.qk_head_dim is not None and (not isinstance(self.qk_head_dim, int) or self.qk_head_dim < 1):
+                bad.append(f"qk_head_dim must be None or a positive integer, got {self.qk_head_dim!r}")
             if self.head_dim is None and self.hidden % self.heads:
                 bad.append(f"heads ({self.heads}) must divide hidden ({self.hidden}) or give --head-dim")
             if self.heads % self.kv_heads:
@@ -141,7 +147,7 @@ PRESETS: Dict[str, ModelShape] = {
                                   vocab=151936, heads=64, kv_heads=4, head_dim=128),
     # MLA attention: q_a 7168x1536, q_b 1536x(128*192), kv_a 7168x576, kv_b 512x(128*256), o (128*128)x7168
     "DeepSeek-V3": ModelShape(layers=61, hidden=7168, experts=256, top_k=8, intermediate=2048,
-                              vocab=129280, heads=128, kv_heads=128, head_dim=128,
+                              vocab=129280, heads=128, kv_heads=128, head_dim=128, qk_head_dim=192,
                               attn_params_per_layer=7168 * 1536 + 1536 * 128 * 192 + 7168 * 576
                               + 512 * 128 * 256 + 128 * 128 * 7168,
                               shared_experts=1, dense_layers=3, dense_intermediate=18432),
@@ -151,17 +157,18 @@ PRESETS: Dict[str, ModelShape] = {
                                 vocab=32768, heads=48, kv_heads=8, head_dim=128),
     # torchtitan 0.3.0's MoE flavors, "titan:<model>:<flavor>" (torchtitan.models.<model>'s
     # registry; tests/test_plan_presets.py checks each against the config it builds).
-    # MLA (deepseek_v3) counts its attention weights in attn_params_per_layer and stands
-    # for d with the value head size; kv_heads = heads (each head has its own k, v).
+    # MLA (deepseek_v3) counts its attention weights in attn_params_per_layer; head_dim is
+    # the value head size, qk_head_dim q's and k's; kv_heads = heads (each head has its own k, v).
     # wq 2048x(16*192), kv_a 2048x576, kv_b 512x(16*256), o (16*128)x2048
     "titan:deepseek_v3:16B": ModelShape(layers=27, hidden=2048, experts=64, top_k=6, intermediate=1408,
-                                        vocab=102400, heads=16, kv_heads=16, head_dim=128,
+                                        vocab=102400, heads=16, kv_heads=16, head_dim=128, qk_head_dim=192,
                                         attn_params_per_layer=2048 * 16 * 192 + 2048 * 576 + 512 * 16 * 256
                                         + 16 * 128 * 2048,
                                         shared_experts=2, dense_layers=1, dense_intermediate=10944),
     # q_a 5120x1536, q_b 1536x(128*192), kv_a 5120x576, kv_b 512x(128*256), o (128*128)x5120
     "titan:deepseek_v3:236B": ModelShape(layers=60, hidden=5120, experts=160, top_k=6, intermediate=1536,
                                          vocab=102400, heads=128, kv_heads=128, head_dim=128,
+                                         qk_head_dim=192,
                                          attn_params_per_layer=5120 * 1536 + 1536 * 128 * 192 + 5120 * 576
                                          + 512 * 128 * 256 + 128 * 128 * 5120,
                                          shared_experts=2, dense_layers=1, dense_intermediate=12288),
@@ -186,12 +193,14 @@ IMPLS = ("demo", "hf")
 def tiled_full_len_bytes(m: "ModelShape", b: int) -> float:
     """Bytes per token of the full-length tensors of a sequence-tiled block at its backward
     peak (the first kv-head group's attention backward; moepeak/tiled.py's docstring):
-    grad_y, dx [H]; q, out, dout [nh*d]; k, v [nkv*d] (all b bytes); lse fp32 [nh]; and the
-    group's flash backward (G = nkv groups): fp32 dq accumulator and dk, dv expanded to the
-    group's q heads, dq, dk, dv of the group. The block input x is the boundaries term's."""
-    H, d, nh, nkv = m.hidden, m.d(), m.heads, m.kv_heads
-    Hq, Hkv, G = nh * d, nkv * d, nkv
-    return b * (2 * H + 3 * Hq + 2 * Hkv) + 4 * nh + (4 * Hq + 2 * b * Hq + b * (Hq + 2 * Hkv)) / G
+    grad_y, dx [H]; q [nh*dqk]; out, dout [nh*d]; k [nkv*dqk], v [nkv*d] (all b bytes); lse
+    fp32 [nh]; and the group's flash backward (G = nkv groups): fp32 dq accumulator and dk, dv
+    expanded to the group's q heads, dq, dk, dv of the group. dqk = d except for MLA, whose q
+    and k heads are wider than v's. The block input x is the boundaries term's."""
+    H, nh, nkv, G = m.hidden, m.heads, m.kv_heads, m.kv_heads
+    Qq, Qo, Kk, Kv = nh * m.dqk(), nh * m.d(), nkv * m.dqk(), nkv * m.d()
+    return b * (2 * H + Qq + 2 * Qo + Kk + Kv) + 4 * nh + \
+        (4 * Qq + b * (Qq + Qo) + b * (Qq + Kk + Kv)) / G
 
 # What the table's rows beside the four peaks hold (report() prints it under the table;
 # `moepeak plan --help` shows it too).
@@ -289,12 +298,13 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
     N = m.params()
     nblock = m.block_params(True)
     d = m.d()
-    Hq = m.heads * d
+    Hq, Hqk = m.heads * d, m.heads * m.dqk()
     gathered = 2 * b * nblock if P > 1 else 0   # FSDP2: current + prefetched block
     # Per token, saved by autograd for the one block being recomputed (its backward):
     #   RMSNorm x2: fp32 x (pow, mul) + fp32 normalised y (mul by weight) + rstd = 8H + 4 each;
     #   attention: the norm output (q/k/v input) b*H; flash SDPA keeps q, k and v repeated to
-    #   nh heads, the output and fp32 lse (4 * b*Hq + 4*nh); o_proj's input copy b*Hq;
+    #   nh heads, the output and fp32 lse (4 * b*Hq + 4*nh; MLA: q, k 2 * b*Hqk, v and the
+    #   output 2 * b*Hq); o_proj's input copy b*Hq;
     #   router: fp32 copy of its input 4H, softmax output 4E, top-k ids 8K, top-k values 4K,
     #   their sum 4 (normalisation).
     #   with lean norms (moepeak.norms.rms_norm: Setup.lean_norm, moepeak plan) each saves its input and
@@ -302,7 +312,7 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
     lean = s.lean_norm and plan == "moepeak"
     saved_norm = b * H + 4 if lean else 8 * H + 4
     norms = (4 + saved_norm) if lean else 2 * saved_norm
-    attn = b * (H + 5 * Hq) + 4 * m.heads
+    attn = b * (H + 2 * Hqk + 3 * Hq) + 4 * m.heads
     router = 4 * H + 4 * E + 12 * K + 4
     out = {"saved_norm": saved_norm, "saved_router": router}  # per token (checked on CPU)
     rope = 2 * b * d + 8 if hf else 8 * d       # hf: cos, sin [B, T, d] x b + position_ids int64;
@@ -507,7 +517,9 @@ def add_args(ap: argparse.ArgumentParser):
                     ("intermediate", "expert intermediate size I"), ("vocab", "vocabulary size V"),
                     ("heads", "attention heads"), ("kv-heads", "key/value heads (default %(default)s: the preset's, else --heads)"),
                     ("head-dim", "attention head size (default %(default)s: the preset's, else "
-                                 "hidden / heads)")):
+                                 "hidden / heads; MLA: the value head size)"),
+                    ("qk-head-dim", "q and k head size where it differs from --head-dim (MLA: nope + rope; "
+                                    "default %(default)s: the preset's, else --head-dim)")):
         ap.add_argument(f"--{f}", type=int, default=None,
                         help=what if "%(default)" in what else what + " (default %(default)s: the preset's)")
     ap.add_argument("--context", type=int, default=131072,
@@ -547,7 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
 def from_args(a) -> (ModelShape, Setup):
     fields = {"layers": "layers", "hidden": "hidden", "experts": "experts", "top_k": "top_k",
               "intermediate": "intermediate", "vocab": "vocab", "heads": "heads",
-              "kv_heads": "kv_heads", "head_dim": "head_dim"}
+              "kv_heads": "kv_heads", "head_dim": "head_dim", "qk_head_dim": "qk_head_dim"}
     given = {k: getattr(a, v) for k, v in fields.items() if getattr(a, v) is not None}
     if a.preset:
         m = dataclasses.replace(PRESETS[a.preset], **given)

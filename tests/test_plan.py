@@ -2,6 +2,8 @@
 longest context, bad input, and the model's formulas against bytes measured
 on CPU (the 15% GPU comparison is in benchmarks/bench_demo.py)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -390,6 +392,28 @@ def test_closed_pipe_prints_no_traceback(args):
 
 
 # ---------------------------------------------- sequence-tiled blocks (--tile-tokens)
+
+def test_mla_widths_in_the_attention_terms():
+    """DeepSeek's latent attention: q and k heads are qk_head_dim (192) wide, v and the output
+    head_dim (128). The tiled list and the untiled saved attention tensors count each width;
+    without qk_head_dim both reduce to the GQA formulas."""
+    m = P.PRESETS["DeepSeek-V3"]
+    assert (m.d(), m.dqk(), m.heads, m.kv_heads) == (128, 192, 128, 128)
+    H, nh, b = 7168, 128, 2
+    q, o = nh * 192, nh * 128  # per token: q/k width and v/out width (kv_heads = heads)
+    # grad_y, dx; q, out, dout; k, v; lse; one head group (G = 128 of one head each): fp32 dq
+    # accumulator, dk/dv expanded, dq/dk/dv
+    want = b * (2 * H + q + 2 * o + q + o) + 4 * nh + (4 * q + b * (q + o) + b * (2 * q + o)) / 128
+    assert P.tiled_full_len_bytes(m, b) == want
+    gqa = dataclasses.replace(m, qk_head_dim=None)
+    assert P.tiled_full_len_bytes(gqa, b) < want
+    T = 1 << 16
+    wide = P.peaks(m, P.Setup(gpus=8), T * 8, "moepeak")["block"]
+    narrow = P.peaks(gqa, P.Setup(gpus=8), T * 8, "moepeak")["block"]
+    assert wide - narrow == T * b * 2 * (q - o)  # the untiled block: q and k, each 64 wider per head
+    with pytest.raises(ValueError, match="qk_head_dim"):
+        dataclasses.replace(m, qk_head_dim=0).validate()
+
 
 def _model_2b(layers=16):
     """The 2.0B demo LM of issue 25."""

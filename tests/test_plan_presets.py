@@ -61,9 +61,11 @@ def shape_of(model_cfg) -> tuple[ModelShape, int]:
     shape = ModelShape(
         layers=len(layers), hidden=model_cfg.dim, experts=moe.num_experts, top_k=moe.router.top_k,
         intermediate=intermediate, vocab=model_cfg.vocab_size, heads=attn.n_heads,
-        # MLA: every head has its own k and v; its value head size stands for d
+        # MLA: every head has its own k and v; head_dim is the value head size, qk_head_dim
+        # q's and k's (nope + rope)
         kv_heads=attn.n_heads if mla else attn.n_kv_heads,
         head_dim=attn.v_head_dim if mla else attn.head_dim,
+        qk_head_dim=attn.qk_nope_head_dim + attn.qk_rope_head_dim if mla else None,
         attn_params_per_layer=attn_params if mla else None,
         shared_experts=shared, dense_layers=dense_layers,
         dense_intermediate=layers[0].feed_forward.w1.out_features if dense_layers else 0,
