@@ -14,6 +14,9 @@ Arms (moepeak.demo.models.MoELM, the same parameters in each):
              note when liger_kernel is not importable)
     moepeak  PipelinedLLEP + Ring-DTP head (and the lean final norm) + SCO +
              StreamAdamW(overlap_backward=True), bf16 params (fp32 master/state in host RAM)
+    moepeak_gpu_embed  moepeak with StreamAdamW(device_state=[embed.weight]): the input
+             embedding's optimizer state on the GPU (+16 B per element: 4.6 GiB at this shape),
+             so its update, the last in backward, is not a host update after backward
     moepeak_tiled  moepeak with sequence-tiled blocks (MoEConfig.tile_tokens = 8192;
              --tiny: 32), the fifth peak's schedule
 
@@ -52,7 +55,7 @@ from _common import append_results, is_oom  # noqa: E402
 from bench_demo_reach import SMOKE  # noqa: E402  (the CPU smoke shape of the demo model)
 
 GiB = 2 ** 30
-ARMS = ("plain", "liger", "moepeak", "moepeak_tiled")
+ARMS = ("plain", "liger", "moepeak", "moepeak_gpu_embed", "moepeak_tiled")
 TILE_TOKENS = 8192  # the moepeak_tiled arm's (the --tiny shape: 32)
 SHAPE_2B = dict(layers=16, hidden=2048, heads=16, kv_heads=4, experts=16, top_k=4, intermediate=768,
                 vocab=151936, dtype="bfloat16", chunk_rows=None)
@@ -94,7 +97,12 @@ def build_arm(arm, d, device):
         notes.append(f"tile_tokens {cfg.tile_tokens}")
     if on:
         model = MoELM(cfg, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-        opt = moepeak.StreamAdamW(model.parameters(), lr=1e-4, weight_decay=0.0, overlap_backward=True)
+        device_state = None
+        if arm == "moepeak_gpu_embed":
+            device_state = [model.embed.weight]
+            notes.append("embedding's optimizer state on the device")
+        opt = moepeak.StreamAdamW(model.parameters(), lr=1e-4, weight_decay=0.0, overlap_backward=True,
+                                  device_state=device_state)
         return model, opt, None, "; ".join(notes)
     model = MoELM(cfg, device=device, dtype=torch.float32)
     if arm == "liger":

@@ -6,9 +6,9 @@ API
 ``moepeak.StreamAdamW(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
 weight_decay=1e-2, *, amsgrad=False, maximize=False, bucket_mb=64,
 threads=None, isa=None, grad_slots=3, param_slots=2, overlap_backward=False,
-clip_grad_norm=None)`` is a ``torch.optim.Optimizer`` with the update of
-``torch.optim.AdamW`` (decoupled weight decay, bias correction, amsgrad and
-maximize as torch defines them).
+clip_grad_norm=None, device_state=None)`` is a ``torch.optim.Optimizer`` with
+the update of ``torch.optim.AdamW`` (decoupled weight decay, bias correction,
+amsgrad and maximize as torch defines them).
 
 - Parameters may be CUDA tensors (fp32, bf16 or fp16) or CPU tensors. On
   CUDA, params and grads stay on the GPU; the optimizer's fp32 state lives on
@@ -23,6 +23,16 @@ maximize as torch defines them).
   the new parameters. When ``step()`` returns every grad has been read, so
   ``zero_grad()`` may free them at once.
 - CPU parameters are updated in place with no copies (the same C kernel).
+- ``device_state``: some of the params (e.g. ``[model.embed.weight]``) whose
+  state (fp32 master for bf16/fp16 params, exp_avg, exp_avg_sq, step) stays on
+  their own device, updated there by torch's fused AdamW kernel on the current
+  stream: 16 bytes per element of device memory (12 for fp32 params) for no
+  host traffic. Meant for a large param whose gradient is final last in
+  backward (the input embedding), whose host update ``overlap_backward``
+  could not hide. Bitwise ``torch.optim.AdamW(fused=True)`` on that device
+  (on the CPU also the host update; a GPU's kernel may round the last bit
+  differently from the host's); state_dict keys unchanged (its tensors on
+  the param's device).
 - The CPU kernel is C (AVX-512 / AVX2 / scalar, chosen at run time or forced
   with ``isa='avx512'|'avx2'|'scalar'``), runs on moepeak's pthread pool with
   ``threads`` threads (None: all CPUs of the process), GIL released.
@@ -126,7 +136,7 @@ class StreamAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, amsgrad=False,
                  maximize=False, bucket_mb=64, threads=None, isa=None, grad_slots=3, param_slots=2,
-                 overlap_backward=False, clip_grad_norm=None, _host_pipeline=False):
+                 overlap_backward=False, clip_grad_norm=None, device_state=None, _host_pipeline=False):
         _check_hyper("lr", lr, betas, eps, weight_decay, amsgrad, maximize)
         if not isinstance(overlap_backward, bool):
             raise TypeError(f"moepeak.StreamAdamW: overlap_backward must be a bool, got {overlap_backward!r}")
@@ -163,6 +173,7 @@ class StreamAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, **_TORCH_GROUP_KEYS)
         super().__init__(params, defaults)
+        self._on_device = self._device_state_params(device_state)
         self._devices = {}  # param -> device it had at its first step
         self._gpu_master = {}  # fp32 CUDA param -> its fp32 CPU master (always equal to the param)
         self._plan = None
@@ -176,8 +187,24 @@ class StreamAdamW(torch.optim.Optimizer):
         if overlap_backward:
             params = [p for g in self.param_groups for p in g["params"]]
             self._overlap = BackwardOverlap(self, params, self._bucket_mb * (1 << 20), self._prepare_overlap,
-                                            self._execute)
+                                            self._execute, immediate=self._on_device.__contains__)
             self._overlap.deferred = self._clip is not None
+
+    def _device_state_params(self, device_state):
+        """The set of params (by identity) whose state stays on their own device."""
+        if device_state is None:
+            return set()
+        if isinstance(device_state, torch.Tensor):
+            device_state = [device_state]
+        mine = {id(p) for g in self.param_groups for p in g["params"]}
+        chosen = set()
+        for i, p in enumerate(device_state):
+            if not isinstance(p, torch.Tensor) or id(p) not in mine:
+                what = f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else type(p).__name__
+                raise ValueError(f"moepeak.StreamAdamW: device_state[{i}] must be one of the optimizer's params, "
+                                 f"got {what} that is not among them")
+            chosen.add(p)
+        return chosen
 
     # ------------------------------------------------------------------ checks
     def _collect(self, only=None, skip=()):
@@ -222,15 +249,23 @@ class StreamAdamW(torch.optim.Optimizer):
         return out
 
     # ------------------------------------------------------------------ state
+    def _state_device(self, p, lp):
+        """Where p's state lives: its own device for device_state params, else the CPU."""
+        return lp.device if p in self._on_device else torch.device("cpu")
+
     def _init_state(self, group, p, lp):
         st = self.state[p]
+        dev = self._state_device(p, lp)
         if "step" not in st:
-            st["step"] = torch.tensor(0.0, dtype=torch.float32)
+            st["step"] = torch.zeros((), dtype=torch.float32, device=dev)
         for k in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ()):
             if k not in st:
-                st[k] = torch.zeros(lp.shape, dtype=torch.float32)
+                st[k] = torch.zeros(lp.shape, dtype=torch.float32, device=dev)
         if lp.dtype != torch.float32 and "master_param" not in st:
-            st["master_param"] = lp.detach().to("cpu", torch.float32).contiguous()
+            st["master_param"] = lp.detach().to(dev, torch.float32, copy=True).contiguous()
+        if p in self._on_device:
+            self._devices.setdefault(p, lp.device)
+            return
         if lp.dtype == torch.float32 and self._piped(lp) and p not in self._gpu_master:
             self._gpu_master[p] = lp.detach().to("cpu", copy=True).contiguous()
         self._devices.setdefault(p, lp.device)
@@ -241,21 +276,30 @@ class StreamAdamW(torch.optim.Optimizer):
         was replaced, a replaced exp_avg/exp_avg_sq, a loaded state of another
         size all end here)."""
         st = self.state[p]
+        dev = self._state_device(p, lp)
         held = [(k, st.get(k)) for k in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())]
         if lp.dtype != torch.float32:
             held.append(("master_param", st.get("master_param")))
-        elif self._piped(lp):
+        elif self._piped(lp) and p not in self._on_device:
             held.append(("the fp32 master copy", self._gpu_master.get(p)))
+        if p in self._on_device:
+            held.append(("step", st.get("step")))
         for key, t in held:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"moepeak.StreamAdamW: {name}: state '{key}' must be a tensor, got {type(t).__name__}")
+            if key == "step":
+                if t.numel() != 1 or t.dtype != torch.float32 or t.device != dev:
+                    raise TypeError(f"moepeak.StreamAdamW: {name}: state 'step' must be a float32 scalar on {dev} "
+                                    f"(device_state), got {t.dtype} of {t.numel()} elements on {t.device}")
+                continue
             if t.numel() != lp.numel():
                 raise RuntimeError(
                     f"moepeak.StreamAdamW: {name}: size mismatch: state '{key}' has {t.numel()} elements "
                     f"(shape {tuple(t.shape)}) but the param has {lp.numel()} (shape {tuple(lp.shape)}); "
                     "was the param's .data replaced or a state_dict of another model loaded?")
-            if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
-                raise TypeError(f"moepeak.StreamAdamW: {name}: state '{key}' must be a contiguous float32 CPU "
+            if t.dtype != torch.float32 or t.device != dev or not t.is_contiguous():
+                where = "CPU" if p not in self._on_device else f"{dev} (device_state)"
+                raise TypeError(f"moepeak.StreamAdamW: {name}: state '{key}' must be a contiguous float32 {where} "
                                 f"tensor, got {t.dtype} on {t.device} (contiguous={t.is_contiguous()})")
 
     def _master(self, p, lp):
@@ -292,8 +336,10 @@ class StreamAdamW(torch.optim.Optimizer):
                 raise RuntimeError("moepeak.StreamAdamW: clip_grad_norm with params already updated in "
                                    "backward (set_overlap toggled mid-round?)")
             self.last_grad_norm = torch.nn.utils.clip_grad_norm_([p for _, p, _, _, _ in entries], self._clip)
-        if entries:
-            self._execute(self._build_job(entries, overlapped=False))
+        host = [e for e in entries if e[1] not in self._on_device]
+        self._device_update([e for e in entries if e[1] in self._on_device])
+        if host:
+            self._execute(self._build_job(host, overlapped=False))
         for dev, stream in self._streams.items():  # the worker's H2D copies before the next forward
             torch.cuda.current_stream(dev).wait_stream(stream)
         if ov is not None:  # only on success: a retried step() must not update a param twice
@@ -302,9 +348,49 @@ class StreamAdamW(torch.optim.Optimizer):
 
     def _prepare_overlap(self, params):
         """BackwardOverlap's prepare: the job for params whose grads just
-        became final (runs in autograd's thread, from the hook)."""
+        became final (runs in autograd's thread, from the hook); device_state
+        params among them are updated here, on the current stream."""
         entries = self._collect(only=set(params))
-        return self._build_job(entries, overlapped=True) if entries else None
+        host = [e for e in entries if e[1] not in self._on_device]
+        self._device_update([e for e in entries if e[1] in self._on_device])
+        return self._build_job(host, overlapped=True) if host else None
+
+    def _device_update(self, entries):
+        """The update of device_state params where they live: torch's fused AdamW
+        kernel on the fp32 master (the param itself when fp32) and state on the
+        param's device, on the current stream, in slices of bucket_mb MiB (a
+        low-precision grad is cast to fp32 one slice at a time); then the param
+        is the master rounded to nearest even. Checks run before any update.
+        CPU params (tests, or a CPU model) take the whole tensor in one call."""
+        for group, p, lp, _, _ in entries:
+            self._init_state(group, p, lp)
+        for group, p, lp, _, name in entries:
+            self._check_state(group, p, lp, name)
+        steps = [self.state[p]["step"] for _, p, _, _, _ in entries]
+        if steps:
+            torch._foreach_add_(steps, 1.0)
+        for group, p, lp, lg, _ in entries:
+            # CUDA: slices bound the fp32 grad copy (the kernel is elementwise); CPU: one call, as
+            # torch's CPU kernel rounds a tensor's scalar tail differently from its vector body
+            slice_n = max(1, int(self._bucket_mb * (1 << 20)) // 4) if lp.is_cuda else max(1, lp.numel())
+            st = self.state[p]
+            master = lp if lp.dtype == torch.float32 else st["master_param"]
+            flat = [t.view(-1) for t in (master, lg, st["exp_avg"], st["exp_avg_sq"])]
+            vmax = st["max_exp_avg_sq"].view(-1) if group["amsgrad"] else None
+            beta1, beta2 = group["betas"]
+            for a in range(0, lp.numel(), slice_n):
+                b = min(lp.numel(), a + slice_n)
+                w, g, m, v = (t[a:b] for t in flat)
+                torch._fused_adamw_([w], [g.float() if g.dtype != torch.float32 else g], [m], [v],
+                                    [vmax[a:b]] if vmax is not None else [], [st["step"]],
+                                    amsgrad=bool(group["amsgrad"]), lr=float(group["lr"]), beta1=float(beta1),
+                                    beta2=float(beta2), weight_decay=float(group["weight_decay"]),
+                                    eps=float(group["eps"]), maximize=bool(group["maximize"]),
+                                    grad_scale=None, found_inf=None)
+                if lp.dtype != torch.float32:
+                    lp.view(-1)[a:b].copy_(w)
+        if entries and not torch.compiler.is_compiling():
+            _bump_versions([lp for _, _, lp, _, _ in entries])
 
     def _build_job(self, entries, overlapped):
         """State init/checks, step counters advanced, and the op's arguments."""
@@ -415,7 +501,7 @@ class StreamAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 lp = _local(p)
-                if self._piped(lp) and lp.numel() > 0:
+                if self._piped(lp) and lp.numel() > 0 and p not in self._on_device:
                     layout.append((p, lp.numel(), self._grad_dt.get(p, DTYPE_CODES.get(lp.dtype, 0)), DTYPE_CODES.get(lp.dtype, 0)))
         if not layout:
             return None
@@ -428,7 +514,7 @@ class StreamAdamW(torch.optim.Optimizer):
                                host=self._host_pipeline)
             PLANS[self._plan_id] = self._plan
         row = {p: i for i, (p, _, _, _) in enumerate(layout)}
-        idx = [row[p] for _, p, lp, _, _ in entries if self._piped(lp) and lp.numel() > 0]
+        idx = [row[p] for _, p, lp, _, _ in entries if self._piped(lp) and lp.numel() > 0 and p not in self._on_device]
         return idx or None
 
     def pinned_bytes(self):
@@ -496,14 +582,15 @@ class StreamAdamW(torch.optim.Optimizer):
                 continue
             st = self.state[p]
             lp = _local(p)
+            dev = self._state_device(p, lp)
             if "step" in st:
                 # a copy: the loaded dict's step tensor must not advance with this optimizer
-                st["step"] = torch.as_tensor(st["step"]).detach().to("cpu", torch.float32, copy=True).reshape(())
+                st["step"] = torch.as_tensor(st["step"]).detach().to(dev, torch.float32, copy=True).reshape(())
             for k, t in tensors.items():
                 t = _local(t)
                 if k == "master_param" and lp.dtype == torch.float32:
                     continue  # an fp32 param is its own master
-                st[k] = t.detach().to("cpu", torch.float32, copy=True).reshape(lp.shape).contiguous()
+                st[k] = t.detach().to(dev, torch.float32, copy=True).reshape(lp.shape).contiguous()
         for group in self.param_groups:  # groups saved by torch carry their own keys; ours need these
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)

@@ -74,10 +74,11 @@ class BackwardOverlap:
     """Hooks, the pending bucket and the worker of one optimizer (see the
     module docstring). ``bucket_bytes``: fp32 bytes of params per job."""
 
-    def __init__(self, owner, params, bucket_bytes, prepare, execute):
+    def __init__(self, owner, params, bucket_bytes, prepare, execute, immediate=None):
         self.bucket_bytes = int(bucket_bytes)
         self._prepare = prepare
         self._execute = execute
+        self._immediate = immediate  # p -> True: prepare([p]) at once in the hook (it returns no job)
         self.pending = []  # params whose grads are final, not yet submitted
         self.pending_bytes = 0
         self.done = set()  # params updated (or submitted) in this round
@@ -109,6 +110,10 @@ class BackwardOverlap:
                 f"step() (shape {tuple(p.shape)}); run all but the last micro-batch's backward inside "
                 "`with optimizer.accumulate():`, and call step() after the last one")
         self.done.add(p)
+        if self._immediate is not None and self._immediate(p):
+            self._prepare([p])  # updated now, on the hook's stream (StreamAdamW's device_state)
+            self.params_in_backward += 1
+            return
         self.pending.append(p)
         self.pending_bytes += 4 * _local_numel(p)
         if self.pending_bytes >= self.bucket_bytes:
