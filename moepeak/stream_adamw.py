@@ -337,9 +337,12 @@ class StreamAdamW(torch.optim.Optimizer):
                                    "backward (set_overlap toggled mid-round?)")
             self.last_grad_norm = torch.nn.utils.clip_grad_norm_([p for _, p, _, _, _ in entries], self._clip)
         host = [e for e in entries if e[1] not in self._on_device]
-        self._device_update([e for e in entries if e[1] in self._on_device])
-        if host:
-            self._execute(self._build_job(host, overlapped=False))
+        on_device = [e for e in entries if e[1] in self._on_device]
+        self._device_check(on_device)
+        job = self._build_job(host, overlapped=False) if host else None  # its checks, before any update
+        self._device_update(on_device)
+        if job is not None:
+            self._execute(job)
         for dev, stream in self._streams.items():  # the worker's H2D copies before the next forward
             torch.cuda.current_stream(dev).wait_stream(stream)
         if ov is not None:  # only on success: a retried step() must not update a param twice
@@ -352,20 +355,27 @@ class StreamAdamW(torch.optim.Optimizer):
         params among them are updated here, on the current stream."""
         entries = self._collect(only=set(params))
         host = [e for e in entries if e[1] not in self._on_device]
-        self._device_update([e for e in entries if e[1] in self._on_device])
-        return self._build_job(host, overlapped=True) if host else None
+        on_device = [e for e in entries if e[1] in self._on_device]
+        self._device_check(on_device)
+        job = self._build_job(host, overlapped=True) if host else None
+        self._device_update(on_device)
+        return job
+
+    def _device_check(self, entries):
+        """State init and checks of device_state params (nothing is updated)."""
+        for group, p, lp, _, _ in entries:
+            self._init_state(group, p, lp)
+        for group, p, lp, _, name in entries:
+            self._check_state(group, p, lp, name)
 
     def _device_update(self, entries):
         """The update of device_state params where they live: torch's fused AdamW
         kernel on the fp32 master (the param itself when fp32) and state on the
         param's device, on the current stream, in slices of bucket_mb MiB (a
         low-precision grad is cast to fp32 one slice at a time); then the param
-        is the master rounded to nearest even. Checks run before any update.
-        CPU params (tests, or a CPU model) take the whole tensor in one call."""
-        for group, p, lp, _, _ in entries:
-            self._init_state(group, p, lp)
-        for group, p, lp, _, name in entries:
-            self._check_state(group, p, lp, name)
+        is the master rounded to nearest even. The caller ran _device_check (and
+        every other check of the update) first. CPU params (tests, or a CPU
+        model) take the whole tensor in one call."""
         steps = [self.state[p]["step"] for _, p, _, _, _ in entries]
         if steps:
             torch._foreach_add_(steps, 1.0)

@@ -126,6 +126,24 @@ def test_bad_device_state_is_named():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing was updated
 
 
+def test_a_bad_host_state_stops_the_device_update_too():
+    """Every check of the step runs before any update: a host param's broken state leaves the
+    device param untouched as well."""
+    model = _mlp(7)
+    opt = moepeak.StreamAdamW(model.parameters(), device_state=[model[0].weight])
+    x, y = _batches(1)[0]
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.state[model[2].weight]["exp_avg_sq"] = torch.zeros(3)
+    before = [p.detach().clone() for p in model.parameters()]
+    steps = float(opt.state[model[0].weight]["step"])
+    with pytest.raises(RuntimeError, match="size mismatch: state 'exp_avg_sq'"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert float(opt.state[model[0].weight]["step"]) == steps
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("overlap", [False, True])
 def test_cuda_bitwise_torch_fused(overlap):
