@@ -116,8 +116,9 @@ import torch
 
 from . import _C
 from ._ext import HAS_CUDA_BUILD
-from .stream_adamw_op import (DTYPE_CODES, ISA_CODES, PLAN_IDS, PLANS, BucketPlan, stream_adamw, stream_adamw_step,
-                              torch_tail_model)
+from .stream_adamw_device import device_state_set, fused_update
+from .stream_adamw_op import (DTYPE_CODES, ISA_CODES, PLAN_IDS, PLANS, BucketPlan, check_hyper, stream_adamw,
+                              stream_adamw_step, torch_tail_model)
 from .stream_adamw_overlap import BackwardOverlap, side_stream
 
 _STATE_TENSORS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
@@ -137,7 +138,7 @@ class StreamAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, amsgrad=False,
                  maximize=False, bucket_mb=64, threads=None, isa=None, grad_slots=3, param_slots=2,
                  overlap_backward=False, clip_grad_norm=None, device_state=None, _host_pipeline=False):
-        _check_hyper("lr", lr, betas, eps, weight_decay, amsgrad, maximize)
+        check_hyper("lr", lr, betas, eps, weight_decay, amsgrad, maximize)
         if not isinstance(overlap_backward, bool):
             raise TypeError(f"moepeak.StreamAdamW: overlap_backward must be a bool, got {overlap_backward!r}")
         if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
@@ -173,7 +174,7 @@ class StreamAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, **_TORCH_GROUP_KEYS)
         super().__init__(params, defaults)
-        self._on_device = self._device_state_params(device_state)
+        self._on_device = device_state_set(self.param_groups, device_state)
         self._devices = {}  # param -> device it had at its first step
         self._gpu_master = {}  # fp32 CUDA param -> its fp32 CPU master (always equal to the param)
         self._plan = None
@@ -190,22 +191,6 @@ class StreamAdamW(torch.optim.Optimizer):
                                             self._execute, immediate=self._on_device.__contains__)
             self._overlap.deferred = self._clip is not None
 
-    def _device_state_params(self, device_state):
-        """The set of params (by identity) whose state stays on their own device."""
-        if device_state is None:
-            return set()
-        if isinstance(device_state, torch.Tensor):
-            device_state = [device_state]
-        mine = {id(p) for g in self.param_groups for p in g["params"]}
-        chosen = set()
-        for i, p in enumerate(device_state):
-            if not isinstance(p, torch.Tensor) or id(p) not in mine:
-                what = f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else type(p).__name__
-                raise ValueError(f"moepeak.StreamAdamW: device_state[{i}] must be one of the optimizer's params, "
-                                 f"got {what} that is not among them")
-            chosen.add(p)
-        return chosen
-
     # ------------------------------------------------------------------ checks
     def _collect(self, only=None, skip=()):
         """Validate every param with a grad (nothing is touched on failure);
@@ -213,7 +198,7 @@ class StreamAdamW(torch.optim.Optimizer):
         params to restrict to; skip: params to leave out."""
         out = []
         for gi, group in enumerate(self.param_groups):
-            _check_hyper(f"param_groups[{gi}]['lr']", group["lr"], group["betas"], group["eps"],
+            check_hyper(f"param_groups[{gi}]['lr']", group["lr"], group["betas"], group["eps"],
                          group["weight_decay"], group.get("amsgrad", False), group.get("maximize", False))
             for pi, p in enumerate(group["params"]):
                 if p.grad is None or (only is not None and p not in only) or p in skip:
@@ -369,36 +354,9 @@ class StreamAdamW(torch.optim.Optimizer):
             self._check_state(group, p, lp, name)
 
     def _device_update(self, entries):
-        """The update of device_state params where they live: torch's fused AdamW
-        kernel on the fp32 master (the param itself when fp32) and state on the
-        param's device, on the current stream, in slices of bucket_mb MiB (a
-        low-precision grad is cast to fp32 one slice at a time); then the param
-        is the master rounded to nearest even. The caller ran _device_check (and
-        every other check of the update) first. CPU params (tests, or a CPU
-        model) take the whole tensor in one call."""
-        steps = [self.state[p]["step"] for _, p, _, _, _ in entries]
-        if steps:
-            torch._foreach_add_(steps, 1.0)
-        for group, p, lp, lg, _ in entries:
-            # CUDA: slices bound the fp32 grad copy (the kernel is elementwise); CPU: one call, as
-            # torch's CPU kernel rounds a tensor's scalar tail differently from its vector body
-            slice_n = max(1, int(self._bucket_mb * (1 << 20)) // 4) if lp.is_cuda else max(1, lp.numel())
-            st = self.state[p]
-            master = lp if lp.dtype == torch.float32 else st["master_param"]
-            flat = [t.view(-1) for t in (master, lg, st["exp_avg"], st["exp_avg_sq"])]
-            vmax = st["max_exp_avg_sq"].view(-1) if group["amsgrad"] else None
-            beta1, beta2 = group["betas"]
-            for a in range(0, lp.numel(), slice_n):
-                b = min(lp.numel(), a + slice_n)
-                w, g, m, v = (t[a:b] for t in flat)
-                torch._fused_adamw_([w], [g.float() if g.dtype != torch.float32 else g], [m], [v],
-                                    [vmax[a:b]] if vmax is not None else [], [st["step"]],
-                                    amsgrad=bool(group["amsgrad"]), lr=float(group["lr"]), beta1=float(beta1),
-                                    beta2=float(beta2), weight_decay=float(group["weight_decay"]),
-                                    eps=float(group["eps"]), maximize=bool(group["maximize"]),
-                                    grad_scale=None, found_inf=None)
-                if lp.dtype != torch.float32:
-                    lp.view(-1)[a:b].copy_(w)
+        """device_state params' update where they live (stream_adamw_device.fused_update);
+        the caller ran _device_check (and every other check of the update) first."""
+        fused_update(entries, self.state, self._bucket_mb)
         if entries and not torch.compiler.is_compiling():
             _bump_versions([lp for _, _, lp, _, _ in entries])
 
@@ -632,26 +590,3 @@ def _bump_versions(tensors):
     except TypeError:
         for t in tensors:
             torch._C._increment_version(t)
-
-
-def _check_hyper(lr_name, lr, betas, eps, weight_decay, amsgrad, maximize):
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"moepeak.StreamAdamW: {lr_name} tensor must have one element")
-        lr = float(lr)
-    if not isinstance(lr, (int, float)) or not lr >= 0.0:
-        raise ValueError(f"moepeak.StreamAdamW: {lr_name} must be a float >= 0, got {lr!r}")
-    if not isinstance(eps, (int, float)) or not eps >= 0.0:
-        raise ValueError(f"moepeak.StreamAdamW: eps must be >= 0, got {eps!r}")
-    try:
-        b1, b2 = betas
-    except (TypeError, ValueError):
-        raise ValueError(f"moepeak.StreamAdamW: betas must be a pair of floats, got {betas!r}") from None
-    for i, b in enumerate((b1, b2)):
-        if not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
-            raise ValueError(f"moepeak.StreamAdamW: betas[{i}] must be in [0, 1), got {b!r}")
-    if not isinstance(weight_decay, (int, float)) or not weight_decay >= 0.0:
-        raise ValueError(f"moepeak.StreamAdamW: weight_decay must be >= 0, got {weight_decay!r}")
-    for name, flag in (("amsgrad", amsgrad), ("maximize", maximize)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"moepeak.StreamAdamW: {name} must be a bool, got {flag!r}")

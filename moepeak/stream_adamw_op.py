@@ -267,3 +267,26 @@ def _(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lrs
 # (non-functional) ops ("Cannot register autograd formula for non-functional
 # operator"), and an optimizer step runs under torch.no_grad() anyway.
 
+
+def check_hyper(lr_name, lr, betas, eps, weight_decay, amsgrad, maximize):
+    """StreamAdamW's hyper-parameters (a group's, or the defaults): a clear error naming the bad one."""
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"moepeak.StreamAdamW: {lr_name} tensor must have one element")
+        lr = float(lr)
+    if not isinstance(lr, (int, float)) or not lr >= 0.0:
+        raise ValueError(f"moepeak.StreamAdamW: {lr_name} must be a float >= 0, got {lr!r}")
+    if not isinstance(eps, (int, float)) or not eps >= 0.0:
+        raise ValueError(f"moepeak.StreamAdamW: eps must be >= 0, got {eps!r}")
+    try:
+        b1, b2 = betas
+    except (TypeError, ValueError):
+        raise ValueError(f"moepeak.StreamAdamW: betas must be a pair of floats, got {betas!r}") from None
+    for i, b in enumerate((b1, b2)):
+        if not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
+            raise ValueError(f"moepeak.StreamAdamW: betas[{i}] must be in [0, 1), got {b!r}")
+    if not isinstance(weight_decay, (int, float)) or not weight_decay >= 0.0:
+        raise ValueError(f"moepeak.StreamAdamW: weight_decay must be >= 0, got {weight_decay!r}")
+    for name, flag in (("amsgrad", amsgrad), ("maximize", maximize)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"moepeak.StreamAdamW: {name} must be a bool, got {flag!r}")

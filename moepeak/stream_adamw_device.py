@@ -1,0 +1,61 @@
+"""StreamAdamW's device_state: params whose optimizer state stays on their own device.
+
+For a large param whose gradient is final last in backward (the input embedding), the
+host update that overlap_backward runs cannot be hidden behind backward. Its fp32
+master (bf16/fp16 params), exp_avg, exp_avg_sq and step then live on the param's device
+(16 bytes per element; 12 for fp32 params) and torch's fused AdamW kernel updates them
+there, on the current stream: from the param's own hook with overlap_backward, else in
+step(). moepeak/stream_adamw.py owns the state dict, the checks and the order; this
+module holds the choice of params and the update.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def device_state_set(param_groups, device_state) -> set:
+    """The params (by identity) named in device_state; each must be one of param_groups'."""
+    if device_state is None:
+        return set()
+    if isinstance(device_state, torch.Tensor):
+        device_state = [device_state]
+    mine = {id(p) for g in param_groups for p in g["params"]}
+    chosen = set()
+    for i, p in enumerate(device_state):
+        if not isinstance(p, torch.Tensor) or id(p) not in mine:
+            what = f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else type(p).__name__
+            raise ValueError(f"moepeak.StreamAdamW: device_state[{i}] must be one of the optimizer's params, "
+                             f"got {what} that is not among them")
+        chosen.add(p)
+    return chosen
+
+
+def fused_update(entries, state, bucket_mb: float) -> None:
+    """One AdamW step of entries [(group, param, local param, local grad, name)] whose state
+    (already initialised and checked) is on the param's device: step += 1, then torch's fused
+    kernel on the fp32 master (the param itself when fp32), and the param = the master
+    rounded to nearest even. CUDA: in slices of bucket_mb MiB, so a low-precision grad is
+    cast to fp32 one slice at a time (the kernel is elementwise: slicing changes no bit).
+    CPU: one call per param, as torch's CPU kernel rounds a tensor's scalar tail apart from
+    its vector body (the host update's C kernel reproduces exactly that)."""
+    steps = [state[p]["step"] for _, p, _, _, _ in entries]
+    if steps:
+        torch._foreach_add_(steps, 1.0)
+    for group, p, lp, lg, _ in entries:
+        slice_n = max(1, int(bucket_mb * (1 << 20)) // 4) if lp.is_cuda else max(1, lp.numel())
+        st = state[p]
+        master = lp if lp.dtype == torch.float32 else st["master_param"]
+        flat = [t.view(-1) for t in (master, lg, st["exp_avg"], st["exp_avg_sq"])]
+        vmax = st["max_exp_avg_sq"].view(-1) if group["amsgrad"] else None
+        beta1, beta2 = group["betas"]
+        for a in range(0, lp.numel(), slice_n):
+            b = min(lp.numel(), a + slice_n)
+            w, g, m, v = (t[a:b] for t in flat)
+            torch._fused_adamw_([w], [g.float() if g.dtype != torch.float32 else g], [m], [v],
+                                [vmax[a:b]] if vmax is not None else [], [st["step"]],
+                                amsgrad=bool(group["amsgrad"]), lr=float(group["lr"]), beta1=float(beta1),
+                                beta2=float(beta2), weight_decay=float(group["weight_decay"]),
+                                eps=float(group["eps"]), maximize=bool(group["maximize"]),
+                                grad_scale=None, found_inf=None)
+            if lp.dtype != torch.float32:
+                lp.view(-1)[a:b].copy_(w)
