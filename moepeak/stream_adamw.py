@@ -321,11 +321,7 @@ class StreamAdamW(torch.optim.Optimizer):
                 raise RuntimeError("moepeak.StreamAdamW: clip_grad_norm with params already updated in "
                                    "backward (set_overlap toggled mid-round?)")
             self.last_grad_norm = torch.nn.utils.clip_grad_norm_([p for _, p, _, _, _ in entries], self._clip)
-        host = [e for e in entries if e[1] not in self._on_device]
-        on_device = [e for e in entries if e[1] in self._on_device]
-        self._device_check(on_device)
-        job = self._build_job(host, overlapped=False) if host else None  # its checks, before any update
-        self._device_update(on_device)
+        job = self._update_on_device_then_job(entries, overlapped=False)
         if job is not None:
             self._execute(job)
         for dev, stream in self._streams.items():  # the worker's H2D copies before the next forward
@@ -338,27 +334,25 @@ class StreamAdamW(torch.optim.Optimizer):
         """BackwardOverlap's prepare: the job for params whose grads just
         became final (runs in autograd's thread, from the hook); device_state
         params among them are updated here, on the current stream."""
-        entries = self._collect(only=set(params))
+        return self._update_on_device_then_job(self._collect(only=set(params)), overlapped=True)
+
+    def _update_on_device_then_job(self, entries, overlapped):
+        """Update the device_state params among entries where they live
+        (stream_adamw_device.fused_update) and return the host job of the
+        others (None if none). Every state check of both kinds runs before
+        either is touched."""
         host = [e for e in entries if e[1] not in self._on_device]
         on_device = [e for e in entries if e[1] in self._on_device]
-        self._device_check(on_device)
-        job = self._build_job(host, overlapped=True) if host else None
-        self._device_update(on_device)
-        return job
-
-    def _device_check(self, entries):
-        """State init and checks of device_state params (nothing is updated)."""
-        for group, p, lp, _, _ in entries:
+        for group, p, lp, _, _ in on_device:
             self._init_state(group, p, lp)
-        for group, p, lp, _, name in entries:
+        for group, p, lp, _, name in on_device:
             self._check_state(group, p, lp, name)
-
-    def _device_update(self, entries):
-        """device_state params' update where they live (stream_adamw_device.fused_update);
-        the caller ran _device_check (and every other check of the update) first."""
-        fused_update(entries, self.state, self._bucket_mb)
-        if entries and not torch.compiler.is_compiling():
-            _bump_versions([lp for _, _, lp, _, _ in entries])
+        job = self._build_job(host, overlapped) if host else None  # the host entries' checks
+        if on_device:
+            fused_update(on_device, self.state, self._bucket_mb)
+            if not torch.compiler.is_compiling():
+                _bump_versions([lp for _, _, lp, _, _ in on_device])
+        return job
 
     def _build_job(self, entries, overlapped):
         """State init/checks, step counters advanced, and the op's arguments."""
