@@ -188,10 +188,10 @@ def sweep(arm, a, d, device, lengths, arm_deadline, base):
                 row_note = note
                 if arm.startswith("moepeak"):
                     row_note = "; ".join(n for n in (note, overlap_note(opt, times[-1][2])) if n)
-                if arm.startswith("moepeak") and standalone is None:
-                    opt.set_overlap(False)
-                    standalone = timed_step(model, opt, ids, autocast, device)[1]
-                    opt.set_overlap(True)
+                    if standalone is None:
+                        opt.set_overlap(False)
+                        standalone = timed_step(model, opt, ids, autocast, device)[1]
+                        opt.set_overlap(True)
             except Exception as e:  # noqa: BLE001 - an OOM is a result
                 status = "oom" if is_oom(e) else "error"
                 rows.append(dict(base, seq_len=T, status=status, note=f"{type(e).__name__}: {str(e)[:200]}"))
