@@ -199,6 +199,33 @@ def print_tracebacks(outs) -> None:
             print(f"rank {o['rank']} traceback:\n{o['traceback']}", flush=True)
 
 
+def timed_steps(steps, dev, batch, forward, backward, opt, simulated_oom=False):
+    """A point's training steps on this rank (in its child). Each step: inputs = batch(s)
+    (not timed), then, timed from a barrier to the end of the optimizer step (CUDA
+    synchronized on both sides), loss = forward(inputs), backward(loss) (the backward and
+    any gradient reduction), opt.step(), opt.zero_grad(set_to_none=True). simulated_oom:
+    raise a CUDA OOM right after the forward (--simulate-oom). Returns (step seconds, losses)."""
+    cuda = dev.type == "cuda"
+    times, losses = [], []
+    for s in range(steps):
+        inputs = batch(s)
+        if cuda:
+            torch.cuda.synchronize(dev)
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = forward(inputs)
+        if simulated_oom:
+            raise torch.cuda.OutOfMemoryError("simulated: CUDA out of memory (bench --simulate-oom)")
+        backward(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+    return times, losses
+
+
 def parse_simulated_oom(spec):
     """--simulate-oom ARM:LEN:RANK (the tests' OOM on one rank) -> (arm, len, rank), or None."""
     if not spec:

@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -58,7 +57,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))  # the repo root
 from _common import append_results  # noqa: E402
-from _dist_points import finish, parse_simulated_oom, sweep, torchrun_ranks  # noqa: E402
+from _dist_points import finish, parse_simulated_oom, sweep, timed_steps, torchrun_ranks  # noqa: E402
 
 GiB = 2 ** 30
 SMOKE = dict(layers=2, hidden=64, heads=4, kv_heads=2, experts=4, top_k=2, intermediate=64, vocab=264,
@@ -80,7 +79,6 @@ def _point(rank, world, dev, arm, seq_len, steps, d, simulate_oom):
     from moepeak.demo.data import TokenStream
     from moepeak.demo import shard_model
     from moepeak.demo.models import MoEConfig, MoELM, build_optimizer, resolve
-    cuda = dev.type == "cuda"
     cfg = MoEConfig(vocab_size=d["vocab"], hidden=d["hidden"], layers=d["layers"], heads=d["heads"],
                     kv_heads=d["kv_heads"], experts=d["experts"], top_k=d["top_k"],
                     intermediate=d["intermediate"], chunk_rows=d.get("chunk_rows"),
@@ -95,26 +93,17 @@ def _point(rank, world, dev, arm, seq_len, steps, d, simulate_oom):
     local = shard_model(model, world)
     opt = build_optimizer(model.parameters(), opt_kind, lr=1e-3, weight_decay=0.0)
     data = TokenStream("auto", max_bytes=8 << 20)
-    times, losses = [], []
-    for s in range(steps):
-        x, y = (cp_slice(t, rank, world).to(dev) for t in data.batch(s, 1, seq_len))
-        if cuda:
-            torch.cuda.synchronize(dev)
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = model(x, y)
-        if simulate_oom and tuple(simulate_oom) == (arm, seq_len, rank):
-            raise torch.cuda.OutOfMemoryError("simulated: CUDA out of memory (bench --simulate-oom)")
+
+    def backward(loss):
         loss.backward()
         for p in local:
             if p.grad is not None:
                 p.grad.div_(world)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize(dev)
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss.detach()))
+
+    times, losses = timed_steps(
+        steps, dev, lambda s: [cp_slice(t, rank, world).to(dev) for t in data.batch(s, 1, seq_len)],
+        lambda xy: model(*xy), backward, opt,
+        simulated_oom=bool(simulate_oom) and tuple(simulate_oom) == (arm, seq_len, rank))
     model.close()
     return dict(step_s=times, loss=losses, settings=settings)
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -42,7 +41,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))  # the repo root
 from _common import append_results  # noqa: E402
-from _dist_points import finish, parse_simulated_oom, sweep, torchrun_ranks  # noqa: E402
+from _dist_points import finish, parse_simulated_oom, sweep, timed_steps, torchrun_ranks  # noqa: E402
 from bench_hf import FULL, TINY, build_model  # noqa: E402
 
 FIELDS = ["P", "arm", "tokens_per_rank", "status", "peak_gib", "step_s", "tokens_per_s_per_gpu", "loss",
@@ -77,25 +76,16 @@ def _point(rank, world, dev, arm, T, steps, shape, tile_tokens, simulate_oom):
                     + (f"; tile_tokens {tile_tokens}" if tile_tokens else ""))
     model.train()
     gen = torch.Generator().manual_seed(1000 * rank + T)
-    times, losses = [], []
-    for _ in range(steps):
-        ids = torch.randint(0, shape["vocab_size"], (1, T), generator=gen).to(dev)
-        if cuda:
-            torch.cuda.synchronize(dev)
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        if simulate_oom and tuple(simulate_oom) == (arm, T, rank):
-            raise torch.cuda.OutOfMemoryError("simulated: CUDA out of memory (bench --simulate-oom)")
+
+    def backward(loss):
         (loss * scale).backward()
         for p in dense:  # moepeak: the replicated parameters' gradients, summed over the ranks
             dist.all_reduce(p.grad)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize(dev)
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss.detach()))
+
+    times, losses = timed_steps(
+        steps, dev, lambda _: torch.randint(0, shape["vocab_size"], (1, T), generator=gen).to(dev),
+        lambda ids: model(input_ids=ids, labels=ids).loss, backward, opt,
+        simulated_oom=bool(simulate_oom) and tuple(simulate_oom) == (arm, T, rank))
     if dense:  # the replicated parameters took the same update on every rank
         sums = torch.stack([p.detach().double().sum() for p in dense])
         ref = sums.clone()
