@@ -4,11 +4,16 @@ run_ranks(world_size, fn, *args) starts `world_size` processes, initialises a
 process group in each (gloo; backend="nccl": rank r on cuda:r), calls fn(rank, world_size, *args), and raises if
 any rank fails or the whole run exceeds `timeout` seconds (a hang is a test
 failure, never a stuck CI). fn must be a module-level function (picklable).
+
+run_torchrun(script, args, nproc, timeout) runs a script of this checkout under
+`python -m torch.distributed.run` with this checkout first on PYTHONPATH.
 """
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import time
 import traceback
 
@@ -74,3 +79,15 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 180.0, backend: str =
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_torchrun(script, args, nproc: int = 2, timeout: float = 300.0) -> subprocess.CompletedProcess:
+    """`python -m torch.distributed.run --nproc_per_node=nproc ROOT/script *args` from the
+    checkout's root, this checkout first on PYTHONPATH; output captured as text."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           os.path.join(ROOT, script), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

@@ -4,22 +4,17 @@ then blocked in a collective) is recorded as that point's result and stops the
 arm, on both ranks, without a hang."""
 import csv
 import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from dist_utils import run_torchrun
 
 
 def test_reach_smoke_oom_on_one_rank_is_a_result(tmp_path):
     pytest.importorskip("torch.distributed.run")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           os.path.join(ROOT, "benchmarks", "bench_demo_reach.py"), "--smoke", "--out", str(tmp_path),
-           "--min-len", "64", "--max-len", "128", "--steps", "1", "--grace", "3",
-           "--simulate-oom", "plain:128:1"]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    p = run_torchrun("benchmarks/bench_demo_reach.py", ["--smoke", "--out", str(tmp_path), "--min-len", "64",
+                                                        "--max-len", "128", "--steps", "1", "--grace", "3",
+                                                        "--simulate-oom", "plain:128:1"], timeout=150)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     with open(tmp_path / "demo_reach.csv") as f:
         rows = list(csv.DictReader(f))

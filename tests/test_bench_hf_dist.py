@@ -3,22 +3,17 @@ the moepeak arm's replicated parameters stay equal over the ranks, and an OOM ra
 one rank only is that point's result and ends the arm on both ranks, without a hang."""
 import csv
 import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from dist_utils import run_torchrun
 
 pytest.importorskip("transformers")
 
 
 def test_hf_dist_tiny_oom_on_one_rank_is_a_result(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           os.path.join(ROOT, "benchmarks", "bench_hf_dist.py"), "--tiny", "--out", str(tmp_path), "--grace", "3",
-           "--simulate-oom", "fsdp:128:1"]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    p = run_torchrun("benchmarks/bench_hf_dist.py", ["--tiny", "--out", str(tmp_path), "--grace", "3",
+                                                     "--simulate-oom", "fsdp:128:1"], timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     with open(tmp_path / "hf_dist.csv") as f:
         rows = list(csv.DictReader(f))
