@@ -213,8 +213,15 @@ def test_deepseek_v3_three_steps_equal_untiled(q_lora_rank, rope_interleave, til
 
 def test_other_families_left_alone_with_reason():
     cfg = transformers.GptOssConfig(**COMMON, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2)
-    report = apply_moepeak(transformers.GptOssForCausalLM(cfg), tile_tokens=8)
+    model = transformers.GptOssForCausalLM(cfg)
+    report = apply_moepeak(model, tile_tokens=8)
     assert "GptOssDecoderLayer stay untiled" in str(report), str(report)
+    # the adapter called directly on such a layer refuses it by name
+    from moepeak.tiled_adapters import hf_moe_layer_spec
+    x = torch.randn(1, 4, COMMON["hidden_size"])
+    cos = sin = torch.ones(1, 4, COMMON["head_dim"])
+    with pytest.raises(ValueError, match="no tiled adapter for GptOssDecoderLayer"):
+        hf_moe_layer_spec(model.model.layers[0], x, position_embeddings=(cos, sin))
 
 
 def test_olmoe_clip_qkv_is_exercised():
