@@ -15,8 +15,11 @@ Arms (moepeak.demo.models.MoELM, the same parameters in each):
     moepeak  PipelinedLLEP + Ring-DTP head (and the lean final norm) + SCO +
              StreamAdamW(overlap_backward=True), bf16 params (fp32 master/state in host RAM)
     moepeak_gpu_embed  moepeak with StreamAdamW(device_state=[embed.weight]): the input
-             embedding's optimizer state on the GPU (+16 B per element: 4.6 GiB at this shape),
+             embedding's optimizer state on the GPU (+12 B per element: 3.5 GiB at this shape),
              so its update, the last in backward, is not a host update after backward
+    moepeak_gpu_tail  moepeak with StreamAdamW(device_state=StreamAdamW.backward_tail(
+             model.parameters(), DEVICE_TAIL_GIB)): the state of the params whose gradients
+             are final last in backward (the embedding, then the first blocks) on the GPU
     moepeak_tiled  moepeak with sequence-tiled blocks (MoEConfig.tile_tokens = 8192;
              --tiny: 32), the fifth peak's schedule
 
@@ -55,7 +58,8 @@ from _common import append_results, is_oom  # noqa: E402
 from bench_demo_reach import SMOKE  # noqa: E402  (the CPU smoke shape of the demo model)
 
 GiB = 2 ** 30
-ARMS = ("plain", "liger", "moepeak", "moepeak_gpu_embed", "moepeak_tiled")
+ARMS = ("plain", "liger", "moepeak", "moepeak_gpu_embed", "moepeak_gpu_tail", "moepeak_tiled")
+DEVICE_TAIL_GIB = 12  # the moepeak_gpu_tail arm's device_state budget (the --tiny shape: half its state)
 TILE_TOKENS = 8192  # the moepeak_tiled arm's (the --tiny shape: 32)
 SHAPE_2B = dict(layers=16, hidden=2048, heads=16, kv_heads=4, experts=16, top_k=4, intermediate=768,
                 vocab=151936, dtype="bfloat16", chunk_rows=None)
@@ -101,6 +105,13 @@ def build_arm(arm, d, device):
         if arm == "moepeak_gpu_embed":
             device_state = [model.embed.weight]
             notes.append("embedding's optimizer state on the device")
+        elif arm == "moepeak_gpu_tail":
+            budget = (DEVICE_TAIL_GIB * GiB if device.type == "cuda"
+                      else sum(12 * p.numel() for p in model.parameters()) // 2)
+            device_state = moepeak.StreamAdamW.backward_tail(model.parameters(), budget)
+            used = sum(p.numel() for p in device_state)
+            notes.append(f"optimizer state of the first {len(device_state)} of {len(list(model.parameters()))} "
+                         f"params ({used / 1e6:.1f}M elements) on the device")
         opt = moepeak.StreamAdamW(model.parameters(), lr=1e-4, weight_decay=0.0, overlap_backward=True,
                                   device_state=device_state)
         return model, opt, None, "; ".join(notes)

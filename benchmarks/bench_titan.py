@@ -9,7 +9,8 @@ with FSDP2 (fully_shard per block and at the root, world size 1,
 bf16 params / fp32 reduce on CUDA):
   stock    FullAC, ChunkedLossWrapper (8 chunks), CPUOffloadPolicy, AdamW
   moepeak  --override.imports moepeak.titan.{experts,loss,sco,stream_adamw}
-Attention is torchtitan's ScaledDotProductAttention (causal) in both jobs.
+Attention is torchtitan's ScaledDotProductAttention (causal) in both jobs; the
+rotary tables cover --max-t positions and all blocks share one (share_rope_tables).
 
 Per job: T doubles from --start-t until an OOM, a step over --max-step-s or
 the time budget; each length runs 1 warm-up + --steps timed steps, a length
@@ -42,21 +43,30 @@ from _common import append_results, is_oom  # noqa: E402
 from moepeak.titan_compat import provide_missing_torch_names  # noqa: E402
 
 
-def build_config(tiny: bool):
+def build_config(tiny: bool, max_seq_len: int):
     from moepeak.titan import qwen3_moe_config
 
     if tiny:
-        return qwen3_moe_config(2, 8, 2, 64, max_seq_len=1 << 22)
-    return qwen3_moe_config(16, 16, 4, 768, flavor="30B-A3B", max_seq_len=1 << 22)
+        return qwen3_moe_config(2, 8, 2, 64, max_seq_len=max_seq_len)
+    return qwen3_moe_config(16, 16, 4, 768, flavor="30B-A3B", max_seq_len=max_seq_len)
+
+
+def share_rope_tables(model) -> None:
+    """One rotary table for all blocks. torchtitan's CosSinRoPE keeps a copy per block
+    ([max_seq_len, 2 * head_dim] fp32: 2 GiB each at 2M positions, 32 GiB over 16 blocks);
+    the copies are equal, and both jobs share the first."""
+    ropes = [blk.attention.rope for blk in model.layers.values() if hasattr(blk.attention.rope, "cache")]
+    for rope in ropes[1:]:
+        rope.cache = ropes[0].cache
 
 
 class Job:
-    def __init__(self, name: str, tiny: bool, device: torch.device):
+    def __init__(self, name: str, tiny: bool, device: torch.device, max_seq_len: int):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         from torchtitan.components.loss import ChunkedLossWrapper
         from torchtitan.config.override import OverrideConfig, apply_overrides
 
-        cfg = build_config(tiny)
+        cfg = build_config(tiny, max_seq_len)
         if name == "moepeak":
             apply_overrides(OverrideConfig(imports=[f"moepeak.titan.{n}" for n in ALL]), cfg)
         else:
@@ -78,6 +88,7 @@ class Job:
         model.to_empty(device=init_device)
         with torch.no_grad():
             model.init_weights(buffer_device=device)
+        share_rope_tables(model)
         model.train()
         self.loss_fn = cfg.loss.build()
         if isinstance(self.loss_fn, ChunkedLossWrapper):
@@ -116,7 +127,7 @@ def append(path, rows):
 
 
 def run_job(name, args, device, deadline, out):
-    job = Job(name, args.tiny, device)
+    job = Job(name, args.tiny, device, max_seq_len=args.max_t)
     results = {}
     T = args.start_t
     while T <= args.max_t:

@@ -26,10 +26,11 @@ amsgrad and maximize as torch defines them).
 - ``device_state``: some of the params (e.g. ``[model.embed.weight]``) whose
   state (fp32 master for bf16/fp16 params, exp_avg, exp_avg_sq, step) stays on
   their own device, updated there by torch's fused AdamW kernel on the current
-  stream: 16 bytes per element of device memory (12 for fp32 params) for no
-  host traffic. Meant for a large param whose gradient is final last in
-  backward (the input embedding), whose host update ``overlap_backward``
-  could not hide. Bitwise ``torch.optim.AdamW(fused=True)`` on that device
+  stream: 12 bytes per element of device memory (8 for fp32 params) for no
+  host traffic. Meant for the params whose gradients are final last in
+  backward (the input embedding, the first blocks), whose host updates
+  ``overlap_backward`` could not hide: ``StreamAdamW.backward_tail(
+  model.parameters(), max_bytes)`` picks the leading params that fit. Bitwise ``torch.optim.AdamW(fused=True)`` on that device
   (on the CPU also the host update; a GPU's kernel may round the last bit
   differently from the host's); state_dict keys unchanged (its tensors on
   the param's device).
@@ -116,7 +117,7 @@ import torch
 
 from . import _C
 from ._ext import HAS_CUDA_BUILD
-from .stream_adamw_device import device_state_set, fused_update
+from .stream_adamw_device import backward_tail, device_state_set, fused_update
 from .stream_adamw_op import (DTYPE_CODES, ISA_CODES, PLAN_IDS, PLANS, BucketPlan, check_hyper, stream_adamw,
                               stream_adamw_step, torch_tail_model)
 from .stream_adamw_overlap import BackwardOverlap, side_stream
@@ -134,6 +135,8 @@ def _local(t):
 class StreamAdamW(torch.optim.Optimizer):
     """AdamW with fp32 state in host RAM and a bucket-pipelined step (the
     contract is this module's docstring)."""
+
+    backward_tail = staticmethod(backward_tail)
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, amsgrad=False,
                  maximize=False, bucket_mb=64, threads=None, isa=None, grad_slots=3, param_slots=2,

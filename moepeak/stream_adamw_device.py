@@ -3,7 +3,7 @@
 For a large param whose gradient is final last in backward (the input embedding), the
 host update that overlap_backward runs cannot be hidden behind backward. Its fp32
 master (bf16/fp16 params), exp_avg, exp_avg_sq and step then live on the param's device
-(16 bytes per element; 12 for fp32 params) and torch's fused AdamW kernel updates them
+(12 bytes per element; 8 for fp32 params) and torch's fused AdamW kernel updates them
 there, on the current stream: from the param's own hook with overlap_backward, else in
 step(). moepeak/stream_adamw.py owns the state dict, the checks and the order; this
 module holds the choice of params and the update.
@@ -27,6 +27,30 @@ def device_state_set(param_groups, device_state) -> set:
             raise ValueError(f"moepeak.StreamAdamW: device_state[{i}] must be one of the optimizer's params, "
                              f"got {what} that is not among them")
         chosen.add(p)
+    return chosen
+
+
+def device_state_bytes(p: torch.Tensor) -> int:
+    """Device memory a param's device_state takes: fp32 exp_avg and exp_avg_sq, plus the
+    fp32 master of a bf16/fp16 param (the step is a scalar)."""
+    return p.numel() * (8 if p.dtype == torch.float32 else 12)
+
+
+def backward_tail(params, max_bytes: int) -> list:
+    """The leading params of `params` (given in forward order, as a module's parameters()
+    are) whose device_state fits max_bytes together: their gradients are final last in
+    backward, so their host updates are the ones overlap_backward cannot hide. Stops at
+    the first param that does not fit (the tail of backward is contiguous)."""
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise ValueError(f"moepeak.StreamAdamW.backward_tail: max_bytes must be an int >= 0, got {max_bytes!r}")
+    chosen, used = [], 0
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"moepeak.StreamAdamW.backward_tail: params[{i}] must be a tensor, got {type(p).__name__}")
+        if used + device_state_bytes(p) > max_bytes:
+            break
+        used += device_state_bytes(p)
+        chosen.append(p)
     return chosen
 
 

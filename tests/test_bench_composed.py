@@ -17,8 +17,8 @@ def test_bench_composed_tiny(tmp_path):
     by_arm = {}
     for r in rows:
         by_arm.setdefault(r["arm"], []).append(r)
-    assert set(by_arm) == {"plain", "liger", "moepeak", "moepeak_gpu_embed", "moepeak_tiled"}
-    for arm in ("plain", "moepeak", "moepeak_gpu_embed", "moepeak_tiled"):
+    assert set(by_arm) == {"plain", "liger", "moepeak", "moepeak_gpu_embed", "moepeak_gpu_tail", "moepeak_tiled"}
+    for arm in ("plain", "moepeak", "moepeak_gpu_embed", "moepeak_gpu_tail", "moepeak_tiled"):
         (r,) = by_arm[arm]
         assert r["status"] == "ok" and r["seq_len"] == "64", r
         assert float(r["step_s"]) > 0 and float(r["tokens_per_s"]) > 0
@@ -26,6 +26,7 @@ def test_bench_composed_tiny(tmp_path):
     assert float(by_arm["moepeak"][0]["opt_standalone_s"]) > 0
     assert "tile_tokens 32" in by_arm["moepeak_tiled"][0]["note"]
     assert "embedding's optimizer state on the device" in by_arm["moepeak_gpu_embed"][0]["note"]
+    assert "optimizer state of the first" in by_arm["moepeak_gpu_tail"][0]["note"]
     assert "overlap:" in by_arm["moepeak"][0]["note"]  # what of the update ran after backward
     try:
         import liger_kernel  # noqa: F401

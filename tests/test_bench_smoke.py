@@ -41,3 +41,24 @@ def test_bench_titan_tiny(tmp_path):
     _run(["benchmarks/bench_titan.py", "--tiny", "--out", str(out), "--max-t", "128"], timeout=600)
     rows = _rows(out)
     assert {r["job"] for r in rows if r["status"] == "ok"} == {"stock", "moepeak"}, rows
+
+
+def test_bench_titan_shares_one_rope_table_per_model():
+    try:
+        from tests.titan_utils import require_torchtitan
+    except ImportError:  # rootdir not on sys.path
+        from titan_utils import require_torchtitan
+    require_torchtitan()
+    import torch
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_titan
+
+    model = bench_titan.build_config(True, max_seq_len=96).model_spec.model.build()
+    model.init_weights(buffer_device=torch.device("cpu"))
+    own = [blk.attention.rope.cache.clone() for blk in model.layers.values()]
+    assert len(own) == 2 and own[0].shape[0] == 96
+    bench_titan.share_rope_tables(model)
+    shared = [blk.attention.rope.cache for blk in model.layers.values()]
+    assert shared[1] is shared[0]
+    assert all(torch.equal(s, o) for s, o in zip(shared, own))  # the copies were equal: no number changes
+    assert "layers.1.attention.rope.cache" in dict(model.named_buffers(remove_duplicate=False))

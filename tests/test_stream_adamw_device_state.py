@@ -178,3 +178,33 @@ def test_cuda_bf16_param_is_the_rounded_master():
     assert master.device == w.device and torch.equal(master.to(torch.bfloat16), w)
     for p in list(model.parameters())[1:]:
         assert mixed.state[p]["exp_avg"].device.type == "cpu"  # the others stay in host RAM
+
+
+def test_backward_tail_is_the_leading_params_that_fit():
+    w = [torch.zeros(10), torch.zeros(5, dtype=torch.bfloat16), torch.zeros(100), torch.zeros(1)]
+    tail = moepeak.StreamAdamW.backward_tail
+    assert tail(w, 0) == []
+    assert [t is p for t, p in zip(tail(w, 80), w)] == [True]  # fp32: 8 B per element
+    assert len(tail(w, 80 + 60)) == 2  # bf16: 12 B per element (master, exp_avg, exp_avg_sq)
+    assert len(tail(w, 80 + 60 + 799)) == 2  # the 100-element param does not fit ...
+    assert len(tail(w, 10 ** 6)) == 4
+    assert len(tail(iter(w), 80 + 60 + 800)) == 3  # ... and nothing after it is taken before it; any iterable
+
+
+def test_backward_tail_bad_input():
+    with pytest.raises(ValueError, match="max_bytes must be an int >= 0, got -1"):
+        moepeak.StreamAdamW.backward_tail([torch.zeros(2)], -1)
+    with pytest.raises(ValueError, match="max_bytes must be an int >= 0, got 1.5"):
+        moepeak.StreamAdamW.backward_tail([torch.zeros(2)], 1.5)
+    with pytest.raises(TypeError, match=r"params\[1\] must be a tensor, got str"):
+        moepeak.StreamAdamW.backward_tail([torch.zeros(2), "w"], 100)
+
+
+def test_backward_tail_state_is_what_device_state_allocates():
+    model = _mlp(0, dtype=torch.bfloat16)
+    chosen = moepeak.StreamAdamW.backward_tail(model.parameters(), 12 * (13 * 32 + 32))
+    assert chosen == [model[0].weight, model[0].bias]
+    opt = moepeak.StreamAdamW(model.parameters(), device_state=chosen)
+    _run(model, opt, _batches(1, dtype=torch.bfloat16))
+    on_device = sum(t.numel() * t.element_size() for p in chosen for k, t in opt.state[p].items() if k != "step")
+    assert on_device == 12 * (13 * 32 + 32)
