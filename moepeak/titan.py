@@ -2,7 +2,7 @@
 
 A stock torchtitan job turns them on from its command line, without a fork:
 
-    --override.imports moepeak.titan.experts,moepeak.titan.loss,moepeak.titan.sco,moepeak.titan.stream_adamw
+    --override.imports moepeak.titan.experts,moepeak.titan.loss,moepeak.titan.sco,moepeak.titan.stream_adamw,moepeak.titan.rope
 
 Each name is an ``@override`` factory (torchtitan.config.override) that swaps
 one component's Config in the trainer's config tree before anything is built:
@@ -28,6 +28,11 @@ one component's Config in the trainer's config tree before anything is built:
                 "AdamW" param group runs moepeak.StreamAdamW (fp32 state in host
                 RAM); its state dict has torch AdamW's keys, so DCP checkpoints
                 interchange with the stock optimizer's.
+  rope          CosSinRoPE / ComplexRoPE.Config -> SharedCosSinRoPE /
+                SharedComplexRoPE.Config: one rotary table for every block
+                instead of one each ([max_seq_len, 2 * head_dim] fp32 per block:
+                1 GiB each at 1M positions with head_dim 128); same numbers, no
+                state_dict entry (the table is a non-persistent buffer).
 
 Options travel as JSON kwargs on the CLI, e.g.
     --override.imports 'moepeak.titan.experts={"save_budget_mb": 0}'
@@ -41,6 +46,8 @@ dtype differs from the parameters' does .to(dtype) make a cast copy.
 """
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -55,6 +62,7 @@ try:
     from torchtitan.config import derive, override
     from torchtitan.distributed.activation_checkpoint import ActivationCheckpointing
     from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
+    from torchtitan.models.common.rope import ComplexRoPE, CosSinRoPE, RoPE
 except ImportError as e:  # pragma: no cover - exercised only without torchtitan
     raise ImportError(f"moepeak.titan needs torchtitan 0.3 (pip install 'moepeak[titan]'); "
                       f"here torch {torch.__version__}: {e}") from e
@@ -62,7 +70,8 @@ except ImportError as e:  # pragma: no cover - exercised only without torchtitan
 import moepeak
 
 __all__ = ["LLEPRoutedExperts", "RingDTPLoss", "SCOActivationCheckpointing", "StreamAdamWOptimizers",
-           "experts", "loss", "sco", "stream_adamw", "qwen3_moe_config"]
+           "SharedCosSinRoPE", "SharedComplexRoPE", "experts", "loss", "sco", "stream_adamw", "rope",
+           "qwen3_moe_config"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -252,6 +261,66 @@ class SCOActivationCheckpointing(ActivationCheckpointing):
 def sco(cfg: ActivationCheckpointing.Config, **options: Any) -> SCOActivationCheckpointing.Config:
     return SCOActivationCheckpointing.Config(preserve_rng_state=cfg.preserve_rng_state,
                                              determinism_check=cfg.determinism_check, debug=cfg.debug, **options)
+
+
+# ---------------------------------------------------------------------------
+# Rotary tables: one per configuration and device, not one per block
+# ---------------------------------------------------------------------------
+_ROTARY_TABLES: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+_MODULE_FIELDS = {f.name for f in dataclasses.fields(RoPE.__bases__[0].Config)}  # init/sharding: not the table's
+
+
+class _SharedRotaryTable:
+    """Over a torchtitan RoPE: every block whose RoPE config is equal, on the same device,
+    holds the same cache tensor ([max_seq_len, ...], fp32 or complex64; torchtitan builds
+    one per block). Built on the meta device (torchtitan's init flow), the buffer is a
+    0-row placeholder, so to_empty() allocates no table per block; init_weights()
+    (_init_self_buffers) then points it at the shared table. A later .to(device) copies
+    each block's buffer apart again (values unchanged)."""
+
+    def _precompute_cache(self) -> torch.Tensor:
+        device = torch.get_default_device()  # the device both callers build the cache on
+        if device.type == "meta":
+            return super()._precompute_cache()[:0]
+        if device.type != "cpu" and device.index is None:
+            device = torch.device(device.type, getattr(torch, device.type).current_device())
+        key = (type(self), tuple(getattr(self.config, f.name) for f in dataclasses.fields(self.config)
+                                 if f.name not in _MODULE_FIELDS), device)
+        table = _ROTARY_TABLES.get(key)
+        if table is None:
+            table = super()._precompute_cache()
+            _ROTARY_TABLES[key] = table
+        return table
+
+
+class SharedCosSinRoPE(_SharedRotaryTable, CosSinRoPE):
+    """CosSinRoPE with one table for all blocks (see _SharedRotaryTable)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CosSinRoPE.Config):
+        pass
+
+
+class SharedComplexRoPE(_SharedRotaryTable, ComplexRoPE):
+    """ComplexRoPE with one table for all blocks (see _SharedRotaryTable)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ComplexRoPE.Config):
+        pass
+
+
+_SHARED_ROPE = {CosSinRoPE.Config: SharedCosSinRoPE.Config, ComplexRoPE.Config: SharedComplexRoPE.Config}
+
+
+@override(target=RoPE.Config, description="moepeak: one rotary table for all blocks")
+def rope(cfg: RoPE.Config) -> RoPE.Config:
+    if type(cfg) in _SHARED_ROPE.values():
+        return cfg
+    shared = _SHARED_ROPE.get(type(cfg))
+    if shared is None:
+        raise ValueError(f"moepeak.titan.rope shares CosSinRoPE and ComplexRoPE tables; "
+                         f"{type(cfg).__qualname__} is not supported")
+    return derive(cfg, shared)
 
 
 # ---------------------------------------------------------------------------

@@ -119,7 +119,7 @@ def trajectories(init_state):
     data = batches()
     out = {}
     for name, imports, ref in [("stock", [], False), ("reference", [], True)] + \
-            [(n, [n], False) for n in ALL] + [("all", ALL, False)]:
+            [(n, [n], False) for n in ALL + ["rope"]] + [("all", ALL, False)]:
         run = Run(imports, init_state, reference=ref)
         out[name] = [run.step(t, y) for t, y in data]
     return out
@@ -177,7 +177,7 @@ def test_experts_close_to_fp32_reference(trajectories):
         torch.testing.assert_close(g_got[k], g_ref[k], rtol=1e-4, atol=1e-6 * g_ref[k].abs().max().item())
 
 
-@pytest.mark.parametrize("name", ["sco", "stream_adamw"])
+@pytest.mark.parametrize("name", ["sco", "stream_adamw", "rope"])
 def test_bitwise_equal_to_stock(trajectories, name):
     for s in range(STEPS):
         (l_st, g_st), (l_got, g_got) = trajectories["stock"][s], trajectories[name][s]
@@ -230,3 +230,43 @@ def test_refusals():
     opt.param_groups[0].optimizer_name = "Adam"
     with pytest.raises(NotImplementedError, match="AdamW"):
         mt.stream_adamw(opt).build(model_parts=[torch.nn.Linear(2, 2)])
+
+
+def _ropes(model):
+    return [blk.attention.rope for blk in model.layers.values()]
+
+
+def test_rope_one_table_for_all_blocks():
+    cfg = small_job()
+    lines = apply_overrides(OverrideConfig(imports=["moepeak.titan.rope"]), cfg)
+    assert len(lines) >= 1 and all(type(layer.attention.rope) is mt.SharedCosSinRoPE.Config
+                                   for layer in cfg.model_spec.model.layers)
+    with torch.device("meta"):
+        model = cfg.model_spec.model.build()
+    model.to_empty(device="cpu")
+    assert all(r.cache.shape[0] == 0 for r in _ropes(model))  # to_empty allocated no table per block
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    stock = Run([], None).model
+    tables = [r.cache for r in _ropes(model)]
+    assert tables[0] is tables[1] and type(_ropes(model)[0]) is mt.SharedCosSinRoPE
+    assert torch.equal(tables[0], _ropes(stock)[0].cache) and tables[0].shape == _ropes(stock)[0].cache.shape
+    assert _ropes(stock)[0].cache is not _ropes(stock)[1].cache  # stock: one table per block
+    assert list(model.state_dict()) == list(stock.state_dict())  # the table is no state_dict entry
+    again = cfg.model_spec.model.build()  # built on a real device: shared at construction, with the first model's
+    assert _ropes(again)[0].cache is _ropes(again)[1].cache is tables[0]
+
+
+def test_rope_refuses_other_formats():
+    from dataclasses import dataclass
+    from torchtitan.models.common.rope import RoPE
+
+    class OtherRoPE(RoPE):
+        @dataclass(kw_only=True, slots=True)
+        class Config(RoPE.Config):
+            pass
+
+    with pytest.raises(ValueError, match="OtherRoPE.Config is not supported"):
+        mt.rope(OtherRoPE.Config(dim=8, max_seq_len=4))
+    shared = mt.SharedCosSinRoPE.Config(dim=8, max_seq_len=4)
+    assert mt.rope(shared) is shared  # applying the override twice changes nothing

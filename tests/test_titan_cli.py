@@ -11,7 +11,7 @@ and dataloader. Per world size three jobs run side by side:
   stock      the job as torchtitan configures it (experts in bf16 grouped GEMMs)
   reference  the stock job with its experts in fp32 (test override
              tests.titan_cpu.fp32_experts)
-  moepeak    --override.imports with the four moepeak.titan overrides
+  moepeak    --override.imports with the moepeak.titan overrides (tests.titan_utils.OVERRIDES)
 
 Tolerance (DESIGN): per step, moepeak's loss and gradient norm (as the trainer
 logs them, recorded in full precision) are at most 2x as far from the

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OVERRIDES = "moepeak.titan.experts,moepeak.titan.loss,moepeak.titan.sco,moepeak.titan.stream_adamw"
-"""The four moepeak overrides, as --override.imports takes them."""
+OVERRIDES = "moepeak.titan.experts,moepeak.titan.loss,moepeak.titan.sco,moepeak.titan.stream_adamw,moepeak.titan.rope"
+"""The four schedules and the shared rotary table, as --override.imports takes them."""
 REFERENCE_EXPERTS = "tests.titan_cpu.fp32_experts"
 """Test-only override: the stock experts computed in fp32."""
 TWO_RANKS = ["--parallelism.spmd_backend", "partial_dtensor", "--parallelism.expert_parallel_degree", "2"]
