@@ -9,6 +9,8 @@ with FSDP2 (fully_shard per block and at the root, world size 1,
 bf16 params / fp32 reduce on CUDA):
   stock    FullAC, ChunkedLossWrapper (8 chunks), CPUOffloadPolicy, AdamW
   moepeak  --override.imports moepeak.titan.{experts,loss,sco,stream_adamw}
+  moepeak_tiled  the same with sequence-tiled blocks: moepeak.titan.sco={"tile_tokens": 8192}
+           (--tiny: 32); not in the default --jobs
 Attention is torchtitan's ScaledDotProductAttention (causal) in both jobs; the
 rotary tables cover --max-t positions and all blocks share one (share_rope_tables).
 
@@ -36,6 +38,8 @@ import time
 import torch
 
 ALL = ["experts", "loss", "sco", "stream_adamw"]
+JOBS = ("stock", "moepeak", "moepeak_tiled")
+TILE_TOKENS = 8192  # the moepeak_tiled job's sequence tile (--tiny: 32)
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # this checkout's moepeak
 sys.path.insert(0, HERE)
@@ -67,8 +71,12 @@ class Job:
         from torchtitan.config.override import OverrideConfig, apply_overrides
 
         cfg = build_config(tiny, max_seq_len)
-        if name == "moepeak":
-            apply_overrides(OverrideConfig(imports=[f"moepeak.titan.{n}" for n in ALL]), cfg)
+        if name.startswith("moepeak"):
+            imports = [f"moepeak.titan.{n}" for n in ALL]
+            if name == "moepeak_tiled":
+                tile = 32 if tiny else TILE_TOKENS
+                imports[ALL.index("sco")] = ("moepeak.titan.sco", {"tile_tokens": tile})
+            apply_overrides(OverrideConfig(imports=imports), cfg)
         else:
             cfg.optimizer.implementation = "for-loop" if device.type == "cpu" else "foreach"
         self.vocab = cfg.model_spec.model.vocab_size
@@ -174,7 +182,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="debug-size model on the CPU")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "titan.csv"))
-    ap.add_argument("--jobs", default="stock,moepeak")
+    ap.add_argument("--jobs", default="stock,moepeak", help=f"comma list of {JOBS}")
     ap.add_argument("--start-t", type=int, default=None)
     ap.add_argument("--max-t", type=int, default=None)
     ap.add_argument("--steps", type=int, default=2)
@@ -190,6 +198,9 @@ def main(argv=None):
         args.max_t = 256 if args.tiny else 1 << 21
     if args.warmup_max_t is None:
         args.warmup_max_t = args.max_t
+    bad = [j for j in args.jobs.split(",") if j not in JOBS]
+    if bad:
+        ap.error(f"--jobs: unknown {bad}; choose from {JOBS}")
     if args.start_t % 8:
         ap.error("--start-t must be a multiple of 8 (ChunkedLossWrapper's 8 chunks)")
     budget = args.budget_s if args.budget_s is not None else 240.0

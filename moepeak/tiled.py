@@ -156,9 +156,11 @@ class _Box:
         self.ctx = None
 
 
-def _fp32_accumulator(p: torch.Tensor) -> torch.Tensor:
+def _fp32_accumulator(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Zeros like the grad g (a DTensor grad, of a DTensor param, gives a DTensor of its
+    placements), in p's dtype when that is fp32/fp64, else fp32."""
     dt = p.dtype if p.dtype in (torch.float32, torch.float64) else torch.float32
-    return torch.zeros(p.shape, dtype=dt, device=p.device)
+    return torch.zeros_like(g, dtype=dt)
 
 
 def _add_into(accs: List[Optional[torch.Tensor]], params, grads) -> None:
@@ -166,7 +168,7 @@ def _add_into(accs: List[Optional[torch.Tensor]], params, grads) -> None:
         if g is None:
             continue
         if accs[i] is None:
-            accs[i] = _fp32_accumulator(p)
+            accs[i] = _fp32_accumulator(p, g)
         accs[i].add_(g)
 
 

@@ -7,6 +7,9 @@ hf_moe_layer_spec(layer, x, ...)      a Hugging Face Qwen3MoeDecoderLayer or Mix
                                       any layer with the same submodule names: input_layernorm,
                                       self_attn with q/k/v/o_proj and optional per-head q_norm/k_norm,
                                       post_attention_layernorm, mlp with its router at mlp.gate)
+titan_block_spec(block, x, ...)       a torchtitan (0.3) decoder block with GQAttention: attention_norm,
+                                      attention.{qkv_linear, q_norm, k_norm, rope, inner_attention
+                                      (SDPA), wo}, ffn_norm, moe or feed_forward (tested: qwen3)
 
 Each runs exactly the ops of the block's own forward, in the same order, on a tile of
 rows; only the split into pre_attn / attn_core / post_attn is new.
@@ -209,3 +212,55 @@ def tiled_hf_moe_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tens
         return out
     y, logits = out
     return y, logits.reshape(-1, logits.shape[-1])
+
+
+# --------------------------------------------------------------------------- torchtitan blocks
+
+def titan_block_spec(block: torch.nn.Module, x: torch.Tensor, attention_masks=None,
+                     positions=None) -> TiledBlockSpec:
+    """Spec for a torchtitan decoder block called as block(x, attention_masks, positions):
+    x [B, T, D] plain (not DTensor: no tensor/sequence parallel); the attention's inner
+    attention is torchtitan's ScaledDotProductAttention (causal, no masks). q/k/v: [B, T,
+    heads, head_dim] as qkv_linear makes them (q heads kv-major, so head groups of GQA);
+    out: [B, T, heads, head_dim]. RoPE at a tile's positions: positions[:, start:start + t],
+    or start .. start + t - 1 when the model passes none (the rows of the prefix table the
+    untiled block reads)."""
+    attn = block.attention
+    name = type(block).__name__
+    if attention_masks is not None:
+        raise ValueError(f"moepeak: a tiled {name} runs causal SDPA attention without masks; "
+                         f"got attention_masks ({type(attention_masks).__name__})")
+    if type(x).__name__ == "DTensor":
+        raise NotImplementedError(f"moepeak: a tiled {name} takes a plain block input (FSDP2 only), got a DTensor "
+                                  "(tensor or sequence parallel)")
+    B = x.shape[0]
+
+    def pre_attn(x_t, start):
+        t = x_t.shape[1]
+        q, k, v = attn.qkv_linear(block.attention_norm(x_t))
+        if attn.q_norm is not None or attn.k_norm is not None:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        pos = positions[:, start:start + t] if positions is not None else \
+            torch.arange(start, start + t, device=x_t.device).unsqueeze(0)
+        q, k = attn.rope(q, k, pos)
+        return q, k, v
+
+    def attn_core(q, k, v):
+        return attn.inner_attention(q, k, v, attention_masks=None, scale=attn.scaling, enable_gqa=attn.enable_gqa)
+
+    def post_attn(x_t, o_t):
+        t = x_t.shape[1]
+        h = x_t + attn.wo(o_t.reshape(B, t, -1))
+        ffn = block.moe if getattr(block, "moe_enabled", False) else block.feed_forward
+        return h + ffn(block.ffn_norm(h))
+
+    return TiledBlockSpec(pre_attn, attn_core, post_attn, _requires_grad_params(block),
+                          seq_dim=1, qkv_seq_dim=1, out_seq_dim=1, head_groups=attn.n_kv_heads,
+                          qkv_head_dim=2, out_head_dim=2)
+
+
+def tiled_titan_block_forward(block: torch.nn.Module, x: torch.Tensor, attention_masks=None, positions=None, *,
+                              tile_tokens: int) -> torch.Tensor:
+    """Drop-in for a torchtitan decoder block's forward (same arguments, plus tile_tokens;
+    see titan_block_spec)."""
+    return tiled_block(x, titan_block_spec(block, x, attention_masks, positions), tile_tokens)

@@ -24,6 +24,8 @@ one component's Config in the trainer's config tree before anything is built:
                 SCOActivationCheckpointing.Config: full AC whose block inputs live
                 in a pinned host arena between forward and backward
                 (moepeak.apply_sco); module tree and state_dict keys unchanged.
+                {"tile_tokens": N} also runs each block sequence-tiled
+                (moepeak.tiled: the fifth peak), GQAttention + SDPA blocks.
   stream_adamw  OptimizersContainer.Config -> StreamAdamWOptimizers.Config: each
                 "AdamW" param group runs moepeak.StreamAdamW (fp32 state in host
                 RAM); its state dict has torch AdamW's keys, so DCP checkpoints
@@ -226,7 +228,9 @@ def loss(cfg: BaseLoss.Config, **options: Any) -> RingDTPLoss.Config:
 # ---------------------------------------------------------------------------
 class SCOActivationCheckpointing(ActivationCheckpointing):
     """Full activation checkpointing of every transformer block, each block's
-    input kept in a pinned host arena between forward and backward."""
+    input kept in a pinned host arena between forward and backward; with
+    tile_tokens, each block also runs sequence-tiled (moepeak.tiled): only its
+    attention core holds full-length tensors, in forward and in the recompute."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(ActivationCheckpointing.Config):
@@ -235,12 +239,19 @@ class SCOActivationCheckpointing(ActivationCheckpointing):
         keep_last: bool = True
         arena_bytes: int = 0
         max_arena_bytes: Optional[int] = None
+        tile_tokens: Optional[int] = None
+        """Tokens per sequence tile of the position-wise parts (None: untiled).
+        Blocks with GQAttention and torchtitan's ScaledDotProductAttention only."""
 
     def __init__(self, config: Config, dump_folder: str = ""):
         super().__init__(config, dump_folder)
         if not config.preserve_rng_state:
             raise ValueError("moepeak.titan.sco always preserves the RNG state (preserve_rng_state=False "
                              "is not supported)")
+        tile = config.tile_tokens
+        if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 1):
+            raise ValueError(f"moepeak.titan.sco: tile_tokens must be a positive integer or None, got {tile!r}")
+        self.tile_tokens = tile
         self.sco_config = moepeak.SCOConfig(max_in_flight=config.max_in_flight, prefetch=config.prefetch,
                                             keep_last=config.keep_last, arena_bytes=config.arena_bytes,
                                             max_arena_bytes=config.max_arena_bytes)
@@ -248,12 +259,36 @@ class SCOActivationCheckpointing(ActivationCheckpointing):
     def apply(self, model: torch.nn.Module) -> None:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
         blocks = list(model.get_submodule("layers").children())
+        if self.tile_tokens is not None:
+            for i, block in enumerate(blocks):
+                _tile_block(block, i, self.tile_tokens)
         moepeak.apply_sco(model, blocks, self.sco_config)
         for block in blocks:
             # torchtitan's MoE load-balancing hook halves the token counts of
             # blocks marked as non-reentrant checkpointed (the recompute counts
             # them twice); SCO recomputes the same way.
             block.checkpoint_impl = CheckpointImpl.NO_REENTRANT
+
+
+def _tile_block(block: torch.nn.Module, index: int, tile_tokens: int) -> None:
+    """block.forward runs moepeak.tiled_adapters.tiled_titan_block_forward in training with
+    grad enabled (inside FSDP2's hooks, which wrap __call__), else the stock forward."""
+    from torchtitan.models.common.attention import GQAttention, ScaledDotProductAttention
+
+    from moepeak.tiled_adapters import tiled_titan_block_forward
+    attn = getattr(block, "attention", None)
+    if not isinstance(attn, GQAttention) or not isinstance(attn.inner_attention, ScaledDotProductAttention):
+        what = type(attn).__name__ if not isinstance(attn, GQAttention) else \
+            f"GQAttention with {type(attn.inner_attention).__name__}"
+        raise ValueError(f"moepeak.titan.sco: tile_tokens tiles blocks whose attention is GQAttention with "
+                         f"torchtitan's ScaledDotProductAttention; layers.{index} has {what}")
+    untiled = block.forward
+
+    def forward(x, attention_masks=None, positions=None, _block=block, _untiled=untiled):
+        if not (_block.training and torch.is_grad_enabled()):
+            return _untiled(x, attention_masks, positions)
+        return tiled_titan_block_forward(_block, x, attention_masks, positions, tile_tokens=tile_tokens)
+    block.forward = forward
 
 
 @override(target=ActivationCheckpointing.Config, fqns=["activation_checkpoint"],

@@ -40,6 +40,7 @@ ALL = ["experts", "loss", "sco", "stream_adamw"]
 B, L, V = 1, 64, 2048
 E, K, F_HID = 8, 2, 64
 STEPS = 3
+TILES = (16, 24, 64)  # sequence tiles of the tiled block: dividing L, not dividing it, one tile
 
 
 def small_job():
@@ -64,8 +65,9 @@ class Run:
 
     def __init__(self, imports, init_state, reference=False):
         cfg = small_job()
-        if imports:
-            apply_overrides(OverrideConfig(imports=[f"moepeak.titan.{n}" for n in imports]), cfg)
+        if imports:  # names, or (name, kwargs) pairs
+            apply_overrides(OverrideConfig(imports=[f"moepeak.titan.{n}" if isinstance(n, str) else
+                                                    (f"moepeak.titan.{n[0]}", n[1]) for n in imports]), cfg)
         self.cfg = cfg
         with torch.device("meta"):
             model = cfg.model_spec.model.build()
@@ -88,8 +90,8 @@ class Run:
         self.model = model
         self.optimizer = cfg.optimizer.build(model_parts=[model])
 
-    def step(self, tokens, labels):
-        pos = torch.arange(L).unsqueeze(0).expand(B, L)
+    def step(self, tokens, labels, positions=True):
+        pos = torch.arange(L).unsqueeze(0).expand(B, L) if positions else None
         pred = self.model(tokens, positions=pos)
         loss, _ = self.loss_fn(pred, labels, torch.tensor(float(labels.numel())))
         loss.backward()
@@ -119,7 +121,11 @@ def trajectories(init_state):
     data = batches()
     out = {}
     for name, imports, ref in [("stock", [], False), ("reference", [], True)] + \
-            [(n, [n], False) for n in ALL + ["rope"]] + [("all", ALL, False)]:
+            [(n, [n], False) for n in ALL + ["rope"]] + [("all", ALL, False)] + \
+            [(f"sco_tiled{t}", [("sco", {"tile_tokens": t})], False) for t in TILES] + \
+            [("experts_sco", ["experts", "sco"], False)] + \
+            [(f"experts_sco_tiled{t}", ["experts", ("sco", {"tile_tokens": t})], False) for t in TILES] + \
+            [("all_tiled", ALL[:2] + [("sco", {"tile_tokens": 16})] + ALL[3:], False)]:
         run = Run(imports, init_state, reference=ref)
         out[name] = [run.step(t, y) for t, y in data]
     return out
@@ -163,7 +169,8 @@ def test_stock_error_is_not_zero(trajectories):
     assert max_err(trajectories["stock"][0][0], trajectories["reference"][0][0]) > 0
 
 
-@pytest.mark.parametrize("name", ["experts", "loss", "all"])
+@pytest.mark.parametrize("name", ["experts", "loss", "all", "all_tiled"] + [f"sco_tiled{t}" for t in TILES] +
+                         [f"experts_sco_tiled{t}" for t in TILES])
 def test_equals_stock_within_rule(trajectories, name):
     check_within_rule(trajectories, name)
 
@@ -270,3 +277,54 @@ def test_rope_refuses_other_formats():
         mt.rope(OtherRoPE.Config(dim=8, max_seq_len=4))
     shared = mt.SharedCosSinRoPE.Config(dim=8, max_seq_len=4)
     assert mt.rope(shared) is shared  # applying the override twice changes nothing
+
+
+@pytest.mark.parametrize("tile", TILES)
+def test_tiled_blocks_equal_untiled_in_fp32(trajectories, tile):
+    """fp32 experts (PipelinedLLEP) on both sides, the first step (same parameters): the
+    tiled block runs the untiled block's ops on its rows, so only the weight gradients'
+    summation order differs (fp32 rounding; later steps: the tolerance-rule tests, as
+    AdamW's normalized update turns such rounding into lr-sized parameter differences)."""
+    (l_un, g_un), (l_t, g_t) = trajectories["experts_sco"][0], trajectories[f"experts_sco_tiled{tile}"][0]
+    torch.testing.assert_close(l_t, l_un, rtol=1e-6, atol=0)
+    assert set(g_t) == set(g_un)
+    for k in g_un:
+        scale = g_un[k].abs().max().item()
+        err = (g_t[k] - g_un[k]).abs().max().item()
+        assert err <= 4e-6 * scale, f"{k}: max err {err:.3e} against max |grad| {scale:.3e}"
+
+
+def test_tiled_sco_refuses():
+    with pytest.raises(ValueError, match="tile_tokens must be a positive integer or None, got 0"):
+        mt.sco(small_job().activation_checkpoint, tile_tokens=0).build()
+    cfg = small_job()
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    with torch.device("meta"):
+        model = cfg.model_spec.model.build()
+    model.layers["1"].attention.inner_attention = torch.nn.Identity()
+    with pytest.raises(ValueError, match="layers.1 has GQAttention with Identity"):
+        mt.sco(cfg.activation_checkpoint, tile_tokens=8).build().apply(model)
+    assert isinstance(model.layers["0"].attention.inner_attention, ScaledDotProductAttention)
+
+
+def test_tiled_blocks_without_positions(init_state):
+    """The model passes no positions: each tile reads the rotary rows of its own offsets."""
+    tokens, labels = batches()[0]
+    l_un, g_un = Run(["experts", "sco"], init_state).step(tokens, labels, positions=False)
+    l_t, g_t = Run(["experts", ("sco", {"tile_tokens": 24})], init_state).step(tokens, labels, positions=False)
+    torch.testing.assert_close(l_t, l_un, rtol=1e-6, atol=0)
+    for k in g_un:
+        assert (g_t[k] - g_un[k]).abs().max().item() <= 4e-6 * g_un[k].abs().max().item(), k
+
+
+def test_tiled_blocks_count_the_same_routing(init_state):
+    """The load-balancing token counts (integers, forward and recompute) equal the untiled block's."""
+    tokens, labels = batches()[0]
+    counts = []
+    for imports in (["experts", "sco"], ["experts", ("sco", {"tile_tokens": 24})]):
+        run = Run(imports, init_state)
+        pred = run.model(tokens, positions=torch.arange(L).unsqueeze(0))
+        run.loss_fn(pred, labels, torch.tensor(float(labels.numel())))[0].backward()
+        counts.append({n: b.clone() for n, b in run.model.named_buffers() if n.endswith("tokens_per_expert_E")})
+    assert len(counts[0]) == 2 and all(c.sum() > 0 for c in counts[0].values())
+    assert all(torch.equal(counts[0][n], counts[1][n]) for n in counts[0]), counts

@@ -50,8 +50,8 @@ def fp32_rounding(x: float) -> float:
     return 2 * torch.finfo(torch.float32).eps * abs(x)
 
 
-def check_within_rule(jobs: dict[str, list[dict]], label: str) -> None:
-    stock, ref, got = jobs["stock"], jobs["reference"], jobs["moepeak"]
+def check_within_rule(jobs: dict[str, list[dict]], label: str, name: str = "moepeak") -> None:
+    stock, ref, got = jobs["stock"], jobs["reference"], jobs[name]
     for key in ("loss", "grad_norm"):
         stock_err = [abs(s[key] - r[key]) for s, r in zip(stock, ref)]
         got_err = [abs(g[key] - r[key]) for g, r in zip(got, ref)]
@@ -71,10 +71,19 @@ def assets(tmp_path_factory):
     return write_assets(str(tmp_path_factory.mktemp("titan_assets")))
 
 
-def run_three(nproc: int, parallel_flags: list[str], assets: str, workdir) -> dict[str, list[dict]]:
+TILED_OVERRIDES = [o if o != "moepeak.titan.sco" else 'moepeak.titan.sco={"tile_tokens": 24}'
+                   for o in OVERRIDES.split(",")]
+"""The moepeak overrides with sequence-tiled blocks (tiles of 24 tokens: not dividing the sequence),
+one argument each (a target with JSON kwargs must be its own token)."""
+
+
+def run_three(nproc: int, parallel_flags: list[str], assets: str, workdir, tiled=False) -> dict[str, list[dict]]:
     override_flags = {"stock": [], "reference": ["--override.imports", REFERENCE_EXPERTS],
                       "moepeak": ["--override.imports", OVERRIDES]}
     expected = {"stock": set(), "reference": {REFERENCE_EXPERTS}, "moepeak": set(OVERRIDES.split(","))}
+    if tiled:
+        override_flags["moepeak_tiled"] = ["--override.imports", *TILED_OVERRIDES]
+        expected["moepeak_tiled"] = expected["moepeak"]
     results = run_jobs({name: titan_command(nproc, *parallel_flags, *flags, assets=assets, out=str(workdir / name))
                         for name, flags in override_flags.items()}, str(workdir))
     for name, (records, log) in results.items():
@@ -88,7 +97,9 @@ def test_one_rank_equals_stock_within_rule(assets, tmp_path):
 
 
 def test_two_ranks_fsdp_expert_parallel_equals_stock_within_rule(assets, tmp_path):
-    check_within_rule(run_three(2, TWO_RANKS, assets, tmp_path), "2 ranks FSDP + EP")
+    jobs = run_three(2, TWO_RANKS, assets, tmp_path, tiled=True)
+    check_within_rule(jobs, "2 ranks FSDP + EP")
+    check_within_rule(jobs, "2 ranks FSDP + EP, tiled blocks", name="moepeak_tiled")
 
 
 def test_readme_gives_the_tested_command():
