@@ -31,9 +31,11 @@ def device_state_set(param_groups, device_state) -> set:
 
 
 def device_state_bytes(p: torch.Tensor) -> int:
-    """Device memory a param's device_state takes: fp32 exp_avg and exp_avg_sq, plus the
-    fp32 master of a bf16/fp16 param (the step is a scalar)."""
-    return p.numel() * (8 if p.dtype == torch.float32 else 12)
+    """Device memory a param's device_state takes on this rank: fp32 exp_avg and exp_avg_sq,
+    plus the fp32 master of a bf16/fp16 param (the step is a scalar), over the local shard
+    of a DTensor param (FSDP2)."""
+    local = p.to_local() if hasattr(p, "to_local") else p
+    return local.numel() * (8 if p.dtype == torch.float32 else 12)
 
 
 def backward_tail(params, max_bytes: int) -> list:

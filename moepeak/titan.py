@@ -29,7 +29,9 @@ one component's Config in the trainer's config tree before anything is built:
   stream_adamw  OptimizersContainer.Config -> StreamAdamWOptimizers.Config: each
                 "AdamW" param group runs moepeak.StreamAdamW (fp32 state in host
                 RAM); its state dict has torch AdamW's keys, so DCP checkpoints
-                interchange with the stock optimizer's.
+                interchange with the stock optimizer's. {"device_state_mb": N}
+                keeps the state of the parameters final last in backward on the
+                GPU (StreamAdamW.backward_tail), so their update is not exposed.
   rope          CosSinRoPE / ComplexRoPE.Config -> SharedCosSinRoPE /
                 SharedComplexRoPE.Config: one rotary table for every block
                 instead of one each ([max_seq_len, 2 * head_dim] fp32 per block:
@@ -372,11 +374,19 @@ class StreamAdamWOptimizers(OptimizersContainer):
     class Config(OptimizersContainer.Config):
         bucket_mb: float = 64
         threads: Optional[int] = None
+        device_state_mb: float = 0
+        """GPU memory (MiB per model part and rank) for the optimizer state of the leading
+        parameters in the model's order, whose gradients are final last in backward
+        (StreamAdamW.backward_tail): updated on the GPU, not on the host after backward."""
 
     def __init__(self, config: Config, *, model_parts):
         if config.implementation == "fused_opt_states_bf16":
             raise ValueError("moepeak.titan.stream_adamw keeps fp32 optimizer state in host RAM; "
                              "implementation='fused_opt_states_bf16' does not apply")
+        budget = config.device_state_mb
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:
+            raise ValueError(f"moepeak.titan.stream_adamw: device_state_mb must be a number >= 0, got {budget!r}")
+        self._device_state_bytes = int(budget * (1 << 20))
         self._stream_kwargs = dict(bucket_mb=config.bucket_mb, threads=config.threads)
         # Group keys torch.optim.AdamW has and StreamAdamW lacks, with the values
         # the stock container would give them: written into state_dict() so a
@@ -402,11 +412,16 @@ class StreamAdamWOptimizers(OptimizersContainer):
     def _resolve_optimizer_factory(self, name: str):
         if name != "AdamW":
             raise NotImplementedError(f"moepeak.titan.stream_adamw replaces AdamW param groups; got optimizer {name!r}")
-        stream_kwargs = self._stream_kwargs
+        stream_kwargs, container = self._stream_kwargs, self
 
         def build(param_groups, **factory_kwargs):
             groups = [{k: v for k, v in g.items() if k not in _TORCH_IMPL_KEYS} for g in param_groups]
-            return moepeak.StreamAdamW(groups, **stream_kwargs, **factory_kwargs)
+            device_state = None
+            if container._device_state_bytes:
+                mine = {id(p) for g in groups for p in g["params"]}
+                ordered = [p for m in container.model_parts for p in m.parameters() if id(p) in mine]
+                device_state = moepeak.StreamAdamW.backward_tail(ordered, container._device_state_bytes)
+            return moepeak.StreamAdamW(groups, device_state=device_state, **stream_kwargs, **factory_kwargs)
 
         return build
 

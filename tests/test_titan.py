@@ -125,7 +125,8 @@ def trajectories(init_state):
             [(f"sco_tiled{t}", [("sco", {"tile_tokens": t})], False) for t in TILES] + \
             [("experts_sco", ["experts", "sco"], False)] + \
             [(f"experts_sco_tiled{t}", ["experts", ("sco", {"tile_tokens": t})], False) for t in TILES] + \
-            [("all_tiled", ALL[:2] + [("sco", {"tile_tokens": 16})] + ALL[3:], False)]:
+            [("all_tiled", ALL[:2] + [("sco", {"tile_tokens": 16})] + ALL[3:], False)] + \
+            [("stream_adamw_tail", [("stream_adamw", {"device_state_mb": 13})], False)]:
         run = Run(imports, init_state, reference=ref)
         out[name] = [run.step(t, y) for t, y in data]
     return out
@@ -184,7 +185,7 @@ def test_experts_close_to_fp32_reference(trajectories):
         torch.testing.assert_close(g_got[k], g_ref[k], rtol=1e-4, atol=1e-6 * g_ref[k].abs().max().item())
 
 
-@pytest.mark.parametrize("name", ["sco", "stream_adamw", "rope"])
+@pytest.mark.parametrize("name", ["sco", "stream_adamw", "rope", "stream_adamw_tail"])
 def test_bitwise_equal_to_stock(trajectories, name):
     for s in range(STEPS):
         (l_st, g_st), (l_got, g_got) = trajectories["stock"][s], trajectories[name][s]
@@ -328,3 +329,13 @@ def test_tiled_blocks_count_the_same_routing(init_state):
         counts.append({n: b.clone() for n, b in run.model.named_buffers() if n.endswith("tokens_per_expert_E")})
     assert len(counts[0]) == 2 and all(c.sum() > 0 for c in counts[0].values())
     assert all(torch.equal(counts[0][n], counts[1][n]) for n in counts[0]), counts
+
+
+def test_stream_adamw_device_tail_takes_the_leading_params(init_state):
+    run = Run([("stream_adamw", {"device_state_mb": 13})], init_state)  # 4 + 8 MiB of fp32 moments fit, +4 not
+    (opt,) = run.optimizer.optimizers
+    names = {id(p): n.replace("_checkpoint_wrapped_module.", "") for n, p in run.model.named_parameters()}
+    assert sorted(names[id(p)] for p in opt._on_device) == ["layers.0.attention.qkv_linear.wqkv.weight",
+                                                          "tok_embeddings.weight"]
+    with pytest.raises(ValueError, match="device_state_mb must be a number >= 0, got -1"):
+        mt.stream_adamw(small_job().optimizer, device_state_mb=-1).build(model_parts=[torch.nn.Linear(2, 2)])

@@ -71,10 +71,12 @@ def assets(tmp_path_factory):
     return write_assets(str(tmp_path_factory.mktemp("titan_assets")))
 
 
-TILED_OVERRIDES = [o if o != "moepeak.titan.sco" else 'moepeak.titan.sco={"tile_tokens": 24}'
+TILED_OVERRIDES = [{"moepeak.titan.sco": 'moepeak.titan.sco={"tile_tokens": 24}',
+                    "moepeak.titan.stream_adamw": 'moepeak.titan.stream_adamw={"device_state_mb": 6}'}.get(o, o)
                    for o in OVERRIDES.split(",")]
-"""The moepeak overrides with sequence-tiled blocks (tiles of 24 tokens: not dividing the sequence),
-one argument each (a target with JSON kwargs must be its own token)."""
+"""The moepeak overrides with sequence-tiled blocks (tiles of 24 tokens: not dividing the sequence)
+and the optimizer state of the leading DTensor shards on the device, one argument each (a target
+with JSON kwargs must be its own token)."""
 
 
 def run_three(nproc: int, parallel_flags: list[str], assets: str, workdir, tiled=False) -> dict[str, list[dict]]:
