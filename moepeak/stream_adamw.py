@@ -30,10 +30,10 @@ amsgrad and maximize as torch defines them).
   host traffic. Meant for the params whose gradients are final last in
   backward (the input embedding, the first blocks), whose host updates
   ``overlap_backward`` could not hide: ``StreamAdamW.backward_tail(
-  model.parameters(), max_bytes)`` picks the leading params that fit. Bitwise ``torch.optim.AdamW(fused=True)`` on that device
-  (on the CPU also the host update; a GPU's kernel may round the last bit
-  differently from the host's); state_dict keys unchanged (its tensors on
-  the param's device).
+  model.parameters(), max_bytes)`` picks the leading params that fit.
+  Bitwise ``torch.optim.AdamW(fused=True)`` on that device (on the CPU also
+  the host update; a GPU's kernel may round the last bit differently from
+  the host's); state_dict keys unchanged (its tensors on the param's device).
 - The CPU kernel is C (AVX-512 / AVX2 / scalar, chosen at run time or forced
   with ``isa='avx512'|'avx2'|'scalar'``), runs on moepeak's pthread pool with
   ``threads`` threads (None: all CPUs of the process), GIL released.
