@@ -17,7 +17,8 @@ Peaks (bytes per GPU; each term read off the code that allocates it, see peaks()
                                                        (cv: vocab_outer_lowp's block); + 32*T
   boundaries L*T*H*b (one checkpoint input/block)     head phase W=2, block phase 1+prefetch=2
                                                        (tiled blocks: 1) *T*H*b (SCO)
-  optimizer  12*N/P (fp32 master, m, v)               0 (host RAM + pinned slots)
+  optimizer  12*N/P (fp32 master, m, v)               0 (host RAM + pinned slots); with a device
+                                                       tail, its budget, at most 12*N/P
 Also held: 'fixed' = params + grads (plain 4*N/P fp32 grads; moepeak bf16 params + grads
 2*b*N/P), two all-gathered blocks when P > 1, RoPE tables 8*d*T; 'block' = the saved
 tensors of the block being recomputed (two RMSNorms 2*(8H+4), lean: 4 + (b*H+4), attention b*(H+5*nh*d) +
@@ -211,7 +212,8 @@ rows (GiB per GPU):
   boundaries  the checkpoint inputs kept from forward to backward, one [T, H] per block in plain;
               moepeak: the larger of the head phase's (W forward copies) and the block phase's
               (the reloaded input + the prefetch; a tiled block starts its prefetch after its peak)
-  optimizer   AdamW's state on the GPU (moepeak's StreamAdamW keeps it in host RAM: 0)
+  optimizer   AdamW's state on the GPU (moepeak's StreamAdamW keeps it in host RAM: 0, or
+              the --device-state-gib tail)
   fixed       always resident: parameters + gradients (plain: fp32 grads; moepeak: params and
               grads in the activation dtype), FSDP2's two all-gathered blocks when P > 1,
               the RoPE tables
@@ -244,6 +246,7 @@ class Setup:
     lean_norm: bool = True      # moepeak plan: the RMSNorms are moepeak.norms.rms_norm (False: the eager ones)
     norm_chunk_tokens: Optional[int] = None  # its chunk (None: moepeak.norms.default_chunk_rows(H))
     bucket_mb: float = 64.0     # StreamAdamW bucket (its slots are pinned host memory: 0 GPU bytes)
+    device_state_gib: float = 0.0  # StreamAdamW device_state budget (backward_tail): on the GPU
     sco_in_flight: int = 2      # SCOConfig.max_in_flight (W): forward D2H copies still referenced
     sco_prefetch: int = 1       # SCOConfig.prefetch: boundaries loaded ahead in backward
     batch: int = 1
@@ -382,8 +385,9 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         bounds_block = min(L, 1 + (0 if s.tile_tokens else s.sco_prefetch)) * T * H * b
         out["boundaries"] = max(bounds_head, bounds_block)
         # StreamAdamW: fp32 master/m/v in host RAM, its bucket slots pinned host memory;
-        # it adds no GPU memory (moepeak/stream_adamw.py). Params + grads are in 'fixed'.
-        out["optimizer"] = 0.0
+        # on the GPU only a device_state tail: at most the budget, at most all the state
+        # (12 B per bf16/fp16 param, 8 per fp32). Params + grads are in 'fixed'.
+        out["optimizer"] = min(s.device_state_gib * GiB, (12.0 if b < 4 else 8.0) * N / P)
         out["fixed"] = 2 * b * N / P + gathered + T * rope
     out["block"] = block                   # the recomputed block's saved tensors (+ its grad in)
     out["head_act"] = T * head_act         # what the head's backward also holds
@@ -438,76 +442,6 @@ def report(m: ModelShape, s: Setup, context: int) -> str:
     return "\n".join(rows)
 
 
-def plot_spec(m: ModelShape, s: Setup, context: Optional[int] = None,
-              name: Optional[str] = None) -> Dict:
-    """What plot() draws, as data: the contexts (x, tokens; a power-of-two grid from 4096
-    to 4x past the longest context that fits and the requested one), one curve per peak
-    and the total for each plan (GiB per GPU; a peak that is zero at every context has
-    nothing to draw on a log axis and is listed under "not_drawn" instead), the memory
-    limit, the longest contexts that fit and the title."""
-    fits = {p: longest_context(m, s, p) for p in ("plain", "moepeak")}
-    right = 4 * max([1 << 16, context or 0] + list(fits.values()))
-    ctxs = [1 << k for k in range(12, right.bit_length())]
-    curves, not_drawn = [], []
-    for p in ("plain", "moepeak"):
-        rows = [peaks(m, s, c, p) for c in ctxs]
-        for k in PEAKS + ("total",):
-            ys = [r[k] / GiB for r in rows]
-            if any(y > 0 for y in ys):
-                curves.append({"plan": p, "peak": k, "label": f"{p}: {k}", "gib": ys})
-            else:
-                not_drawn.append(f"{p} {k}")
-    label = name or f"{m.params() / 1e9:.1f} B-param MoE"
-    title = f"moepeak plan: {label} on {s.gpus} GPU(s) of {s.gpu_mem_gib:g} GiB"
-    if not_drawn:
-        title += "\n(zero at every context, not drawn: " + ", ".join(not_drawn) + ")"
-    return {"contexts": ctxs, "curves": curves, "not_drawn": not_drawn, "fits": fits,
-            "limit_gib": s.gpu_mem_gib, "limit_label": f"GPU memory ({s.gpu_mem_gib:g} GiB)",
-            "context": context, "title": title}
-
-
-def plot(m: ModelShape, s: Setup, path: str, context: Optional[int] = None,
-         name: Optional[str] = None) -> bool:
-    """PNG of plot_spec(): each peak and the total per GPU against context (log-log),
-    plain dashed and moepeak solid, the GPU memory as a labelled line, the longest
-    contexts that fit as grey verticals and the requested `context` as a dotted brown one.
-    False when matplotlib is absent."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("moepeak plan: matplotlib is not installed (pip install moepeak[plot]); skipping --plot")
-        return False
-    spec = plot_spec(m, s, context, name)
-    ctxs = spec["contexts"]
-    styles = {"plain": "--", "moepeak": "-"}
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    for c in spec["curves"]:
-        i = (PEAKS + ("total",)).index(c["peak"])
-        ax.plot(ctxs, c["gib"], styles[c["plan"]], color=f"C{i}", lw=2.2 if c["peak"] == "total" else 1.2,
-                label=c["label"])
-    ax.axhline(spec["limit_gib"], color="k", lw=1.0, label=spec["limit_label"])
-    for p, n in spec["fits"].items():
-        if n:
-            ax.axvline(n, color="0.5", ls=styles[p], lw=0.8)
-            ax.annotate(f"{p} fits to {n:,}", (n, spec["limit_gib"]), rotation=90, fontsize=7,
-                        ha="right", va="top", xytext=(-2, -4), textcoords="offset points")
-    if context:
-        ax.axvline(context, color="C5", ls=":", lw=1.8, label=f"requested context ({context:,} tokens)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlim(ctxs[0], ctxs[-1])
-    ax.set_xlabel("context (tokens, all GPUs together)")
-    ax.set_ylabel("GiB per GPU")
-    ax.set_title(spec["title"], fontsize=10)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
 def add_args(ap: argparse.ArgumentParser):
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
                     help="a public model's shape (the flags below override its fields; default %(default)s: "
@@ -542,6 +476,8 @@ def add_args(ap: argparse.ArgumentParser):
     ap.add_argument("--tile-tokens", type=int, default=None,
                     help="moepeak plan: sequence-tiled blocks (moepeak.tiled) with tiles of this many tokens "
                          "(default %(default)s: whole blocks)")
+    ap.add_argument("--device-state-gib", type=float, default=0.0,
+                    help="moepeak plan: GiB per GPU of StreamAdamW device_state (StreamAdamW.backward_tail)")
     ap.add_argument("--plot", default=None,
                     help="PNG path: peak vs context per component (needs matplotlib: moepeak[plot]; "
                          "default %(default)s: no plot)")
@@ -580,9 +516,12 @@ def from_args(a) -> (ModelShape, Setup):
     tile = getattr(a, "tile_tokens", None)
     if tile is not None and tile < 1:
         raise ValueError(f"moepeak plan: need --tile-tokens >= 1 (got {tile})")
+    if not getattr(a, "device_state_gib", 0.0) >= 0:
+        raise ValueError(f"moepeak plan: need --device-state-gib >= 0 (got {a.device_state_gib})")
     return m, Setup(gpus=a.gpus, gpu_mem_gib=a.gpu_mem, act_bytes=a.act_bytes, imbalance=a.imbalance,
                     tile_tokens=tile, impl=getattr(a, "impl", "demo"),
-                    lean_norm=not getattr(a, "eager_norm", False))
+                    lean_norm=not getattr(a, "eager_norm", False),
+                    device_state_gib=getattr(a, "device_state_gib", 0.0))
 
 
 def main(argv=None) -> int:
@@ -594,6 +533,7 @@ def main(argv=None) -> int:
         ap.error(str(e))
     print(report(m, s, a.context))
     if a.plot:
+        from .plan_plot import plot
         if plot(m, s, a.plot, context=a.context, name=a.preset):
             print(f"wrote {a.plot}")
     return 0

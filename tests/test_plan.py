@@ -9,6 +9,7 @@ import torch
 
 from moepeak import cli
 from moepeak import plan as P
+from moepeak import plan_plot
 from moepeak.demo.models import DenseMoE, MoEConfig, MoELM, PlainLMHead
 from moepeak.demo.peaks import SavedBytes
 
@@ -104,7 +105,7 @@ def test_bad_input(argv, msg, capsys):
 
 
 def test_plot_when_matplotlib(tmp_path):
-    ok = P.plot(P.PRESETS["Qwen3-30B-A3B"], P.Setup(), str(tmp_path / "p.png"))
+    ok = plan_plot.plot(P.PRESETS["Qwen3-30B-A3B"], P.Setup(), str(tmp_path / "p.png"))
     try:
         import matplotlib  # noqa: F401
         assert ok and (tmp_path / "p.png").stat().st_size > 0
@@ -354,7 +355,7 @@ def test_report_explains_its_rows(capsys):
 
 def test_plot_spec_title_limit_range_and_requested_context():
     m, s = P.PRESETS["Qwen3-30B-A3B"], P.Setup(gpus=8)
-    spec = P.plot_spec(m, s, context=262144, name="Qwen3-30B-A3B")
+    spec = plan_plot.plot_spec(m, s, context=262144, name="Qwen3-30B-A3B")
     assert "Qwen3-30B-A3B" in spec["title"] and "8 GPU(s)" in spec["title"]
     assert spec["limit_gib"] == 141.0 and "141 GiB" in spec["limit_label"]
     assert spec["context"] == 262144
@@ -452,3 +453,33 @@ def test_block_term_named_when_it_binds(capsys):
     assert "binding peak = block" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         P.main(["--preset", "Qwen3-30B-A3B", "--tile-tokens", "0"])
+
+
+def test_device_state_tail_adds_its_budget_capped_at_all_the_state():
+    m = P.PRESETS["Qwen3-30B-A3B"]
+    base = P.peaks(m, P.Setup(), 131072, "moepeak")
+    tail = P.peaks(m, P.Setup(device_state_gib=3.0), 131072, "moepeak")
+    assert base["optimizer"] == 0.0 and tail["optimizer"] == 3.0 * P.GiB
+    assert tail["total"] == base["total"] + 3.0 * P.GiB
+    every = P.peaks(m, P.Setup(device_state_gib=1e6), 131072, "moepeak")
+    assert every["optimizer"] == 12.0 * m.params() / 8  # bf16 params: fp32 master, m, v on each of 8 GPUs
+    assert P.peaks(m, P.Setup(device_state_gib=3.0), 131072, "plain")["optimizer"] == \
+        P.peaks(m, P.Setup(), 131072, "plain")["optimizer"]  # plain keeps its own AdamW state
+    with pytest.raises(SystemExit):
+        P.main(["--preset", "Qwen3-30B-A3B", "--device-state-gib", "-1"])
+
+
+# bench_composed.py's moepeak arms (H200, 2026-12-02; benchmarks/results/composed.csv): the same
+# 2.0B demo model, all state on the host (tail 0) or the 1060.1M leading elements' state on the
+# GPU (moepeak_gpu_tail: 12 B each), (context, tail GiB) -> measured peak GiB.
+TAIL_GIB = 1060.1e6 * 12 / P.GiB
+MEASURED_COMPOSED_H200_GIB = {(131072, 0.0): 15.409, (262144, 0.0): 22.316,
+                              (32768, TAIL_GIB): 21.208, (131072, TAIL_GIB): 27.260, (262144, TAIL_GIB): 34.166}
+
+
+@pytest.mark.parametrize("context, tail", sorted(MEASURED_COMPOSED_H200_GIB))
+def test_plan_within_15_percent_of_the_composed_step(context, tail):
+    m = P.ModelShape(layers=16, hidden=2048, experts=16, top_k=4, intermediate=768, vocab=151936, heads=16,
+                     kv_heads=4, head_dim=128)
+    pred = P.peaks(m, P.Setup(gpus=1, act_bytes=2, device_state_gib=tail), context, "moepeak")["total"] / P.GiB
+    assert 0.85 <= pred / MEASURED_COMPOSED_H200_GIB[(context, tail)] <= 1.15, (context, tail, pred)
