@@ -113,7 +113,9 @@ def build_arm(arm, d, device):
             notes.append(f"optimizer state of the first {len(device_state)} of {len(list(model.parameters()))} "
                          f"params ({used / 1e6:.1f}M elements) on the device")
         opt = moepeak.StreamAdamW(model.parameters(), lr=1e-4, weight_decay=0.0, overlap_backward=True,
-                                  device_state=device_state)
+                                  device_state=device_state, threads=d.get("opt_threads"))
+        if d.get("opt_threads"):
+            notes.append(f"StreamAdamW threads {d['opt_threads']}")
         return model, opt, None, "; ".join(notes)
     model = MoELM(cfg, device=device, dtype=torch.float32)
     if arm == "liger":
@@ -249,12 +251,16 @@ def main(argv=None):
     ap.add_argument("--max-step-s", type=float, default=300.0)
     ap.add_argument("--budget-s", type=float, default=500.0, help="wall budget of the whole call")
     ap.add_argument("--tiny", action="store_true", help="the demo's smoke shape on the CPU (tests the script)")
+    ap.add_argument("--opt-threads", type=int, default=None,
+                    help="StreamAdamW's host threads in the moepeak arms (default: all CPUs of the process)")
     a = ap.parse_args(argv)
     t_start = time.monotonic()
     arms = [x for x in a.arms.split(",") if x]
     bad = [x for x in arms if x not in ARMS]
     if bad:
         ap.error(f"--arms: unknown {bad}; choose from {ARMS}")
+    if a.opt_threads is not None and a.opt_threads < 1:
+        ap.error(f"--opt-threads must be >= 1, got {a.opt_threads}")
     if a.tiny:
         d, device = dict(SMOKE, tile_tokens=32), torch.device("cpu")
         lo, hi = a.min_len or 64, a.max_len or 128
@@ -264,6 +270,7 @@ def main(argv=None):
             return 2
         d, device = dict(SHAPE_2B), torch.device("cuda")
         lo, hi = a.min_len or 8192, a.max_len or (1 << 20)
+    d["opt_threads"] = a.opt_threads
     lengths = []
     while lo <= hi:
         lengths.append(lo)

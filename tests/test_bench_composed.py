@@ -33,3 +33,15 @@ def test_bench_composed_tiny(tmp_path):
         assert by_arm["liger"][0]["status"] == "ok"
     except ImportError:
         assert by_arm["liger"][0]["status"] == "skipped"
+
+
+def test_bench_composed_opt_threads(tmp_path):
+    import pytest
+    import bench_composed
+    assert bench_composed.main(["--tiny", "--out", str(tmp_path), "--max-len", "64", "--arms", "moepeak",
+                                "--opt-threads", "1"]) == 0
+    with open(tmp_path / "composed.csv", newline="") as f:
+        (row,) = list(csv.DictReader(f))
+    assert row["status"] == "ok" and "StreamAdamW threads 1" in row["note"], row
+    with pytest.raises(SystemExit):
+        bench_composed.main(["--tiny", "--out", "", "--opt-threads", "0"])
