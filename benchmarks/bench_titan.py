@@ -12,7 +12,8 @@ bf16 params / fp32 reduce on CUDA):
   moepeak_tiled  the same with sequence-tiled blocks: moepeak.titan.sco={"tile_tokens": 8192}
            (--tiny: 32); not in the default --jobs
 Attention is torchtitan's ScaledDotProductAttention (causal) in both jobs; the
-rotary tables cover --max-t positions and all blocks share one (share_rope_tables).
+rotary tables cover --max-t positions and all blocks share one (moepeak.titan.rope,
+in both jobs: job_config).
 
 Per job: T doubles from --start-t until an OOM, a step over --max-step-s or
 the time budget; each length runs 1 warm-up + --steps timed steps, a length
@@ -55,29 +56,29 @@ def build_config(tiny: bool, max_seq_len: int):
     return qwen3_moe_config(16, 16, 4, 768, flavor="30B-A3B", max_seq_len=max_seq_len)
 
 
-def share_rope_tables(model) -> None:
-    """One rotary table for all blocks. torchtitan's CosSinRoPE keeps a copy per block
-    ([max_seq_len, 2 * head_dim] fp32: 2 GiB each at 2M positions, 32 GiB over 16 blocks);
-    the copies are equal, and both jobs share the first."""
-    ropes = [blk.attention.rope for blk in model.layers.values() if hasattr(blk.attention.rope, "cache")]
-    for rope in ropes[1:]:
-        rope.cache = ropes[0].cache
+def job_config(name: str, tiny: bool, max_seq_len: int):
+    """The job's Trainer.Config: build_config with its moepeak overrides. Both jobs run
+    moepeak.titan.rope (one rotary table for all blocks: torchtitan keeps a copy per block,
+    [max_seq_len, 2 * head_dim] fp32, 2 GiB each at 2M positions, 32 GiB over 16 blocks)."""
+    from torchtitan.config.override import OverrideConfig, apply_overrides
+
+    cfg = build_config(tiny, max_seq_len)
+    imports = ["moepeak.titan.rope"]
+    if name.startswith("moepeak"):
+        imports += [f"moepeak.titan.{n}" for n in ALL]
+        if name == "moepeak_tiled":
+            imports[1 + ALL.index("sco")] = ("moepeak.titan.sco", {"tile_tokens": 32 if tiny else TILE_TOKENS})
+    apply_overrides(OverrideConfig(imports=imports), cfg)
+    return cfg
 
 
 class Job:
     def __init__(self, name: str, tiny: bool, device: torch.device, max_seq_len: int):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         from torchtitan.components.loss import ChunkedLossWrapper
-        from torchtitan.config.override import OverrideConfig, apply_overrides
 
-        cfg = build_config(tiny, max_seq_len)
-        if name.startswith("moepeak"):
-            imports = [f"moepeak.titan.{n}" for n in ALL]
-            if name == "moepeak_tiled":
-                tile = 32 if tiny else TILE_TOKENS
-                imports[ALL.index("sco")] = ("moepeak.titan.sco", {"tile_tokens": tile})
-            apply_overrides(OverrideConfig(imports=imports), cfg)
-        else:
+        cfg = job_config(name, tiny, max_seq_len)
+        if not name.startswith("moepeak"):
             cfg.optimizer.implementation = "for-loop" if device.type == "cpu" else "foreach"
         self.vocab = cfg.model_spec.model.vocab_size
         torch.manual_seed(0)
@@ -96,7 +97,6 @@ class Job:
         model.to_empty(device=init_device)
         with torch.no_grad():
             model.init_weights(buffer_device=device)
-        share_rope_tables(model)
         model.train()
         self.loss_fn = cfg.loss.build()
         if isinstance(self.loss_fn, ChunkedLossWrapper):

@@ -44,7 +44,7 @@ def test_bench_titan_tiny(tmp_path):
     assert {r["job"] for r in rows if r["status"] == "ok"} == {"stock", "moepeak", "moepeak_tiled"}, rows
 
 
-def test_bench_titan_shares_one_rope_table_per_model():
+def test_bench_titan_jobs_share_one_rope_table_per_model():
     try:
         from tests.titan_utils import require_torchtitan
     except ImportError:  # rootdir not on sys.path
@@ -54,12 +54,13 @@ def test_bench_titan_shares_one_rope_table_per_model():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import bench_titan
 
-    model = bench_titan.build_config(True, max_seq_len=96).model_spec.model.build()
-    model.init_weights(buffer_device=torch.device("cpu"))
-    own = [blk.attention.rope.cache.clone() for blk in model.layers.values()]
-    assert len(own) == 2 and own[0].shape[0] == 96
-    bench_titan.share_rope_tables(model)
-    shared = [blk.attention.rope.cache for blk in model.layers.values()]
-    assert shared[1] is shared[0]
-    assert all(torch.equal(s, o) for s, o in zip(shared, own))  # the copies were equal: no number changes
-    assert "layers.1.attention.rope.cache" in dict(model.named_buffers(remove_duplicate=False))
+    own = bench_titan.build_config(True, max_seq_len=96).model_spec.model.build()  # stock torchtitan
+    own.init_weights(buffer_device=torch.device("cpu"))
+    for name in bench_titan.JOBS:
+        model = bench_titan.job_config(name, True, max_seq_len=96).model_spec.model.build()
+        model.init_weights(buffer_device=torch.device("cpu"))
+        shared = [blk.attention.rope.cache for blk in model.layers.values()]
+        assert len(shared) == 2 and shared[0].shape[0] == 96, name
+        assert shared[1] is shared[0], name
+        assert torch.equal(shared[0], own.layers["0"].attention.rope.cache), name  # the same numbers
+        assert "layers.1.attention.rope.cache" in dict(model.named_buffers(remove_duplicate=False)), name
