@@ -90,6 +90,7 @@ def build_arm(arm, d, device):
     """(model, optimizer, autocast dtype or None, note)."""
     import moepeak
     from moepeak.demo.models import MoEConfig, MoELM, resolve
+    from moepeak.stream_adamw_device import device_state_bytes
     cfg = MoEConfig(vocab_size=d["vocab"], hidden=d["hidden"], layers=d["layers"], heads=d["heads"],
                     kv_heads=d["kv_heads"], experts=d["experts"], top_k=d["top_k"],
                     intermediate=d["intermediate"], chunk_rows=d.get("chunk_rows"))
@@ -107,7 +108,7 @@ def build_arm(arm, d, device):
             notes.append("embedding's optimizer state on the device")
         elif arm == "moepeak_gpu_tail":
             budget = (DEVICE_TAIL_GIB * GiB if device.type == "cuda"
-                      else sum(12 * p.numel() for p in model.parameters()) // 2)
+                      else sum(device_state_bytes(p) for p in model.parameters()) // 2)
             device_state = moepeak.StreamAdamW.backward_tail(model.parameters(), budget)
             used = sum(p.numel() for p in device_state)
             notes.append(f"optimizer state of the first {len(device_state)} of {len(list(model.parameters()))} "

@@ -49,9 +49,10 @@ def backward_tail(params, max_bytes: int) -> list:
     for i, p in enumerate(params):
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"moepeak.StreamAdamW.backward_tail: params[{i}] must be a tensor, got {type(p).__name__}")
-        if used + device_state_bytes(p) > max_bytes:
+        need = device_state_bytes(p)
+        if used + need > max_bytes:
             break
-        used += device_state_bytes(p)
+        used += need
         chosen.append(p)
     return chosen
 
