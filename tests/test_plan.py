@@ -469,7 +469,7 @@ def test_device_state_tail_adds_its_budget_capped_at_all_the_state():
         P.main(["--preset", "Qwen3-30B-A3B", "--device-state-gib", "-1"])
 
 
-# bench_composed.py's moepeak arms (H200, 2026-12-02; benchmarks/results/composed.csv): the same
+# bench_composed.py's moepeak arms (H200; their rows in benchmarks/results/composed.csv): the same
 # 2.0B demo model, all state on the host (tail 0) or the 1060.1M leading elements' state on the
 # GPU (moepeak_gpu_tail: 12 B each), (context, tail GiB) -> measured peak GiB.
 TAIL_GIB = 1060.1e6 * 12 / P.GiB
