@@ -63,17 +63,18 @@ def fp32_grouped_experts_forward(self, x_RD, num_tokens_per_expert_E):
 class Run:
     """One job built from a Trainer.Config the way torchtitan's Trainer builds it."""
 
-    def __init__(self, imports, init_state, reference=False):
+    def __init__(self, imports, init_state, reference=False, device="cpu"):
         cfg = small_job()
+        self.device = device
         if imports:  # names, or (name, kwargs) pairs
             apply_overrides(OverrideConfig(imports=[f"moepeak.titan.{n}" if isinstance(n, str) else
                                                     (f"moepeak.titan.{n[0]}", n[1]) for n in imports]), cfg)
         self.cfg = cfg
         with torch.device("meta"):
             model = cfg.model_spec.model.build()
-        model.to_empty(device="cpu")
+        model.to_empty(device=device)
         with torch.no_grad():
-            model.init_weights(buffer_device=None)
+            model.init_weights(buffer_device=None if device == "cpu" else torch.device(device))
         if init_state is not None:
             model.load_state_dict(init_state)
         if reference:
@@ -91,9 +92,10 @@ class Run:
         self.optimizer = cfg.optimizer.build(model_parts=[model])
 
     def step(self, tokens, labels, positions=True):
-        pos = torch.arange(L).unsqueeze(0).expand(B, L) if positions else None
+        tokens, labels = tokens.to(self.device), labels.to(self.device)
+        pos = torch.arange(L, device=self.device).unsqueeze(0).expand(B, L) if positions else None
         pred = self.model(tokens, positions=pos)
-        loss, _ = self.loss_fn(pred, labels, torch.tensor(float(labels.numel())))
+        loss, _ = self.loss_fn(pred, labels, torch.tensor(float(labels.numel()), device=self.device))
         loss.backward()
         grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.detach().clone()
                  for n, p in self.model.named_parameters() if p.grad is not None}
@@ -339,3 +341,28 @@ def test_stream_adamw_device_tail_takes_the_leading_params(init_state):
                                                           "tok_embeddings.weight"]
     with pytest.raises(ValueError, match="device_state_mb must be a number >= 0, got -1"):
         mt.stream_adamw(small_job().optimizer, device_state_mb=-1).build(model_parts=[torch.nn.Linear(2, 2)])
+
+
+@pytest.mark.cuda
+def test_tiled_blocks_and_shared_rope_on_cuda(init_state):
+    """On the GPU: the rope override alone is bitwise the stock job; the tiled blocks (with
+    PipelinedLLEP experts, SCO and the shared rope) equal the untiled ones in fp32 on the
+    first step, up to the summation order of the weight gradients and of the attention
+    kernel's key blocks."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    tokens, labels = batches()[0]
+    got = {}
+    for name, imports in [("stock", []), ("rope", ["rope"]),
+                          ("untiled", ["experts", "sco", "rope"]),
+                          ("tiled", ["experts", ("sco", {"tile_tokens": 24}), "rope"])]:
+        got[name] = Run(imports, init_state, device="cuda").step(tokens, labels)
+    (l_st, g_st), (l_r, g_r) = got["stock"], got["rope"]
+    assert torch.equal(l_r, l_st) and all(torch.equal(g_r[k], g_st[k]) for k in g_st)
+    (l_un, g_un), (l_t, g_t) = got["untiled"], got["tiled"]
+    torch.testing.assert_close(l_t, l_un, rtol=1e-5, atol=0)
+    assert set(g_t) == set(g_un)
+    for k in g_un:
+        scale = g_un[k].abs().max().item()
+        err = (g_t[k] - g_un[k]).abs().max().item()
+        assert err <= 1e-4 * scale, f"{k}: max err {err:.3e} against max |grad| {scale:.3e}"
