@@ -32,6 +32,9 @@ three fp32 [c, H] chunk temporaries (c = min(norm chunk, T)): 'final_norm' = T*(
 fp32 x and the fp32 normalised rows ('head_act' = 8H + 4 + b*H) and its backward peaks at
 24H per token, as transformers' (checked on CPU, tests/test_plan.py).
 
+Host RAM (host_bytes, `--host-mem`): SCO's boundaries L*T*H*b + StreamAdamW's 12*N/P (less
+a device tail) + its pinned slots, per GPU; every GPU of a host draws on the same RAM.
+
 The step's peak is the larger of two phases:
   total = fixed + optimizer + max(boundaries_block + block + dispatch,
                                   boundaries_head + max(head_act + vocab, final_norm)).
@@ -419,7 +422,35 @@ def longest_context(m: ModelShape, s: Setup, plan: str, limit: int = 1 << 26) ->
     return lo * 1024
 
 
-def report(m: ModelShape, s: Setup, context: int) -> str:
+def host_bytes(m: ModelShape, s: Setup, context: int) -> Dict[str, float]:
+    """moepeak's host RAM per GPU (bytes): SCO's boundaries (every block's input, L*T*H*b: an
+    upper bound, apply_sco keeps the last one on the GPU), StreamAdamW's state (fp32 master, m,
+    v: 12*N/P, less a device_state tail) and its pinned bucket slots (3 grad + 2 param slots of
+    half a bucket each)."""
+    T = s.batch * -(-context // s.gpus)
+    state = 12.0 * m.params() / s.gpus
+    out = {"sco_boundaries": m.layers * T * m.hidden * s.act_bytes,
+           "optimizer_state": state - min(s.device_state_gib * GiB, state),
+           "pinned_slots": 2.5 * s.bucket_mb * 2 ** 20}
+    out["total"] = sum(out.values())
+    return out
+
+
+def longest_host_context(m: ModelShape, s: Setup, host_gib: float, per_node: int) -> int:
+    """Largest context (multiple of 1024) whose host RAM, per_node GPUs to a host, fits host_gib."""
+    def fits(ctx):
+        return per_node * host_bytes(m, s, ctx)["total"] <= host_gib * GiB
+    if not fits(1024):
+        return 0
+    lo, hi = 1, (1 << 26) // 1024
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid * 1024) else (lo, mid - 1)
+    return lo * 1024
+
+
+def report(m: ModelShape, s: Setup, context: int, host_gib: Optional[float] = None,
+           gpus_per_node: Optional[int] = None) -> str:
     rows = []
     res = {p: peaks(m, s, context, p) for p in ("plain", "moepeak")}
     rows.append(f"model: {m.params() / 1e9:.2f} B params, L={m.layers} H={m.hidden} E={m.experts} "
@@ -437,8 +468,15 @@ def report(m: ModelShape, s: Setup, context: int) -> str:
         fits = "fits" if r["total"] <= cap else "does NOT fit"
         rows.append(f"{p}: binding peak = {r['binding']}; {fits}; longest context that fits: "
                     f"{longest_context(m, s, p)} tokens")
-    rows.append("")
-    rows.append(ROW_LEGEND)
+    h, node = host_bytes(m, s, context), min(s.gpus, gpus_per_node or 8)
+    line = (f"moepeak host RAM per GPU: SCO boundaries {h['sco_boundaries'] / GiB:.2f} + StreamAdamW state "
+            f"{h['optimizer_state'] / GiB:.2f} + pinned slots {h['pinned_slots'] / GiB:.2f} = "
+            f"{h['total'] / GiB:.2f} GiB; per host of {node} GPU(s): {node * h['total'] / GiB:.2f} GiB")
+    if host_gib is not None:
+        fits = "fits in" if node * h["total"] <= host_gib * GiB else "does NOT fit in"
+        line += (f", {fits} --host-mem {host_gib:g} GiB; longest context the host RAM holds: "
+                 f"{longest_host_context(m, s, host_gib, node)} tokens")
+    rows += [line, "", ROW_LEGEND]
     return "\n".join(rows)
 
 
@@ -478,6 +516,11 @@ def add_args(ap: argparse.ArgumentParser):
                          "(default %(default)s: whole blocks)")
     ap.add_argument("--device-state-gib", type=float, default=0.0,
                     help="moepeak plan: GiB per GPU of StreamAdamW device_state (StreamAdamW.backward_tail)")
+    ap.add_argument("--host-mem", type=float, default=None,
+                    help="GiB of host RAM per host: the report checks moepeak's host RAM (SCO's boundaries, "
+                         "StreamAdamW's state) against it (default %(default)s: no check)")
+    ap.add_argument("--gpus-per-node", type=int, default=None,
+                    help="GPUs sharing one host's RAM (default %(default)s: min(--gpus, 8))")
     ap.add_argument("--plot", default=None,
                     help="PNG path: peak vs context per component (needs matplotlib: moepeak[plot]; "
                          "default %(default)s: no plot)")
@@ -516,6 +559,9 @@ def from_args(a) -> (ModelShape, Setup):
     tile = getattr(a, "tile_tokens", None)
     if tile is not None and tile < 1:
         raise ValueError(f"moepeak plan: need --tile-tokens >= 1 (got {tile})")
+    host, per_node = getattr(a, "host_mem", None), getattr(a, "gpus_per_node", None)
+    if (host is not None and not host > 0) or (per_node is not None and per_node < 1):
+        raise ValueError(f"moepeak plan: need --host-mem > 0 (got {host}) and --gpus-per-node >= 1 (got {per_node})")
     if not getattr(a, "device_state_gib", 0.0) >= 0:
         raise ValueError(f"moepeak plan: need --device-state-gib >= 0 (got {a.device_state_gib})")
     return m, Setup(gpus=a.gpus, gpu_mem_gib=a.gpu_mem, act_bytes=a.act_bytes, imbalance=a.imbalance,
@@ -531,7 +577,7 @@ def main(argv=None) -> int:
         m, s = from_args(a)
     except ValueError as e:
         ap.error(str(e))
-    print(report(m, s, a.context))
+    print(report(m, s, a.context, a.host_mem, a.gpus_per_node))
     if a.plot:
         from .plan_plot import plot
         if plot(m, s, a.plot, context=a.context, name=a.preset):

@@ -41,6 +41,7 @@ import torch
 
 from . import _C
 from ._ext import current_stream_handle, require_cuda_build
+from .host_memory import check_room
 
 
 
@@ -164,6 +165,9 @@ class _Arena:
 
     def _add_chunk(self, n: int) -> None:
         if self.pinned:
+            check_room(n, "moepeak: SCO arena chunk", "each checkpoint boundary held by SCO takes tokens x hidden "
+                       "x element bytes of it per block: shorten the sequence, split it over more ranks, or "
+                       "checkpoint fewer blocks with SCO", pinned=True)
             ptr = _C.sco_arena_alloc(n)  # MemoryError naming the size on failure
             buf = (ctypes.c_uint8 * n).from_address(ptr)
             view = torch.frombuffer(buf, dtype=torch.uint8)
@@ -241,11 +245,12 @@ class SCOEngine:
         if self.is_cuda:
             require_cuda_build("sco_checkpoint")
             with self._bound():
+                # the arena first: a host that cannot hold it refuses before any event exists
+                self.arena = _Arena(cfg, pinned=True, counts=self.counts)  # arena_bytes allocated now
                 self.copy_stream = torch.cuda.Stream(device)
                 self.load_stream = torch.cuda.Stream(device)
                 self.ready_ev = self._event()  # re-recorded on compute before each side-stream use
                 self.load_tail_ev = self._event()  # last event on the load stream
-                self.arena = _Arena(cfg, pinned=True, counts=self.counts)  # arena_bytes allocated now
         else:
             self.arena = _Arena(cfg, pinned=False, counts=self.counts)
         self.live: "collections.OrderedDict[int, _Boundary]" = collections.OrderedDict()

@@ -117,7 +117,9 @@ import torch
 
 from . import _C
 from ._ext import HAS_CUDA_BUILD
-from .stream_adamw_device import backward_tail, device_state_set, fused_update
+from .host_memory import check_room
+from .stream_adamw_device import HOST_ROOM_REMEDY, backward_tail, device_state_set, fused_update, \
+    host_state_bytes_to_create
 from .stream_adamw_op import (DTYPE_CODES, ISA_CODES, PLAN_IDS, PLANS, BucketPlan, check_hyper, stream_adamw,
                               stream_adamw_step, torch_tail_model)
 from .stream_adamw_overlap import BackwardOverlap, side_stream
@@ -359,6 +361,8 @@ class StreamAdamW(torch.optim.Optimizer):
 
     def _build_job(self, entries, overlapped):
         """State init/checks, step counters advanced, and the op's arguments."""
+        check_room(host_state_bytes_to_create(entries, self.state, self._piped, self._gpu_master),
+                   f"moepeak.StreamAdamW: the optimizer state of {len(entries)} params", HOST_ROOM_REMEDY, pinned=False)
         for group, p, lp, _, _ in entries:
             self._init_state(group, p, lp)
         for group, p, lp, _, name in entries:  # every state tensor must fit its param before any pointer reaches C

@@ -6,11 +6,32 @@ master (bf16/fp16 params), exp_avg, exp_avg_sq and step then live on the param's
 (12 bytes per element; 8 for fp32 params) and torch's fused AdamW kernel updates them
 there, on the current stream: from the param's own hook with overlap_backward, else in
 step(). moepeak/stream_adamw.py owns the state dict, the checks and the order; this
-module holds the choice of params and the update.
+module holds the choice of params, the update, and the count of host bytes the state
+about to be created on the host takes (checked against the host RAM left before it exists).
 """
 from __future__ import annotations
 
 import torch
+
+
+HOST_ROOM_REMEDY = ("keep part of it on the GPU (device_state=StreamAdamW.backward_tail(params, max_bytes)), "
+                    "shard the params over more ranks, or free host memory")
+
+
+def host_state_bytes_to_create(entries, state, piped, gpu_master) -> int:
+    """Host bytes of the state that initializing entries' (group, p, lp, ...) creates:
+    fp32 exp_avg, exp_avg_sq (and the AMSGrad max), the fp32 master of a low-precision
+    param, the host copy of a piped fp32 param; state that exists already is not counted."""
+    need = 0
+    for group, p, lp, *_ in entries:
+        st = state[p]
+        words = sum(k not in st for k in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ()))
+        if lp.dtype != torch.float32:
+            words += "master_param" not in st
+        elif piped(lp) and p not in gpu_master:
+            words += 1
+        need += 4 * words * lp.numel()
+    return need
 
 
 def device_state_set(param_groups, device_state) -> set:

@@ -89,6 +89,40 @@ def test_cli_report(capsys):
                      "--gpus", "1", "--gpu-mem", "141"]) == 0
 
 
+def test_host_ram_terms():
+    """SCO's boundaries L*T*H*b, StreamAdamW's 12 B per param over P less the device tail
+    (never below 0), 5 half-bucket pinned slots."""
+    m = P.ModelShape(layers=4, hidden=1024, experts=16, top_k=2, intermediate=512, vocab=65536, heads=8,
+                     kv_heads=2)
+    h = P.host_bytes(m, P.Setup(gpus=2), 1 << 20)
+    assert h["sco_boundaries"] == 4 * (1 << 19) * 1024 * 2
+    assert h["optimizer_state"] == 12 * m.params() / 2
+    assert h["pinned_slots"] == 160 * 2 ** 20
+    assert h["total"] == sum(v for k, v in h.items() if k != "total")
+    tail = P.host_bytes(m, P.Setup(gpus=2, device_state_gib=1.0), 1 << 20)
+    assert tail["optimizer_state"] == 12 * m.params() / 2 - 2 ** 30
+    assert P.host_bytes(m, P.Setup(gpus=2, device_state_gib=1e6), 1 << 20)["optimizer_state"] == 0
+
+
+def test_longest_host_context_is_the_edge():
+    m, s = P.PRESETS["Qwen3-30B-A3B"], P.Setup(gpus=8, tile_tokens=8192)
+    c = P.longest_host_context(m, s, 560, 8)
+    assert 8 * P.host_bytes(m, s, c)["total"] <= 560 * 2 ** 30 < 8 * P.host_bytes(m, s, c + 1024)["total"]
+    assert P.longest_host_context(m, s, 1, 8) == 0  # the state alone is 43 GiB per GPU
+
+
+def test_cli_host_ram_line(capsys):
+    argv = ["plan", "--layers", "16", "--hidden", "2048", "--experts", "16", "--top-k", "4", "--intermediate",
+            "768", "--vocab", "151936", "--heads", "32", "--kv-heads", "4", "--head-dim", "128", "--gpus", "1",
+            "--context", "2097152", "--tile-tokens", "8192"]
+    assert cli.main(argv + ["--host-mem", "125"]) == 0
+    out = capsys.readouterr().out  # bench_titan's model at 2M tokens: 128 GiB of boundaries alone
+    assert "SCO boundaries 128.00 + StreamAdamW state 23.84" in out and "does NOT fit in --host-mem 125 GiB" in out
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "per host of 1 GPU(s): 151.99 GiB" in out and "--host-mem" not in out
+
+
 @pytest.mark.parametrize("argv, msg", [
     (["--layers", "4"], "give --preset or all of"),
     (["--preset", "Mixtral-8x22B", "--heads", "5"], "kv_heads (8) must divide heads (5)"),
@@ -96,6 +130,8 @@ def test_cli_report(capsys):
     (["--preset", "Qwen3-30B-A3B", "--gpus", "0"], "--gpus >= 1"),
     (["--preset", "Qwen3-30B-A3B", "--gpus", "3"], "must be divisible by --gpus (3)"),
     (["--preset", "Qwen3-30B-A3B", "--imbalance", "0.5"], "--imbalance >= 1"),
+    (["--preset", "Qwen3-30B-A3B", "--host-mem", "0"], "--host-mem > 0"),
+    (["--preset", "Qwen3-30B-A3B", "--gpus-per-node", "0"], "--gpus-per-node >= 1"),
 ])
 def test_bad_input(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:

@@ -1,0 +1,46 @@
+"""Host RAM checks before moepeak fills large host buffers.
+
+On Linux an allocation past the RAM that is left does not fail where it is made:
+page-locked memory (SCO's arena) fails late or not at all, and pageable memory
+(StreamAdamW's state, zero-filled) gets the process killed by the OOM killer
+minutes into a run, with no message. These checks turn that into a MemoryError
+raised before the buffer exists, naming the buffer, the bytes asked for and the
+bytes available.
+
+What counts as available: /proc/meminfo's MemAvailable (free memory plus what the
+kernel can reclaim without swapping) for page-locked buffers, which cannot be
+swapped; MemAvailable + SwapFree for pageable ones. Where /proc/meminfo cannot be
+read (not Linux), no check is made.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+MEMINFO_PATH = "/proc/meminfo"
+
+
+def available_bytes(pinned: bool) -> Optional[int]:
+    """Bytes a new host buffer can take now (see the module docstring), or None if unknown."""
+    try:
+        with open(MEMINFO_PATH) as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        kib = int(fields["MemAvailable"].split()[0])
+        if not pinned:
+            kib += int(fields.get("SwapFree", "0 kB").split()[0])
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+    return kib * 1024
+
+
+def check_room(nbytes: int, what: str, remedy: str, *, pinned: bool) -> None:
+    """Raise MemoryError if a host buffer of nbytes would not fit in the host RAM left.
+
+    what names the buffer ("moepeak: SCO arena chunk"), remedy says what the caller can change."""
+    if nbytes <= 0:
+        return
+    avail = available_bytes(pinned)
+    if avail is not None and nbytes > avail:
+        kind = "page-locked" if pinned else "host"
+        raise MemoryError(f"{what}: needs {nbytes / 2**30:.2f} GiB of {kind} memory, but this host has "
+                          f"{avail / 2**30:.2f} GiB available ({MEMINFO_PATH} MemAvailable"
+                          f"{'' if pinned else ' + SwapFree'}); {remedy}. Nothing was allocated.")
