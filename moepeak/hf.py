@@ -414,9 +414,10 @@ def _patch_checkpoint(model, options, report):
         class_set(self, enable=True, gradient_checkpointing_func=functools.partial(sco_checkpoint, sco_config=cfg),
                   every_n_layers=every_n_layers)
         layers = [m for m in self.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
-        if cfg.keep_last and layers:  # the block whose backward runs first keeps its input on the device
-            layers[-1]._gradient_checkpointing_func = functools.partial(sco_checkpoint, sco_config=cfg,
-                                                                        sco_keep_on_gpu=True)
+        for layer in layers[max(0, len(layers) - int(cfg.keep_last)):]:
+            # the blocks whose backward runs first keep their input on the device
+            layer._gradient_checkpointing_func = functools.partial(sco_checkpoint, sco_config=cfg,
+                                                                   sco_keep_on_gpu=True)
 
     model._set_gradient_checkpointing = types.MethodType(_set_gradient_checkpointing, model)
     model.gradient_checkpointing_enable()

@@ -32,8 +32,9 @@ three fp32 [c, H] chunk temporaries (c = min(norm chunk, T)): 'final_norm' = T*(
 fp32 x and the fp32 normalised rows ('head_act' = 8H + 4 + b*H) and its backward peaks at
 24H per token, as transformers' (checked on CPU, tests/test_plan.py).
 
-Host RAM (host_bytes, `--host-mem`): SCO's boundaries L*T*H*b + StreamAdamW's 12*N/P (less
-a device tail) + its pinned slots, per GPU; every GPU of a host draws on the same RAM.
+Host RAM (host_bytes, `--host-mem`): SCO's boundaries (L - keep)*T*H*b + StreamAdamW's 12*N/P
+(less a device tail) + its pinned slots, per GPU; every GPU of a host draws on the same RAM.
+`--sco-keep-last keep` moves those boundaries to the GPU's boundary terms.
 
 The step's peak is the larger of two phases:
   total = fixed + optimizer + max(boundaries_block + block + dispatch,
@@ -252,6 +253,7 @@ class Setup:
     device_state_gib: float = 0.0  # StreamAdamW device_state budget (backward_tail): on the GPU
     sco_in_flight: int = 2      # SCOConfig.max_in_flight (W): forward D2H copies still referenced
     sco_prefetch: int = 1       # SCOConfig.prefetch: boundaries loaded ahead in backward
+    sco_keep_last: int = 0      # SCOConfig.keep_last under apply_sco: the last blocks' inputs stay on the GPU
     batch: int = 1
     # plain plan's bytes per parameter: FSDP2 mixed precision keeps fp32 master,
     # m, v (12, "optimizer") and fp32 grads (4, fixed). The demo's plain run on
@@ -384,8 +386,11 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         # reload polls them (through the head's backward); in a block's backward: the input
         # being recomputed + `prefetch` loaded ahead, except that a tiled block holds its
         # prefetch back until its attention core's backward peak has passed. Flat in L.
-        bounds_head = min(L, s.sco_in_flight) * T * H * b
-        bounds_block = min(L, 1 + (0 if s.tile_tokens else s.sco_prefetch)) * T * H * b
+        # keep_last: those inputs never leave the GPU; all are live in the head phase, all but
+        # the one being recomputed in the first block's backward (conservative: in full).
+        keep = min(L, s.sco_keep_last)
+        bounds_head = (min(L - keep, s.sco_in_flight) + keep) * T * H * b
+        bounds_block = (min(L, 1 + (0 if s.tile_tokens else s.sco_prefetch)) + max(keep - 1, 0)) * T * H * b
         out["boundaries"] = max(bounds_head, bounds_block)
         # StreamAdamW: fp32 master/m/v in host RAM, its bucket slots pinned host memory;
         # on the GPU only a device_state tail: at most the budget, at most all the state
@@ -423,13 +428,13 @@ def longest_context(m: ModelShape, s: Setup, plan: str, limit: int = 1 << 26) ->
 
 
 def host_bytes(m: ModelShape, s: Setup, context: int) -> Dict[str, float]:
-    """moepeak's host RAM per GPU (bytes): SCO's boundaries (every block's input, L*T*H*b: an
-    upper bound, apply_sco keeps the last one on the GPU), StreamAdamW's state (fp32 master, m,
+    """moepeak's host RAM per GPU (bytes): SCO's boundaries (every block's input but the
+    sco_keep_last ones, (L - keep)*T*H*b), StreamAdamW's state (fp32 master, m,
     v: 12*N/P, less a device_state tail) and its pinned bucket slots (3 grad + 2 param slots of
     half a bucket each)."""
     T = s.batch * -(-context // s.gpus)
     state = 12.0 * m.params() / s.gpus
-    out = {"sco_boundaries": m.layers * T * m.hidden * s.act_bytes,
+    out = {"sco_boundaries": max(m.layers - s.sco_keep_last, 0) * T * m.hidden * s.act_bytes,
            "optimizer_state": state - min(s.device_state_gib * GiB, state),
            "pinned_slots": 2.5 * s.bucket_mb * 2 ** 20}
     out["total"] = sum(out.values())
@@ -474,8 +479,9 @@ def report(m: ModelShape, s: Setup, context: int, host_gib: Optional[float] = No
             f"{h['total'] / GiB:.2f} GiB; per host of {node} GPU(s): {node * h['total'] / GiB:.2f} GiB")
     if host_gib is not None:
         fits = "fits in" if node * h["total"] <= host_gib * GiB else "does NOT fit in"
+        c = longest_host_context(m, s, host_gib, node)
         line += (f", {fits} --host-mem {host_gib:g} GiB; longest context the host RAM holds: "
-                 f"{longest_host_context(m, s, host_gib, node)} tokens")
+                 + (f"{c} tokens" if c < 1 << 26 else "not bound by context (no boundary in host RAM)"))
     rows += [line, "", ROW_LEGEND]
     return "\n".join(rows)
 
@@ -516,6 +522,9 @@ def add_args(ap: argparse.ArgumentParser):
                          "(default %(default)s: whole blocks)")
     ap.add_argument("--device-state-gib", type=float, default=0.0,
                     help="moepeak plan: GiB per GPU of StreamAdamW device_state (StreamAdamW.backward_tail)")
+    ap.add_argument("--sco-keep-last", type=int, default=0,
+                    help="moepeak plan: the last blocks whose inputs SCO keeps on the GPU (SCOConfig.keep_last): "
+                         "GPU memory for host RAM")
     ap.add_argument("--host-mem", type=float, default=None,
                     help="GiB of host RAM per host: the report checks moepeak's host RAM (SCO's boundaries, "
                          "StreamAdamW's state) against it (default %(default)s: no check)")
@@ -559,6 +568,9 @@ def from_args(a) -> (ModelShape, Setup):
     tile = getattr(a, "tile_tokens", None)
     if tile is not None and tile < 1:
         raise ValueError(f"moepeak plan: need --tile-tokens >= 1 (got {tile})")
+    keep = getattr(a, "sco_keep_last", 0)
+    if keep < 0:
+        raise ValueError(f"moepeak plan: need --sco-keep-last >= 0 (got {keep})")
     host, per_node = getattr(a, "host_mem", None), getattr(a, "gpus_per_node", None)
     if (host is not None and not host > 0) or (per_node is not None and per_node < 1):
         raise ValueError(f"moepeak plan: need --host-mem > 0 (got {host}) and --gpus-per-node >= 1 (got {per_node})")
@@ -567,7 +579,7 @@ def from_args(a) -> (ModelShape, Setup):
     return m, Setup(gpus=a.gpus, gpu_mem_gib=a.gpu_mem, act_bytes=a.act_bytes, imbalance=a.imbalance,
                     tile_tokens=tile, impl=getattr(a, "impl", "demo"),
                     lean_norm=not getattr(a, "eager_norm", False),
-                    device_state_gib=getattr(a, "device_state_gib", 0.0))
+                    device_state_gib=getattr(a, "device_state_gib", 0.0), sco_keep_last=keep)
 
 
 def main(argv=None) -> int:

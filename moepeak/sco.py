@@ -63,8 +63,11 @@ class SCOConfig:
 
     max_in_flight (W): D2H copies in flight before compute waits on the oldest.
     prefetch: boundaries loaded ahead in backward (block k-1 .. k-prefetch).
-    keep_last: apply_sco keeps the last block's input on the GPU (it is needed
-        first in backward, so offloading it only costs a round trip).
+    keep_last: how many of the last blocks keep their input on the GPU under
+        apply_sco (True = 1, False = 0). The last block's input is needed first in
+        backward, so offloading it only costs a round trip; more trade GPU memory
+        (one [T, H] each) for host RAM and PCIe traffic, the last ones first since
+        their inputs come back first.
     arena_bytes: pinned bytes reserved at first use (0: grow on demand).
     grow_bytes: smallest chunk added when the arena must grow.
     max_arena_bytes: cap on the arena (None: no cap; with grow=False the cap is
@@ -73,7 +76,7 @@ class SCOConfig:
 
     max_in_flight: int = 2
     prefetch: int = 1
-    keep_last: bool = True
+    keep_last: int = 1
     arena_bytes: int = 0
     grow: bool = True
     grow_bytes: int = 1 << 30
@@ -86,6 +89,8 @@ class SCOConfig:
             if not isinstance(v, int) or v < (1 if name == "max_in_flight" else 0):
                 lo = 1 if name == "max_in_flight" else 0
                 raise ValueError(f"moepeak: SCOConfig.{name} must be an int >= {lo}, got {v!r}")
+        if not isinstance(self.keep_last, int) or self.keep_last < 0:
+            raise ValueError(f"moepeak: SCOConfig.keep_last must be a bool or an int >= 0, got {self.keep_last!r}")
         for name in ("arena_bytes", "grow_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
@@ -386,7 +391,7 @@ def apply_sco(model: torch.nn.Module, blocks, config: Optional[SCOConfig] = None
             raise ValueError(f"moepeak: apply_sco already applied to block {type(m).__name__}")
     cfg = config if config is not None else _DEFAULT
     for i, m in enumerate(mods):
-        keep = cfg.keep_last and i == len(mods) - 1
+        keep = i >= len(mods) - int(cfg.keep_last)
         orig = m.forward
 
         def forward(*a, _orig=orig, _keep=keep, _ref=weakref.ref(m), **k):

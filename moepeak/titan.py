@@ -238,7 +238,8 @@ class SCOActivationCheckpointing(ActivationCheckpointing):
     class Config(ActivationCheckpointing.Config):
         max_in_flight: int = 2
         prefetch: int = 1
-        keep_last: bool = True
+        keep_last: int = 1
+        """How many of the last blocks keep their input on the GPU (SCOConfig.keep_last)."""
         arena_bytes: int = 0
         max_arena_bytes: Optional[int] = None
         tile_tokens: Optional[int] = None

@@ -223,6 +223,20 @@ def test_loss_num_items_and_shift_labels_match_transformers():
         assert_close(f"loss {sorted(kw)}", got, want, 1e-5, 1e-6)
 
 
+@pytest.mark.parametrize("keep_last", [0, 2])
+def test_sco_keep_last_keeps_the_last_layers_inputs(keep_last):
+    model = build("qwen3_moe")
+    cfg = moepeak.SCOConfig(keep_last=keep_last)
+    apply_moepeak(model, experts=False, loss=False, sco_config=cfg)
+    layers = [m for m in model.modules() if isinstance(m, transformers.modeling_layers.GradientCheckpointingLayer)]
+    kept = [m._gradient_checkpointing_func.keywords.get("sco_keep_on_gpu", False) for m in layers]
+    assert kept == [False] * (len(layers) - keep_last) + [True] * keep_last
+    ids, labels = batches(steps=1)[0]
+    model(input_ids=ids, labels=labels).loss.backward()
+    st = cfg.stats()
+    assert st["kept"] == keep_last and st["offloads"] == len(layers) - keep_last
+
+
 def test_gradient_checkpointing_enable_installs_sco():
     model = build("qwen3_moe")
     report = apply_moepeak(model, experts=False, loss=False)

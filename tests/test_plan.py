@@ -104,6 +104,21 @@ def test_host_ram_terms():
     assert P.host_bytes(m, P.Setup(gpus=2, device_state_gib=1e6), 1 << 20)["optimizer_state"] == 0
 
 
+def test_sco_keep_last_moves_boundaries_from_host_to_gpu():
+    m, s = P.PRESETS["Qwen3-30B-A3B"], P.Setup(gpus=8, tile_tokens=8192)
+    one = 131072 * 2048 * 2  # one [T, H] bf16 boundary at 1M tokens over 8 GPUs
+    base, keep = P.peaks(m, s, 1 << 20, "moepeak"), P.peaks(m, P.Setup(gpus=8, tile_tokens=8192, sco_keep_last=4),
+                                                            1 << 20, "moepeak")
+    assert keep["boundaries_head"] == base["boundaries_head"] + 4 * one
+    assert keep["boundaries_block"] == base["boundaries_block"] + 3 * one
+    h0, h4 = P.host_bytes(m, s, 1 << 20), P.host_bytes(m, dataclasses.replace(s, sco_keep_last=4), 1 << 20)
+    assert h0["sco_boundaries"] - h4["sco_boundaries"] == 4 * one
+    every = dataclasses.replace(s, sco_keep_last=99)
+    assert P.host_bytes(m, every, 1 << 20)["sco_boundaries"] == 0
+    assert P.peaks(m, every, 1 << 20, "moepeak")["boundaries_head"] == 48 * one
+    assert P.longest_host_context(m, every, 560, 8) == 1 << 26  # the search's limit: context no longer binds
+
+
 def test_longest_host_context_is_the_edge():
     m, s = P.PRESETS["Qwen3-30B-A3B"], P.Setup(gpus=8, tile_tokens=8192)
     c = P.longest_host_context(m, s, 560, 8)
@@ -131,6 +146,7 @@ def test_cli_host_ram_line(capsys):
     (["--preset", "Qwen3-30B-A3B", "--gpus", "3"], "must be divisible by --gpus (3)"),
     (["--preset", "Qwen3-30B-A3B", "--imbalance", "0.5"], "--imbalance >= 1"),
     (["--preset", "Qwen3-30B-A3B", "--host-mem", "0"], "--host-mem > 0"),
+    (["--preset", "Qwen3-30B-A3B", "--sco-keep-last", "-1"], "--sco-keep-last >= 0"),
     (["--preset", "Qwen3-30B-A3B", "--gpus-per-node", "0"], "--gpus-per-node >= 1"),
 ])
 def test_bad_input(argv, msg, capsys):

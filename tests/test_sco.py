@@ -212,6 +212,32 @@ def test_apply_sco_module_class_eval_and_no_grad():
     assert st2["offloads"] == 2 and st2["kept"] == 1
 
 
+@pytest.mark.parametrize("keep_last, kept", [(0, 0), (False, 0), (True, 1), (2, 2), (4, 4), (9, 4)])
+def test_apply_sco_keep_last_counts_blocks(keep_last, kept):
+    """keep_last = n: the last n blocks' inputs stay on the device (all of them when n >= the
+    blocks), the others go to the host; the gradients are torch checkpoint's, bit for bit."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(*[SCOBlock(H) for _ in range(4)])
+    ours = copy.deepcopy(ref)
+    cfg = SCOConfig(keep_last=keep_last)
+    moepeak.apply_sco(ours, blocks=list(ours), config=cfg)
+    for blk in ref:
+        fwd = blk.forward
+        blk.forward = lambda x, _f=fwd: torch.utils.checkpoint.checkpoint(_f, x, use_reentrant=False)
+    x = torch.randn(B, T, H)
+    ref(x).square().sum().backward()
+    ours(x).square().sum().backward()
+    _assert_grads_equal(ref, ours)
+    st = cfg.stats("cpu")
+    assert st["kept"] == kept and st["offloads"] == 4 - kept and st["live"] == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "2", None])
+def test_keep_last_must_be_a_count(bad):
+    with pytest.raises(ValueError, match=r"SCOConfig.keep_last must be a bool or an int >= 0, got"):
+        SCOConfig(keep_last=bad)
+
+
 def test_arena_too_small_cannot_grow():
     cfg = SCOConfig(arena_bytes=B * T * H * 4 * 2, grow=False)
     blocks = _stack(3)

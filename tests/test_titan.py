@@ -366,3 +366,15 @@ def test_tiled_blocks_and_shared_rope_on_cuda(init_state):
         scale = g_un[k].abs().max().item()
         err = (g_t[k] - g_un[k]).abs().max().item()
         assert err <= 1e-4 * scale, f"{k}: max err {err:.3e} against max |grad| {scale:.3e}"
+
+
+@pytest.mark.parametrize("keep_last", [1, 2])
+def test_sco_keep_last(init_state, keep_last):
+    """{"keep_last": n}: the last n blocks' inputs stay on the device (the job has 2 blocks)."""
+    run = Run([("sco", {"keep_last": keep_last})], init_state)
+    run.step(*batches()[0])
+    cfgs = [m._moepeak_sco for m in run.model.modules() if getattr(m, "_moepeak_sco", None) is not None]
+    cfg = cfgs[0]
+    assert len(cfgs) == 2 and all(c is cfg for c in cfgs)
+    st = cfg.stats("cpu")
+    assert cfg.keep_last == keep_last and st["kept"] == keep_last and st["offloads"] == 2 - keep_last
