@@ -7,7 +7,8 @@ training steps driven here: torchtitan's full Trainer needs a dataset, a
 tokenizer and an accelerator. Its inner attention is torchtitan's
 ScaledDotProductAttention because torch 2.13's FlexAttention (the debug
 job's backend) has no CPU backward ("FlexAttention does not support backward
-on CPU").
+on CPU"). torchtitan's deepseek_v3 debug job (MLA attention, a dense first
+block, shared experts), cut to 3 blocks, runs the same comparisons.
 
 Tolerance: stock GroupedExperts always computes in bf16 (torch._grouped_mm on
 x.bfloat16()); the reference is the same stock job with its experts computed
@@ -49,6 +50,23 @@ def small_job():
     return cfg
 
 
+def deepseek_job():
+    """torchtitan's deepseek_v3 debug job (MLA attention, a dense first block, MoE blocks with
+    a shared expert, V = 2048) cut to 3 blocks, with SDPA attention and full AC."""
+    from torchtitan.distributed.activation_checkpoint import FullAC
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
+
+    cfg = deepseek_v3_debugmodel()
+    model = cfg.model_spec.model
+    model.layers = model.layers[:3]
+    for layer in model.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    cfg.activation_checkpoint = FullAC.Config()
+    cfg.optimizer.implementation = "fused"
+    return cfg
+
+
 def fp32_grouped_experts_forward(self, x_RD, num_tokens_per_expert_E):
     """Stock GroupedExperts.forward in fp32: a plain loop over experts."""
     out, start = [], 0
@@ -63,8 +81,8 @@ def fp32_grouped_experts_forward(self, x_RD, num_tokens_per_expert_E):
 class Run:
     """One job built from a Trainer.Config the way torchtitan's Trainer builds it."""
 
-    def __init__(self, imports, init_state, reference=False, device="cpu"):
-        cfg = small_job()
+    def __init__(self, imports, init_state, reference=False, device="cpu", job=small_job):
+        cfg = job()
         self.device = device
         if imports:  # names, or (name, kwargs) pairs
             apply_overrides(OverrideConfig(imports=[f"moepeak.titan.{n}" if isinstance(n, str) else
@@ -378,3 +396,38 @@ def test_sco_keep_last(init_state, keep_last):
     assert len(cfgs) == 2 and all(c is cfg for c in cfgs)
     st = cfg.stats("cpu")
     assert cfg.keep_last == keep_last and st["kept"] == keep_last and st["offloads"] == 2 - keep_last
+
+
+@pytest.fixture(scope="module")
+def deepseek_trajectories():
+    """The deepseek_v3 job's stock run, fp32-expert reference and override runs, as trajectories."""
+    torch.manual_seed(0)
+    init = copy.deepcopy(Run([], None, job=deepseek_job).model.state_dict())
+    data = batches()
+    out = {}
+    for name, imports, ref in [("stock", [], False), ("reference", [], True), ("experts", ["experts"], False),
+                               ("all", ALL + ["rope"], False)] + [(n, [n], False) for n in ALL[2:] + ["rope"]]:
+        run = Run(imports, init, reference=ref, job=deepseek_job)
+        out[name] = [run.step(t, y) for t, y in data]
+    out["init"] = init
+    return out
+
+
+@pytest.mark.parametrize("name", ["experts", "all"])
+def test_deepseek_v3_equals_stock_within_rule(deepseek_trajectories, name):
+    """MLA attention, a dense first block, shared experts: the overrides leave them to
+    torchtitan and run the routed experts, the loss, the checkpoints and AdamW."""
+    check_within_rule(deepseek_trajectories, name)
+
+
+@pytest.mark.parametrize("name", ["sco", "stream_adamw", "rope"])
+def test_deepseek_v3_bitwise_equal_to_stock(deepseek_trajectories, name):
+    for (l_st, g_st), (l_got, g_got) in zip(deepseek_trajectories["stock"], deepseek_trajectories[name]):
+        assert torch.equal(l_got, l_st) and set(g_got) == set(g_st)
+        assert all(torch.equal(g_got[k], g_st[k]) for k in g_st), name
+
+
+def test_deepseek_v3_tiled_blocks_refused(deepseek_trajectories):
+    with pytest.raises(ValueError, match=r"tile_tokens tiles blocks whose attention is GQAttention .* "
+                                         r"layers.0 has Attention"):
+        Run([("sco", {"tile_tokens": 16})], deepseek_trajectories["init"], job=deepseek_job)
