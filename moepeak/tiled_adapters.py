@@ -9,7 +9,9 @@ hf_moe_layer_spec(layer, x, ...)      a Hugging Face Qwen3MoeDecoderLayer or Mix
                                       post_attention_layernorm, mlp with its router at mlp.gate)
 titan_block_spec(block, x, ...)       a torchtitan (0.3) decoder block with GQAttention: attention_norm,
                                       attention.{qkv_linear, q_norm, k_norm, rope, inner_attention
-                                      (SDPA), wo}, ffn_norm, moe or feed_forward (tested: qwen3)
+                                      (SDPA), wo}, ffn_norm, moe or feed_forward (tested: qwen3); or
+                                      deepseek_v3's latent attention (attention.{wq or wq_a, q_norm,
+                                      wq_b, wkv_a, kv_norm, wkv_b, rope, inner_attention, wo})
 
 Each runs exactly the ops of the block's own forward, in the same order, on a tile of
 rows; only the split into pre_attn / attn_core / post_attn is new.
@@ -221,12 +223,14 @@ def titan_block_spec(block: torch.nn.Module, x: torch.Tensor, attention_masks=No
     """Spec for a torchtitan decoder block called as block(x, attention_masks, positions):
     x [B, T, D] plain (not DTensor: no tensor/sequence parallel); the attention's inner
     attention is torchtitan's ScaledDotProductAttention (causal, no masks). q/k/v: [B, T,
-    heads, head_dim] as qkv_linear makes them (q heads kv-major, so head groups of GQA);
+    heads, head_dim] as qkv_linear makes them (q heads kv-major, so head groups of GQA), or
+    as deepseek_v3's Attention makes them (q, k: nope + rope head dims, v: v_head_dim);
     out: [B, T, heads, head_dim]. RoPE at a tile's positions: positions[:, start:start + t],
     or start .. start + t - 1 when the model passes none (the rows of the prefix table the
     untiled block reads)."""
     attn = block.attention
     name = type(block).__name__
+    mla = hasattr(attn, "wkv_a")  # deepseek_v3's multi-head latent attention
     if attention_masks is not None:
         raise ValueError(f"moepeak: a tiled {name} runs causal SDPA attention without masks; "
                          f"got attention_masks ({type(attention_masks).__name__})")
@@ -235,17 +239,37 @@ def titan_block_spec(block: torch.nn.Module, x: torch.Tensor, attention_masks=No
                                   "(tensor or sequence parallel)")
     B = x.shape[0]
 
+    def tile_positions(start, t, device):
+        return positions[:, start:start + t] if positions is not None else \
+            torch.arange(start, start + t, device=device).unsqueeze(0)
+
+    def mla_pre_attn(x_t, start):
+        # deepseek_v3 Attention.forward's ops before its inner attention, on the tile
+        t = x_t.shape[1]
+        n = block.attention_norm(x_t)
+        q = attn.wq(n) if attn.q_lora_rank == 0 else attn.wq_b(attn.q_norm(attn.wq_a(n)))
+        q_nope, q_pe = torch.split(q.view(B, t, -1, attn.qk_head_dim), [attn.qk_nope_head_dim, attn.qk_rope_head_dim],
+                                   dim=-1)
+        kv, k_pe = torch.split(attn.wkv_a(n), [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
+        q_pe, k_pe = attn.rope(q_pe, k_pe.unsqueeze(2), tile_positions(start, t, x_t.device))
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        kv = attn.wkv_b(attn.kv_norm(kv)).view(B, t, -1, attn.qk_nope_head_dim + attn.v_head_dim)
+        k_nope, v = torch.split(kv, [attn.qk_nope_head_dim, attn.v_head_dim], dim=-1)
+        return q, torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.size(2), -1)], dim=-1), v
+
     def pre_attn(x_t, start):
+        if mla:
+            return mla_pre_attn(x_t, start)
         t = x_t.shape[1]
         q, k, v = attn.qkv_linear(block.attention_norm(x_t))
         if attn.q_norm is not None or attn.k_norm is not None:
             q, k = attn.q_norm(q), attn.k_norm(k)
-        pos = positions[:, start:start + t] if positions is not None else \
-            torch.arange(start, start + t, device=x_t.device).unsqueeze(0)
-        q, k = attn.rope(q, k, pos)
+        q, k = attn.rope(q, k, tile_positions(start, t, x_t.device))
         return q, k, v
 
     def attn_core(q, k, v):
+        if mla:
+            return attn.inner_attention(q, k, v, attention_masks=None, scale=attn.softmax_scale).contiguous()
         return attn.inner_attention(q, k, v, attention_masks=None, scale=attn.scaling, enable_gqa=attn.enable_gqa)
 
     def post_attn(x_t, o_t):
@@ -255,7 +279,7 @@ def titan_block_spec(block: torch.nn.Module, x: torch.Tensor, attention_masks=No
         return h + ffn(block.ffn_norm(h))
 
     return TiledBlockSpec(pre_attn, attn_core, post_attn, _requires_grad_params(block),
-                          seq_dim=1, qkv_seq_dim=1, out_seq_dim=1, head_groups=attn.n_kv_heads,
+                          seq_dim=1, qkv_seq_dim=1, out_seq_dim=1, head_groups=attn.n_heads if mla else attn.n_kv_heads,
                           qkv_head_dim=2, out_head_dim=2)
 
 

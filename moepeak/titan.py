@@ -25,7 +25,9 @@ one component's Config in the trainer's config tree before anything is built:
                 in a pinned host arena between forward and backward
                 (moepeak.apply_sco); module tree and state_dict keys unchanged.
                 {"tile_tokens": N} also runs each block sequence-tiled
-                (moepeak.tiled: the fifth peak), GQAttention + SDPA blocks.
+                (moepeak.tiled: the fifth peak), GQAttention or deepseek_v3's
+                latent attention, with SDPA. {"keep_last": n}: the last n blocks'
+                inputs stay on the GPU (default 1).
   stream_adamw  OptimizersContainer.Config -> StreamAdamWOptimizers.Config: each
                 "AdamW" param group runs moepeak.StreamAdamW (fp32 state in host
                 RAM); its state dict has torch AdamW's keys, so DCP checkpoints
@@ -244,7 +246,8 @@ class SCOActivationCheckpointing(ActivationCheckpointing):
         max_arena_bytes: Optional[int] = None
         tile_tokens: Optional[int] = None
         """Tokens per sequence tile of the position-wise parts (None: untiled).
-        Blocks with GQAttention and torchtitan's ScaledDotProductAttention only."""
+        Blocks with GQAttention or deepseek_v3's latent Attention, and torchtitan's
+        ScaledDotProductAttention, only."""
 
     def __init__(self, config: Config, dump_folder: str = ""):
         super().__init__(config, dump_folder)
@@ -279,12 +282,16 @@ def _tile_block(block: torch.nn.Module, index: int, tile_tokens: int) -> None:
     from torchtitan.models.common.attention import GQAttention, ScaledDotProductAttention
 
     from moepeak.tiled_adapters import tiled_titan_block_forward
+    try:
+        from torchtitan.models.deepseek_v3.model import Attention as LatentAttention
+    except ImportError:  # a torchtitan without deepseek_v3
+        LatentAttention = GQAttention
     attn = getattr(block, "attention", None)
-    if not isinstance(attn, GQAttention) or not isinstance(attn.inner_attention, ScaledDotProductAttention):
-        what = type(attn).__name__ if not isinstance(attn, GQAttention) else \
-            f"GQAttention with {type(attn.inner_attention).__name__}"
-        raise ValueError(f"moepeak.titan.sco: tile_tokens tiles blocks whose attention is GQAttention with "
-                         f"torchtitan's ScaledDotProductAttention; layers.{index} has {what}")
+    known = isinstance(attn, (GQAttention, LatentAttention))
+    if not known or not isinstance(attn.inner_attention, ScaledDotProductAttention):
+        what = type(attn).__name__ if not known else f"{type(attn).__name__} with {type(attn.inner_attention).__name__}"
+        raise ValueError(f"moepeak.titan.sco: tile_tokens tiles blocks whose attention is GQAttention or deepseek_v3's "
+                         f"latent Attention, with torchtitan's ScaledDotProductAttention; layers.{index} has {what}")
     untiled = block.forward
 
     def forward(x, attention_masks=None, positions=None, _block=block, _untiled=untiled):

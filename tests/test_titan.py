@@ -406,7 +406,9 @@ def deepseek_trajectories():
     data = batches()
     out = {}
     for name, imports, ref in [("stock", [], False), ("reference", [], True), ("experts", ["experts"], False),
-                               ("all", ALL + ["rope"], False)] + [(n, [n], False) for n in ALL[2:] + ["rope"]]:
+                               ("all", ALL + ["rope"], False)] + [(n, [n], False) for n in ALL[2:] + ["rope"]] + \
+            [("experts_sco", ["experts", "sco"], False)] + \
+            [(f"experts_sco_tiled{t}", ["experts", ("sco", {"tile_tokens": t})], False) for t in TILES]:
         run = Run(imports, init, reference=ref, job=deepseek_job)
         out[name] = [run.step(t, y) for t, y in data]
     out["init"] = init
@@ -427,7 +429,26 @@ def test_deepseek_v3_bitwise_equal_to_stock(deepseek_trajectories, name):
         assert all(torch.equal(g_got[k], g_st[k]) for k in g_st), name
 
 
-def test_deepseek_v3_tiled_blocks_refused(deepseek_trajectories):
-    with pytest.raises(ValueError, match=r"tile_tokens tiles blocks whose attention is GQAttention .* "
-                                         r"layers.0 has Attention"):
-        Run([("sco", {"tile_tokens": 16})], deepseek_trajectories["init"], job=deepseek_job)
+@pytest.mark.parametrize("tile", TILES)
+def test_deepseek_v3_tiled_blocks_equal_untiled_in_fp32(deepseek_trajectories, tile):
+    """Latent attention tiled (q, k: nope + rope head dims, v: its own): the first step equals
+    the untiled block up to the weight gradients' summation order; 3 steps within the rule."""
+    (l_un, g_un), (l_t, g_t) = deepseek_trajectories["experts_sco"][0], deepseek_trajectories[f"experts_sco_tiled{tile}"][0]
+    torch.testing.assert_close(l_t, l_un, rtol=1e-6, atol=0)
+    assert set(g_t) == set(g_un)
+    for k in g_un:
+        scale = g_un[k].abs().max().item()
+        assert (g_t[k] - g_un[k]).abs().max().item() <= 4e-6 * scale, k
+    check_within_rule(deepseek_trajectories, f"experts_sco_tiled{tile}")
+
+
+def test_deepseek_v3_tiled_refuses_flex_attention(deepseek_trajectories):
+    def flex_job():
+        from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
+        cfg = deepseek_job()
+        cfg.model_spec.model.layers[0].attention.inner_attention = \
+            deepseek_v3_debugmodel().model_spec.model.layers[0].attention.inner_attention
+        return cfg
+    with pytest.raises(ValueError, match=r"tile_tokens tiles blocks whose attention is GQAttention or deepseek_v3's "
+                                         r"latent Attention, .* layers.0 has Attention with FlexAttention"):
+        Run([("sco", {"tile_tokens": 16})], deepseek_trajectories["init"], job=flex_job)
