@@ -43,6 +43,9 @@ per local token, ~100 GiB at 128k per rank), --quick ~3 min. One longer point,
 attention-bound (~200 s a step), memory ~75 GiB per rank expected:
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 benchmarks/bench_demo_reach.py --arms moepeak \
         --min-len 2097152 --max-len 2097152 --steps 1 --max-seconds 420 --out benchmarks/results
+The largest MoE of issue 29, Qwen3-30B-A3B-shaped (SHAPES), tiled blocks, on 8 GPUs:
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=8 benchmarks/bench_demo_reach.py --model qwen3-30b-a3b \
+        --tile-tokens 8192 --out benchmarks/results
 """
 from __future__ import annotations
 
@@ -60,6 +63,13 @@ from _common import append_results  # noqa: E402
 from _dist_points import finish, parse_simulated_oom, sweep, timed_steps, torchrun_ranks  # noqa: E402
 
 GiB = 2 ** 30
+MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "experts", "top_k", "intermediate", "vocab")
+SHAPES = {
+    # Qwen3-30B-A3B's config.json numbers, but 16 query heads of 128 (the demo's head_dim is
+    # hidden / heads: 32 heads would be 64 wide): 48 layers, 128 experts top-8, 30.1B params.
+    "qwen3-30b-a3b": dict(layers=48, hidden=2048, heads=16, kv_heads=4, experts=128, top_k=8, intermediate=768,
+                          vocab=151936),
+}
 SMOKE = dict(layers=2, hidden=64, heads=4, kv_heads=2, experts=4, top_k=2, intermediate=64, vocab=264,
              dtype="float32", chunk_rows=256)
 FIELDS = ["P", "arm", "seq_len", "status", "peak_gib", "step_s",
@@ -68,7 +78,18 @@ FIELDS = ["P", "arm", "seq_len", "status", "peak_gib", "step_s",
 
 def _model_tag(d):
     return (f"L{d['layers']}-H{d['hidden']}-h{d['heads']}/{d['kv_heads']}-E{d['experts']}-K{d['top_k']}"
-            f"-I{d['intermediate']}-V{d['vocab']}-{d['dtype']}")
+            f"-I{d['intermediate']}-V{d['vocab']}-{d['dtype']}" + (f"-tile{d['tile']}" if d.get("tile") else ""))
+
+
+def parse_model(text):
+    """--model "L,H,heads,kv_heads,E,K,I,V" or a name of SHAPES -> dict of MODEL_FIELDS."""
+    if text in SHAPES:
+        return dict(SHAPES[text])
+    parts = text.split(",")
+    if len(parts) != len(MODEL_FIELDS) or not all(x.strip().isdigit() and int(x) > 0 for x in parts):
+        raise ValueError(f"--model must be one of {sorted(SHAPES)} or {len(MODEL_FIELDS)} positive integers "
+                         f"{','.join(MODEL_FIELDS)}, got {text!r}")
+    return dict(zip(MODEL_FIELDS, map(int, parts)))
 
 
 # --------------------------------------------------------------------------- child: one point
@@ -82,7 +103,7 @@ def _point(rank, world, dev, arm, seq_len, steps, d, simulate_oom):
     cfg = MoEConfig(vocab_size=d["vocab"], hidden=d["hidden"], layers=d["layers"], heads=d["heads"],
                     kv_heads=d["kv_heads"], experts=d["experts"], top_k=d["top_k"],
                     intermediate=d["intermediate"], chunk_rows=d.get("chunk_rows"),
-                    context_parallel=True)
+                    context_parallel=True, tile_tokens=d.get("tile") if arm == "moepeak" else None)
     on = arm == "moepeak"
     cfg, opt_kind, notes = resolve(cfg, "stream", want_moepeak=dict.fromkeys(
         ("moe", "head", "checkpoint", "optimizer"), on))
@@ -123,8 +144,18 @@ def main():
     ap.add_argument("--arms", default="moepeak,plain")
     ap.add_argument("--grace", type=float, default=20.0, help="seconds a rank waits after its peer "
                     "failed before killing its own child")
+    ap.add_argument("--model", default=None, help=f"the model: one of {sorted(SHAPES)} or "
+                    f"{','.join(MODEL_FIELDS)} (default: the demo's; --smoke: a tiny one)")
+    ap.add_argument("--tile-tokens", type=int, default=None,
+                    help="the moepeak arm's blocks sequence-tiled (moepeak.tiled) in tiles of this many tokens")
     ap.add_argument("--simulate-oom", default=None, help=argparse.SUPPRESS)  # ARM:LEN:RANK (tests)
     a = ap.parse_args()
+    try:
+        model = parse_model(a.model) if a.model else None
+    except ValueError as e:
+        ap.error(str(e))
+    if a.tile_tokens is not None and a.tile_tokens < 1:
+        ap.error(f"--tile-tokens must be >= 1, got {a.tile_tokens}")
     ranks = torchrun_ranks("bench_demo_reach")
     if ranks is None:
         return 2
@@ -138,6 +169,7 @@ def main():
         lo = a.min_len or ((1 << 17) if a.quick else (1 << 16))
         hi = a.max_len or ((1 << 19) if a.quick else (1 << 20))
         budget = a.max_seconds or (150.0 if a.quick else 270.0)
+    d.update(model or {}, tile=a.tile_tokens)
     dist.init_process_group("gloo")  # the parents coordinate on the CPU; children own the GPUs
     workdir = os.path.join(a.out, ".reach_tmp")
     os.makedirs(workdir, exist_ok=True)
