@@ -43,9 +43,11 @@ per local token, ~100 GiB at 128k per rank), --quick ~3 min. One longer point,
 attention-bound (~200 s a step), memory ~75 GiB per rank expected:
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 benchmarks/bench_demo_reach.py --arms moepeak \
         --min-len 2097152 --max-len 2097152 --steps 1 --max-seconds 420 --out benchmarks/results
-The largest MoE of issue 29, Qwen3-30B-A3B-shaped (SHAPES), tiled blocks, on 8 GPUs:
+The largest MoE of issue 29, Qwen3-30B-A3B-shaped (SHAPES), tiled blocks, on 8 GPUs; with every
+block's input on the GPU, since on one 560 GiB host SCO's boundaries of 8 ranks would bind near
+1.2M tokens (moepeak plan --host-mem 560):
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=8 benchmarks/bench_demo_reach.py --model qwen3-30b-a3b \
-        --tile-tokens 8192 --out benchmarks/results
+        --tile-tokens 8192 --sco-keep-last 48 --out benchmarks/results
 """
 from __future__ import annotations
 
@@ -78,7 +80,8 @@ FIELDS = ["P", "arm", "seq_len", "status", "peak_gib", "step_s",
 
 def _model_tag(d):
     return (f"L{d['layers']}-H{d['hidden']}-h{d['heads']}/{d['kv_heads']}-E{d['experts']}-K{d['top_k']}"
-            f"-I{d['intermediate']}-V{d['vocab']}-{d['dtype']}" + (f"-tile{d['tile']}" if d.get("tile") else ""))
+            f"-I{d['intermediate']}-V{d['vocab']}-{d['dtype']}" + (f"-tile{d['tile']}" if d.get("tile") else "")
+            + (f"-keep{d['keep']}" if d.get("keep") else ""))
 
 
 def parse_model(text):
@@ -103,7 +106,8 @@ def _point(rank, world, dev, arm, seq_len, steps, d, simulate_oom):
     cfg = MoEConfig(vocab_size=d["vocab"], hidden=d["hidden"], layers=d["layers"], heads=d["heads"],
                     kv_heads=d["kv_heads"], experts=d["experts"], top_k=d["top_k"],
                     intermediate=d["intermediate"], chunk_rows=d.get("chunk_rows"),
-                    context_parallel=True, tile_tokens=d.get("tile") if arm == "moepeak" else None)
+                    context_parallel=True, tile_tokens=d.get("tile") if arm == "moepeak" else None,
+                    sco_keep_last=d.get("keep") or 0)
     on = arm == "moepeak"
     cfg, opt_kind, notes = resolve(cfg, "stream", want_moepeak=dict.fromkeys(
         ("moe", "head", "checkpoint", "optimizer"), on))
@@ -148,6 +152,9 @@ def main():
                     f"{','.join(MODEL_FIELDS)} (default: the demo's; --smoke: a tiny one)")
     ap.add_argument("--tile-tokens", type=int, default=None,
                     help="the moepeak arm's blocks sequence-tiled (moepeak.tiled) in tiles of this many tokens")
+    ap.add_argument("--sco-keep-last", type=int, default=0,
+                    help="the moepeak arm's last n blocks keep their input on the GPU (SCO): host RAM, which "
+                         "the node's GPUs share, for GPU memory (moepeak plan --host-mem shows when it binds)")
     ap.add_argument("--simulate-oom", default=None, help=argparse.SUPPRESS)  # ARM:LEN:RANK (tests)
     a = ap.parse_args()
     try:
@@ -156,6 +163,8 @@ def main():
         ap.error(str(e))
     if a.tile_tokens is not None and a.tile_tokens < 1:
         ap.error(f"--tile-tokens must be >= 1, got {a.tile_tokens}")
+    if a.sco_keep_last < 0:
+        ap.error(f"--sco-keep-last must be >= 0, got {a.sco_keep_last}")
     ranks = torchrun_ranks("bench_demo_reach")
     if ranks is None:
         return 2
@@ -169,7 +178,7 @@ def main():
         lo = a.min_len or ((1 << 17) if a.quick else (1 << 16))
         hi = a.max_len or ((1 << 19) if a.quick else (1 << 20))
         budget = a.max_seconds or (150.0 if a.quick else 270.0)
-    d.update(model or {}, tile=a.tile_tokens)
+    d.update(model or {}, tile=a.tile_tokens, keep=a.sco_keep_last)
     dist.init_process_group("gloo")  # the parents coordinate on the CPU; children own the GPUs
     workdir = os.path.join(a.out, ".reach_tmp")
     os.makedirs(workdir, exist_ok=True)

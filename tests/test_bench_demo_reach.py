@@ -30,18 +30,20 @@ def test_reach_smoke_oom_on_one_rank_is_a_result(tmp_path):
 
 
 def test_reach_smoke_given_model_and_tiled_blocks(tmp_path):
-    """--model L,H,heads,kv_heads,E,K,I,V and --tile-tokens: the moepeak arm's blocks tiled
-    under context parallelism over the 2 ranks; the model tag records both."""
+    """--model L,H,heads,kv_heads,E,K,I,V, --tile-tokens and --sco-keep-last: the moepeak arm's
+    blocks tiled under context parallelism over the 2 ranks, the last 2 inputs kept on the
+    device; the model tag records all three."""
     pytest.importorskip("torch.distributed.run")
     p = run_torchrun("benchmarks/bench_demo_reach.py", ["--smoke", "--out", str(tmp_path), "--min-len", "128",
                                                         "--max-len", "128", "--steps", "1", "--arms", "moepeak",
-                                                        "--model", "3,64,4,2,4,2,48,264", "--tile-tokens", "24"],
+                                                        "--model", "3,64,4,2,4,2,48,264", "--tile-tokens", "24",
+                                                        "--sco-keep-last", "2"],
                      timeout=150)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     with open(tmp_path / "demo_reach.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["arm"], r["seq_len"], r["status"]) for r in rows] == [("moepeak", "128", "ok")], rows
-    assert rows[0]["model"] == "L3-H64-h4/2-E4-K2-I48-V264-float32-tile24"
+    assert rows[0]["model"] == "L3-H64-h4/2-E4-K2-I48-V264-float32-tile24-keep2"
     bad = run_torchrun("benchmarks/bench_demo_reach.py", ["--smoke", "--out", str(tmp_path), "--model", "3,64"],
                        timeout=60)
     assert bad.returncode != 0 and "--model must be one of" in bad.stderr

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moepeak.demo.models import (Attention, DenseMoE, MoEConfig, MoELM, Rotary, apply_rope, available,
-                            param_count, resolve)
+                            param_count, resolve, sco_arena_bytes)
 from refs import ref_causal_attention, ref_moe
 
 PLAIN = dict(moe="dense", head="plain", checkpoint="torch")
@@ -68,6 +68,7 @@ def test_attention_with_rope_matches_explicit_mask():
     (dict(vocab_size=100), "vocab_size (100) must be >= 259"),
     (dict(moe="sparse"), "moe must be one of"),
     (dict(layers=0), "layers must be a positive integer"),
+    (dict(sco_keep_last=-1), "sco_keep_last must be an integer >= 0, got -1"),
 ])
 def test_config_rejects_with_clear_message(kw, msg):
     with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
@@ -112,6 +113,30 @@ def test_checkpoint_modes_same_loss_and_grads():
     torch.testing.assert_close(out[0][0], out[1][0], rtol=0, atol=0)
     for n in out[0][1]:
         torch.testing.assert_close(out[0][1][n], out[1][1][n], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("keep", [1, 2, 5])
+def test_sco_keep_last_is_exact_and_keeps_the_last_blocks(keep):
+    """checkpoint "sco" with sco_keep_last = n: the last n blocks' inputs stay on the device
+    (all when n >= layers); loss and gradients bitwise those of the run offloading every block;
+    the arena check counts only the offloaded blocks."""
+    if not available("checkpoint"):
+        pytest.skip("moepeak.sco_checkpoint is not in this build")
+    cfg = MoEConfig(**dict(PLAIN, checkpoint="sco", layers=3))
+    torch.manual_seed(0)
+    ids = torch.randint(0, 259, (2, 16))
+    out = []
+    for n in (0, keep):
+        m = MoELM(cfg.replace(sco_keep_last=n), seed=1)
+        loss = m(ids, ids.roll(-1, 1))
+        loss.backward()
+        st = m.sco_config.stats("cpu")
+        assert st["kept"] == min(n, 3) and st["offloads"] == 3 - min(n, 3) and st["live"] == 0
+        out.append((loss.detach(), {k: p.grad for k, p in m.named_parameters()}))
+        m.close()
+    assert torch.equal(out[0][0], out[1][0]) and all(torch.equal(out[0][1][k], out[1][1][k]) for k in out[0][1])
+    one = 2 * 16 * cfg.hidden * 4  # one fp32 boundary [2, 16, H]
+    assert sco_arena_bytes(cfg.replace(sco_keep_last=keep), 16, 2, torch.float32) == max(3 - keep, 0) * one
 
 
 @pytest.mark.parametrize("switch, setting", [("moe", "llep"), ("head", "ring_dtp"), ("checkpoint", "sco")])

@@ -112,6 +112,9 @@ class MoEConfig:
     # this many tokens, forward and backward; only attention holds full-length tensors
     # (None: whole blocks). Composes with every checkpoint setting.
     tile_tokens: Optional[int] = None
+    # checkpoint "sco": the last n blocks keep their input on the GPU (SCOConfig.keep_last):
+    # GPU memory traded for host RAM, which every GPU of a host shares.
+    sco_keep_last: int = 0
     # RMSNorms through moepeak.norms.rms_norm (the same forward, a backward without fp32 [T, H]
     # tensors): the final one with head "ring_dtp", the blocks' with checkpoint "sco";
     # False: autograd through the eager norms.
@@ -155,6 +158,9 @@ class MoEConfig:
             v = getattr(self, f)
             if v is not None and (not isinstance(v, int) or v < 1):
                 bad.append(f"{f} must be a positive integer or None, got {v!r}")
+        keep = self.sco_keep_last
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
+            bad.append(f"sco_keep_last must be an integer >= 0, got {keep!r}")
         if seq_len is not None:
             if seq_len < 2:
                 bad.append(f"seq_len must be >= 2, got {seq_len}")
@@ -166,7 +172,7 @@ class MoEConfig:
                 need = sco_arena_bytes(self, local, batch, dtype)
                 if need > arena_limit_bytes:
                     bad.append(
-                        f"seq_len {seq_len}: the SCO arena needs layers*batch*seq_len*hidden*bytes = "
+                        f"seq_len {seq_len}: the SCO arena needs (layers - sco_keep_last)*batch*seq_len*hidden*bytes = "
                         f"{need / 2**30:.2f} GiB of pinned host memory, more than the "
                         f"{arena_limit_bytes / 2**30:.2f} GiB allowed; lower --seq-len or --layers")
         if bad:
@@ -186,8 +192,10 @@ class MoEConfig:
 
 
 def sco_arena_bytes(cfg: MoEConfig, seq_len: int, batch: int, dtype: torch.dtype) -> int:
-    """Pinned bytes SCO needs: one boundary [B, T, H] per block (T: this rank's tokens)."""
-    return cfg.layers * batch * seq_len * cfg.hidden * torch.empty((), dtype=dtype).element_size()
+    """Pinned bytes SCO needs: one boundary [B, T, H] per block but the last sco_keep_last
+    (T: this rank's tokens)."""
+    return max(cfg.layers - cfg.sco_keep_last, 0) * batch * seq_len * cfg.hidden * \
+        torch.empty((), dtype=dtype).element_size()
 
 
 def param_count(cfg: MoEConfig) -> int:
@@ -413,7 +421,9 @@ class MoELM(nn.Module):
         (self.sco_config; its pinned arena is freed by close()). Idempotent."""
         if self._ckpt is None:
             self._ckpt = component("checkpoint")
-            self.sco_config = importlib.import_module("moepeak").SCOConfig()
+            self.sco_config = importlib.import_module("moepeak").SCOConfig(keep_last=self.cfg.sco_keep_last)
+            n = len(self.layers)
+            self._sco_kept = set(self.layers[max(n - self.cfg.sco_keep_last, 0):])
 
     def close(self):
         """Free the pinned SCO arena now (it would otherwise live until exit)."""
@@ -457,7 +467,7 @@ class MoELM(nn.Module):
         if not torch.is_grad_enabled() or self.cfg.checkpoint == "none":
             return blk(x)
         if self.cfg.checkpoint == "sco":
-            return self._ckpt(blk, x, sco_config=self.sco_config)
+            return self._ckpt(blk, x, sco_config=self.sco_config, sco_keep_on_gpu=blk in self._sco_kept)
         if self.cfg.tile_tokens is not None:
             return blk(x)
         return torch_ckpt.checkpoint(blk, x, use_reentrant=False)
