@@ -10,7 +10,9 @@ bytes available.
 What counts as available: /proc/meminfo's MemAvailable (free memory plus what the
 kernel can reclaim without swapping) for page-locked buffers, which cannot be
 swapped; MemAvailable + SwapFree for pageable ones. Where /proc/meminfo cannot be
-read (not Linux), no check is made.
+read (not Linux), no check is made. A container's cgroup memory limit is not read (its
+usage counts reclaimable page cache, which would refuse buffers that fit): under a limit
+below the host's RAM the check is loose, never falsely strict.
 """
 from __future__ import annotations
 
