@@ -412,19 +412,21 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
     return out
 
 
-def longest_context(m: ModelShape, s: Setup, plan: str, limit: int = 1 << 26) -> int:
-    """Largest context (multiple of 1024, <= limit) whose predicted total fits; 0 if none."""
-    cap = s.gpu_mem_gib * GiB
-    if peaks(m, s, 1024, plan)["total"] > cap:
+def _largest_fitting_context(fits, limit: int = 1 << 26) -> int:
+    """Largest context (multiple of 1024, <= limit) for which fits(context) holds, fits being
+    monotone (true up to some context, false beyond); 0 if it fails at 1024."""
+    if not fits(1024):
         return 0
     lo, hi = 1, limit // 1024
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if peaks(m, s, mid * 1024, plan)["total"] <= cap:
-            lo = mid
-        else:
-            hi = mid - 1
+        lo, hi = (mid, hi) if fits(mid * 1024) else (lo, mid - 1)
     return lo * 1024
+
+
+def longest_context(m: ModelShape, s: Setup, plan: str, limit: int = 1 << 26) -> int:
+    """Largest context (multiple of 1024, <= limit) whose predicted total fits; 0 if none."""
+    return _largest_fitting_context(lambda c: peaks(m, s, c, plan)["total"] <= s.gpu_mem_gib * GiB, limit)
 
 
 def host_bytes(m: ModelShape, s: Setup, context: int) -> Dict[str, float]:
@@ -443,15 +445,7 @@ def host_bytes(m: ModelShape, s: Setup, context: int) -> Dict[str, float]:
 
 def longest_host_context(m: ModelShape, s: Setup, host_gib: float, per_node: int) -> int:
     """Largest context (multiple of 1024) whose host RAM, per_node GPUs to a host, fits host_gib."""
-    def fits(ctx):
-        return per_node * host_bytes(m, s, ctx)["total"] <= host_gib * GiB
-    if not fits(1024):
-        return 0
-    lo, hi = 1, (1 << 26) // 1024
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid * 1024) else (lo, mid - 1)
-    return lo * 1024
+    return _largest_fitting_context(lambda c: per_node * host_bytes(m, s, c)["total"] <= host_gib * GiB)
 
 
 def report(m: ModelShape, s: Setup, context: int, host_gib: Optional[float] = None,

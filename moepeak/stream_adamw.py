@@ -119,7 +119,7 @@ from . import _C
 from ._ext import HAS_CUDA_BUILD
 from .host_memory import check_room
 from .stream_adamw_device import HOST_ROOM_REMEDY, backward_tail, device_state_set, fused_update, \
-    host_state_bytes_to_create
+    host_state_bytes_to_create, moment_keys
 from .stream_adamw_op import (DTYPE_CODES, ISA_CODES, PLAN_IDS, PLANS, BucketPlan, check_hyper, stream_adamw,
                               stream_adamw_step, torch_tail_model)
 from .stream_adamw_overlap import BackwardOverlap, side_stream
@@ -248,7 +248,7 @@ class StreamAdamW(torch.optim.Optimizer):
         dev = self._state_device(p, lp)
         if "step" not in st:
             st["step"] = torch.zeros((), dtype=torch.float32, device=dev)
-        for k in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ()):
+        for k in moment_keys(group):
             if k not in st:
                 st[k] = torch.zeros(lp.shape, dtype=torch.float32, device=dev)
         if lp.dtype != torch.float32 and "master_param" not in st:
@@ -267,7 +267,7 @@ class StreamAdamW(torch.optim.Optimizer):
         size all end here)."""
         st = self.state[p]
         dev = self._state_device(p, lp)
-        held = [(k, st.get(k)) for k in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())]
+        held = [(k, st.get(k)) for k in moment_keys(group)]
         if lp.dtype != torch.float32:
             held.append(("master_param", st.get("master_param")))
         elif self._piped(lp) and p not in self._on_device:

@@ -14,6 +14,11 @@ from __future__ import annotations
 import torch
 
 
+def moment_keys(group) -> tuple:
+    """The state keys of a param group's fp32 moments: exp_avg, exp_avg_sq (+ max_exp_avg_sq)."""
+    return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+
+
 HOST_ROOM_REMEDY = ("keep part of it on the GPU (device_state=StreamAdamW.backward_tail(params, max_bytes)), "
                     "shard the params over more ranks, or free host memory")
 
@@ -25,7 +30,7 @@ def host_state_bytes_to_create(entries, state, piped, gpu_master) -> int:
     need = 0
     for group, p, lp, *_ in entries:
         st = state[p]
-        words = sum(k not in st for k in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ()))
+        words = sum(k not in st for k in moment_keys(group))
         if lp.dtype != torch.float32:
             words += "master_param" not in st
         elif piped(lp) and p not in gpu_master:
