@@ -414,7 +414,7 @@ def _patch_checkpoint(model, options, report):
         class_set(self, enable=True, gradient_checkpointing_func=functools.partial(sco_checkpoint, sco_config=cfg),
                   every_n_layers=every_n_layers)
         layers = [m for m in self.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
-        for layer in layers[max(0, len(layers) - int(cfg.keep_last)):]:
+        for layer in cfg.kept_blocks(layers):
             # the blocks whose backward runs first keep their input on the device
             layer._gradient_checkpointing_func = functools.partial(sco_checkpoint, sco_config=cfg,
                                                                    sco_keep_on_gpu=True)

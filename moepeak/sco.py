@@ -100,6 +100,11 @@ class SCOConfig:
         if not self.grow and self.arena_bytes == 0:
             raise ValueError("moepeak: SCOConfig(grow=False) needs arena_bytes > 0 (the fixed arena size)")
 
+    def kept_blocks(self, blocks) -> list:
+        """The blocks (in forward order) whose input stays on the GPU: the last keep_last."""
+        blocks = list(blocks)
+        return blocks[max(len(blocks) - int(self.keep_last), 0):]
+
     def engine(self, device) -> SCOEngine:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -390,8 +395,9 @@ def apply_sco(model: torch.nn.Module, blocks, config: Optional[SCOConfig] = None
         if getattr(m, "_moepeak_sco", None) is not None:
             raise ValueError(f"moepeak: apply_sco already applied to block {type(m).__name__}")
     cfg = config if config is not None else _DEFAULT
-    for i, m in enumerate(mods):
-        keep = i >= len(mods) - int(cfg.keep_last)
+    kept = set(cfg.kept_blocks(mods))
+    for m in mods:
+        keep = m in kept
         orig = m.forward
 
         def forward(*a, _orig=orig, _keep=keep, _ref=weakref.ref(m), **k):

@@ -422,8 +422,7 @@ class MoELM(nn.Module):
         if self._ckpt is None:
             self._ckpt = component("checkpoint")
             self.sco_config = importlib.import_module("moepeak").SCOConfig(keep_last=self.cfg.sco_keep_last)
-            n = len(self.layers)
-            self._sco_kept = set(self.layers[max(n - self.cfg.sco_keep_last, 0):])
+            self._sco_kept = set(self.sco_config.kept_blocks(self.layers))
 
     def close(self):
         """Free the pinned SCO arena now (it would otherwise live until exit)."""
