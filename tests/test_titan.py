@@ -156,17 +156,25 @@ def max_err(a, b):
     return (a.double() - b.double()).abs().max().item()
 
 
+# fp32 rounding allowed on top of the 2x-stock rule, relative to the reference's magnitude:
+# 8 ulps. Where the stock run rounds the same as the reference (deepseek_v3's CPU experts
+# stay fp32), the rule reduces to this, and which of two runs lands on the reference's
+# exact float depends on the CPU's kernels.
+ROUNDING = 8 * torch.finfo(torch.float32).eps
+
+
 def check_within_rule(traj, name):
     ref, stock, got = traj["reference"], traj["stock"], traj[name]
     for s in range(STEPS):
         (l_ref, g_ref), (l_st, g_st), (l_got, g_got) = ref[s], stock[s], got[s]
         assert set(g_got) == set(g_ref)
         e_st, e_got = max_err(l_st, l_ref), max_err(l_got, l_ref)
-        assert e_got <= 2 * e_st + 1e-6, f"{name} step {s}: loss err {e_got:.3e} vs stock {e_st:.3e}"
+        assert e_got <= 2 * e_st + ROUNDING * l_ref.abs().item(), \
+            f"{name} step {s}: loss err {e_got:.3e} vs stock {e_st:.3e} (loss {l_ref.item():.4f})"
         for k in g_ref:
             e_st, e_got = max_err(g_st[k], g_ref[k]), max_err(g_got[k], g_ref[k])
             scale = g_ref[k].abs().max().item()
-            assert e_got <= 2 * e_st + 1e-6 * scale, \
+            assert e_got <= 2 * e_st + ROUNDING * scale, \
                 f"{name} step {s} grad {k}: max err {e_got:.3e} vs stock {e_st:.3e} (|ref| {scale:.3e})"
 
 
