@@ -34,7 +34,7 @@ fp32 x and the fp32 normalised rows ('head_act' = 8H + 4 + b*H) and its backward
 
 Host RAM (host_bytes, `--host-mem`): SCO's boundaries (L - keep)*T*H*b + StreamAdamW's 12*N/P
 (less a device tail) + its pinned slots, per GPU; every GPU of a host draws on the same RAM.
-`--sco-keep-last keep` moves those boundaries to the GPU's boundary terms.
+`--sco-keep-last keep` moves those boundaries to the GPU's boundary terms (default: kept_blocks).
 
 The step's peak is the larger of two phases:
   total = fixed + optimizer + max(boundaries_block + block + dispatch,
@@ -253,13 +253,22 @@ class Setup:
     device_state_gib: float = 0.0  # StreamAdamW device_state budget (backward_tail): on the GPU
     sco_in_flight: int = 2      # SCOConfig.max_in_flight (W): forward D2H copies still referenced
     sco_prefetch: int = 1       # SCOConfig.prefetch: boundaries loaded ahead in backward
-    sco_keep_last: int = 0      # SCOConfig.keep_last under apply_sco: the last blocks' inputs stay on the GPU
+    sco_keep_last: Optional[int] = None  # SCOConfig.keep_last (None: the layers' code's default, kept_blocks)
     batch: int = 1
     # plain plan's bytes per parameter: FSDP2 mixed precision keeps fp32 master,
     # m, v (12, "optimizer") and fp32 grads (4, fixed). The demo's plain run on
     # bf16 params with torch AdamW: m, v bf16 (4) and bf16 params + grads (4).
     plain_opt_bytes: float = 12.0
     plain_fixed_bytes: float = 4.0
+
+
+def kept_blocks(s: Setup) -> int:
+    """How many last blocks keep their input on the GPU: Setup.sco_keep_last, else the default
+    of whose code runs the layers (the demo model's MoEConfig.sco_keep_last is 0; apply_moepeak's
+    SCOConfig().keep_last is 1)."""
+    if s.sco_keep_last is not None:
+        return s.sco_keep_last
+    return 1 if s.impl == "hf" else 0
 
 
 def ring_dtp_vocab_bytes(T: int, H: int, V: int, b: int, budget_mb: Optional[float] = None) -> float:
@@ -388,7 +397,7 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         # prefetch back until its attention core's backward peak has passed. Flat in L.
         # keep_last: those inputs never leave the GPU; all are live in the head phase, all but
         # the one being recomputed in the first block's backward (conservative: in full).
-        keep = min(L, s.sco_keep_last)
+        keep = min(L, kept_blocks(s))
         bounds_head = (min(L - keep, s.sco_in_flight) + keep) * T * H * b
         bounds_block = (min(L, 1 + (0 if s.tile_tokens else s.sco_prefetch)) + max(keep - 1, 0)) * T * H * b
         out["boundaries"] = max(bounds_head, bounds_block)
@@ -430,13 +439,12 @@ def longest_context(m: ModelShape, s: Setup, plan: str, limit: int = 1 << 26) ->
 
 
 def host_bytes(m: ModelShape, s: Setup, context: int) -> Dict[str, float]:
-    """moepeak's host RAM per GPU (bytes): SCO's boundaries (every block's input but the
-    sco_keep_last ones, (L - keep)*T*H*b), StreamAdamW's state (fp32 master, m,
-    v: 12*N/P, less a device_state tail) and its pinned bucket slots (3 grad + 2 param slots of
-    half a bucket each)."""
+    """moepeak's host RAM per GPU (bytes): SCO's boundaries (every block's input but the kept
+    ones, (L - keep)*T*H*b), StreamAdamW's state (fp32 master, m, v: 12*N/P, less a device_state
+    tail) and its pinned bucket slots (3 grad + 2 param slots of half a bucket each)."""
     T = s.batch * -(-context // s.gpus)
     state = 12.0 * m.params() / s.gpus
-    out = {"sco_boundaries": max(m.layers - s.sco_keep_last, 0) * T * m.hidden * s.act_bytes,
+    out = {"sco_boundaries": max(m.layers - kept_blocks(s), 0) * T * m.hidden * s.act_bytes,
            "optimizer_state": state - min(s.device_state_gib * GiB, state),
            "pinned_slots": 2.5 * s.bucket_mb * 2 ** 20}
     out["total"] = sum(out.values())
@@ -516,9 +524,10 @@ def add_args(ap: argparse.ArgumentParser):
                          "(default %(default)s: whole blocks)")
     ap.add_argument("--device-state-gib", type=float, default=0.0,
                     help="moepeak plan: GiB per GPU of StreamAdamW device_state (StreamAdamW.backward_tail)")
-    ap.add_argument("--sco-keep-last", type=int, default=0,
+    ap.add_argument("--sco-keep-last", type=int, default=None,
                     help="moepeak plan: the last blocks whose inputs SCO keeps on the GPU (SCOConfig.keep_last): "
-                         "GPU memory for host RAM")
+                         "GPU memory for host RAM (default: that of the code running the layers, "
+                         "0 for --impl demo, 1 for --impl hf)")
     ap.add_argument("--host-mem", type=float, default=None,
                     help="GiB of host RAM per host: the report checks moepeak's host RAM (SCO's boundaries, "
                          "StreamAdamW's state) against it (default %(default)s: no check)")
@@ -562,8 +571,8 @@ def from_args(a) -> (ModelShape, Setup):
     tile = getattr(a, "tile_tokens", None)
     if tile is not None and tile < 1:
         raise ValueError(f"moepeak plan: need --tile-tokens >= 1 (got {tile})")
-    keep = getattr(a, "sco_keep_last", 0)
-    if keep < 0:
+    keep = getattr(a, "sco_keep_last", None)
+    if keep is not None and keep < 0:
         raise ValueError(f"moepeak plan: need --sco-keep-last >= 0 (got {keep})")
     host, per_node = getattr(a, "host_mem", None), getattr(a, "gpus_per_node", None)
     if (host is not None and not host > 0) or (per_node is not None and per_node < 1):

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+import moepeak
 from moepeak import cli
 from moepeak import plan as P
 from moepeak import plan_plot
@@ -117,6 +118,19 @@ def test_sco_keep_last_moves_boundaries_from_host_to_gpu():
     assert P.host_bytes(m, every, 1 << 20)["sco_boundaries"] == 0
     assert P.peaks(m, every, 1 << 20, "moepeak")["boundaries_head"] == 48 * one
     assert P.longest_host_context(m, every, 560, 8) == 1 << 26  # the search's limit: context no longer binds
+
+
+def test_sco_keep_last_defaults_to_that_of_the_layers_code():
+    """Unset, the plan keeps what the code running the layers keeps: the demo model none
+    (MoEConfig.sco_keep_last), the Hugging Face drop-in one (SCOConfig().keep_last)."""
+    m = P.PRESETS["Qwen3-30B-A3B"]
+    one = 131072 * 2048 * 2
+    for impl, default in (("demo", MoEConfig().sco_keep_last), ("hf", moepeak.SCOConfig().keep_last)):
+        s = P.Setup(gpus=8, impl=impl)
+        assert P.kept_blocks(s) == default
+        explicit = P.host_bytes(m, dataclasses.replace(s, sco_keep_last=0), 1 << 20)["sco_boundaries"]
+        assert P.host_bytes(m, s, 1 << 20)["sco_boundaries"] == explicit - default * one
+    assert cli.main(["plan", "--preset", "Qwen3-30B-A3B", "--impl", "hf", "--context", "1048576"]) == 0
 
 
 def test_longest_host_context_is_the_edge():
