@@ -490,8 +490,8 @@ def report(m: ModelShape, s: Setup, context: int, host_gib: Optional[float] = No
 
 def add_args(ap: argparse.ArgumentParser):
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                    help="a public model's shape (the flags below override its fields; default %(default)s: "
-                         "give them all)")
+                    help="a public model's shape, titan:* torchtitan's flavors' (per-token terms: --impl's "
+                         "code; the flags below override its fields; default %(default)s: give them all)")
     for f, what in (("layers", "decoder blocks L"), ("hidden", "hidden size H"),
                     ("experts", "routed experts E"), ("top-k", "experts per token K"),
                     ("intermediate", "expert intermediate size I"), ("vocab", "vocabulary size V"),
