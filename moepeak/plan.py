@@ -34,7 +34,7 @@ fp32 x and the fp32 normalised rows ('head_act' = 8H + 4 + b*H) and its backward
 
 Host RAM (host_bytes, `--host-mem`): SCO's boundaries (L - keep)*T*H*b + StreamAdamW's 12*N/P
 (less a device tail) + its pinned slots, per GPU; every GPU of a host draws on the same RAM.
-`--sco-keep-last keep` moves those boundaries to the GPU's boundary terms (default: kept_blocks).
+`--sco-keep-last keep` moves those boundaries to the GPU's boundary terms (default: keep_last).
 
 The step's peak is the larger of two phases:
   total = fixed + optimizer + max(boundaries_block + block + dispatch,
@@ -253,7 +253,7 @@ class Setup:
     device_state_gib: float = 0.0  # StreamAdamW device_state budget (backward_tail): on the GPU
     sco_in_flight: int = 2      # SCOConfig.max_in_flight (W): forward D2H copies still referenced
     sco_prefetch: int = 1       # SCOConfig.prefetch: boundaries loaded ahead in backward
-    sco_keep_last: Optional[int] = None  # SCOConfig.keep_last (None: the layers' code's default, kept_blocks)
+    sco_keep_last: Optional[int] = None  # SCOConfig.keep_last (None: the layers' code's default, keep_last)
     batch: int = 1
     # plain plan's bytes per parameter: FSDP2 mixed precision keeps fp32 master,
     # m, v (12, "optimizer") and fp32 grads (4, fixed). The demo's plain run on
@@ -262,7 +262,7 @@ class Setup:
     plain_fixed_bytes: float = 4.0
 
 
-def kept_blocks(s: Setup) -> int:
+def keep_last(s: Setup) -> int:
     """How many last blocks keep their input on the GPU: Setup.sco_keep_last, else the default
     of whose code runs the layers (the demo model's MoEConfig.sco_keep_last is 0; apply_moepeak's
     SCOConfig().keep_last is 1)."""
@@ -397,7 +397,7 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         # prefetch back until its attention core's backward peak has passed. Flat in L.
         # keep_last: those inputs never leave the GPU; all are live in the head phase, all but
         # the one being recomputed in the first block's backward (conservative: in full).
-        keep = min(L, kept_blocks(s))
+        keep = min(L, keep_last(s))
         bounds_head = (min(L - keep, s.sco_in_flight) + keep) * T * H * b
         bounds_block = (min(L, 1 + (0 if s.tile_tokens else s.sco_prefetch)) + max(keep - 1, 0)) * T * H * b
         out["boundaries"] = max(bounds_head, bounds_block)
@@ -444,7 +444,7 @@ def host_bytes(m: ModelShape, s: Setup, context: int) -> Dict[str, float]:
     tail) and its pinned bucket slots (3 grad + 2 param slots of half a bucket each)."""
     T = s.batch * -(-context // s.gpus)
     state = 12.0 * m.params() / s.gpus
-    out = {"sco_boundaries": max(m.layers - kept_blocks(s), 0) * T * m.hidden * s.act_bytes,
+    out = {"sco_boundaries": max(m.layers - keep_last(s), 0) * T * m.hidden * s.act_bytes,
            "optimizer_state": state - min(s.device_state_gib * GiB, state),
            "pinned_slots": 2.5 * s.bucket_mb * 2 ** 20}
     out["total"] = sum(out.values())

@@ -127,7 +127,7 @@ def test_sco_keep_last_defaults_to_that_of_the_layers_code():
     one = 131072 * 2048 * 2
     for impl, default in (("demo", MoEConfig().sco_keep_last), ("hf", moepeak.SCOConfig().keep_last)):
         s = P.Setup(gpus=8, impl=impl)
-        assert P.kept_blocks(s) == default
+        assert P.keep_last(s) == default
         explicit = P.host_bytes(m, dataclasses.replace(s, sco_keep_last=0), 1 << 20)["sco_boundaries"]
         assert P.host_bytes(m, s, 1 << 20)["sco_boundaries"] == explicit - default * one
     assert cli.main(["plan", "--preset", "Qwen3-30B-A3B", "--impl", "hf", "--context", "1048576"]) == 0
