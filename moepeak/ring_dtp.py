@@ -20,8 +20,10 @@ RingDTPLinearCrossEntropy. Where the work happens:
   ring_dtp_blocks  one block's arithmetic; ring_dtp_sizes  the block sizes
   ring_dtp_labels  out-of-range labels (ValueError on CPU; on CUDA deferred)
 
-Definitions: all labels ignored with reduction="mean" gives loss 0 and zero
-gradients (mean over zero tokens := 0, never NaN). Labels outside [0, V) that
+Definitions: every label ignored (or T = 0) with reduction="mean" gives what
+F.cross_entropy gives: loss NaN (0 / 0) and zero gradients, also for a non-finite
+upstream gradient (an ignored token's gradient is 0 whatever flows in; transformers'
+sum / num_items_in_batch with num_items_in_batch = 0 sends inf). Labels outside [0, V) that
 are not ignore_index: on CPU a ValueError before any work; on CUDA (checking
 would need a host sync) those tokens' losses are NaN (so a mean loss is NaN),
 their gradients 0, and a ValueError is raised at the next call or by
@@ -227,6 +229,9 @@ def _backward(ctx, grad_loss, gm, gls, gq, gdx, gdw, gdb):
     elif fused is not None:
         dx, dw, db = fused
         g = grad_loss.to(torch.float32)
+        # no label left: the unit gradients are exact zeros and stay so for any upstream
+        # gradient (inf or NaN included), as torch's cross-entropy backward leaves them
+        g = torch.where((labels != ctx.args[0]).any(), g, torch.zeros_like(g))
         if torch.compiler.is_compiling() or type(dx) is not torch.Tensor:  # traced (functional/fake tensors)
             dx, dw = (dx.float() * g).to(dx.dtype), (dw.float() * g).to(dw.dtype)
             db = db * g

@@ -339,14 +339,15 @@ def backward_blocked(x, w, bias, y, m, ls, q, g, ignore_index, softcap, eps, zlo
 
 
 def reduce_rows(rows: Tensor, valid: Tensor, reduction: int) -> Tensor:
-    """The loss from per-token rows: none / mean over valid tokens (0 when none) / sum."""
+    """The loss from per-token rows: none / mean over valid tokens / sum. The mean over no
+    valid token is 0 / 0 = NaN, as torch's F.cross_entropy gives (no host sync to test it)."""
     if reduction == 0:
         return rows
     # summed as torch's nll_loss sums them: in double on CPU (its accumulation type), fp32 on CUDA
     total = rows.sum(dtype=torch.float64).float() if rows.device.type == "cpu" else rows.sum()
     if reduction == 2:
         return total
-    return total / valid.sum().clamp_min(1).to(torch.float32)
+    return total / valid.sum().to(torch.float32)
 
 
 def pick_mode(mode: int, grads: bool, reduction: int, T: int, H: int, V: int, dtype, chunk_tokens: int = 0) -> int:

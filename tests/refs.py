@@ -35,9 +35,8 @@ def ref_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-10
     hidden [T, H], weight [V, H], labels [T] int64, bias [V] or None.
     logits = hidden @ weight.T + bias: [T, V]; optional softcap c*tanh(z/c);
     loss_i = CE with label smoothing + z_loss * lse_i^2 (0 for ignored tokens).
-    reduction "mean" divides by the number of non-ignored tokens, and is 0 (not
-    NaN) when every label is ignored (moepeak's documented convention); with no
-    tokens at all (T = 0) it is NaN, as torch's F.cross_entropy gives.
+    reduction "mean" divides by the number of non-ignored tokens: NaN (0 / 0) when
+    every label is ignored or T = 0, with zero gradients, as torch's F.cross_entropy.
     Returns the loss ([] or [T])."""
     z = hidden.to(dtype) @ weight.to(dtype).T
     if bias is not None:
@@ -47,7 +46,7 @@ def ref_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-10
 
 def _ce_of_logits(z, labels, ignore_index, reduction, label_smoothing, z_loss, softcap):
     """The loss of logits z [T, V] (softcap, CE with smoothing, z-loss on
-    non-ignored rows, reduction; "mean" over non-ignored rows, 0 if none)."""
+    non-ignored rows, reduction; "mean" over non-ignored rows, NaN if none)."""
     if softcap:
         z = softcap * torch.tanh(z / softcap)
     rows = torch.nn.functional.cross_entropy(z, labels, ignore_index=ignore_index, reduction="none",
@@ -60,9 +59,7 @@ def _ce_of_logits(z, labels, ignore_index, reduction, label_smoothing, z_loss, s
         return rows
     if reduction == "sum":
         return rows.sum()
-    if labels.numel() == 0:
-        return rows.sum() / 0.0  # T = 0: NaN, as torch's mean of nothing
-    return rows.sum() / valid.sum().clamp_min(1)
+    return rows.sum() / valid.sum()  # no valid row: 0 / 0 = NaN, as torch's mean of nothing
 
 
 def naive_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, reduction="mean",

@@ -223,6 +223,38 @@ def test_loss_num_items_and_shift_labels_match_transformers():
         assert_close(f"loss {sorted(kw)}", got, want, 1e-5, 1e-6)
 
 
+@pytest.mark.parametrize("case", ["one_token", "all_ignored", "all_ignored_num_items_tensor_0",
+                                  "all_ignored_num_items_int_0"])
+@pytest.mark.parametrize("ce_mode", ["vocab_outer", "fused"])
+def test_no_target_token_is_transformers_nan(case, ce_mode):
+    """No label left after the shift (T = 1, or every label -100): transformers' loss is NaN
+    (0 / 0; with num_items_in_batch = 0 the sum / 0) and its gradients are the router aux
+    loss's alone (the cross-entropy's are zeros, whatever flows into it). moepeak's equal."""
+    model = build("qwen3_moe")
+    ref = reference(model)
+    apply_moepeak(model, ce_mode=ce_mode, **OPTS)
+    ids, labels = batches(steps=1)[0]
+    kw = {}
+    if case == "one_token":
+        ids, labels = ids[:, :1], ids[:, :1]
+    else:
+        labels = torch.full_like(ids, -100)
+    if case.endswith("tensor_0"):
+        kw["num_items_in_batch"] = torch.tensor(0)
+    elif case.endswith("int_0"):
+        kw["num_items_in_batch"] = 0
+    model.train(), ref.train()
+    got, want = model(input_ids=ids, labels=labels, **kw), ref(input_ids=ids, labels=labels, **kw)
+    assert want.loss.isnan() and got.loss.isnan(), (got.loss, want.loss)
+    got.loss.backward()
+    want.loss.backward()
+    grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    assert any(g.abs().sum() > 0 for n, g in grads.items() if ".gate." in n)  # the aux loss reached the routers
+    for n, p in model.named_parameters():
+        want_g = grads.get(n, torch.zeros_like(p))
+        assert_close(f"grad {n}", p.grad if p.grad is not None else torch.zeros_like(p), want_g, 1e-5, 1e-7)
+
+
 @pytest.mark.parametrize("keep_last", [0, 2])
 def test_sco_keep_last_keeps_the_last_layers_inputs(keep_last):
     model = build("qwen3_moe")

@@ -98,8 +98,9 @@ def _empty_and_ignored(rank, group):
             _assert_matches(rank, got, want, f"{ring} Ts={Ts} ignored={ignored} {reduction}")
             if Ts[rank] == 0:
                 assert got[0].isnan().item() if reduction == "mean" else (got[0] == 0).all().item()
-            if rank in ignored:
-                assert got[0].item() == 0 and (got[1] == 0).all()  # moepeak: mean over no valid token := 0
+            if rank in ignored:  # torch's mean over no valid token: 0 / 0 = NaN, zero gradients
+                assert (got[0].isnan().item() if reduction == "mean" else got[0].item() == 0) \
+                    and torch.equal(got[1], torch.zeros_like(got[1]))
 
 
 def _retain_graph(rank, group):
@@ -393,11 +394,16 @@ def test_ring_edge(section_outcomes, section):
 
 
 def test_reference_sanity():
-    """The fp64 reference's conventions the rank checks rely on (T = 0: NaN / 0; all ignored:
-    0), against torch itself."""
+    """The fp64 reference's conventions the rank checks rely on (T = 0 and all ignored: NaN
+    for the mean, 0 for the sum; zero gradients), against torch itself."""
     w = _weight()
     xs, ys = _batch((0, 3), ignored=(1,))
     assert ref_linear_cross_entropy(xs[0], w, ys[0]).isnan()
     assert F.cross_entropy(F.linear(xs[0], w), ys[0]).isnan()
     assert ref_linear_cross_entropy(xs[0], w, ys[0], reduction="sum").item() == 0
-    assert ref_linear_cross_entropy(xs[1], w, ys[1]).item() == 0
+    assert ref_linear_cross_entropy(xs[1], w, ys[1]).isnan()
+    assert F.cross_entropy(F.linear(xs[1], w), ys[1]).isnan()
+    assert ref_linear_cross_entropy(xs[1], w, ys[1], reduction="sum").item() == 0
+    x = xs[1].double().requires_grad_()
+    ref_linear_cross_entropy(x, w.double(), ys[1]).backward()
+    assert torch.equal(x.grad, torch.zeros_like(x.grad))

@@ -80,15 +80,37 @@ def test_all_options_centered(mode, dtype, device, V):
               label_smoothing=0.05, z_loss=1e-4, softcap=4.0, reduction="sum")
 
 
+def _torch_linear_ce(hidden, weight, labels, bias=None, **kw):
+    return torch.nn.functional.cross_entropy(torch.nn.functional.linear(hidden, weight, bias).float(), labels, **kw)
+
+
+@pytest.mark.parametrize("upstream", [1.0, math.inf, math.nan])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("mode", MODES)
-def test_all_ignored(reduction, mode):
-    x, w, y, b = make(9, 8, 50, torch.float32, seed=5)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_ignored_is_torchs(dtype, mode, reduction, upstream):
+    """Every label ignored: torch's loss (mean: 0 / 0 = NaN; sum: 0; none: zeros) and its
+    gradients, zeros, also for an inf or NaN upstream gradient (transformers divides the sum
+    by num_items_in_batch = 0); label smoothing and a bias on."""
+    x, w, y, b = make(9, 8, 50, dtype, seed=5, bias=True)
     y[:] = -100
-    loss, dx, dw, _ = grads(moepeak.linear_cross_entropy, x, w, y, None,
-                            torch.ones(9) if reduction == "none" else None, reduction=reduction, mode=mode,
-                            chunk_tokens=4, chunk_vocab=16)
-    assert torch.all(loss == 0) and torch.all(dx == 0) and torch.all(dw == 0)
+    gout = torch.full((9,) if reduction == "none" else (), upstream)
+    kw = dict(reduction=reduction, label_smoothing=0.1)
+    got = grads(moepeak.linear_cross_entropy, x, w, y, b, gout, mode=mode, chunk_tokens=4, chunk_vocab=16, **kw)
+    want = grads(_torch_linear_ce, x, w, y, b, gout, **kw)
+    for name, o, r in zip(("loss", "dX", "dW", "dbias"), got, want):
+        assert o.dtype == r.dtype and torch.equal(o.isnan(), r.isnan()), (name, o, r)
+        assert torch.equal(o.nan_to_num(), r.nan_to_num()), (name, o, r)
+    assert got[0].isnan().all().item() == (reduction == "mean") and not got[1].isnan().any()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_one_token_ignored_mean_is_nan(mode):
+    """T = 1 with its label ignored (a causal LM's one-token sequence after the shift)."""
+    x, w, y, _ = make(1, 8, 50, torch.float32, seed=6)
+    y[:] = -100
+    loss, dx, dw, _ = grads(moepeak.linear_cross_entropy, x, w, y, None, mode=mode)
+    assert loss.isnan() and torch.equal(dx, torch.zeros_like(dx)) and torch.equal(dw, torch.zeros_like(dw))
 
 
 @pytest.mark.parametrize("mode", MODES)
