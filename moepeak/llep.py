@@ -308,16 +308,16 @@ def _(acc, y, idx, w, div):
 def _validate(x, topk_ids, topk_weights, w_gate_up, w_down, w_up, b_gate_up, b_down, activation, P, chunk_rows,
               alpha, m, lam):
     check_tensor("x", x, dtypes=_FLOATS)
-    if x.dim() < 1:
-        raise ValueError("moepeak: x must be [..., hidden_size]")
-    H = x.shape[-1]
-    T = x.numel() // H if H else 0
     if activation not in ACTIVATIONS:
         raise ValueError(f"moepeak: activation must be one of {ACTIVATIONS}, got {activation!r}")
     check_tensor("w_down", w_down, dtypes=(x.dtype,), ndim=3, device=x.device)
-    El, I, Hd = w_down.shape
-    if Hd != H or I < 1:
-        raise ValueError(f"moepeak: w_down must be [E_local, I, H={H}] (I >= 1), got {tuple(w_down.shape)}")
+    El, I, H = w_down.shape  # the experts' hidden size H: x's last dim must be it
+    if x.dim() < 1 or x.shape[-1] != H:
+        raise ValueError(f"moepeak: x must be [..., H] with H = {H} (w_down [E_local, I, H] is "
+                         f"{tuple(w_down.shape)}), got {tuple(x.shape)}")
+    if I < 1:
+        raise ValueError(f"moepeak: w_down must be [E_local, I, H] with I >= 1, got {tuple(w_down.shape)}")
+    T = x.numel() // H if H else 0
     if w_up is None:
         check_tensor("w_gate_up", w_gate_up, dtypes=(x.dtype,), ndim=3, device=x.device)
         if tuple(w_gate_up.shape) != (El, H, 2 * I):
@@ -533,8 +533,16 @@ class PipelinedLLEPMoE(nn.Module):
             tw = tw / tw.sum(-1, keepdim=True)
         return logits, ti, tw
 
+    def _tokens(self, x):
+        """x [..., hidden_size] as [N, hidden_size] (a reshape of another width would mix tokens)."""
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.hidden_size:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"moepeak: PipelinedLLEPMoE(hidden_size={self.hidden_size}) takes x "
+                             f"[..., {self.hidden_size}], got {got}")
+        return x.reshape(-1, self.hidden_size)
+
     def forward(self, x):
-        x2 = x.reshape(-1, self.hidden_size)
+        x2 = self._tokens(x)
         logits, ti, tw = self.route(x2)
         y = llep_moe(x2, ti, tw, self.w_gate_up, self.w_down, group=self.group, chunk_rows=self.chunk_rows,
                      alpha=self.alpha, min_tokens_per_gemm=self.min_tokens_per_gemm,
@@ -545,7 +553,7 @@ class PipelinedLLEPMoE(nn.Module):
         """The same block in plain PyTorch (a loop over experts); one rank only."""
         if self.world != 1:
             raise RuntimeError("moepeak: reference_forward needs all experts on one rank (group of size 1)")
-        x2 = x.reshape(-1, self.hidden_size)
+        x2 = self._tokens(x)
         logits, ti, tw = self.route(x2)
         return dense_moe_reference(x2, ti, tw, self.w_gate_up, self.w_down).view(x.shape), logits
 

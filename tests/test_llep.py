@@ -3,6 +3,7 @@ the plain-Python references, the kernels, the single-rank chunked layer
 against the dense reference (fp64 ground truth), the working-set accounting,
 bad input and opcheck. Multi-rank tests are in test_llep_dist.py."""
 import random
+import re
 
 import pytest
 import torch
@@ -515,6 +516,27 @@ def test_bad_input():
         lp.llep_plan(torch.zeros(4, 6, dtype=torch.int64), 1.0, 1, 1.3)
     with pytest.raises(ValueError, match="top_k"):
         moepeak.PipelinedLLEPMoE(8, 4, 4, 5)
+
+
+def test_hidden_size_mismatch_names_x_and_both_shapes():
+    """x's last dim against the experts' H: the module and llep_moe refuse a mismatch (a
+    reshape to [-1, H] would mix tokens' features whenever the sizes divide)."""
+    moe = moepeak.PipelinedLLEPMoE(32, 64, 8, 2)
+    for run in (moe, moe.reference_forward):
+        with pytest.raises(ValueError, match=re.escape("hidden_size=32) takes x [..., 32], got (2, 16, 48)")):
+            run(torch.randn(2, 16, 48))
+    with pytest.raises(ValueError, match=re.escape("takes x [..., 32], got ()")):
+        moe(torch.randn(()))
+    x, ids, tw, wgu, wd, _ = [t.float() if t.is_floating_point() else t for t in _problem(6, 8, 4, 4, 2, torch.float32)]
+    wide = torch.randn(3, 16)  # 48 elements: [6, 8] after a reshape
+    with pytest.raises(ValueError, match=re.escape("x must be [..., H] with H = 8 (w_down [E_local, I, H] is "
+                                                   "(4, 4, 8)), got (3, 16)")):
+        llep_moe(wide, ids, tw, wgu, wd)
+    with pytest.raises(ValueError, match=re.escape("x must be [..., H] with H = 8")):
+        llep_moe(torch.randn(()), ids, tw, wgu, wd)
+    with pytest.raises(ValueError, match=re.escape("topk_ids and topk_weights must both be [T=6, K], got (6, 2) "
+                                                   "and (6, 1)")):
+        llep_moe(x, ids, tw[:, :1], wgu, wd)
 
 
 # ---------------------------------------------------------------------------

@@ -3,6 +3,7 @@ non-finite logits, fp32 accuracy against fp64, out-of-range labels, empty batche
 repeated backward, degenerate strides, argument checks and autocast. Each test compares
 with plain PyTorch: F.cross_entropy(F.linear(h, w, b).float(), y, ...)."""
 import math
+import re
 
 import pytest
 import torch
@@ -305,6 +306,22 @@ def test_non_finite_options_refused(name, value):
     x, w, y, _ = make(4, 4, 10, torch.float32)
     with pytest.raises(ValueError, match=name):
         moepeak.linear_cross_entropy(x, w, y, **{name: value})
+
+
+def test_shapes_refused_naming_the_argument_and_both_shapes():
+    """hidden [..., H] against weight [V, H], labels against hidden's leading dims, bias [V]:
+    the function and the module name the argument, what was expected and what came."""
+    x, w, y, _ = make(4, 32, 11, torch.float32)
+    head = moepeak.RingDTPLinearCrossEntropy(32, 11)
+    for loss in (lambda h, t: moepeak.linear_cross_entropy(h, w, t), head):
+        with pytest.raises(ValueError, match=re.escape("hidden must be [..., H] with H = weight.shape[1] = 32, "
+                                                       "got (2, 2, 48)")):
+            loss(torch.randn(2, 2, 48), y.reshape(2, 2))
+        with pytest.raises(ValueError, match=re.escape("labels must have shape hidden.shape[:-1] = (2, 2), "
+                                                       "got (4,)")):
+            loss(x.reshape(2, 2, 32), y)
+    with pytest.raises(ValueError, match=re.escape("bias must be [V] = [11], got (12,)")):
+        moepeak.linear_cross_entropy(x, w, y, bias=torch.zeros(12))
 
 
 def test_ignore_index_range():
