@@ -64,3 +64,27 @@ def test_bench_titan_jobs_share_one_rope_table_per_model():
         assert shared[1] is shared[0], name
         assert torch.equal(shared[0], own.layers["0"].attention.rope.cache), name  # the same numbers
         assert "layers.1.attention.rope.cache" in dict(model.named_buffers(remove_duplicate=False)), name
+
+
+LLEP_P1_ARMS = ("grouped_mm_hf", "grouped_mm_titan", "grouped_mm_bf16w", "grouped_mm_fp32w", "pipelined",
+                "pipelined_hf_layout", "pipelined_titan_layout")
+
+
+def test_bench_llep_one_rank_fair_arms_smoke(tmp_path):
+    """Issue 38's P = 1 arms (transformers' and torchtitan's grouped layers, the fp32-weights
+    arm under its new name, llep_moe on each library's weight layout) run on CPU and agree
+    on the layer's output inside the run (bench_llep's --smoke check)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("torchtitan")
+    res = _run(["benchmarks/bench_llep.py", "--smoke", "--tokens", "64", "--routing", "balanced,95:4",
+                "--arms", ",".join(LLEP_P1_ARMS), "--out", str(tmp_path)])
+    rows = _rows(tmp_path / "llep.csv")
+    # 2 smoke configs x 2 routings, every arm ok
+    assert sorted((r["arm"], r["status"]) for r in rows) == sorted([(a, "ok") for a in LLEP_P1_ARMS] * 4), rows
+    assert "pipelined vs the grouped arms" not in res.stdout  # CPU runs measure no time: no ratios
+
+
+def test_bench_llep_old_grouped_arm_name_refused():
+    res = subprocess.run([sys.executable, "benchmarks/bench_llep.py", "--smoke", "--arms", "grouped_mm"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    assert res.returncode != 0 and "grouped_mm_fp32w" in res.stderr, res.stderr[-2000:]
