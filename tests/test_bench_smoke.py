@@ -88,3 +88,19 @@ def test_bench_llep_old_grouped_arm_name_refused():
     res = subprocess.run([sys.executable, "benchmarks/bench_llep.py", "--smoke", "--arms", "grouped_mm"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
     assert res.returncode != 0 and "grouped_mm_fp32w" in res.stderr, res.stderr[-2000:]
+
+
+def test_profile_llep_vs_grouped_smoke(tmp_path):
+    """The issue 38 profile study runs its four default arms on CPU (CPU ops stand in for
+    kernels) and writes the side-by-side table and its kernel rows."""
+    pytest.importorskip("transformers")
+    res = _run(["benchmarks/studies/profile_llep_vs_grouped.py", "--smoke", "--out", str(tmp_path)])
+    stem = tmp_path / "profile_llep_T64_balanced"
+    text = (stem.with_suffix(".txt")).read_text()
+    for arm in ("pipelined", "grouped_mm_hf", "pipelined_nocache", "moepeak_1chunk"):
+        assert f"== {arm}: wall" in text, res.stdout[-3000:]
+    assert "llep bwd:" in text and "per kernel class" in text
+    with open(stem.with_suffix(".csv")) as f:
+        rows = list(csv.DictReader(f))
+    assert rows and float(rows[0]["pipelined_ms"]) >= 0 and "grouped_mm_hf_count" in rows[0]
+    assert any(r["class"] == "gemm" and float(r["grouped_mm_hf_ms"]) > 0 for r in rows), rows[:5]
