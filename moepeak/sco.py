@@ -35,6 +35,9 @@ except for the boundary:
        recomputed tensor i of its graph task, once.
   create_graph=True: the unpacked tensors are re-attached to the forward graph
   by autograd itself (as for torch's checkpoint), so second-order terms flow.
+  torch.compile: sco_checkpoint is never traced (a graph break); fn runs
+  eagerly under the hooks in the forward as in the replay, so both save the
+  same tensors (a compiled forward would save its AOT graph's instead).
 Same ops on the same values in the same order => the saved tensors are
 bitwise those of the forward, and so are all gradients (bitwise those of
 torch.utils.checkpoint(use_reentrant=False)); FSDP2 composes the same way.
@@ -253,9 +256,11 @@ class _Frame:
 
     def _inputs(self):
         if self.x is None:
-            x = self.engine.reload(self.rec)
-            self.x = x.detach()
-        x = self.x.detach().requires_grad_(self.rec.requires_grad)
+            self.x = self.engine.reload(self.rec)  # detached: the engine holds no graph
+        # A boundary without grad goes to fn as the very tensor the engine gave back (the
+        # caller's own object on CPU and when kept on the GPU, as torch's checkpoint replays
+        # with its inputs; a fresh buffer once it went through the arena).
+        x = self.x.detach().requires_grad_(True) if self.rec.requires_grad else self.x
         args = [a.unpack() if isinstance(a, _Kept) else a for a in self.args]
         kwargs = dict(self.kwargs)
         if isinstance(self.where, int):
@@ -269,7 +274,9 @@ class _Frame:
         store = []
 
         def pack(t):
-            store.append(t.detach())
+            # torch's rule: a saved tensor that requires grad comes back detached, any
+            # other is handed to backward as the same object (ctx.saved_tensors identity)
+            store.append(t.detach() if t.requires_grad else t)
             if len(store) == self.n_packed:
                 raise _StopReplay  # every saved tensor is back: the rest of fn is wasted work
             return None
@@ -287,14 +294,28 @@ class _Frame:
                     self.fn(*args, **kwargs)
             except _StopReplay:
                 pass
-        if len(store) != self.n_packed or any(
-            s.shape != m[0] or s.dtype != m[1] for s, m in zip(store, self.meta)
-        ):
-            raise RuntimeError(
-                f"moepeak: sco_checkpoint's recompute saved {len(store)} tensors but the forward saved "
-                f"{self.n_packed} (or shapes/dtypes differ): fn must run the same ops on every call"
-            )
+        self._check_replay(store)
         return store
+
+    def _check_replay(self, store: list) -> None:
+        """The replay must save what the forward saved: as many tensors, each of the same
+        shape and dtype (torch's checkpoint checks the same); say exactly what differs."""
+        what = None
+        if len(store) != self.n_packed:
+            what = f"the recompute saved {len(store)} tensors but the forward saved {self.n_packed}"
+        else:
+            for i, (t, (shape, dtype)) in enumerate(zip(store, self.meta)):
+                if t.shape != shape or t.dtype != dtype:
+                    what = (f"saved tensor {i} of {self.n_packed} was {_describe(shape, dtype)} in the forward "
+                            f"but {_describe(t.shape, t.dtype)} in the recompute")
+                    break
+        if what is not None:
+            raise RuntimeError(f"moepeak: sco_checkpoint: {what}; fn must run the same ops on the same "
+                               "shapes and dtypes on every call (its recompute replays the forward)")
+
+
+def _describe(shape, dtype) -> str:
+    return f"shape {tuple(shape)} dtype {dtype}"
 
 
 class _autocast_ctx:
@@ -312,6 +333,11 @@ class _autocast_ctx:
         return False
 
 
+# Never traced by torch.compile (a graph break): fn must run eagerly under SCO's saved-tensor
+# hooks, in the forward and in the replay alike, so that both save the same tensors one for one;
+# a compiled forward would hand the hooks the activations of its AOT graph instead, which the
+# eager replay in backward does not save.
+@torch.compiler.disable
 def sco_checkpoint(fn, *args, use_reentrant: Optional[bool] = None, preserve_rng_state: bool = True,
                    sco_config: Optional[SCOConfig] = None, sco_keep_on_gpu: bool = False, **kwargs):
     """torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs),
@@ -326,7 +352,12 @@ def sco_checkpoint(fn, *args, use_reentrant: Optional[bool] = None, preserve_rng
     nothing offloaded). sco_keep_on_gpu=True keeps the input on the GPU (the
     last block). backward(retain_graph=True) followed by a second backward and
     create_graph=True work as with torch's checkpoint. Gradients are bitwise
-    those of torch's non-reentrant checkpoint on the same fn.
+    those of torch's non-reentrant checkpoint on the same fn, and backward gets
+    the saved tensors torch's would: one that requires grad detached, any other
+    as the same object (the boundary only while it stays where it was: on CPU,
+    or kept on the GPU; after the arena, a fresh tensor of the same values).
+    Under torch.compile the call is a graph break: fn runs eagerly (a compiled
+    fn passed in stays compiled, in the forward and in the replay).
     """
     if use_reentrant:
         raise ValueError("moepeak: sco_checkpoint implements use_reentrant=False semantics only")
@@ -348,7 +379,10 @@ def sco_checkpoint(fn, *args, use_reentrant: Optional[bool] = None, preserve_rng
         raise TypeError(f"moepeak: sco_config must be an SCOConfig, got {type(cfg).__name__}")
     engine = cfg.engine(x.device)
     frame = _Frame(fn, args, kwargs, where, engine, preserve_rng_state, x)
-    rec = engine.offload(x.detach(), keep=sco_keep_on_gpu)  # raises (arena full) before fn runs
+    # x itself when it needs no grad: on CPU, or kept on the GPU, the replay then sees that very
+    # object (torch's identity); a detached alias otherwise, so the engine holds no graph.
+    # Raises (arena full) before fn runs.
+    rec = engine.offload(x.detach() if x.requires_grad else x, keep=sco_keep_on_gpu)
     rec.requires_grad = x.requires_grad
     frame.rec = rec
     try:
@@ -372,8 +406,9 @@ def _discard_quietly(engine, rec):
 def apply_sco(model: torch.nn.Module, blocks, config: Optional[SCOConfig] = None):
     """Checkpoint-and-offload each decoder block of `model` (in place).
 
-    blocks: a list/tuple of modules, an nn.ModuleList, or a module class (all
-    submodules of that class, in registration order). Each block's forward is
+    blocks: a list/tuple of submodules of model, an nn.ModuleList of them, or a
+    module class (all submodules of that class, in registration order); a
+    block that is not a submodule of model raises. Each block's forward is
     wrapped so that in training with grad enabled it runs under
     sco_checkpoint; in eval or under no_grad it runs as is (no offload). The
     module tree and state_dict keys are unchanged, so fully_shard (FSDP2) can
@@ -381,17 +416,23 @@ def apply_sco(model: torch.nn.Module, blocks, config: Optional[SCOConfig] = None
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"moepeak: apply_sco model must be an nn.Module, got {type(model).__name__}")
+    single = isinstance(blocks, torch.nn.Module) and not isinstance(blocks, torch.nn.ModuleList)
     if isinstance(blocks, type):
         mods = [m for m in model.modules() if isinstance(m, blocks)]
-    elif isinstance(blocks, torch.nn.Module) and not isinstance(blocks, torch.nn.ModuleList):
+    elif single:
         mods = [blocks]
     else:
         mods = list(blocks)
     if not mods:
         raise ValueError(f"moepeak: apply_sco found no blocks matching {blocks!r}")
-    for m in mods:
+    in_model = {id(m) for m in model.modules()}
+    for i, m in enumerate(mods):
         if not isinstance(m, torch.nn.Module):
             raise TypeError(f"moepeak: apply_sco blocks must be nn.Modules, got {type(m).__name__}")
+        if id(m) not in in_model:  # wrapping it would leave every forward of model unchanged
+            which = "blocks" if single else f"blocks[{i}]"
+            raise ValueError(f"moepeak: apply_sco {which} ({type(m).__name__}) is not a submodule of model "
+                             f"({type(model).__name__}): pass model's own blocks (e.g. model.layers)")
         if getattr(m, "_moepeak_sco", None) is not None:
             raise ValueError(f"moepeak: apply_sco already applied to block {type(m).__name__}")
     cfg = config if config is not None else _DEFAULT
