@@ -54,6 +54,12 @@ amsgrad and maximize as torch defines them).
 - LR schedulers (lr is read from ``param_groups`` every step), grad clipping
   before ``step()``, ``zero_grad()``, params with ``grad is None`` (skipped)
   and FSDP2 DTensor params (updated through their local shards) work.
+- ``copy.deepcopy`` and ``pickle`` work as for ``torch.optim.AdamW``: state,
+  param_groups and every setting travel; the pinned slots, streams, overlap
+  hooks and worker are built anew by the copy (with overlap_backward only
+  between rounds: after ``step()``, not between ``backward()`` and it).
+- A param of a dtype other than float32, bfloat16 or float16 is refused when
+  it is given (constructor, ``add_param_group``), named as below.
 - Errors name the parameter (``param_groups[g]['params'][i]``): sparse or
   complex grads/params, unsupported dtypes, non-contiguous tensors, a param
   whose device changed between steps, bad lr/eps/betas/weight_decay, state
@@ -167,9 +173,6 @@ class StreamAdamW(torch.optim.Optimizer):
                                  f"(best: {[k for k, v in ISA_CODES.items() if v == best][0]})")
             self._isa = code
         self._threads = threads or 0
-        if self._threads > _C.get_num_threads():  # more than the pool keeps by default: give them back at death
-            _THREAD_REQUESTS[id(self)] = self._threads
-            weakref.finalize(self, _release_threads, id(self))
         # testing hook: CPU params go through the bucket pipeline (memcpy copies)
         self._host_pipeline = bool(_host_pipeline)
         self._bucket_mb = float(bucket_mb)
@@ -182,11 +185,21 @@ class StreamAdamW(torch.optim.Optimizer):
         self._on_device = device_state_set(self.param_groups, device_state)
         self._devices = {}  # param -> device it had at its first step
         self._gpu_master = {}  # fp32 CUDA param -> its fp32 CPU master (always equal to the param)
-        self._plan = None
-        self._plan_id = next(PLAN_IDS)
         self._grad_dt = {}  # param -> dtype code of its last grad (for the plan's slot sizes)
         self._clip = None if clip_grad_norm is None else float(clip_grad_norm)
         self.last_grad_norm = None  # total grad norm of the last step (clip_grad_norm mode)
+        self._start_runtime(overlap_backward, overlap_enabled=True)
+
+    def _start_runtime(self, overlap_backward, overlap_enabled):
+        """What an optimizer owns besides its state and settings: the pinned bucket plan
+        (made at the first CUDA step), the worker streams, the overlap hooks and worker,
+        the pool threads it asked for. Built here for a new optimizer and for a copy
+        (deepcopy, unpickling), never copied."""
+        if self._threads > _C.get_num_threads():  # more than the pool keeps by default: give them back at death
+            _THREAD_REQUESTS[id(self)] = self._threads
+            weakref.finalize(self, _release_threads, id(self))
+        self._plan = None
+        self._plan_id = next(PLAN_IDS)
         self._tail = torch_tail_model()  # refreshed by every step(), used by hooks on autograd's threads
         self._streams = {}  # CUDA device -> the overlap worker's stream
         self._overlap = None
@@ -195,6 +208,59 @@ class StreamAdamW(torch.optim.Optimizer):
             self._overlap = BackwardOverlap(self, params, self._bucket_mb * (1 << 20), self._prepare_overlap,
                                             self._execute, immediate=self._on_device.__contains__)
             self._overlap.deferred = self._clip is not None
+            self._overlap.enabled = overlap_enabled
+
+    def add_param_group(self, param_group):
+        """torch's add_param_group, refusing (before the group is added) a param of a
+        dtype the kernel does not update, as the constructor does."""
+        if isinstance(param_group, dict) and "params" in param_group:
+            params = param_group["params"]
+            if not isinstance(params, set):  # torch refuses sets itself
+                # a generator is read here once; torch normalizes the group's list in place too
+                params = param_group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
+                gi = len(self.param_groups)
+                for pi, p in enumerate(params):
+                    if isinstance(p, torch.Tensor) and p.dtype not in DTYPE_CODES:
+                        raise TypeError(
+                            f"moepeak.StreamAdamW: param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}, "
+                            f"dtype {p.dtype}): StreamAdamW updates float32, bfloat16 and float16 params only; "
+                            "cast the model (e.g. model.float()) or leave this param out of the optimizer")
+        super().add_param_group(param_group)
+
+    # ------------------------------------------------------------------ copy / pickle
+    def __getstate__(self):
+        """torch's (defaults, state, param_groups) plus this optimizer's settings; the
+        runtime (_start_runtime) is rebuilt by __setstate__. With overlap_backward, only
+        between rounds: a copy taken after some params were updated in backward would
+        not know which ones step() must skip."""
+        ov = self._overlap
+        if ov is not None:
+            ov.wait()
+            if ov.done or ov.pending:
+                raise RuntimeError(
+                    "moepeak.StreamAdamW: cannot copy or pickle an overlap_backward optimizer between backward() "
+                    f"and step() ({len(ov.done)} params already updated in this round); call step() first")
+        state = super().__getstate__()
+        state.update({k: self.__dict__[k] for k in _SETTINGS})
+        state["_overlap_backward"] = ov is not None
+        state["_overlap_enabled"] = ov.enabled if ov is not None else True
+        return state
+
+    def __setstate__(self, state):
+        # Two callers: a copy being built (deepcopy, unpickling: an empty object), and torch's
+        # load_state_dict on this live optimizer (state and param_groups only: the runtime stays).
+        copying = "_plan_id" not in self.__dict__
+        state = dict(state)
+        overlap_backward = state.pop("_overlap_backward", False)
+        overlap_enabled = state.pop("_overlap_enabled", True)
+        super().__setstate__(state)
+        if not copying:
+            return
+        for k, default in _SETTINGS.items():  # a state without them (torch's own keys only) gets the defaults
+            if k not in self.__dict__:
+                setattr(self, k, default() if callable(default) else default)
+        self._isa = min(self._isa, _C.cpu_best_isa())  # unpickled on another CPU: every ISA gives the same bits
+        self._start_runtime(overlap_backward, overlap_enabled)
 
     # ------------------------------------------------------------------ checks
     def _collect(self, only=None, skip=()):
@@ -583,6 +649,10 @@ def _release_threads(key):
         pass
 _TORCH_GROUP_KEYS = dict(foreach=None, capturable=False, differentiable=False, fused=True,
                          decoupled_weight_decay=True)
+# What a copy of the optimizer carries besides torch's keys, with the value (or the
+# factory of the value) of an optimizer built with the defaults.
+_SETTINGS = dict(_isa=_C.cpu_best_isa, _threads=0, _host_pipeline=False, _bucket_mb=64.0, _slots=(3, 2),
+                 _clip=None, last_grad_norm=None, _on_device=set, _devices=dict, _gpu_master=dict, _grad_dt=dict)
 
 
 def _bump_versions(tensors):

@@ -240,13 +240,17 @@ def test_bad_input_and_nothing_half_updated():
     expect(TypeError, r"params'\]\[1\].*sparse")
     bad.grad = torch.randn(20)[::2]
     expect(ValueError, r"params'\]\[1\].*contiguous")
-    dbad = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    # a param of another dtype is refused at construction (test_stream_adamw_copy.py); one whose
+    # .data changed dtype after it still is, by step()
+    dbad = torch.randn(4, requires_grad=True)
     dopt = moepeak.StreamAdamW([dbad])
+    dbad.data = dbad.data.double()
     dbad.grad = torch.randn(4, dtype=torch.float64)
     with pytest.raises(TypeError, match=r"params'\]\[0\].*float32, bfloat16 or float16"):
         dopt.step()
-    cbad = torch.randn(4, dtype=torch.complex64, requires_grad=True)
+    cbad = torch.randn(4, requires_grad=True)
     copt = moepeak.StreamAdamW([cbad])
+    cbad.data = torch.randn(4, dtype=torch.complex64)
     cbad.grad = torch.randn(4, dtype=torch.complex64)
     with pytest.raises(TypeError, match="complex"):
         copt.step()

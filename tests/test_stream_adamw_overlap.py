@@ -196,13 +196,16 @@ def test_dropped_optimizer_removes_hooks():
 
 
 def test_bad_param_raises_from_backward():
-    p = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
+    # an fp64 param is refused at construction; one whose .data became fp64 after it is caught in the hook
+    p = torch.nn.Parameter(torch.randn(4))
     opt = moepeak.StreamAdamW([p], overlap_backward=True, bucket_mb=1e-6)  # a bucket per param: flushed in the hook
+    p.data = p.data.double()
     with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
         (p * 2).sum().backward()
     assert p not in opt.state
-    q = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
+    q = torch.nn.Parameter(torch.randn(4))
     opt = moepeak.StreamAdamW([q], overlap_backward=True)  # bucket not full in backward: step() raises
+    q.data = q.data.double()
     (q * 2).sum().backward()
     with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
         opt.step()
