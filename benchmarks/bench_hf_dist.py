@@ -11,9 +11,9 @@ _dist_points.py):
            the model's own loss, torch.optim.AdamW (fused on CUDA) on the shards.
   moepeak  bf16 params, apply_moepeak(model, group=WORLD[, tile_tokens]): each rank
            keeps E/P experts and PipelinedLLEP moves the tokens to them; the loss without
-           logits; SCO checkpointing; the lean final norm. The non-expert gradients are
-           summed over the ranks (all_reduce; the loss is scaled by 1/P, so these are the
-           mean over all tokens, as the expert slices' already are); moepeak.StreamAdamW.
+           logits; SCO checkpointing; the lean final norm. The replicated parameters'
+           gradients are averaged over the ranks (moepeak.hf.average_gradients), so every
+           gradient is the mean loss's, as the expert slices' already are; moepeak.StreamAdamW.
 
 Per (arm, T): --steps steps (the first allocates optimizer state and pinned arenas),
 the last timed; T doubles from --min-len to --max-len until a failure or the arm's
@@ -47,7 +47,6 @@ from bench_hf import FULL, TINY, build_model  # noqa: E402
 FIELDS = ["P", "arm", "tokens_per_rank", "status", "peak_gib", "step_s", "tokens_per_s_per_gpu", "loss",
           "transformers", "note"]
 ARMS = ("fsdp", "moepeak")
-EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # Qwen3-MoE's expert weights
 
 
 def _point(rank, world, dev, arm, T, steps, shape, tile_tokens, simulate_oom):
@@ -63,24 +62,25 @@ def _point(rank, world, dev, arm, T, steps, shape, tile_tokens, simulate_oom):
             fully_shard(layer, **mp)
         fully_shard(model, **mp)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda, foreach=not cuda)
-        dense, scale, settings = [], 1.0, "FSDP2 + HF checkpointing + torch AdamW"
+        dense, settings = [], "FSDP2 + HF checkpointing + torch AdamW"
+        reduce_grads = lambda: None  # noqa: E731 (FSDP2 reduced them in backward)
     else:
         import moepeak
-        from moepeak.hf import apply_moepeak
+        from moepeak.hf import apply_moepeak, average_gradients, expert_slices
         model = build_model(shape, T, torch.bfloat16, dev)
         report = apply_moepeak(model, group=dist.group.WORLD, tile_tokens=tile_tokens)
         opt = moepeak.StreamAdamW(model.parameters(), lr=1e-4)
-        dense = [p for n, p in model.named_parameters() if not n.endswith(EXPERT_PARAMS)]
-        scale = 1.0 / world
+        slices = expert_slices(model)
+        dense = [p for n, p in model.named_parameters() if n not in slices]
+        reduce_grads = lambda: average_gradients(model)  # noqa: E731
         settings = (f"experts on moepeak: {len(report.experts_on_moepeak)} split over {world} ranks"
                     + (f"; tile_tokens {tile_tokens}" if tile_tokens else ""))
     model.train()
     gen = torch.Generator().manual_seed(1000 * rank + T)
 
     def backward(loss):
-        (loss * scale).backward()
-        for p in dense:  # moepeak: the replicated parameters' gradients, summed over the ranks
-            dist.all_reduce(p.grad)
+        loss.backward()
+        reduce_grads()
 
     times, losses = timed_steps(
         steps, dev, lambda _: torch.randint(0, shape["vocab_size"], (1, T), generator=gen).to(dev),

@@ -14,14 +14,20 @@ what transformers expects. Three parts, each can be turned off:
   model.set_experts_implementation("moepeak"). Routing (top_k_index,
   top_k_weights) comes from the model's own router, unchanged. Each experts
   module whose layout and activation are in SUPPORTED_LAYOUTS runs through
-  moepeak.llep_moe on views of its weights; any other keeps the implementation
+  moepeak.llep_moe on views of its weights (gated SiLU: Qwen3-MoE, Qwen2-MoE,
+  Mixtral, OLMoE, DeepSeek-V3, ...; GPT-OSS's interleaved, biased, clamped
+  experts: llep_moe's "gpt_oss" activation); any other keeps the implementation
   the model had before (transformers' grouped_mm by default), and the report
-  says why. With group=..., expert parallelism: rank r keeps experts
-  [r*E/P, (r+1)*E/P) of every supported experts module (the parameter is
-  replaced by that slice: same key, shape [E/P, ...]), tokens stay on their
-  rank and PipelinedLLEP moves them to the experts and back. Non-expert
-  parameters stay replicated: averaging their gradients over the group (DDP,
-  FSDP) is the caller's business, the expert slices' gradients are complete.
+  says why. With group=..., expert parallelism (moepeak.hf_expert_parallel):
+  rank r keeps experts [r*E/P, (r+1)*E/P) of every supported experts module
+  (the parameter is replaced by that slice: same key, shape [E/P, ...]), tokens
+  stay on their rank and PipelinedLLEP moves them to the experts and back. Every
+  gradient is that of the mean of the ranks' losses: the expert slices' are
+  final after backward (divided by P on the way) and rank-local; the other
+  parameters are replicated and their gradients are averaged over the group by
+  DistributedDataParallel (apply_moepeak marks the slices for DDP to leave
+  alone) or by average_gradients(model); clip with clip_grad_norm_(model, ...),
+  which counts every rank's slices.
 - loss: the *ForCausalLM.forward of the instance (families in LOSS_FAMILIES)
   computes moepeak.linear_cross_entropy on the last hidden state when labels
   are given in training, so the [tokens, vocab] logits never exist; logits
@@ -80,6 +86,8 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
+from .hf_expert_parallel import (average_gradients, clip_grad_norm_, expert_slices, group_mean_gradient,
+                                 keep_expert_slice, mark_slices_for_ddp)
 from .hf_norms import LEAN_NORMS, patch_final_norm, patch_layer_norms
 from .tiled_adapters import HF_TILED_LAYERS
 
@@ -130,10 +138,11 @@ class ExpertsLayout(NamedTuple):
 def _gated_silu_hf_layout(module, x, top_k_index, top_k_weights, group, options):
     """gate_up_proj [E_local, 2I, H] (rows [:I] gate, [I:] up), down_proj
     [E_local, H, I]: .transpose(1, 2) is exactly moepeak's w_gate_up
-    [E_local, H, 2I] (columns [:I] gate) and w_down [E_local, I, H]."""
+    [E_local, H, 2I] (columns [:I] gate) and w_down [E_local, I, H]. With a
+    group, the slices' gradients are divided by its size (group_mean_gradient)."""
     from . import llep_moe
-    w_gate_up = module.gate_up_proj.transpose(1, 2)
-    w_down = module.down_proj.transpose(1, 2)
+    w_gate_up = group_mean_gradient(module.gate_up_proj, group).transpose(1, 2)
+    w_down = group_mean_gradient(module.down_proj, group).transpose(1, 2)
     xin = x if x.dtype == w_gate_up.dtype else x.to(w_gate_up.dtype)
     y = llep_moe(xin, top_k_index, top_k_weights, w_gate_up, w_down, group=group, **options)
     return y if y.dtype == x.dtype else y.to(x.dtype)
@@ -144,16 +153,18 @@ def _gpt_oss_layout(module, x, top_k_index, top_k_weights, group, options):
     with gate/up columns interleaved, gate_up_proj_bias [E_local, 2I],
     down_proj [E_local, I, H], down_proj_bias [E_local, H]; the clamped
     (up + 1) * gate * sigmoid(1.702 * gate) activation: llep_moe's "gpt_oss",
-    on the parameters as they are (no copy)."""
+    on the parameters as they are (no copy); with a group, their gradients
+    divided by its size (group_mean_gradient)."""
     from . import llep_moe
     from .llep_context import GPT_OSS_ALPHA, GPT_OSS_LIMIT
     if (module.alpha, module.limit) != (GPT_OSS_ALPHA, GPT_OSS_LIMIT):
         raise ValueError(f"moepeak.hf: {type(module).__name__} has alpha={module.alpha}, limit={module.limit}; "
                          f"moepeak's gpt_oss activation runs alpha={GPT_OSS_ALPHA}, limit={GPT_OSS_LIMIT}")
-    w = module.gate_up_proj
+    w, w_down, b_gate_up, b_down = (group_mean_gradient(t, group) for t in (
+        module.gate_up_proj, module.down_proj, module.gate_up_proj_bias, module.down_proj_bias))
     xin = x if x.dtype == w.dtype else x.to(w.dtype)
-    y = llep_moe(xin, top_k_index, top_k_weights, w, module.down_proj, b_gate_up=module.gate_up_proj_bias,
-                 b_down=module.down_proj_bias, activation="gpt_oss", group=group, **options)
+    y = llep_moe(xin, top_k_index, top_k_weights, w, w_down, b_gate_up=b_gate_up, b_down=b_down,
+                 activation="gpt_oss", group=group, **options)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
@@ -261,7 +272,7 @@ def _patch_experts(model, group, options, report):
             fallback[name] = f"its config kept experts_implementation={m.config._experts_implementation!r}"
             continue
         if run is not None and P > 1:
-            _keep_expert_slice(m, rank, P)
+            keep_expert_slice(m, rank, P)
         m._moepeak_experts = _ExpertsPlan(run, before, group, dict(options))
         if run is None:
             fallback[name] = f"stays on {before!r}: {why}"
@@ -269,23 +280,16 @@ def _patch_experts(model, group, options, report):
             on_moepeak.append(name)
     report.experts_on_moepeak = on_moepeak
     report.experts_fallback = fallback
-    ep = f", experts split over {P} ranks (rank {rank} holds [{rank}/{P}] of each)" if P > 1 else ""
+    ep = ""
+    if P > 1:
+        mark_slices_for_ddp(model)
+        ep = (f", experts split over {P} ranks (rank {rank} holds [{rank}/{P}] of each; their gradients are the "
+              "group's mean loss's, left alone by DDP)")
     report.patched.append(f"experts: {len(on_moepeak)} of {len(found)} experts modules run moepeak.llep_moe "
                           f"(experts_implementation={IMPLEMENTATION!r}, previously {before!r}){ep}")
     for reason in sorted(set(fallback.values())):
         names = [n for n, r in fallback.items() if r == reason]
         report.left_alone.append(f"experts: {len(names)} experts modules ({_abbrev(names)}) {reason}")
-
-
-def _keep_expert_slice(module, rank, P):
-    """Replace each expert parameter [E, ...] by rank's slice [E/P, ...] (same name)."""
-    El = module.num_experts // P
-    for pname in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
-        full = getattr(module, pname, None)
-        if full is None:
-            continue
-        local = full.detach()[rank * El:(rank + 1) * El].clone()
-        setattr(module, pname, torch.nn.Parameter(local, requires_grad=full.requires_grad))
 
 
 def _abbrev(names: List[str]) -> str:
@@ -369,7 +373,9 @@ def causal_lm_loss(hidden, lm_head: torch.nn.Linear, labels, *, num_items_in_bat
     hidden [B, T, H]; labels [B, T] int (position t's label is predicted at
     t - 1: labels shift left by one and the last position gets ignore_index),
     or shift_labels [B, T] already shifted. Reduction: mean over non-ignored
-    labels, or the sum / num_items_in_batch when that is given. fp32 result."""
+    labels, or the sum / num_items_in_batch when that is given. fp32 result.
+    No label left (T = 1, every label ignored): NaN (0 / 0; num_items_in_batch = 0:
+    the sum / 0) and zero gradients, as transformers' loss."""
     from . import linear_cross_entropy
     if shift_labels is None:
         shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
@@ -501,7 +507,12 @@ def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint:
     returns a MoepeakReport. See the module docstring for what each part does.
 
     group: a torch.distributed process group for expert parallelism (every
-    rank calls apply_moepeak and every forward/backward together).
+    rank calls apply_moepeak and every forward/backward together). Each rank
+    runs its own batch; the gradients are those of the mean of the ranks'
+    losses once the replicated parameters' are averaged: wrap the model in
+    DistributedDataParallel(model, process_group=group) (it leaves the expert
+    slices alone), or call average_gradients(model) after backward; clip with
+    clip_grad_norm_(model, max_norm) (moepeak.hf_expert_parallel).
     options: for the experts, llep_moe's chunk_rows, alpha,
     min_tokens_per_gemm, imbalance_threshold, save_budget_mb; for the loss,
     ce_mode, ce_chunk_tokens, ce_chunk_vocab (linear_cross_entropy's mode,
@@ -549,4 +560,5 @@ def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint:
 
 
 __all__ = ["apply_moepeak", "MoepeakReport", "ExpertsLayout", "SUPPORTED_LAYOUTS", "LOSS_FAMILIES", "LEAN_NORMS",
-           "experts_layout", "causal_lm_loss", "moepeak_experts_forward", "IMPLEMENTATION"]
+           "experts_layout", "causal_lm_loss", "moepeak_experts_forward", "IMPLEMENTATION", "expert_slices",
+           "average_gradients", "clip_grad_norm_"]
