@@ -178,3 +178,45 @@ def ring_dtp_flags(**changes):
     from moepeak.ring_dtp_sched import schedule_options
     with schedule_options(**changes) as opts:
         yield opts
+
+
+class TimeBudget:
+    """A run's wall-clock budget (--max-seconds): what is left, and whether a step of an
+    estimated length still fits (None: unlimited)."""
+
+    def __init__(self, max_seconds: Optional[float]):
+        self.max_seconds = max_seconds
+        self.start = time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def left(self) -> float:
+        return float("inf") if self.max_seconds is None else self.max_seconds - self.elapsed()
+
+    def fits(self, estimate_s: float) -> bool:
+        return estimate_s <= self.left()
+
+
+def cuda_times_and_peak(fn: Callable[[], object], reps: int, warmup: int = 1, cuda: Optional[bool] = None):
+    """(per-rep CUDA-event milliseconds, the largest peak of a timed rep in bytes above the
+    allocation just before it) of fn() after `warmup` untimed calls. cuda=False (default:
+    whether CUDA is available): host wall milliseconds and peak 0, for CPU smoke runs.
+    OOM propagates (callers record it)."""
+    if not (torch.cuda.is_available() if cuda is None else cuda):
+        return [t * 1e3 for t in wall_times_s(fn, reps=reps, warmup=warmup)], 0
+    for _ in range(warmup):
+        fn()
+    times, peak = [], 0
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+        peak = max(peak, torch.cuda.max_memory_allocated() - before)
+    return times, peak

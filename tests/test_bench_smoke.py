@@ -104,3 +104,48 @@ def test_profile_llep_vs_grouped_smoke(tmp_path):
         rows = list(csv.DictReader(f))
     assert rows and float(rows[0]["pipelined_ms"]) >= 0 and "grouped_mm_hf_count" in rows[0]
     assert any(r["class"] == "gemm" and float(r["grouped_mm_hf_ms"]) > 0 for r in rows), rows[:5]
+
+
+def test_bench_attention_smoke(tmp_path):
+    """bench_attention.py --smoke (CPU, T = 128): accuracy rows per backend against the fp64
+    reference, the packed-document flex check, and timing rows for every grouping and GQA mode
+    of the default grid; backends the CPU lacks are rows saying so, not crashes."""
+    _run(["benchmarks/bench_attention.py", "--smoke", "--backends", "flash,efficient,flex", "--out", str(tmp_path)])
+    rows = _rows(tmp_path / "attention.csv")
+    acc = {(r["model"], r["backend"], r["gqa"]): r for r in rows if r["kind"] == "accuracy"}
+    for key in (("qwen3", "flash", "gqa"), ("qwen3", "flash", "expand"), ("olmoe", "flash", "mha"),
+                ("qwen3", "math", "gqa")):
+        r = acc[key]
+        assert r["status"] == "ok", r
+        assert all(float(r[e]) < 1e-2 for e in ("err_out", "err_dq", "err_dk", "err_dv")), r
+    assert acc[("olmoe", "efficient", "mha")]["status"].startswith("unsupported"), acc
+    flex = acc[("olmoe", "flex", "mha")]
+    assert flex["status"].startswith("fwd only") and float(flex["err_out"]) < 1e-2, flex  # no flex backward on CPU
+    doc = [r for r in rows if r["kind"] == "docmask"]
+    assert len(doc) == 1 and float(doc[0]["err_out"]) < 1e-2, doc
+    timed = [r for r in rows if r["kind"] == "time" and r["backend"] == "flash"]
+    got = {(r["model"], r["q_heads"], r["kv_heads"], r["calls_per_layer"], r["gqa"]) for r in timed}
+    assert got == {("qwen3", "16", "4", "1", "gqa"), ("qwen3", "16", "4", "1", "expand"),
+                   ("qwen3", "8", "2", "2", "gqa"), ("qwen3", "8", "2", "2", "expand"),
+                   ("qwen3", "4", "1", "4", "gqa"), ("qwen3", "4", "1", "4", "expand"),
+                   ("olmoe", "16", "16", "1", "mha"), ("olmoe", "4", "4", "4", "mha"),
+                   ("olmoe", "1", "1", "16", "mha")}, got
+    assert all(r["status"] == "ok" and float(r["fwd_bwd_ms"]) > 0 for r in timed), timed
+    assert {r["status"][:8] for r in rows if r["kind"] == "time" and r["backend"] == "flex"} == {"fwd only"}
+
+
+def test_bench_attention_docmask_check_sees_a_wrong_mask(monkeypatch):
+    """The packed-document check fails loudly when flex is given plain causal attention
+    instead of the document mask (so its small error in the smoke run means something)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import argparse
+    import torch
+    import bench_attention
+
+    flex = bench_attention.Flex(torch.device("cpu"))
+    args = argparse.Namespace(acc_T=256, layout="bshd")
+    good = bench_attention.docmask_row(args, torch.device("cpu"), flex)
+    causal_only = flex.mask(256)
+    monkeypatch.setattr(flex, "mask", lambda T, mask_mod=None, key=None: causal_only)
+    bad = bench_attention.docmask_row(args, torch.device("cpu"), flex)
+    assert float(good["err_out"]) < 1e-2 < 0.1 < float(bad["err_out"]), (good, bad)
