@@ -60,8 +60,8 @@ def _assert_grads_equal(rank, world, model, ref_grads, what):
     from moepeak.hf_expert_parallel import EXPERT_PARAMS
 
     slices = expert_slices(model)
-    assert sorted(slices) == sorted(n for n in ref_grads if n.endswith(tuple(f"experts.{p}" for p in EXPERT_PARAMS))), \
-        sorted(slices)
+    endings = tuple(f"experts.{p}" for p in EXPERT_PARAMS)
+    assert sorted(slices) == sorted(n for n in ref_grads if n.endswith(endings)), sorted(slices)
     for n, p in model.named_parameters():
         want = ref_grads[n]
         if n in slices:
