@@ -187,3 +187,20 @@ def test_apply_sco_refuses_blocks_of_another_model():
     # nothing was wrapped: the first block of the mixed list is untouched
     assert [blk.forward for blk in model.layers] == before
     assert all(getattr(blk, "_moepeak_sco", None) is None for blk in list(model.layers) + list(other.layers))
+
+
+@pytest.mark.cuda
+def test_cuda_saved_tensor_identity_kept_and_offloaded_boundary():
+    # on the GPU too: a non-boundary argument without grad comes back as itself; the
+    # boundary without grad as itself when kept on the GPU, as a fresh equal tensor
+    # once it went through the pinned arena
+    b = torch.randn(3, device="cuda")
+    c = torch.randn(3, device="cuda", requires_grad=True)
+    for keep in (False, True):
+        _SaveSecond.seen = None
+        moepeak.sco_checkpoint(_SaveSecond.apply, c, b, sco_config=SCOConfig(), sco_keep_on_gpu=keep).sum().backward()
+        assert _SaveSecond.seen is b
+        _SaveSecond.seen = None
+        moepeak.sco_checkpoint(lambda y, x: _SaveSecond.apply(x, y), b, c, sco_config=SCOConfig(),
+                               sco_keep_on_gpu=keep).sum().backward()
+        assert (_SaveSecond.seen is b) == keep and torch.equal(_SaveSecond.seen, b)

@@ -129,3 +129,30 @@ def test_supported_dtypes_and_param_forms_still_accepted():
     group = {"params": ps[2]}  # a single tensor, as torch accepts
     opt.add_param_group(group)
     assert opt.param_groups[1] is group and group["params"] == [ps[2]]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cuda_copy_steps_bitwise_like_the_original(dtype, overlap):
+    # CUDA params: the copy makes its own pinned bucket plan and streams at its first
+    # step; the fp32 CPU masters and the bf16 params' master_param travel with it
+    model = _model().cuda().to(dtype)
+    opt = _optimizer(model, overlap_backward=overlap, bucket_mb=1e-3)
+
+    def train(m, o, seeds):
+        for s in seeds:
+            g = torch.Generator().manual_seed(s)
+            x, y = torch.randn(8, 13, generator=g).cuda().to(dtype), torch.randn(8, 5, generator=g).cuda()
+            torch.nn.functional.mse_loss(m(x).float(), y).backward()
+            o.step()
+            o.zero_grad()
+
+    train(model, opt, [1, 2])
+    model_c, opt_c = _deepcopy(model, opt)
+    assert opt_c._plan is None and opt.pinned_bytes() > 0
+    train(model, opt, [3, 4])
+    train(model_c, opt_c, [3, 4])
+    assert opt_c.pinned_bytes() > 0 and opt_c._plan is not opt._plan
+    torch.cuda.synchronize()
+    _assert_same(model, opt, model_c, opt_c)
