@@ -55,12 +55,44 @@ PyObject *mp_raise_no_cuda(const char *what) {
 }
 
 /* ---- module ------------------------------------------------------------ */
+/* The nvcc targets the CUDA objects were compiled for, comma-separated in
+ * nvcc's spelling ("sm_80,...,sm_120,compute_120": SASS then PTX); setup.py
+ * defines it. Empty for a CPU-only build. */
+#ifndef MP_CUDA_ARCHS
+#define MP_CUDA_ARCHS ""
+#endif
+
+/* moepeak._C.cuda_archs: MP_CUDA_ARCHS as a tuple of str (empty: ()). */
+static int mp_add_cuda_archs(PyObject *m) {
+  PyObject *text = NULL, *sep = NULL, *parts = NULL, *tuple = NULL;
+  int rc = -1;
+  if (MP_CUDA_ARCHS[0] == '\0') {
+    tuple = PyTuple_New(0);
+  } else {
+    text = PyUnicode_FromString(MP_CUDA_ARCHS);
+    sep = text ? PyUnicode_FromString(",") : NULL;
+    parts = sep ? PyUnicode_Split(text, sep, -1) : NULL;
+    tuple = parts ? PyList_AsTuple(parts) : NULL;
+  }
+  if (tuple == NULL) goto fail;
+  if (PyModule_AddObject(m, "cuda_archs", tuple) < 0) goto fail;  /* steals tuple on success only */
+  tuple = NULL;
+  rc = 0;
+fail:
+  Py_XDECREF(tuple);
+  Py_XDECREF(parts);
+  Py_XDECREF(sep);
+  Py_XDECREF(text);
+  return rc;
+}
+
 static int mp_exec(PyObject *m) {
   PyMethodDef *tables[] = {mp_core_methods, mp_adamw_methods, mp_ce_methods,
                            mp_sco_methods,  mp_llep_methods,  mp_transport_methods};
   for (size_t i = 0; i < sizeof tables / sizeof tables[0]; i++)
     if (PyModule_AddFunctions(m, tables[i]) < 0) return -1;
   if (PyModule_AddIntConstant(m, "has_cuda", MP_WITH_CUDA) < 0) return -1;
+  if (mp_add_cuda_archs(m) < 0) return -1;
   if (PyModule_AddIntConstant(m, "ISA_SCALAR", MP_ISA_SCALAR) < 0) return -1;
   if (PyModule_AddIntConstant(m, "ISA_AVX2", MP_ISA_AVX2) < 0) return -1;
   if (PyModule_AddIntConstant(m, "ISA_AVX512", MP_ISA_AVX512) < 0) return -1;
