@@ -19,6 +19,9 @@ and the kernel rows as .csv):
     by the largest total, with the first arm minus the second;
   * the same summed per kernel class (GEMM, moepeak's kernels, sort/index, elementwise,
     reduction, copy/memset, other);
+  * the GEMM ops (torch._grouped_mm, mm, addmm) by input shapes: which GEMM (gate/up or
+    down, forward, recompute, dX or dW) takes the time (kernel names: demangled where
+    c++filt is installed);
   * per arm: wall ms, kernel ms (busy = kernel / wall; below ~0.97 the GPU waits on the
     host), the largest idle gaps, GEMM ms and the TFLOP/s of 18*T*K*H*I (the layer's
     GEMM FLOP) over it, and llep's LAST_STATS of forward and backward (chunks, cached
@@ -35,7 +38,9 @@ import csv
 import gc
 import hashlib
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 
@@ -66,6 +71,26 @@ def kernel_class(name: str) -> str:
         if any(k in low for k in keys):
             return cls
     return "other"
+
+
+GEMM_OPS = ("aten::_grouped_mm", "aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm")
+
+
+def demangle(names):
+    """{name: readable name}: C++ symbols (the cutlass GEMM kernels are reported mangled)
+    through c++filt where it is installed, else as they are."""
+    out = {n: n for n in names}
+    tool = shutil.which("c++filt")
+    mangled = [n for n in names if n.startswith("_Z")]
+    if tool and mangled:
+        try:
+            res = subprocess.run([tool], input="\n".join(mangled), capture_output=True, text=True, timeout=30)
+            lines = res.stdout.splitlines()
+            if res.returncode == 0 and len(lines) == len(mangled):
+                out.update(zip(mangled, lines))
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return out
 
 
 def short_name(name: str, width: int = 96) -> str:
@@ -112,19 +137,34 @@ def wall_ms(fn, leaves, gy, reps):
     return statistics.median(times)
 
 
+def _shapes(ev) -> str:
+    shapes = [sh for sh in (getattr(ev, "input_shapes", None) or []) if sh]
+    return "x".join("[" + ",".join(str(d) for d in sh) + "]" for sh in shapes[:3])
+
+
 def profile_one(fn, leaves, gy):
-    """({kernel name: [count, total ms]}, kernel spans [(start us, end us)], stats): one
-    fwd+bwd under torch.profiler; on CPU the CPU ops' self time stands in for kernels."""
+    """({kernel name: [count, total ms]}, kernel spans [(start us, end us)], stats, {GEMM op
+    and input shapes: [count, ms]}): one fwd+bwd under torch.profiler; on CPU the CPU ops'
+    self time stands in for kernels and their CPU time for the GEMM ops'."""
     from torch.profiler import ProfilerActivity, profile
     cuda = gy.is_cuda
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     stats = {}
     if cuda:
         torch.cuda.synchronize()
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=True) as prof:
         fwd_bwd(fn, leaves, gy, stats)
         if cuda:
             torch.cuda.synchronize()
+    gemms = {}
+    for ev in prof.events():
+        if ev.name in GEMM_OPS and not str(getattr(ev, "device_type", "")).endswith("CUDA"):
+            us = getattr(ev, "device_time_total", None) if cuda else ev.cpu_time_total
+            if us is None:
+                us = getattr(ev, "cuda_time_total", 0.0)
+            c = gemms.setdefault(f"{ev.name[6:]} {_shapes(ev)}", [0, 0.0])
+            c[0] += 1
+            c[1] += us / 1000.0
     kern, spans = {}, []
     if cuda:
         for ev in prof.events():
@@ -141,7 +181,7 @@ def profile_one(fn, leaves, gy):
         for ev in prof.key_averages():
             if ev.self_cpu_time_total > 0:
                 kern[ev.key] = [ev.count, ev.self_cpu_time_total / 1000.0]
-    return kern, sorted(spans), stats
+    return kern, sorted(spans), stats, gemms
 
 
 def idle_gaps(spans, top=3):
@@ -160,8 +200,9 @@ def side_by_side(results, arms, top):
     """The kernel table: rows (short name, class, [(count, ms) per arm]), largest first."""
     names = sorted({k for a in arms for k in results[a]["kern"]},
                    key=lambda k: -max(results[a]["kern"].get(k, [0, 0.0])[1] for a in arms))
-    rows = [(short_name(k), kernel_class(k), [tuple(results[a]["kern"].get(k, [0, 0.0])) for a in arms], k)
-            for k in names]
+    readable = demangle(names)
+    rows = [(short_name(readable[k]), kernel_class(readable[k]), [tuple(results[a]["kern"].get(k, [0, 0.0]))
+                                                                 for a in arms], readable[k]) for k in names]
     return rows[:top] if top else rows
 
 
@@ -195,6 +236,13 @@ def report(results, arms, args, flop, log):
             ks = [(n, ms) for k, (n, ms) in results[a]["kern"].items() if kernel_class(k) == cls]
             cells.append(f"{sum(ms for _, ms in ks):14.2f} ({sum(n for n, _ in ks):6d})    ")
         log("  " + f"{cls:14s}" + "".join(f"{c:>26s}" for c in cells))
+    log("\nGEMM ops by input shapes (the op's kernels), ms (count):")
+    keys = sorted({k for a in ok for k in results[a]["gemms"]},
+                  key=lambda k: -max(results[a]["gemms"].get(k, [0, 0.0])[1] for a in ok))
+    log("  " + "".join(f"{a[:22]:>24s}" for a in ok) + "  op and shapes")
+    for k in keys[:args.top]:
+        cells = [results[a]["gemms"].get(k, [0, 0.0]) for a in ok]
+        log("  " + "".join(f"{ms:14.3f} ({n:6d})  " for n, ms in cells) + f"  {k}")
     rows = side_by_side(results, ok, 0)
     diff = len(ok) > 1
     log(f"\nkernels, total ms (count), largest first" + (f"; diff = {ok[0]} - {ok[1]}" if diff else "") + ":")
@@ -256,8 +304,8 @@ def main():
         fn, leaves = fns[a]
         try:
             wall = wall_ms(fn, leaves, gy, args.reps)
-            kern, spans, stats = profile_one(fn, leaves, gy)
-            results[a] = dict(wall=wall, kern=kern, spans=spans, stats=stats)
+            kern, spans, stats, gemms = profile_one(fn, leaves, gy)
+            results[a] = dict(wall=wall, kern=kern, spans=spans, stats=stats, gemms=gemms)
         except RuntimeError as err:  # an OOM or a library error is a result
             results[a] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"}
         gc.collect()
