@@ -42,12 +42,12 @@ OUT/attention.csv as each case finishes.
   python benchmarks/bench_attention.py --smoke --out /tmp/a              # CPU, tiny T: code paths
 
 Default grid, in this order (the first T of --T is T0, default 128k, then 256k, 512k):
-accuracy and docmask at 4k; at T0 flash, cudnn and efficient x {all heads, an intermediate
-grouping, per kv head} x GQA modes for both models, and default with all heads and per kv
-head (gqa); at the longer T flash and cudnn per kv head (gqa) for both models; flex at T0
-with all heads and per kv head (gqa). At 512k one all-heads
-fwd+bwd of 16 heads is about 1.1e15 x 3.5 FLOP, ~7-9 s: all-heads cases beyond T0 run only
-with --full or --groups.
+accuracy and docmask at 4k; at T0 flash and cudnn x {all heads, an intermediate grouping, per
+kv head} x GQA modes for both models, then efficient (both GQA modes), default and flex (gqa)
+with all heads and per kv head; at the longer T cudnn and flash per kv head (gqa) for both
+models. About 3-3.5 minutes on an H200 (flex compiles once per shape, ~6 s); --max-seconds cuts
+the tail. At 512k one all-heads fwd+bwd of 16 heads is 3.5 x 1.1e15 FLOP, 7-12 s: all-heads
+cases beyond T0 run only with --full or --groups.
 """
 from __future__ import annotations
 
@@ -156,16 +156,14 @@ def default_grid(Ts, models, backends, scope, groups_flag, gqa_wanted):
         for T in Ts:
             add(T, backends, groups_flag or "all", gqa_wanted)
         return cases
-    add(T0, [b for b in sdpa if b != "default"], groups_flag or "default", gqa_wanted)
-    if "default" in sdpa:  # torch's own choice, as the tiled core calls it (GQA in place)
-        for which in ("full", "per_kv"):
-            add(T0, ["default"], groups_flag or which, gqa_wanted[:1])
+    add(T0, [b for b in ("flash", "cudnn") if b in sdpa], groups_flag or "default", gqa_wanted)
+    for which in ("full", "per_kv"):
+        add(T0, [b for b in ("efficient",) if b in sdpa], groups_flag or which, gqa_wanted)
+        # torch's own choice as the tiled core calls it (GQA in place), and flex
+        add(T0, [b for b in ("default", "flex") if b in backends], groups_flag or which, gqa_wanted[:1])
     if scope == "default":
         for T in Ts[1:]:
-            add(T, [b for b in ("flash", "cudnn") if b in backends], groups_flag or "per_kv", gqa_wanted[:1])
-    if "flex" in backends:
-        add(T0, ["flex"], groups_flag or "full", gqa_wanted[:1])
-        add(T0, ["flex"], groups_flag or "per_kv", gqa_wanted[:1])
+            add(T, [b for b in ("cudnn", "flash") if b in backends], groups_flag or "per_kv", gqa_wanted[:1])
     return cases
 
 
@@ -197,13 +195,30 @@ class Flex:
         self.masks = {}
 
     def mask(self, T: int, mask_mod=None, key=None):
+        """The causal BlockMask of length T (mask_mod None), else mask_mod's (from its dense
+        evaluation: short T only), cached under key."""
         from torch.nn.attention.flex_attention import create_block_mask
         key = key or ("causal", T)
         if key not in self.masks:
-            mod = mask_mod or (lambda b, h, q, kv: q >= kv)
-            self.masks[key] = create_block_mask(mod, None, None, T, T, device=self.device,
-                                                _compile=self.device.type == "cuda")
+            if mask_mod is None:
+                self.masks[key] = causal_block_mask(T, self.device)
+            else:
+                self.masks[key] = create_block_mask(mask_mod, None, None, T, T, device=self.device)
         return self.masks[key]
+
+
+def causal_block_mask(T: int, device, block: int = 128):
+    """flex_attention's causal BlockMask built from its block lists (no T x T evaluation, no
+    compile): query block i reads kv blocks 0..i-1 whole and block i through q >= kv."""
+    from torch.nn.attention.flex_attention import BlockMask
+    n = -(-T // block)
+    ar = torch.arange(n, dtype=torch.int32, device=device)
+    kv_indices = torch.zeros(1, 1, n, n, dtype=torch.int32, device=device)
+    kv_indices[0, 0, :, 0] = ar                                   # the diagonal block, partial
+    full_indices = ar.view(1, 1, 1, n).expand(1, 1, n, n).contiguous()  # row i: blocks 0..i-1 valid
+    return BlockMask.from_kv_blocks(torch.ones(1, 1, n, dtype=torch.int32, device=device), kv_indices,
+                                    ar.view(1, 1, n).clone(), full_indices, BLOCK_SIZE=block,
+                                    mask_mod=lambda b, h, q, kv: q >= kv, seq_lengths=(T, T))
 
 
 def attention_call(backend: str, gqa: str, r: int, flex: Flex = None, block_mask=None):

@@ -37,9 +37,10 @@ Arms at P = 1 (same inputs, same process):
                  through transpose(1, 2), as apply_moepeak passes them) and its bf16 weights
   pipelined_titan_layout pipelined on grouped_mm_titan's weights ((w1, w3) and w2 through
                  transpose(1, 2), as moepeak.titan passes them)
-Issue 38's P = 1 check (fair arms; summary against the faster of them at the end):
-  python benchmarks/bench_llep.py --tokens 16384,65536,262144
-      --arms grouped_mm_hf,grouped_mm_titan,pipelined --iters 5 --out benchmarks/results
+Issue 38's P = 1 check (E128 config, balanced and 95:4; fair arms; summary against the
+faster of them at the end; about 2 minutes on an H200):
+  python benchmarks/bench_llep.py --quick --tokens 16384,65536,262144
+      --arms grouped_mm_hf,grouped_mm_titan,grouped_mm_bf16w,pipelined --iters 5 --out benchmarks/results
 Arms at P = 2 (T tokens per rank):
   standard_ep    all_to_all_single dispatch/combine (torch.distributed.nn, autograd)
                  of the expanded rows, local grouped GEMMs

@@ -149,3 +149,20 @@ def test_bench_attention_docmask_check_sees_a_wrong_mask(monkeypatch):
     monkeypatch.setattr(flex, "mask", lambda T, mask_mod=None, key=None: causal_only)
     bad = bench_attention.docmask_row(args, torch.device("cpu"), flex)
     assert float(good["err_out"]) < 1e-2 < 0.1 < float(bad["err_out"]), (good, bad)
+
+
+@pytest.mark.parametrize("T", [64, 300, 384])
+def test_bench_attention_causal_block_mask_is_create_block_masks(T):
+    """The causal BlockMask bench_attention builds from block lists (no T x T evaluation, so
+    512k needs no compile) has create_block_mask's blocks and gives flex its outputs."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    import bench_attention
+
+    mine = bench_attention.causal_block_mask(T, "cpu")
+    ref = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, T, T, device="cpu")
+    assert torch.equal(mine.to_dense(), ref.to_dense())
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, T, 16, generator=g) for _ in range(3))
+    assert torch.equal(flex_attention(q, k, v, block_mask=mine), flex_attention(q, k, v, block_mask=ref))
