@@ -55,15 +55,25 @@ what transformers expects. Three parts, each can be turned off:
   model.gradient_checkpointing_disable() turns checkpointing off.
 
 - tile_tokens (off unless given): every decoder layer of a family in TILED_LAYERS
-  (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3) runs
-  moepeak.tiled_adapters.tiled_hf_moe_layer_forward (the block's position-wise parts in
+  (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3; MoE and dense layers) runs
+  moepeak.tiled_adapters.tiled_hf_layer_training_forward (the block's position-wise parts in
   sequence tiles of tile_tokens tokens, only attention at full length) in training with
-  grad; in eval / no_grad the layer's own forward runs. With output_router_logits (config or
-  call) each tiled layer hands transformers' output collector one router-logits tensor [B*T,
+  grad; in eval / no_grad the layer's own forward runs. The call is the stock layer's:
+  under the gradient-checkpointing function when checkpointing is on (SCO: the layer's
+  input is SCO's boundary), and every argument but the mask, the rotary tables and the KV
+  cache reaches the attention function unchanged (position_ids and cu_seq_lens_q/k of
+  packed sequences included). With checkpointing off, the empty KV cache transformers makes
+  in training (config.use_cache) is left empty (stock would store every layer's k, v in
+  it); a cache that holds tokens is refused. Under autocast the backward's recompute runs
+  under the forward's autocast and RNG state. With output_router_logits (config or call)
+  each tiled MoE layer hands transformers' output collector one router-logits tensor [B*T,
   E] for all its tokens, as the untiled router does, instead of the per-tile ones its router
-  produced: an output of the tiled block's autograd node, so the model's own router aux loss
-  (load_balancing_loss_func) is that of the untiled model and its gradient reaches the
-  routers and the layer inputs through the tiled recompute. (Reads transformers' private
+  produced (a dense layer hands none, as stock): an output of the tiled block's autograd
+  node, so the model's own router aux loss (load_balancing_loss_func) is that of the
+  untiled model and its gradient reaches the routers and the layer inputs through the tiled
+  recompute. With output_attentions and an attention function that returns weights
+  (eager), each layer hands the forward's weights [B, heads, T, T], equal to stock's but
+  without a gradient path (a backward through them raises). (Reads transformers' private
   output collector, transformers.utils.output_capturing._active_collector; checked at apply
   time.) The logits cost L x [T, E] in the activation dtype: 32 B/token per layer at E = 16
   in bf16, 1/128 of one [T, H] at H = 2048 (transformers' aux loss also keeps each layer's
@@ -438,40 +448,48 @@ def _patch_checkpoint(model, options, report):
 def _patch_tiled_layers(model, tile_tokens, report):
     if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 1:
         raise ValueError(f"moepeak.hf: tile_tokens must be a positive integer or None, got {tile_tokens!r}")
-    from .tiled_adapters import tiled_hf_moe_layer_forward
+    from .tiled_adapters import tiled_hf_layer_training_forward
     layers = [m for m in model.modules() if type(m).__name__ in TILED_LAYERS]
     if not layers:
         kinds = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("DecoderLayer")})
         report.left_alone.append(f"tile_tokens: no decoder layer the tiled adapter runs ({', '.join(TILED_LAYERS)}); "
                                  f"{', '.join(kinds) or 'no decoder layers'} stay untiled")
         return
-    _router_logits_collector()  # the hand-off below needs it: refuse now, not mid-training
+    _output_collector()  # the hand-off below needs it: refuse now, not mid-training
     for layer in layers:
         untiled = layer.forward
 
         def forward(hidden_states, *args, _layer=layer, _untiled=untiled, **kwargs):
             if not (_layer.training and torch.is_grad_enabled()):
                 return _untiled(hidden_states, *args, **kwargs)
-            collected = _router_logits_collector().get()
-            wanted = None if collected is None else collected.get("router_logits")
-            if wanted is None:
-                return tiled_hf_moe_layer_forward(_layer, hidden_states, *args, tile_tokens=tile_tokens, **kwargs)
-            first = len(wanted)
-            y, logits = tiled_hf_moe_layer_forward(_layer, hidden_states, *args, tile_tokens=tile_tokens,
-                                                   return_router_logits=True, **kwargs)
-            # transformers' hook on the router recorded one graph-less entry per tile (the
-            # tiled forward); the layer's entry is the full-length logits with their graph
-            del wanted[first:]
-            wanted.append(logits)
+            collected = _output_collector().get() or {}
+            logits_out, maps_out = collected.get("router_logits"), collected.get("attentions")
+            first = None if logits_out is None else len(logits_out)
+            y, logits, maps = tiled_hf_layer_training_forward(
+                _layer, hidden_states, *args, tile_tokens=tile_tokens, router_logits=logits_out is not None,
+                attention_weights=maps_out is not None, **kwargs)
+            if logits_out is not None:
+                # transformers' hook on the router recorded one graph-less entry per tile (none in
+                # a dense layer); the layer's one entry is the full-length logits with their graph
+                recorded = len(logits_out) - first
+                del logits_out[first:]
+                if recorded and logits is None:
+                    raise RuntimeError(f"moepeak.hf: {type(_layer).__name__}'s router logits were recorded but "
+                                       "its mlp has no router at mlp.gate")
+                if recorded:
+                    logits_out.append(logits)
+            if maps is not None:
+                maps_out.append(maps)
             return y
         layer.forward = forward
-    report.patched.append(f"tile_tokens: {len(layers)} decoder layers run moepeak.tiled_hf_moe_layer_forward in "
-                          f"training (tiles of {tile_tokens} tokens)")
+    report.patched.append(f"tile_tokens: {len(layers)} decoder layers run moepeak.tiled_hf_layer_training_forward "
+                          f"in training (tiles of {tile_tokens} tokens)")
 
 
-def _router_logits_collector():
+def _output_collector():
     """transformers' context variable holding the outputs being collected in this forward
-    ({"router_logits": [...], ...} or None): where an untiled router's logits go."""
+    ({"router_logits": [...], "attentions": [...], ...} or None): where an untiled router's
+    logits and attention's weights go."""
     try:
         from transformers.utils import output_capturing
         return output_capturing._active_collector

@@ -11,7 +11,12 @@ of `tile_tokens` tokens, in forward and in backward, and checkpoints the block i
 between forward and backward it keeps only the block input x (through one tiny
 autograd node, `_Boundary`, so that torch's non-reentrant checkpoint and
 moepeak.sco_checkpoint, which replay the wrapped function only until every saved
-tensor is back, replay nothing but that node: x is then the one tensor SCO offloads).
+tensor is back, replay nothing but that node: x is then the one tensor SCO offloads;
+when x needs no gradient, a 0-element anchor that does puts the node in the graph all
+the same), plus what the recompute must run under, as torch.utils.checkpoint keeps it:
+the forward's autocast state (for the CPU and for x's device type) and the RNG state
+(CPU and x's device) before each part call, one per tile and head group (~5 KiB of host
+memory each for the CPU generator), restored around the same call's recompute.
 
 Backward, given grad_y [.., T, ..]:
   1. pre_attn tiles under no_grad rebuild q, k, v (full length, one buffer per head group);
@@ -24,8 +29,9 @@ Backward, given grad_y [.., T, ..]:
   4. the attention core's backward, one head group at a time: group g's q, k, v, out and
      dout are dropped as soon as its dq, dk, dv exist, so the full-length set shrinks;
   5. pre_attn tiles, last tile first, the same way; dx_t adds to dx.
-Per-tile saved tensors live only during their tile's autograd.grad call, so the
-position-wise working set is O(tile_tokens).
+Every recompute in steps 1, 2, 3 and 5 runs under the autocast state and the RNG state the
+same call saw in the forward. Per-tile saved tensors live only during their tile's
+autograd.grad call, so the position-wise working set is O(tile_tokens).
 
 Full-length tensors at the backward peak (the first head group's core backward), in bf16
 [T, H] equivalents for the 2.0B model of issue 25 (H = 2048, 16 q / 4 kv heads of 128,
@@ -78,8 +84,9 @@ Hugging Face attention interface) returns a view, not a second full-length copy.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -134,17 +141,19 @@ class _Boundary(torch.autograd.Function):
     """Identity that saves the block input x: the one tensor kept from forward to backward.
 
     It is the first op of the tiled block, so a checkpoint replay that stops once every
-    saved tensor is back (torch non-reentrant checkpoint, sco_checkpoint) runs only this."""
+    saved tensor is back (torch non-reentrant checkpoint, sco_checkpoint) runs only this.
+    anchor: None, or (when x needs no gradient: a frozen embedding's output) a 0-element
+    tensor that requires grad, so that autograd records this node and it saves x all the same."""
 
     @staticmethod
-    def forward(ctx, x, box):
+    def forward(ctx, x, box, anchor):
         box.ctx = ctx
         ctx.save_for_backward(x)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return (grad if ctx.needs_input_grad[0] else None), None, None
 
 
 class _Box:
@@ -154,6 +163,51 @@ class _Box:
 
     def __init__(self):
         self.ctx = None
+
+
+class _CallStates:
+    """What each part call of the forward ran under, so that backward recomputes the same call
+    under the same (what torch.utils.checkpoint restores for its one replay, kept per call
+    because backward calls the parts in another order): autocast for the CPU and for x's
+    device type, and the RNG states of the CPU and of x's device just before the call.
+    Keys: ("pre", tile start), ("core", head group), ("post", tile start)."""
+
+    def __init__(self, device: torch.device):
+        types = dict.fromkeys(("cpu", device.type))
+        self.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                         for d in types if torch.amp.is_autocast_available(d)]
+        self.autocast_cache = torch.is_autocast_cache_enabled()
+        module = getattr(torch, device.type, None) if device.type != "cpu" else None  # torch.cuda, ...
+        self.device_rng = module if hasattr(module, "get_rng_state") else None
+        self.device = device if device.index is not None or self.device_rng is None else \
+            torch.device(device.type, self.device_rng.current_device())
+        self.rng: Dict[tuple, tuple] = {}
+
+    def in_forward(self, key) -> ContextManager:
+        """Around a part call of the forward: remembers the RNG states it starts from."""
+        dev = self.device_rng.get_rng_state(self.device) if self.device_rng is not None else None
+        self.rng[key] = (torch.get_rng_state(), dev)
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def in_recompute(self, key):
+        """Around the recompute of the call `key`: its forward's autocast and RNG states; the
+        RNG states outside are left as they were."""
+        cpu, dev = self.rng[key]
+        devices = [self.device.index] if dev is not None else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type), contextlib.ExitStack() as stack:
+            torch.set_rng_state(cpu)
+            if dev is not None:
+                self.device_rng.set_rng_state(dev, self.device)
+            for device_type, enabled, dtype in self.autocast:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled,
+                                                   cache_enabled=self.autocast_cache))
+            yield
+
+
+def _untracked(key) -> ContextManager:
+    """Around a part call of a forward without backward: nothing to remember."""
+    return contextlib.nullcontext()
 
 
 def _fp32_accumulator(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -192,33 +246,43 @@ def _scatter_tile(groups: List[torch.Tensor], tile: torch.Tensor, seq_dim: int, 
         h0 += h
 
 
+def _run_forward(x, spec: TiledBlockSpec, tile_tokens: int, around: Callable[[tuple], ContextManager]):
+    """y (or (y, *side outputs)) of the block, each part call made inside around(key)."""
+    qkv = _pre_attn_groups(x, spec, tile_tokens, around)
+    outs = []
+    for g, (q, k, v) in enumerate(qkv):
+        with around(("core", g)):
+            outs.append(spec.attn_core(q, k, v))
+    del qkv
+    sd, T = spec.seq_dim, x.shape[spec.seq_dim]
+    y = torch.empty_like(x)
+    extras = None  # the side outputs at full length: [e_i with dim sd of size T]
+    for s, n in tile_ranges(T, tile_tokens):
+        with around(("post", s)):
+            result = spec.post_attn(x.narrow(sd, s, n), _tile_of(outs, spec.out_seq_dim, spec.out_head_dim, s, n))
+        y_t, e_t = _split_post_attn(result, spec)
+        y.narrow(sd, s, n).copy_(y_t)
+        if extras is None:
+            extras = [_full_length_like(e, sd, T) for e in e_t]
+        for full, e in zip(extras, e_t):
+            full.narrow(sd, s, n).copy_(e)
+    return (y, *extras) if spec.extras else y
+
+
 class _TiledBlock(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, box, spec: TiledBlockSpec, tile_tokens: int, *params):
         ctx.box, ctx.spec, ctx.tile_tokens = box, spec, tile_tokens
         ctx.n_params = len(params)
         ctx.x_requires_grad = x.requires_grad
+        ctx.calls = _CallStates(x.device)
         if spec.extras:
             ctx.set_materialize_grads(False)  # an unused side output's gradient stays None
-        qkv = _pre_attn_groups(x, spec, tile_tokens)
-        outs = [spec.attn_core(q, k, v) for q, k, v in qkv]
-        del qkv
-        sd, T = spec.seq_dim, x.shape[spec.seq_dim]
-        y = torch.empty_like(x)
-        extras = None  # the side outputs at full length: [e_i with dim sd of size T]
-        for s, n in tile_ranges(T, tile_tokens):
-            y_t, e_t = _split_post_attn(
-                spec.post_attn(x.narrow(sd, s, n), _tile_of(outs, spec.out_seq_dim, spec.out_head_dim, s, n)), spec)
-            y.narrow(sd, s, n).copy_(y_t)
-            if extras is None:
-                extras = [_full_length_like(e, sd, T) for e in e_t]
-            for full, e in zip(extras, e_t):
-                full.narrow(sd, s, n).copy_(e)
-        return (y, *extras) if spec.extras else y
+        return _run_forward(x, spec, tile_tokens, ctx.calls.in_forward)
 
     @staticmethod
     def backward(ctx, grad_y, *grad_extras):
-        spec, tile = ctx.spec, ctx.tile_tokens
+        spec, tile, calls = ctx.spec, ctx.tile_tokens, ctx.calls
         # Under SCO, reading x reloads it and would start the previous block's prefetch
         # now; it is held back until the core's backward has freed more than that
         # boundary's bytes (step 4), so the prefetched boundary is not part of this peak.
@@ -242,11 +306,13 @@ class _TiledBlock(torch.autograd.Function):
 
         # 1-2. q, k, v again (no graph), then the attention core per head group with its graph
         with torch.no_grad():
-            qkv = _pre_attn_groups(x, spec, tile)
+            qkv = _pre_attn_groups(x, spec, tile, calls.in_recompute)
         leaves = [[_detached_leaf(t) for t in group] for group in qkv]
         del qkv
-        with torch.enable_grad():
-            outs = [spec.attn_core(*group) for group in leaves]
+        outs = []
+        for g, group in enumerate(leaves):
+            with torch.enable_grad(), calls.in_recompute(("core", g)):
+                outs.append(spec.attn_core(*group))
         out_values = [o.detach() for o in outs]
 
         # 3. post-attention tiles: dx (residual path + norm), dout, weight grads
@@ -255,7 +321,7 @@ class _TiledBlock(torch.autograd.Function):
         for s, n in reversed(tiles):
             x_t = _detached_leaf(x.narrow(sd, s, n))
             o_t = _detached_leaf(_tile_of(out_values, osd, ohd, s, n))
-            with torch.enable_grad():
+            with torch.enable_grad(), calls.in_recompute(("post", s)):
                 y_t, e_t = _split_post_attn(spec.post_attn(x_t, o_t), spec)
             # y_t and the side outputs that received a gradient, with their gradients' tiles
             pairs = [(y_t, grad_y)] + list(zip(e_t, grad_extras))
@@ -293,7 +359,7 @@ class _TiledBlock(torch.autograd.Function):
         for s, n in reversed(tiles):
             x_t = _detached_leaf(x.narrow(sd, s, n))
             dx_t = dx.narrow(sd, s, n)
-            with torch.enable_grad():
+            with torch.enable_grad(), calls.in_recompute(("pre", s)):
                 qkv_t = tuple(spec.pre_attn(x_t, s))
                 residual_t = x_t.view_as(x_t)
             dqkv_t = tuple(_tile_of([grp[j] for grp in dqkv], qsd, qhd, s, n) for j in range(3))
@@ -344,14 +410,17 @@ def _empty_in_layout_of(t: torch.Tensor, shape) -> torch.Tensor:
     return buf.permute(*[order.index(i) for i in range(t.dim())])
 
 
-def _pre_attn_groups(x, spec: TiledBlockSpec, tile_tokens: int) -> List[List[torch.Tensor]]:
+def _pre_attn_groups(x, spec: TiledBlockSpec, tile_tokens: int,
+                     around: Callable[[tuple], ContextManager]) -> List[List[torch.Tensor]]:
     """[[q_g, k_g, v_g] for each head group g]: q, k, v at full length, built tile by tile
-    (the only full-length tensors pre_attn makes), each group its own buffer."""
+    (the only full-length tensors pre_attn makes), each group its own buffer; each pre_attn
+    call made inside around(("pre", tile start))."""
     T = x.shape[spec.seq_dim]
     G, d, hd = spec.head_groups, spec.qkv_seq_dim, spec.qkv_head_dim
     groups = None
     for s, n in tile_ranges(T, tile_tokens):
-        parts = spec.pre_attn(x.narrow(spec.seq_dim, s, n), s)
+        with around(("pre", s)):
+            parts = spec.pre_attn(x.narrow(spec.seq_dim, s, n), s)
         if len(parts) != 3:
             raise ValueError(f"moepeak: tiled block pre_attn must return (q, k, v), got {len(parts)} tensors")
         if groups is None:
@@ -398,17 +467,11 @@ def tiled_block(x: torch.Tensor, spec: TiledBlockSpec, tile_tokens: int):
     params = tuple(spec.parameters())
     if not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for p in params)):
         with torch.no_grad():
-            return _TiledBlock.forward(_NoCtx(), x, None, spec, tile_tokens, *params)
+            return _run_forward(x, spec, tile_tokens, _untracked)
     box = _Box()
-    xb = _Boundary.apply(x, box)
+    anchor = None if x.requires_grad else torch.empty(0, device=x.device, requires_grad=True)
+    xb = _Boundary.apply(x, box, anchor)
     return _TiledBlock.apply(xb, box, spec, tile_tokens, *params)
-
-
-class _NoCtx:
-    """Stands in for an autograd ctx when the forward runs without a graph."""
-
-    def set_materialize_grads(self, value):
-        pass
 
 
 class TiledBlock(torch.nn.Module):

@@ -365,11 +365,14 @@ def test_hf_layer_refuses_cache_jitter_and_missing_rope():
     layer, rope, cfg = _qwen3_layer(torch.float32, "sdpa")
     x = torch.randn(1, 8, 32, requires_grad=True)
     pe = rope(x, torch.arange(8).unsqueeze(0))
-    with pytest.raises(ValueError, match="KV cache"):
-        tiled_hf_moe_layer_forward(layer, x, position_embeddings=pe, use_cache=True, tile_tokens=4)
+    from transformers import DynamicCache
+    cache = DynamicCache(config=cfg)  # 3 earlier tokens of layer 0: generation, not training
+    cache.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8), 0)
+    with pytest.raises(ValueError, match="cannot attend to 3 cached tokens"):
+        tiled_hf_moe_layer_forward(layer, x, position_embeddings=pe, cache=cache, use_cache=True, tile_tokens=4)
     with pytest.raises(ValueError, match="position_embeddings"):
         tiled_hf_moe_layer_forward(layer, x, tile_tokens=4)
-    layer.mlp.jitter_noise = 0.01  # Mixtral's router jitter: random per call, so not recomputable
+    layer.mlp.jitter_noise = 0.01  # Mixtral's router jitter: drawn per tile, not as the untiled layer draws it
     with pytest.raises(ValueError, match="jitter"):
         tiled_hf_moe_layer_forward(layer, x, position_embeddings=pe, tile_tokens=4)
 

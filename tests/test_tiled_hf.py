@@ -1,8 +1,11 @@
-"""moepeak.hf.apply_moepeak(..., tile_tokens=N): Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE decoder layers run
-sequence-tiled in training; 3 training steps equal the untiled patched model, also with the
+"""moepeak.hf.apply_moepeak(..., tile_tokens=N): Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE and DeepSeek-V3 decoder
+layers run sequence-tiled in training; 3 training steps equal the untiled patched model, also with the
 router aux loss (output_router_logits=True: same loss, aux loss, router logits and gradients);
-other families are left alone with the reason."""
+other families are left alone with the reason. One layer called directly: an input without grad
+under a checkpoint, random numbers drawn in a part, positional arguments in the layer's own order.
+tests/test_tiled_hf_user_path.py compares the tiled model with stock transformers on what users run."""
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from moepeak.hf import apply_moepeak  # noqa: E402
+from moepeak.tiled import tiled_block  # noqa: E402
 
 V, T, B = 97, 13, 2
 COMMON = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -286,3 +290,96 @@ def test_deepseek_v3_bf16_within_twice_torch_error():
     e_theirs = torch.cat([(plain_p[n].double() - t).abs().flatten() for n, t in true_p.items()])
     assert e_ours.max() <= 2 * e_theirs.max() + 1e-6 and e_ours.mean() <= 2 * e_theirs.mean() + 1e-7, \
         (e_ours.max().item(), e_theirs.max().item(), e_ours.mean().item(), e_theirs.mean().item())
+
+
+# --------------------------------------------------------------------------- one layer, called directly
+
+def _qwen3_layer(seed=0):
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
+    cfg = transformers.Qwen3MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=24, num_experts=8,
+                                      num_experts_per_tok=2)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    layer = _random_routers(hf.Qwen3MoeDecoderLayer(cfg, layer_idx=0))
+    with torch.no_grad():
+        for p in layer.mlp.experts.parameters():
+            p.normal_(0, 0.2)
+    x = torch.randn(B, 12, COMMON["hidden_size"], generator=torch.Generator().manual_seed(seed + 1))
+    pe = hf.Qwen3MoeRotaryEmbedding(cfg)(x, torch.arange(12).unsqueeze(0))
+    return layer.train(), x, pe
+
+
+@pytest.mark.parametrize("ckpt", ["sco", "torch", "none"])
+def test_layer_input_without_grad_replays_only_the_boundary(ckpt):
+    """A layer input that needs no gradient (a frozen embedding's output): the tiled block still
+    keeps x through its boundary node, so a checkpoint around it replays nothing but that node
+    (post_attn runs once per tile in forward and once in backward) and the weights get the
+    untiled layer's gradients."""
+    import functools
+
+    import moepeak
+    import torch.utils.checkpoint as torch_ckpt
+    from moepeak.tiled_adapters import hf_moe_layer_spec
+    layer, x, pe = _qwen3_layer()
+    gy = torch.randn(x.shape, generator=torch.Generator().manual_seed(9))
+    params = list(layer.parameters())
+    want = torch.autograd.grad((layer(x, position_embeddings=pe) * gy).sum(), params)
+    posts = []
+
+    def tiled(t):
+        spec = hf_moe_layer_spec(layer, t, position_embeddings=pe)
+        post = spec.post_attn
+        return tiled_block(t, dataclasses.replace(spec, post_attn=lambda *a: posts.append(1) or post(*a)), 5)
+    cfg = moepeak.SCOConfig()
+    run = {"sco": functools.partial(moepeak.sco_checkpoint, tiled, sco_config=cfg),
+           "torch": functools.partial(torch_ckpt.checkpoint, tiled, use_reentrant=False), "none": tiled}[ckpt]
+    assert not x.requires_grad
+    got = torch.autograd.grad((run(x) * gy).sum(), params)
+    cfg.free()
+    assert len(posts) == 2 * 3  # 3 tiles of 12 tokens: forward, backward; no replay
+    for n, w, g in zip([n for n, _ in layer.named_parameters()], want, got):
+        assert (w - g).abs().max().item() <= 1e-5 * max(w.abs().max().item(), 1e-6), n
+
+
+def test_recompute_draws_the_forwards_random_numbers():
+    """A part that draws random numbers (dropout on post_attn's output, in a hand-built spec: the
+    adapter itself refuses dropout): each tile's recompute in backward starts from the RNG state
+    its forward call started from, so the gradients are those of the masks the forward applied
+    (the untiled layer times those masks), and backward leaves the RNG state as it found it."""
+    from moepeak.tiled_adapters import hf_moe_layer_spec
+    layer, x0, pe = _qwen3_layer()
+    gy = torch.randn(x0.shape, generator=torch.Generator().manual_seed(9))
+    params = list(layer.parameters())
+    x = x0.clone().requires_grad_(True)
+    spec = hf_moe_layer_spec(layer, x, position_embeddings=pe)
+    post = spec.post_attn
+    spec = dataclasses.replace(spec, post_attn=lambda x_t, o_t: torch.nn.functional.dropout(post(x_t, o_t), 0.5))
+    torch.manual_seed(5)
+    y = tiled_block(x, spec, 5)
+    after_forward = torch.get_rng_state()
+    got = torch.autograd.grad((y * gy).sum(), [x] + params)
+    assert torch.equal(torch.get_rng_state(), after_forward)
+    scale = (y != 0).to(y.dtype) * 2.0  # the forward's masks, times dropout's 1 / (1 - p)
+    assert 0 < scale.count_nonzero() < scale.numel()
+    x = x0.clone().requires_grad_(True)
+    want = torch.autograd.grad((layer(x, position_embeddings=pe) * scale * gy).sum(), [x] + params)
+    for n, w, g in zip(["x"] + [n for n, _ in layer.named_parameters()], want, got):
+        assert (w - g).abs().max().item() <= 1e-5 * max(w.abs().max().item(), 1e-6), n
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_layer_arguments_placed_by_the_layers_own_signature(family):
+    """Positional arguments after hidden_states follow the layer's own forward signature (Mixtral's
+    starts with position_embeddings, Qwen3-MoE's with attention_mask): the tiled layer called
+    positionally gives the untiled layer's output."""
+    from moepeak.tiled_adapters import tiled_hf_moe_layer_forward
+    model = FAMILIES[family]()
+    layer = model.model.layers[0].train()
+    x = torch.randn(B, 12, COMMON["hidden_size"], generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(12).unsqueeze(0)
+    pe = model.model.rotary_emb(x, pos)
+    args = (pe, None, pos) if family == "mixtral" else (None, pos, None, False, pe)
+    with torch.no_grad():
+        want = layer(x, *args)
+    got = tiled_hf_moe_layer_forward(layer, x, *args, tile_tokens=5)
+    assert (want - got).abs().max().item() <= 1e-5 * want.abs().max().item()
