@@ -30,8 +30,16 @@ configs' default); a config asking for it is refused.
 
 Correctness before speed (check_first_step): on the same weights and batch, stock
 transformers' loss in fp32, under bf16 autocast (the hf arm's setting) and with bf16
-params (ALST's setting) is computed first; ALST's first-step loss must lie within
-twice the larger of the stock model's own two bf16-vs-fp32 differences of the fp32 loss.
+params (ALST's setting; for alst_liger also with Liger's kernels applied) is computed
+first; ALST's first-step loss must lie within twice the stock model's bf16 noise (the
+larger of its own two bf16-vs-fp32 differences) of the stock loss in ALST's precision
+and kernels. The distance to the fp32 loss is reported beside it.
+
+Host RAM: ZeRO-3's offloaded state is 16 bytes a parameter (fp32 master copy, fp32
+gradients, two Adam moments), 18 with the params offloaded too; the run is refused before
+anything is built when that alone exceeds the RAM available (host_state_bytes). Measured
+on an H200 machine (2.0B Qwen3-MoE, params offloaded): 46.6 GiB peak RSS, 25 bytes a
+parameter, so a 6.9B model (OLMoE-1B-7B) needs ~160 GiB with the recipe's settings.
 """
 from __future__ import annotations
 
@@ -48,6 +56,24 @@ ARMS = ("alst", "alst_liger")
 ALLOC_CONF = "expandable_segments:True"  # ALST's launch setting; the parent sets it for these workers
 DEEPSPEED_VERSION = "0.19.8"
 LOGITS_SHARD_BYTES = 2**30  # ArcticTraining's tiled loss: ~1 GiB of fp32 logits per tile
+
+
+def host_state_bytes(params, offload_param=True):
+    """Host bytes of ZeRO-3's offloaded state alone: fp32 master params, fp32 gradients and
+    two fp32 Adam moments (16 B a parameter), + the bf16 params themselves when offloaded."""
+    return params * (18 if offload_param else 16)
+
+
+def apply_liger(model):
+    """Liger's Qwen3-MoE kernels on this model instance as ALST's recipes use them (RMSNorm,
+    RoPE, fused linear cross-entropy; SwiGLU off beside TiledMLP). Applied once."""
+    if getattr(model, "_alst_liger_applied", False):
+        return
+    from liger_kernel.transformers import apply_liger_kernel_to_qwen3_moe
+
+    apply_liger_kernel_to_qwen3_moe(rope=True, rms_norm=True, swiglu=False, fused_linear_cross_entropy=True,
+                                    model=model)
+    model._alst_liger_applied = True
 
 
 def import_components():
@@ -205,9 +231,7 @@ def setup(arm, model, device, lr=1e-4, offload_param=True, optimizer="cpu_adam",
     init_single_process(deepspeed, device)
 
     if arm == "alst_liger":
-        from liger_kernel.transformers import apply_liger_kernel_to_qwen3_moe
-        apply_liger_kernel_to_qwen3_moe(rope=True, rms_norm=True, swiglu=False, fused_linear_cross_entropy=True,
-                                        model=model)
+        apply_liger(model)
     else:
         use_tiled_loss(model, ulysses_sp.TiledFusedLogitsLoss, logits_tiles)
     blocks = tile_moe_blocks(model, ulysses_sp.TiledMLP, tokens_per_tile)
@@ -241,9 +265,11 @@ def setup(arm, model, device, lr=1e-4, offload_param=True, optimizer="cpu_adam",
 
 
 @torch.no_grad()
-def stock_losses(model, ids):
-    """Stock transformers' loss of ids on a fp32 model: fp32, under bf16 autocast, and with the
-    params cast to bf16 (the model is left in bf16, ready for setup)."""
+def stock_losses(model, ids, liger=False):
+    """Stock transformers' loss of ids on a fp32 model: fp32 ("fp32"), under bf16 autocast
+    ("autocast"), with the params cast to bf16 ("bf16"), and if liger, with Liger's kernels
+    applied to the bf16 model as alst_liger applies them ("liger"). The model is left in
+    bf16 (with Liger's kernels if liger), ready for setup."""
     if model.dtype != torch.float32:
         raise ValueError(f"alst_arm.stock_losses: the model must be fp32, got {model.dtype}")
     device = ids.device.type
@@ -252,23 +278,33 @@ def stock_losses(model, ids):
         out["autocast"] = model(input_ids=ids, labels=ids).loss.item()
     model.to(torch.bfloat16)
     out["bf16"] = model(input_ids=ids, labels=ids).loss.item()
+    if liger:
+        apply_liger(model)
+        out["liger"] = model(input_ids=ids, labels=ids).loss.item()
     return out
 
 
-def check_first_step(loss, refs):
+REFERENCE_NAMES = dict(bf16="stock bf16 params", liger="stock bf16 params + Liger")
+
+
+def check_first_step(loss, refs, same="bf16"):
     """(within, note): ALST's first-step loss against stock transformers' on the same weights
-    and batch. bf16 noise = the larger of the stock model's own differences |autocast - fp32|
-    and |bf16 params - fp32|; within = |loss - fp32| <= 2 x that."""
-    missing = {"fp32", "autocast", "bf16"} - set(refs)
+    and batch. refs: stock_losses' dict; same: the key of the stock loss in ALST's precision
+    and kernels ("bf16", or "liger" for alst_liger). bf16 noise = the larger of the stock
+    model's own differences |autocast - fp32| and |bf16 params - fp32|; within =
+    |loss - refs[same]| <= 2 x that."""
+    if same not in REFERENCE_NAMES:
+        raise ValueError(f"alst_arm.check_first_step: same must be one of {sorted(REFERENCE_NAMES)}, got {same!r}")
+    missing = {"fp32", "autocast", "bf16", same} - set(refs)
     if missing:
         raise ValueError(f"alst_arm.check_first_step: refs lacks {sorted(missing)}")
-    values = [loss, *refs.values()]
-    if not all(math.isfinite(v) for v in values):
-        return False, f"non-finite loss: ALST {loss}, stock {refs}"
+    stock = f"stock fp32 {refs['fp32']:.6f}, bf16 autocast {refs['autocast']:.6f}, bf16 params {refs['bf16']:.6f}" + (
+        f", bf16 params + Liger {refs['liger']:.6f}" if "liger" in refs else "")
+    if not all(math.isfinite(v) for v in (loss, *refs.values())):
+        return False, f"non-finite loss: first-step loss {loss}; {stock}"
     noise = max(abs(refs["autocast"] - refs["fp32"]), abs(refs["bf16"] - refs["fp32"]))
-    off = abs(loss - refs["fp32"])
+    off = abs(loss - refs[same])
     within = off <= 2 * noise
-    note = (f"first-step loss {loss:.6f}; stock fp32 {refs['fp32']:.6f}, bf16 autocast {refs['autocast']:.6f}, "
-            f"bf16 params {refs['bf16']:.6f}; |ALST - fp32| {off:.2e} {'<=' if within else '>'} 2 x bf16 noise "
-            f"{noise:.2e}; |ALST - stock bf16| {abs(loss - refs['bf16']):.2e}")
+    note = (f"first-step loss {loss:.6f}; {stock}; |ALST - {REFERENCE_NAMES[same]}| {off:.2e} "
+            f"{'<=' if within else '>'} 2 x {noise:.2e} (bf16 noise); |ALST - fp32| {abs(loss - refs['fp32']):.2e}")
     return within, note

@@ -172,8 +172,9 @@ def setup_alst(args, arm, shape, device, base):
     """The ALST arm's step and note, after its check row at args.check_T: the model is built
     as the other arms' (fp32, seed 0), stock transformers' losses of one batch are taken
     (alst_arm.stock_losses; the model is left in bf16), ALST is applied, and its first
-    step on that batch is compared (alst_arm.check_first_step). (None, None) when ALST's
-    components are not importable (a "skipped" row is emitted). Adds params to base."""
+    step on that batch is compared (alst_arm.check_first_step). (None, None) after a
+    "skipped" row (ALST's components not importable) or an "oom" row (ZeRO-3's offloaded
+    state alone would not fit in the host RAM available). Adds params to base."""
     import alst_arm
 
     try:
@@ -183,21 +184,39 @@ def setup_alst(args, arm, shape, device, base):
     except ImportError as e:
         emit(dict(base, T=0, status="skipped", note=f"ALST not importable: {e}"))
         return None, None
+    params = sum(p.numel() for p in build_model(shape, 1, torch.float32, "meta", args.model).parameters())
+    base.update(params=params)
+    offload_param = args.alst_offload_param == "cpu"
+    state, avail = alst_arm.host_state_bytes(params, offload_param), host_available()
+    host = f"host: ZeRO-3 offloaded state {state / 2**30:.1f} GiB" + (
+        f" of {avail / 2**30:.1f} GiB available" if avail is not None else "")
+    if avail is not None and state > avail:
+        emit(dict(base, T=args.check_T, status="oom", note=f"{host}: refused before building anything"))
+        return None, None
     model = build_model(shape, max(args.T), torch.float32, device, args.model)
-    base.update(params=sum(p.numel() for p in model.parameters()))  # before ZeRO-3 partitions them
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, shape["vocab_size"], (1, args.check_T), generator=gen).to(device)
-    refs = alst_arm.stock_losses(model, ids)
+    refs = alst_arm.stock_losses(model, ids, liger=arm == "alst_liger")
     tiny_tiles = dict(tokens_per_tile=16, logits_tiles=3) if args.tiny else {}  # many tiles at T = 64
-    step, note = alst_arm.setup(arm, model, device, optimizer=args.alst_optimizer,
-                                offload_param=args.alst_offload_param == "cpu", **tiny_tiles)
+    step, note = alst_arm.setup(arm, model, device, optimizer=args.alst_optimizer, offload_param=offload_param,
+                                **tiny_tiles)
+    note = f"{note}; {host}"
     if device == "cuda":
         torch.cuda.empty_cache()
     loss, first_s = timed(step, ids, device)
-    within, check = alst_arm.check_first_step(loss.item(), refs)
+    within, check = alst_arm.check_first_step(loss.item(), refs, same="liger" if arm == "alst_liger" else "bf16")
     emit(dict(base, T=args.check_T, status="match" if within else "mismatch", loss=f"{loss.item():.6f}",
               note=f"{check}; the process's first step {first_s:.3f} s; {note}"))
     return step, note
+
+
+def host_available():
+    """Bytes of pageable host memory available now (moepeak.host_memory), or None if unknown."""
+    try:
+        from moepeak.host_memory import available_bytes
+    except ImportError:
+        return None
+    return available_bytes(pinned=False)
 
 
 def run_arm(args, arm):
@@ -360,9 +379,12 @@ def main(argv=None):
                 if line.startswith("ROW "):
                     record(args.csv, {**info, **json.loads(line[4:])})
                     got += 1
-            failed = proc.wait() != 0
+            rc = proc.wait()
+            failed = rc != 0
             err.seek(0)
             tail = err.read().strip().splitlines()[-3:]
+            if rc < 0:  # e.g. SIGKILL from the host's OOM killer, which leaves no message
+                tail.append(f"worker killed by signal {-rc}")
         if failed or not got:
             record(args.csv, {**info, **dict(arm=arm, T=0, status="error", note=" / ".join(tail)[:500])})
     return 0

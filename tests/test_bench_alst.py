@@ -186,13 +186,35 @@ def test_checkpoint_offload_patch_keeps_gradients(monkeypatch):
 
 
 def test_check_first_step_rule():
-    refs = dict(fp32=6.0, autocast=6.001, bf16=5.9995)  # bf16 noise 1e-3
-    assert alst_arm.check_first_step(6.0019, refs)[0]
-    within, note = alst_arm.check_first_step(6.0021, refs)
-    assert not within and "> 2 x" in note
+    refs = dict(fp32=6.0, autocast=6.001, bf16=5.9995)  # bf16 noise 1e-3: ALST within 2e-3 of bf16 params
+    assert alst_arm.check_first_step(6.0014, refs)[0]
+    within, note = alst_arm.check_first_step(5.9974, refs)
+    assert not within and "|ALST - stock bf16 params| 2.10e-03 > 2 x 1.00e-03 (bf16 noise)" in note, note
+    liger = dict(refs, liger=6.003)  # Liger's kernels move the stock loss: ALST with them is compared to that
+    assert alst_arm.check_first_step(6.0045, liger, same="liger")[0]
+    assert not alst_arm.check_first_step(6.0045, liger)[0]
     assert not alst_arm.check_first_step(float("nan"), refs)[0]
     with pytest.raises(ValueError, match=r"refs lacks \['bf16'\]"):
         alst_arm.check_first_step(6.0, dict(fp32=6.0, autocast=6.0))
+    with pytest.raises(ValueError, match=r"refs lacks \['liger'\]"):
+        alst_arm.check_first_step(6.0, refs, same="liger")
+    with pytest.raises(ValueError, match="same must be one of"):
+        alst_arm.check_first_step(6.0, refs, same="fp32")
+
+
+def test_alst_refuses_when_the_offloaded_state_exceeds_host_ram(monkeypatch, capsys):
+    pytest.importorskip("deepspeed")
+    _require_arctic_training()
+    monkeypatch.setattr(bench_hf, "host_available", lambda: 2**20)  # 1 MiB < 2.4 MiB of state
+    args = bench_hf.argparse.Namespace(model="qwen3_moe", check_T=64, alst_offload_param="cpu", T=[64], tiny=True)
+    base = dict(arm="alst")
+    assert bench_hf.setup_alst(args, "alst", bench_hf.TINY, "cpu", base) == (None, None)
+    row = bench_hf.json.loads(capsys.readouterr().out.split("ROW ", 1)[1])
+    params = 140160  # the tiny Qwen3-MoE
+    assert (row["status"], row["T"], row["params"]) == ("oom", 64, params)
+    assert row["note"] == (f"host: ZeRO-3 offloaded state {18 * params / 2**30:.1f} GiB of 0.0 GiB available: "
+                           "refused before building anything")
+    assert alst_arm.host_state_bytes(10, offload_param=False) == 160
 
 
 def test_stock_losses_refuses_a_bf16_model():
