@@ -294,7 +294,7 @@ def test_deepseek_v3_bf16_within_twice_torch_error():
 
 # --------------------------------------------------------------------------- one layer, called directly
 
-def _qwen3_layer(seed=0):
+def _qwen3_layer(seed=0, device="cpu"):
     from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
     cfg = transformers.Qwen3MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=24, num_experts=8,
                                       num_experts_per_tok=2)
@@ -304,9 +304,12 @@ def _qwen3_layer(seed=0):
     with torch.no_grad():
         for p in layer.mlp.experts.parameters():
             p.normal_(0, 0.2)
-    x = torch.randn(B, 12, COMMON["hidden_size"], generator=torch.Generator().manual_seed(seed + 1))
-    pe = hf.Qwen3MoeRotaryEmbedding(cfg)(x, torch.arange(12).unsqueeze(0))
-    return layer.train(), x, pe
+    x = torch.randn(B, 12, COMMON["hidden_size"], generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    pe = hf.Qwen3MoeRotaryEmbedding(cfg).to(device)(x, torch.arange(12, device=device).unsqueeze(0))
+    return layer.to(device).train(), x, pe
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 @pytest.mark.parametrize("ckpt", ["sco", "torch", "none"])
@@ -341,14 +344,15 @@ def test_layer_input_without_grad_replays_only_the_boundary(ckpt):
         assert (w - g).abs().max().item() <= 1e-5 * max(w.abs().max().item(), 1e-6), n
 
 
-def test_recompute_draws_the_forwards_random_numbers():
+@pytest.mark.parametrize("device", DEVICES)
+def test_recompute_draws_the_forwards_random_numbers(device):
     """A part that draws random numbers (dropout on post_attn's output, in a hand-built spec: the
     adapter itself refuses dropout): each tile's recompute in backward starts from the RNG state
     its forward call started from, so the gradients are those of the masks the forward applied
     (the untiled layer times those masks), and backward leaves the RNG state as it found it."""
     from moepeak.tiled_adapters import hf_moe_layer_spec
-    layer, x0, pe = _qwen3_layer()
-    gy = torch.randn(x0.shape, generator=torch.Generator().manual_seed(9))
+    layer, x0, pe = _qwen3_layer(device=device)
+    gy = torch.randn(x0.shape, generator=torch.Generator().manual_seed(9)).to(device)
     params = list(layer.parameters())
     x = x0.clone().requires_grad_(True)
     spec = hf_moe_layer_spec(layer, x, position_embeddings=pe)
@@ -356,15 +360,49 @@ def test_recompute_draws_the_forwards_random_numbers():
     spec = dataclasses.replace(spec, post_attn=lambda x_t, o_t: torch.nn.functional.dropout(post(x_t, o_t), 0.5))
     torch.manual_seed(5)
     y = tiled_block(x, spec, 5)
-    after_forward = torch.get_rng_state()
+    rng = (lambda: torch.cuda.get_rng_state(x.device)) if device == "cuda" else torch.get_rng_state
+    after_forward = rng()
     got = torch.autograd.grad((y * gy).sum(), [x] + params)
-    assert torch.equal(torch.get_rng_state(), after_forward)
+    assert torch.equal(rng(), after_forward)
     scale = (y != 0).to(y.dtype) * 2.0  # the forward's masks, times dropout's 1 / (1 - p)
     assert 0 < scale.count_nonzero() < scale.numel()
     x = x0.clone().requires_grad_(True)
     want = torch.autograd.grad((layer(x, position_embeddings=pe) * scale * gy).sum(), [x] + params)
     for n, w, g in zip(["x"] + [n for n, _ in layer.named_parameters()], want, got):
         assert (w - g).abs().max().item() <= 1e-5 * max(w.abs().max().item(), 1e-6), n
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tile", [12, 5])
+def test_layer_under_autocast_recomputes_as_the_forward_ran(device, tile):
+    """fp32 weights, bf16 autocast forward, backward outside autocast (torch's AMP recipe): every
+    router call of the backward's recompute gives the forward's bf16 logits and experts, and the
+    gradients are the untiled layer's: within half a bf16 ulp of each tensor's largest entry with
+    one tile, 2 ulps with several (weight gradients summed per tile in fp32, not one bf16 product)."""
+    from moepeak.tiled_adapters import tiled_hf_moe_layer_forward
+    layer, x0, pe = _qwen3_layer(device=device)
+    gy = torch.randn(x0.shape, generator=torch.Generator().manual_seed(9)).to(device)
+    params = list(layer.parameters())
+    calls = []
+    results = []
+    for tiled in (False, True):
+        x = x0.clone().requires_grad_(True)
+        handle = layer.mlp.gate.register_forward_hook(
+            lambda m, a, out: calls.append((torch.is_grad_enabled(), out[0], out[2])) if tiled else None)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            y = tiled_hf_moe_layer_forward(layer, x, position_embeddings=pe, tile_tokens=tile) if tiled else \
+                layer(x, position_embeddings=pe)
+        results.append(torch.autograd.grad((y.float() * gy).sum(), [x] + params))
+        handle.remove()
+    forward = [c for c in calls if not c[0]]
+    recompute = [c for c in calls if c[0]][::-1]  # backward runs the tiles last first
+    assert len(forward) == len(recompute) == -(-12 // tile)
+    for (_, logits_f, experts_f), (_, logits_r, experts_r) in zip(forward, recompute):
+        assert logits_f.dtype == logits_r.dtype == torch.bfloat16
+        assert torch.equal(logits_f, logits_r) and torch.equal(experts_f, experts_r)
+    rel = 2 ** -9 if tile >= 12 else 2 ** -7
+    for n, w, g in zip(["x"] + [n for n, _ in layer.named_parameters()], *results):
+        assert (w - g).abs().max().item() <= rel * max(w.abs().max().item(), 1e-6), n
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])

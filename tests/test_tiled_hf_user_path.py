@@ -325,10 +325,13 @@ def test_dense_layers_with_router_logits(build, checkpoint, tiled_forwards):
     want = step(stock, input_ids=ids, labels=ids, output_router_logits=True)
     got = step(tiled, input_ids=ids, labels=ids, output_router_logits=True)
     assert tiled_forwards["n"] >= n_layers
-    logits0, logits1 = want[0].router_logits, got[0].router_logits
-    assert 0 < len(logits0) == len(logits1) < n_layers
-    for a, b in zip(logits0, logits1):
-        assert a.shape == b.shape and (a - b).abs().max().item() <= 1e-5 * a.abs().max().item()
+    # (transformers 5.17's DeepSeek-V3 output has no router_logits field)
+    logits0, logits1 = getattr(want[0], "router_logits", None), getattr(got[0], "router_logits", None)
+    assert (logits0 is None) == (logits1 is None)
+    if logits0 is not None:
+        assert 0 < len(logits0) == len(logits1) < n_layers
+        for a, b in zip(logits0, logits1):
+            assert a.shape == b.shape and (a - b).abs().max().item() <= 1e-5 * a.abs().max().item()
     assert_same(want, got)
 
 
@@ -363,7 +366,7 @@ def test_a_cache_with_tokens_in_training_is_refused_by_name():
     with torch.no_grad():  # the layers' own forward fills the cache
         cache = tiled(input_ids=ids, use_cache=True).past_key_values
     assert cache.get_seq_length(0) == T
-    with pytest.raises(ValueError, match=f"cannot attend to {T} cached tokens.*cache"):
+    with pytest.raises(ValueError, match=fr"cannot attend to {T} cached tokens of layer 0 \((cache|past_key_values)\)"):
         tiled(input_ids=ids[:, :4], past_key_values=cache, labels=ids[:, :4])
 
 
