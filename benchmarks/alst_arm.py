@@ -115,7 +115,7 @@ def tile_moe_blocks(model, tiled_mlp, tokens_per_tile=None):
     if not blocks:
         raise ValueError(f"tile_moe_blocks: {type(model).__name__} has no decoder layer whose mlp has a router "
                          "(gate) and experts")
-    per_tile = tokens_per_tile or model.config.hidden_size
+    per_tile = model.config.hidden_size if tokens_per_tile is None else tokens_per_tile
     if per_tile < 1:
         raise ValueError(f"tile_moe_blocks: tokens_per_tile must be >= 1, got {per_tile}")
     for block in blocks:
@@ -156,7 +156,9 @@ def tiled_logits_loss(causal_lm, hidden, labels, tiled_fused_logits_loss, tiles=
     which stays count times too large.)"""
     targets = shift_labels_of(labels)
     vocab = causal_lm.config.vocab_size
-    tiles = tiles or logits_tiles(targets.numel(), vocab)
+    tiles = logits_tiles(targets.numel(), vocab) if tiles is None else tiles
+    if tiles < 1:
+        raise ValueError(f"tiled_logits_loss: tiles must be >= 1, got {tiles}")
     counted_all = (targets != -100).sum().clamp(min=1)
 
     def tile_share(lm, x_tile, y_tile):

@@ -86,7 +86,10 @@ def test_tile_moe_blocks_refuses_a_model_without_moe_blocks():
     with pytest.raises(ValueError, match="Qwen3ForCausalLM has no decoder layer whose mlp has a router"):
         alst_arm.tile_moe_blocks(transformers.Qwen3ForCausalLM(cfg), ulysses_sp.TiledMLP)
     with pytest.raises(ValueError, match="tokens_per_tile must be >= 1"):
-        alst_arm.tile_moe_blocks(_tiny("qwen3_moe"), ulysses_sp.TiledMLP, tokens_per_tile=-1)
+        alst_arm.tile_moe_blocks(_tiny("qwen3_moe"), ulysses_sp.TiledMLP, tokens_per_tile=0)
+    with pytest.raises(ValueError, match="tiles must be >= 1, got 0"):
+        alst_arm.tiled_logits_loss(_tiny("qwen3_moe"), torch.zeros(1, 4, 64), torch.zeros(1, 4, dtype=torch.long),
+                                   ulysses_sp.TiledFusedLogitsLoss, tiles=0)
 
 
 def test_tiled_logits_loss_equals_the_models_loss_fp32():
