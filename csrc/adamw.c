@@ -35,6 +35,12 @@
  *   torch_threads, torch_vlen: emulate torch's chunking (adamw_kernels.c) so
  *          the fp32 results are bitwise those of torch's fused CPU AdamW run
  *          with that many threads; torch_vlen 0 = plain vector formula.
+ *   state_dtype (keyword, default 0): the dtype code of every row's exp_avg,
+ *          exp_avg_sq and max_exp_avg_sq: 0 fp32, 1 bf16 (stochastic rounding,
+ *          adamw_kernels.h); the master is fp32 either way.
+ *   seed (keyword, default 0): the rounding seed of bf16 state: an int in
+ *          [0, 2^64) for every row, or a buffer of [nparam] int64 (one seed per
+ *          row, read as uint64 bit patterns); ignored for fp32 state.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -52,10 +58,60 @@
 #define MAX_TORCH_THREADS 4096
 #define MAX_TORCH_VLEN 64
 
+static int dt_size(int dt) { return dt == MP_DT_F32 ? 4 : 2; }
+
+/* The optional state arguments of adamw_cpu / adamw_plan_step. */
+typedef struct {
+  int sdt;            /* state dtype code */
+  PyObject *seed;     /* borrowed: int or buffer; NULL = 0 */
+  Py_buffer seeds;    /* the per-row seeds when `seed` is a buffer (buf NULL otherwise) */
+  uint64_t seed_all;  /* the seed of every row when `seed` is an int */
+} state_args;
+
+/* Check the state arguments for n rows (fn: the binding's name for messages).
+ * Returns 0 and sets ValueError/TypeError naming the argument on bad input. */
+static int parse_state_args(const char *fn, state_args *a, Py_ssize_t n) {
+  if (a->sdt != MP_DT_F32 && a->sdt != MP_DT_BF16) {
+    PyErr_Format(PyExc_ValueError, "moepeak._C.%s: state_dtype must be 0 (fp32) or 1 (bf16), got %d", fn, a->sdt);
+    return 0;
+  }
+  if (a->seed == NULL || a->seed == Py_None) return 1;
+  if (PyLong_Check(a->seed)) {
+    a->seed_all = PyLong_AsUnsignedLongLong(a->seed);
+    if (a->seed_all == (uint64_t)-1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      PyErr_Format(PyExc_ValueError, "moepeak._C.%s: seed must be an int in [0, 2^64) or a buffer of %zd int64, "
+                   "got %R", fn, n, a->seed);
+      return 0;
+    }
+    return 1;
+  }
+  if (PyObject_GetBuffer(a->seed, &a->seeds, PyBUF_SIMPLE) < 0) {
+    a->seeds.buf = NULL; /* not held: the caller's cleanup must not release it */
+    PyErr_Clear();
+    PyErr_Format(PyExc_TypeError, "moepeak._C.%s: seed must be an int or a buffer of %zd int64 (one per row), "
+                 "got %s", fn, n, Py_TYPE(a->seed)->tp_name);
+    return 0;
+  }
+  if (a->seeds.len != n * (Py_ssize_t)sizeof(int64_t)) {
+    PyErr_Format(PyExc_ValueError, "moepeak._C.%s: seed buffer must hold %zd int64 (one per row), got %zd bytes",
+                 fn, n, a->seeds.len);
+    return 0;
+  }
+  return 1;
+}
+
+static uint64_t row_seed(const state_args *a, Py_ssize_t i) {
+  if (!a->seeds.buf) return a->seed_all;
+  uint64_t s;
+  memcpy(&s, (const char *)a->seeds.buf + (size_t)i * sizeof s, sizeof s);
+  return s;
+}
+
 /* Parse the per-step buffers into coefficient records. Returns 0 and sets a
  * Python error on a malformed buffer. */
-static int parse_step(Py_buffer *ptrs, Py_buffer *hyper, int tthreads, int tvlen, Py_ssize_t *nparam,
-                      mp_adamw_coef **coef) {
+static int parse_step(const char *fn, Py_buffer *ptrs, Py_buffer *hyper, int tthreads, int tvlen, state_args *sa,
+                      Py_ssize_t *nparam, mp_adamw_coef **coef) {
   Py_ssize_t n = ptrs->len / (Py_ssize_t)(PTR_COLS * sizeof(int64_t));
   if (ptrs->len != n * (Py_ssize_t)(PTR_COLS * sizeof(int64_t)) ||
       hyper->len != n * (Py_ssize_t)(HYP_COLS * sizeof(double))) {
@@ -68,6 +124,7 @@ static int parse_step(Py_buffer *ptrs, Py_buffer *hyper, int tthreads, int tvlen
                  "got %d and %d", MAX_TORCH_THREADS, MAX_TORCH_VLEN, tthreads, tvlen);
     return 0;
   }
+  if (!parse_state_args(fn, sa, n)) return 0;
   const int64_t *P = (const int64_t *)ptrs->buf;
   const double *H = (const double *)hyper->buf;
   *coef = (mp_adamw_coef *)malloc(sizeof(mp_adamw_coef) * (size_t)(n > 0 ? n : 1));
@@ -88,9 +145,19 @@ static int parse_step(Py_buffer *ptrs, Py_buffer *hyper, int tthreads, int tvlen
                    (long long)r[6], (long long)r[7]);
       return 0;
     }
+    /* the state tensors a row with a grad reads are aligned to their dtype (ASan/UBSan-clean loads) */
+    const int ss = dt_size(sa->sdt);
+    if (r[3] != 0 && r[5] > 0 && (r[1] % ss != 0 || r[2] % ss != 0 || r[8] % ss != 0)) {
+      free(*coef);
+      *coef = NULL;
+      PyErr_Format(PyExc_ValueError, "moepeak._C.%s: ptrs row %zd: exp_avg, exp_avg_sq and max_exp_avg_sq must be "
+                   "aligned to their dtype's %d bytes (state_dtype %d)", fn, i, ss, sa->sdt);
+      return 0;
+    }
     const double *h = H + i * HYP_COLS;
     mp_adamw_coef_init(&(*coef)[i], h[0], h[1], h[2], h[3], h[4], h[5], h[6] != 0.0);
     mp_adamw_coef_set_tails(&(*coef)[i], r[5], tthreads, tvlen);
+    mp_adamw_coef_set_rounding(&(*coef)[i], row_seed(sa, i), h[5]);
   }
   *nparam = n;
   return 1;
@@ -110,18 +177,24 @@ static int check_isa_threads(int isa, int threads) {
   return 1;
 }
 
-/* adamw_cpu(ptrs, hyper, isa, threads, torch_threads, torch_vlen): every tensor on the CPU, updated in
- * place (the "param" column is the low-precision copy to write, or 0). */
-static PyObject *py_adamw_cpu(PyObject *self, PyObject *args) {
+/* adamw_cpu(ptrs, hyper, isa, threads, torch_threads, torch_vlen, state_dtype=0, seed=0): every tensor on
+ * the CPU, updated in place (the "param" column is the low-precision copy to write, or 0). */
+static PyObject *py_adamw_cpu(PyObject *self, PyObject *args, PyObject *kwargs) {
   (void)self;
+  static char *kwlist[] = {"ptrs", "hyper", "isa", "threads", "torch_threads", "torch_vlen", "state_dtype", "seed",
+                           NULL};
   Py_buffer ptrs = {0}, hyper = {0};
   int isa = 0, threads = 0, tthreads = 1, tvlen = 0;
+  state_args sa = {MP_DT_F32, NULL, {0}, 0};
   mp_adamw_coef *coef = NULL;
   mp_adamw_seg *segs = NULL;
   PyObject *ret = NULL;
   Py_ssize_t n = 0;
-  if (!PyArg_ParseTuple(args, "y*y*iiii", &ptrs, &hyper, &isa, &threads, &tthreads, &tvlen)) return NULL;
-  if (!check_isa_threads(isa, threads) || !parse_step(&ptrs, &hyper, tthreads, tvlen, &n, &coef)) goto fail;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*y*iiii|iO:adamw_cpu", kwlist, &ptrs, &hyper, &isa, &threads,
+                                   &tthreads, &tvlen, &sa.sdt, &sa.seed))
+    return NULL;
+  if (!check_isa_threads(isa, threads) || !parse_step("adamw_cpu", &ptrs, &hyper, tthreads, tvlen, &sa, &n, &coef))
+    goto fail;
   segs = (mp_adamw_seg *)calloc((size_t)(n > 0 ? n : 1), sizeof(mp_adamw_seg));
   if (!segs) {
     PyErr_NoMemory();
@@ -132,9 +205,19 @@ static PyObject *py_adamw_cpu(PyObject *self, PyObject *args) {
   for (Py_ssize_t i = 0; i < n; i++) {
     const int64_t *r = P + i * PTR_COLS;
     if (r[3] == 0 || r[5] == 0) continue; /* no grad / empty */
-    mp_adamw_seg s = {(float *)(intptr_t)r[0], (float *)(intptr_t)r[1], (float *)(intptr_t)r[2],
-                      (float *)(intptr_t)r[8], (const void *)(intptr_t)r[3], (void *)(intptr_t)r[4], r[5], 0,
-                      (int)r[6], (int)r[7], &coef[i], 0};
+    mp_adamw_seg s = {.p = (float *)(intptr_t)r[0],
+                      .m = (void *)(intptr_t)r[1],
+                      .v = (void *)(intptr_t)r[2],
+                      .vmax = (void *)(intptr_t)r[8],
+                      .g = (const void *)(intptr_t)r[3],
+                      .lp = (void *)(intptr_t)r[4],
+                      .n = r[5],
+                      .base = 0,
+                      .gdt = (int)r[6],
+                      .ldt = (int)r[7],
+                      .coef = &coef[i],
+                      .lp_stream = 0,
+                      .sdt = sa.sdt};
     segs[ns++] = s;
   }
   mp_status st;
@@ -144,6 +227,7 @@ static PyObject *py_adamw_cpu(PyObject *self, PyObject *args) {
 fail:
   free(segs);
   free(coef);
+  if (sa.seeds.buf) PyBuffer_Release(&sa.seeds);
   PyBuffer_Release(&ptrs);
   PyBuffer_Release(&hyper);
   return ret;
@@ -153,7 +237,6 @@ fail:
  * `host` plans (tests, any build) run the same schedule on CPU tensors with
  * memcpy in place of the copy engines and no events; CUDA plans need a CUDA
  * build. The wrappers below are the only place that differs. */
-static int dt_size(int dt) { return dt == MP_DT_F32 ? 4 : 2; }
 
 typedef struct {
   int64_t nseg, nb, nparam, gslots, pslots;
@@ -375,8 +458,13 @@ fail:
  * that updates a few params, e.g. one bucket of StreamAdamW's overlap with
  * backward, costs no event round trips for the others). Slot events keep
  * their meaning across calls: pev[s] is the last H2D that read pslot[s]. */
+/* Element `first` of a state tensor of dtype sdt at address `ptr` (0: NULL). */
+static void *state_at(int64_t ptr, int64_t first, int sdt) {
+  return ptr ? (char *)(intptr_t)ptr + (size_t)first * (size_t)dt_size(sdt) : NULL;
+}
+
 static mp_status run_pipeline(adamw_plan *p, const int64_t *P, const mp_adamw_coef *coef, uintptr_t cur, int isa,
-                              int threads, int64_t *active) {
+                              int threads, int sdt, int64_t *active) {
   mp_status st = MP_OK;
   int64_t nb = 0;
   for (int64_t b = 0; b < p->nb; b++) {
@@ -397,10 +485,19 @@ static mp_status run_pipeline(adamw_plan *p, const int64_t *P, const mp_adamw_co
     for (int64_t k = p->bucket_seg[b]; k < p->bucket_seg[b + 1]; k++) {
       const int64_t *s = p->segs + 5 * k, *r = P + s[0] * PTR_COLS;
       if (r[3] == 0) continue;
-      mp_adamw_seg w = {(float *)(intptr_t)r[0] + s[1], (float *)(intptr_t)r[1] + s[1],
-                        (float *)(intptr_t)r[2] + s[1], r[8] ? (float *)(intptr_t)r[8] + s[1] : NULL,
-                        p->gslot[gs] + s[3], p->pslot[ps] + s[4],
-                        s[2], s[1], (int)r[6], (int)r[7], &coef[s[0]], 1 /* lp: a pinned slot */};
+      mp_adamw_seg w = {.p = (float *)(intptr_t)r[0] + s[1],
+                        .m = state_at(r[1], s[1], sdt),
+                        .v = state_at(r[2], s[1], sdt),
+                        .vmax = state_at(r[8], s[1], sdt),
+                        .g = p->gslot[gs] + s[3],
+                        .lp = p->pslot[ps] + s[4],
+                        .n = s[2],
+                        .base = s[1],
+                        .gdt = (int)r[6],
+                        .ldt = (int)r[7],
+                        .coef = &coef[s[0]],
+                        .lp_stream = 1 /* lp: a pinned slot */,
+                        .sdt = sdt};
       p->work[ns++] = w;
     }
     MP_TRY(st, mp_adamw_run(p->work, ns, isa, threads));
@@ -419,22 +516,29 @@ fail:
   return st;
 }
 
-/* adamw_plan_step(plan, ptrs, hyper, current_stream, isa, threads, torch_threads, torch_vlen) */
-static PyObject *py_adamw_plan_step(PyObject *self, PyObject *args) {
+/* adamw_plan_step(plan, ptrs, hyper, current_stream, isa, threads, torch_threads, torch_vlen, state_dtype=0,
+ * seed=0) */
+static PyObject *py_adamw_plan_step(PyObject *self, PyObject *args, PyObject *kwargs) {
   (void)self;
+  static char *kwlist[] = {"plan", "ptrs", "hyper", "stream", "isa", "threads", "torch_threads", "torch_vlen",
+                           "state_dtype", "seed", NULL};
   PyObject *cap;
   Py_buffer ptrs = {0}, hyper = {0};
   unsigned long long cur;
   int isa, threads, tthreads, tvlen;
+  state_args sa = {MP_DT_F32, NULL, {0}, 0};
   mp_adamw_coef *coef = NULL;
   int64_t *active = NULL;
   PyObject *ret = NULL;
   Py_ssize_t n = 0;
-  if (!PyArg_ParseTuple(args, "Oy*y*Kiiii", &cap, &ptrs, &hyper, &cur, &isa, &threads, &tthreads, &tvlen))
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Oy*y*Kiiii|iO:adamw_plan_step", kwlist, &cap, &ptrs, &hyper, &cur,
+                                   &isa, &threads, &tthreads, &tvlen, &sa.sdt, &sa.seed))
     return NULL;
   adamw_plan *p = (adamw_plan *)PyCapsule_GetPointer(cap, "moepeak.adamw_plan");
   if (!p) goto fail;
-  if (!check_isa_threads(isa, threads) || !parse_step(&ptrs, &hyper, tthreads, tvlen, &n, &coef)) goto fail;
+  if (!check_isa_threads(isa, threads) ||
+      !parse_step("adamw_plan_step", &ptrs, &hyper, tthreads, tvlen, &sa, &n, &coef))
+    goto fail;
   if (n != p->nparam) {
     PyErr_Format(PyExc_ValueError, "moepeak: adamw_plan_step: plan has %lld params, got %zd", (long long)p->nparam, n);
     goto fail;
@@ -459,12 +563,13 @@ static PyObject *py_adamw_plan_step(PyObject *self, PyObject *args) {
     goto fail;
   }
   mp_status st;
-  MP_CALL_NOGIL(st, run_pipeline(p, (const int64_t *)ptrs.buf, coef, (uintptr_t)cur, isa, threads, active));
+  MP_CALL_NOGIL(st, run_pipeline(p, (const int64_t *)ptrs.buf, coef, (uintptr_t)cur, isa, threads, sa.sdt, active));
   ret = Py_None;
   Py_INCREF(ret);
 fail:
   free(coef);
   free(active);
+  if (sa.seeds.buf) PyBuffer_Release(&sa.seeds);
   PyBuffer_Release(&ptrs);
   PyBuffer_Release(&hyper);
   return ret;
@@ -477,12 +582,15 @@ static PyObject *py_best_isa(PyObject *self, PyObject *args) {
 }
 
 PyMethodDef mp_adamw_methods[] = {
-    {"adamw_cpu", py_adamw_cpu, METH_VARARGS,
-     "adamw_cpu(ptrs, hyper, isa, threads, torch_threads, torch_vlen): AdamW on CPU tensors in place (GIL released)."},
+    {"adamw_cpu", (PyCFunction)(void (*)(void))py_adamw_cpu, METH_VARARGS | METH_KEYWORDS,
+     "adamw_cpu(ptrs, hyper, isa, threads, torch_threads, torch_vlen, state_dtype=0, seed=0): AdamW on CPU "
+     "tensors in place (GIL released); state_dtype 1: bf16 exp_avg/exp_avg_sq/max_exp_avg_sq with stochastic "
+     "rounding keyed by seed (an int, or one int64 per row)."},
     {"adamw_plan_create", py_adamw_plan_create, METH_VARARGS,
      "adamw_plan_create(segs, bucket_seg, nparam, gslot_bytes, pslot_bytes, gslots, pslots, host) -> plan"},
-    {"adamw_plan_step", py_adamw_plan_step, METH_VARARGS,
-     "adamw_plan_step(plan, ptrs, hyper, stream, isa, threads, torch_threads, torch_vlen): one pipelined step (GIL released)."},
+    {"adamw_plan_step", (PyCFunction)(void (*)(void))py_adamw_plan_step, METH_VARARGS | METH_KEYWORDS,
+     "adamw_plan_step(plan, ptrs, hyper, stream, isa, threads, torch_threads, torch_vlen, state_dtype=0, seed=0): "
+     "one pipelined step (GIL released)."},
     {"cpu_best_isa", py_best_isa, METH_NOARGS, "cpu_best_isa() -> 0 scalar, 1 avx2, 2 avx512"},
     {NULL, NULL, 0, NULL},
 };

@@ -1,7 +1,8 @@
 /* adamw_kernels.c: the CPU AdamW update of StreamAdamW.
  *
- * What it computes, per element i of a segment (fp32 master p, fp32 m, v; the
- * gradient g read as fp32/bf16/fp16 and widened to fp32):
+ * What it computes, per element i of a segment (fp32 master p; m, v (and vm)
+ * fp32, or bf16 widened to fp32; the gradient g read as fp32/bf16/fp16 and
+ * widened to fp32):
  *
  *   g  = -g                                     (only when maximize)
  *   p  = p * f(1 - lr*wd)                       (only when wd != 0)
@@ -11,6 +12,8 @@
  *   d  = sqrt(v) / f(sqrt(1 - beta2^t)) + f(eps)
  *   p  = p + (f(-lr / (1 - beta1^t)) * m) / d
  *   lp = round_to_nearest_even(p)               (optional bf16/fp16 copy)
+ *   m, v, vm stored as fp32, or as bf16 with stochastic rounding (the SR and
+ *   its counter-based hash: adamw_kernels.h)
  *
  * f(x) is the double -> float cast of a scalar computed in double, and
  * c1 = f(1-beta1) when |f(1-beta1)| < 0.5 else f(1-beta1) - 1 (then the base
@@ -38,6 +41,11 @@
  * Three paths with identical arithmetic: AVX-512F (16 lanes),
  * AVX2+FMA+F16C (8 lanes), each
  * with the scalar code for its last < 16 (< 8) elements, scalar. Chosen at run time.
+ * The SR hash is integer arithmetic on the element index, so bf16 state gets
+ * the same bits on every path; each path is compiled twice (fp32 / bf16
+ * state) from one always-inline body, so the fp32 loop carries no SR code.
+ * Ranges handed to the paths never cross a multiple of 2^32 of the parameter's
+ * element index (run_range splits them), so a vector's lanes share the key k.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -77,6 +85,59 @@ void mp_adamw_coef_init(mp_adamw_coef *c, double lr, double beta1, double beta2,
   c->bc2_sqrt = (float)sqrt(bias_correction2);
   c->eps = (float)eps;
   c->neg_step_size = (float)(-step_size);
+}
+
+/* ---- stochastic rounding of bf16 state (spec: adamw_kernels.h) ---- */
+static inline uint64_t sr_mix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+static inline uint32_t sr_mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x ^ (x >> 16);
+}
+
+void mp_adamw_coef_set_rounding(mp_adamw_coef *c, uint64_t seed, double step) {
+  uint64_t step_bits;
+  memcpy(&step_bits, &step, sizeof step_bits);
+  c->sr_key = sr_mix64(sr_mix64(seed) ^ step_bits);
+}
+
+/* The per-element key (k0, k1) of the elements whose index has high word `hi`. */
+typedef struct {
+  uint32_t k0, k1;
+} sr_keys;
+
+static inline sr_keys sr_keys_for(const mp_adamw_coef *c, uint64_t hi) {
+  uint64_t k = sr_mix64(c->sr_key + hi);
+  sr_keys r = {(uint32_t)k, (uint32_t)(k >> 32)};
+  return r;
+}
+
+static inline uint32_t sr_hash(sr_keys k, uint32_t idx_lo) { return sr_mix32(sr_mix32(idx_lo ^ k.k0) ^ k.k1); }
+
+/* SR of x to bf16 with 16 random bits r (< 2^16): NaN -> 0x7FC0; bits + r
+ * cannot carry into the sign for any non-NaN pattern (<= 0xFF800000). */
+static inline uint16_t sr_bf16(float x, uint32_t r) {
+  if (x != x) return 0x7FC0;
+  return (uint16_t)((mp_f32_bits(x) + r) >> 16);
+}
+
+static inline float load_state(const void *p, int bf16, int64_t i) {
+  return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store_state(void *p, int bf16, int64_t i, float x, uint32_t r) {
+  if (bf16)
+    ((uint16_t *)p)[i] = sr_bf16(x, r);
+  else
+    ((float *)p)[i] = x;
 }
 
 /* torch's fused CPU AdamW splits a tensor of n floats for T OpenMP threads
@@ -144,9 +205,12 @@ static inline float amsgrad_max_vec(float vm, float v) {
  * rounding on the elements is_torch_tail() names. */
 static void adamw_scalar(const mp_adamw_seg *s, int64_t b, int64_t e, int emulate) {
   const mp_adamw_coef *c = s->coef;
+  const int bf16 = s->sdt == MP_DT_BF16;
+  uint64_t hi = UINT64_MAX; /* high word of the element index the keys are for (none yet) */
+  sr_keys keys = {0, 0};
   for (int64_t i = b; i < e; i++) {
     float g = load_grad(s->g, s->gdt, i);
-    float p = s->p[i], m = s->m[i], v = s->v[i];
+    float p = s->p[i], m = load_state(s->m, bf16, i), v = load_state(s->v, bf16, i);
     const int torch_tail = emulate && is_torch_tail(c, s->base + i);
     /* maximize: m reads -g; v reads -g in torch's scalar tail, g in its vector body */
     const float gm = c->maximize ? -g : g;
@@ -156,11 +220,20 @@ static void adamw_scalar(const mp_adamw_seg *s, int64_t b, int64_t e, int emulat
       v = fmaf(v, c->b2, (c->c2 * gm) * gm);
     else
       v = fmaf(c->c2 * g, g, v * c->b2);
+    uint32_t h = 0; /* SR bits: r_m = h >> 16, r_v = h & 0xFFFF */
+    if (bf16) {
+      const uint64_t idx = (uint64_t)(s->base + i);
+      if (idx >> 32 != hi) {
+        hi = idx >> 32;
+        keys = sr_keys_for(c, hi);
+      }
+      h = sr_hash(keys, (uint32_t)idx);
+    }
     float vd = v; /* the second moment the denominator uses */
     if (s->vmax) {
-      float vm = s->vmax[i];
+      float vm = load_state(s->vmax, bf16, i);
       vd = torch_tail ? (vm < v ? v : vm) : amsgrad_max_vec(vm, v);
-      s->vmax[i] = vd;
+      store_state(s->vmax, bf16, i, vd, h & 0xFFFFu);
     }
     float d = sqrtf(vd) / c->bc2_sqrt;
     d = d + c->eps;
@@ -168,8 +241,8 @@ static void adamw_scalar(const mp_adamw_seg *s, int64_t b, int64_t e, int emulat
     q = q / d;
     p = p + q;
     s->p[i] = p;
-    s->m[i] = m;
-    s->v[i] = v;
+    store_state(s->m, bf16, i, m, h >> 16);
+    store_state(s->v, bf16, i, v, h & 0xFFFFu);
     if (s->lp) store_lp(s->lp, s->ldt, i, p);
   }
 }
@@ -222,36 +295,90 @@ static inline int lp_stream_ok(const mp_adamw_seg *s, int64_t b, int lanes) {
   return ((uintptr_t)((const char *)s->lp + (size_t)b * es) % (es * (size_t)lanes)) == 0;
 }
 
-MP_T_AVX2 static void adamw_avx2(const mp_adamw_seg *s, int64_t b, int64_t e) {
+/* bf16 state: 8 x bf16 -> fp32 (exact widening). */
+MP_T_AVX2 static inline __m256 avx2_load_bf16(const void *p, int64_t i) {
+  __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+MP_T_AVX2 static inline __m256 avx2_load_state(const void *p, int bf16, int64_t i) {
+  return bf16 ? avx2_load_bf16(p, i) : _mm256_loadu_ps((const float *)p + i);
+}
+
+/* mix32 (adamw_kernels.h) on 8 lanes. */
+MP_T_AVX2 static inline __m256i avx2_mix32(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7FEB352D));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x846CA68Bu));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+/* sr_bf16 on 8 lanes: (bits + r) >> 16, NaN -> 0x7FC0. */
+MP_T_AVX2 static inline void avx2_store_sr_bf16(void *p, int64_t i, __m256 x, __m256i r) {
+  __m256i t = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r), 16);
+  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  t = _mm256_blendv_epi8(t, _mm256_set1_epi32(0x7FC0), nan);
+  __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1)); /* t <= 0xFFFF */
+  _mm_storeu_si128((__m128i *)((uint16_t *)p + i), packed);
+}
+
+MP_T_AVX2 static inline void avx2_store_state(void *p, int bf16, int64_t i, __m256 x, __m256i r) {
+  if (bf16)
+    avx2_store_sr_bf16(p, i, x, r);
+  else
+    _mm256_storeu_ps((float *)p + i, x);
+}
+
+/* The AVX2 loop; bf16 is a compile-time constant in each caller. */
+MP_T_AVX2 static inline __attribute__((always_inline)) void adamw_avx2_body(const mp_adamw_seg *s, int64_t b,
+                                                                             int64_t e, const int bf16) {
   const mp_adamw_coef *c = s->coef;
   const __m256 wd = _mm256_set1_ps(c->wd_scale), c1 = _mm256_set1_ps(c->c1), b2 = _mm256_set1_ps(c->b2);
   const __m256 c2 = _mm256_set1_ps(c->c2), bc2 = _mm256_set1_ps(c->bc2_sqrt), eps = _mm256_set1_ps(c->eps);
   const __m256 nss = _mm256_set1_ps(c->neg_step_size);
   const __m256 gsign = _mm256_set1_ps(c->maximize ? -0.0f : 0.0f); /* xor: maximize's negation */
   const int nt = lp_stream_ok(s, b, 8);
+  /* SR: lane j of element i hashes uint32(base + i) + j (no wrap: see the file comment) */
+  const sr_keys keys = bf16 ? sr_keys_for(c, (uint64_t)(s->base + b) >> 32) : (sr_keys){0, 0};
+  const __m256i k0 = _mm256_set1_epi32((int)keys.k0), k1 = _mm256_set1_epi32((int)keys.k1);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), low16 = _mm256_set1_epi32(0xFFFF);
   int64_t i = b;
   for (; i + 8 <= e; i += 8) {
     __m256 g = avx2_load_grad(s->g, s->gdt, i);
-    __m256 p = _mm256_loadu_ps(s->p + i), m = _mm256_loadu_ps(s->m + i), v = _mm256_loadu_ps(s->v + i);
+    __m256 p = _mm256_loadu_ps(s->p + i), m = avx2_load_state(s->m, bf16, i), v = avx2_load_state(s->v, bf16, i);
     const __m256 gm = _mm256_xor_ps(g, gsign);
     if (c->do_wd) p = _mm256_mul_ps(p, wd);
     m = _mm256_fmadd_ps(c1, _mm256_sub_ps(gm, m), c->w1_small ? m : gm);
     v = _mm256_fmadd_ps(_mm256_mul_ps(c2, g), g, _mm256_mul_ps(v, b2));
+    __m256i h = _mm256_setzero_si256(), rv = h; /* SR bits: r_m = h >> 16, r_v = h & 0xFFFF */
+    if (bf16) {
+      __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)(s->base + i)), lane);
+      h = avx2_mix32(_mm256_xor_si256(avx2_mix32(_mm256_xor_si256(idx, k0)), k1));
+      rv = _mm256_and_si256(h, low16);
+    }
     __m256 vd = v;
     if (s->vmax) { /* at::vec::maximum: max, or all-ones NaN where either is NaN */
-      __m256 vm = _mm256_loadu_ps(s->vmax + i);
+      __m256 vm = avx2_load_state(s->vmax, bf16, i);
       vd = _mm256_or_ps(_mm256_max_ps(vm, v), _mm256_cmp_ps(vm, v, _CMP_UNORD_Q));
-      _mm256_storeu_ps(s->vmax + i, vd);
+      avx2_store_state(s->vmax, bf16, i, vd, rv);
     }
     __m256 d = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vd), bc2), eps);
     p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(nss, m), d));
     _mm256_storeu_ps(s->p + i, p);
-    _mm256_storeu_ps(s->m + i, m);
-    _mm256_storeu_ps(s->v + i, v);
+    avx2_store_state(s->m, bf16, i, m, _mm256_srli_epi32(h, 16));
+    avx2_store_state(s->v, bf16, i, v, rv);
     if (s->lp) avx2_store_lp(s->lp, s->ldt, i, p, nt);
   }
   if (nt) _mm_sfence(); /* streaming stores visible before the copy engine reads the slot */
   if (i < e) adamw_scalar(s, i, e, 0);
+}
+
+MP_T_AVX2 static void adamw_avx2(const mp_adamw_seg *s, int64_t b, int64_t e) {
+  if (s->sdt == MP_DT_BF16)
+    adamw_avx2_body(s, b, e, 1);
+  else
+    adamw_avx2_body(s, b, e, 0);
 }
 
 /* ---- AVX-512F: 16 lanes (F-level only: no BW/VL instructions) ---- */
@@ -291,37 +418,85 @@ MP_T_AVX512 static inline void avx512_store_lp(void *lp, int dt, int64_t i, __m5
   }
 }
 
-MP_T_AVX512 static void adamw_avx512(const mp_adamw_seg *s, int64_t b, int64_t e) {
+MP_T_AVX512 static inline __m512 avx512_load_state(const void *p, int bf16, int64_t i) {
+  if (bf16) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  return _mm512_loadu_ps((const float *)p + i);
+}
+
+/* mix32 (adamw_kernels.h) on 16 lanes. */
+MP_T_AVX512 static inline __m512i avx512_mix32(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x846CA68Bu));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+MP_T_AVX512 static inline void avx512_store_state(void *p, int bf16, int64_t i, __m512 x, __m512i r) {
+  if (!bf16) {
+    _mm512_storeu_ps((float *)p + i, x);
+    return;
+  }
+  /* sr_bf16 on 16 lanes: (bits + r) >> 16, NaN -> 0x7FC0 */
+  __m512i t = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r), 16);
+  t = _mm512_mask_mov_epi32(t, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), _mm512_cvtepi32_epi16(t));
+}
+
+/* The AVX-512 loop; bf16 is a compile-time constant in each caller. */
+MP_T_AVX512 static inline __attribute__((always_inline)) void adamw_avx512_body(const mp_adamw_seg *s, int64_t b,
+                                                                                 int64_t e, const int bf16) {
   const mp_adamw_coef *c = s->coef;
   const __m512 wd = _mm512_set1_ps(c->wd_scale), c1 = _mm512_set1_ps(c->c1), b2 = _mm512_set1_ps(c->b2);
   const __m512 c2 = _mm512_set1_ps(c->c2), bc2 = _mm512_set1_ps(c->bc2_sqrt), eps = _mm512_set1_ps(c->eps);
   const __m512 nss = _mm512_set1_ps(c->neg_step_size);
   const __m512i gsign = _mm512_set1_epi32(c->maximize ? (int)0x80000000u : 0); /* xor: maximize's negation */
   const int nt = lp_stream_ok(s, b, 16);
+  /* SR: lane j of element i hashes uint32(base + i) + j (no wrap: see the file comment) */
+  const sr_keys keys = bf16 ? sr_keys_for(c, (uint64_t)(s->base + b) >> 32) : (sr_keys){0, 0};
+  const __m512i k0 = _mm512_set1_epi32((int)keys.k0), k1 = _mm512_set1_epi32((int)keys.k1);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i low16 = _mm512_set1_epi32(0xFFFF);
   int64_t i = b;
   for (; i + 16 <= e; i += 16) {
     __m512 g = avx512_load_grad(s->g, s->gdt, i);
-    __m512 p = _mm512_loadu_ps(s->p + i), m = _mm512_loadu_ps(s->m + i), v = _mm512_loadu_ps(s->v + i);
+    __m512 p = _mm512_loadu_ps(s->p + i), m = avx512_load_state(s->m, bf16, i), v = avx512_load_state(s->v, bf16, i);
     const __m512 gm = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), gsign)); /* F-level xor */
     if (c->do_wd) p = _mm512_mul_ps(p, wd);
     m = _mm512_fmadd_ps(c1, _mm512_sub_ps(gm, m), c->w1_small ? m : gm);
     v = _mm512_fmadd_ps(_mm512_mul_ps(c2, g), g, _mm512_mul_ps(v, b2));
+    __m512i h = _mm512_setzero_si512(), rv = h; /* SR bits: r_m = h >> 16, r_v = h & 0xFFFF */
+    if (bf16) {
+      __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)(s->base + i)), lane);
+      h = avx512_mix32(_mm512_xor_si512(avx512_mix32(_mm512_xor_si512(idx, k0)), k1));
+      rv = _mm512_and_si512(h, low16);
+    }
     __m512 vd = v;
     if (s->vmax) { /* at::vec::maximum: max, or all-ones NaN where either is NaN */
-      __m512 vm = _mm512_loadu_ps(s->vmax + i);
+      __m512 vm = avx512_load_state(s->vmax, bf16, i);
       __mmask16 unord = _mm512_cmp_ps_mask(vm, v, _CMP_UNORD_Q);
       vd = _mm512_mask_mov_ps(_mm512_max_ps(vm, v), unord, _mm512_castsi512_ps(_mm512_set1_epi32(-1)));
-      _mm512_storeu_ps(s->vmax + i, vd);
+      avx512_store_state(s->vmax, bf16, i, vd, rv);
     }
     __m512 d = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vd), bc2), eps);
     p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(nss, m), d));
     _mm512_storeu_ps(s->p + i, p);
-    _mm512_storeu_ps(s->m + i, m);
-    _mm512_storeu_ps(s->v + i, v);
+    avx512_store_state(s->m, bf16, i, m, _mm512_srli_epi32(h, 16));
+    avx512_store_state(s->v, bf16, i, v, rv);
     if (s->lp) avx512_store_lp(s->lp, s->ldt, i, p, nt);
   }
   if (nt) _mm_sfence(); /* streaming stores visible before the copy engine reads the slot */
   if (i < e) adamw_scalar(s, i, e, 0);
+}
+
+MP_T_AVX512 static void adamw_avx512(const mp_adamw_seg *s, int64_t b, int64_t e) {
+  if (s->sdt == MP_DT_BF16)
+    adamw_avx512_body(s, b, e, 1);
+  else
+    adamw_avx512_body(s, b, e, 0);
 }
 #endif /* MP_X86 */
 
@@ -332,6 +507,31 @@ typedef struct {
   int nseg;
   int isa;
 } run_ctx;
+
+/* [b, e) of one segment, inside one 2^32 block of its parameter's indices. */
+static void update_piece(const mp_adamw_seg *s, int64_t b, int64_t e, int isa) {
+  /* [b, split): plain vector formula; [split, e): per-element torch tail test */
+  int64_t split = s->coef->tail_from - s->base;
+  if (split < b) split = b;
+  if (split < e) {
+    adamw_scalar(s, split, e, 1);
+    e = split;
+    if (b >= e) return;
+  }
+#if MP_X86
+  if (isa == MP_ISA_AVX512) {
+    adamw_avx512(s, b, e);
+    return;
+  }
+  if (isa == MP_ISA_AVX2) {
+    adamw_avx2(s, b, e);
+    return;
+  }
+#else
+  (void)isa;
+#endif
+  adamw_scalar(s, b, e, 0);
+}
 
 static void run_range(void *vctx, int64_t b, int64_t e, int worker) {
   (void)worker;
@@ -347,19 +547,13 @@ static void run_range(void *vctx, int64_t b, int64_t e, int worker) {
     int64_t se = (e < r->start[k + 1] ? e : r->start[k + 1]) - r->start[k];
     if (sb >= se) continue;
     const mp_adamw_seg *s = &r->segs[k];
-    /* [sb, split): plain vector formula; [split, se): per-element torch tail test */
-    int64_t split = s->coef->tail_from - s->base;
-    if (split < sb) split = sb;
-    if (split < se) {
-      adamw_scalar(s, split, se, 1);
-      se = split;
-      if (sb >= se) continue;
+    /* pieces that do not cross a multiple of 2^32 of the parameter's element index */
+    while (sb < se) {
+      int64_t next = (((s->base + sb) >> 32) + 1) * ((int64_t)1 << 32) - s->base;
+      int64_t pe = next < se ? next : se;
+      update_piece(s, sb, pe, r->isa);
+      sb = pe;
     }
-#if MP_X86
-    if (r->isa == MP_ISA_AVX512) { adamw_avx512(s, sb, se); continue; }
-    if (r->isa == MP_ISA_AVX2) { adamw_avx2(s, sb, se); continue; }
-#endif
-    adamw_scalar(s, sb, se, 0);
   }
 }
 
@@ -369,6 +563,9 @@ mp_status mp_adamw_run(const mp_adamw_seg *segs, int nseg, int isa, int nthreads
   int64_t *start = local;
   if (nseg <= 0) return MP_OK;
   if (isa < 0 || isa > mp_cpu_best_isa()) MP_FAIL(st, MP_ERR_INVALID, "adamw: isa %d not supported by this CPU", isa);
+  for (int k = 0; k < nseg; k++)
+    if (segs[k].sdt != MP_DT_F32 && segs[k].sdt != MP_DT_BF16)
+      MP_FAIL(st, MP_ERR_INVALID, "adamw: state dtype code %d of segment %d is not 0 (fp32) or 1 (bf16)", segs[k].sdt, k);
   if (nseg >= 64) {
     start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(nseg + 1));
     if (!start) MP_FAIL(st, MP_ERR_NOMEM, "adamw: out of host memory for %d segments", nseg);
