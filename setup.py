@@ -13,7 +13,7 @@ Environment:
                    target, SASS each + PTX of the newest, which newer GPUs JIT).
                    The list built is moepeak._C.cuda_archs ("sm_80", ...,
                    "compute_120"); moepeak refuses a GPU it cannot run on
-                   (moepeak._ext.check_cuda_arch) at the first CUDA op.
+                   (moepeak.core.ext.check_cuda_arch) at the first CUDA op.
   MAX_JOBS         parallelism of the CUDA compile (default: the CPUs this process
                    may use): up to MAX_JOBS .cu files side by side, each nvcc
                    compiling its targets on up to MAX_JOBS threads (--threads).

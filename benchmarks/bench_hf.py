@@ -211,9 +211,9 @@ def setup_alst(args, arm, shape, device, base):
 
 
 def host_available():
-    """Bytes of pageable host memory available now (moepeak.host_memory), or None if unknown."""
+    """Bytes of pageable host memory available now (moepeak.core.host_memory), or None if unknown."""
     try:
-        from moepeak.host_memory import available_bytes
+        from moepeak.core.host_memory import available_bytes
     except ImportError:
         return None
     return available_bytes(pinned=False)

@@ -80,7 +80,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.insert(0, _HERE)
 from _common import append_results, cuda_times_ms, is_oom, peak_above, relerr, wall_times_s  # noqa: E402
 import moepeak  # noqa: E402
-from moepeak.transport import Handle, Transport  # noqa: E402
+from moepeak.core import Handle, Transport  # noqa: E402
 
 GiB = 1 << 30
 IGNORE = -100

@@ -40,7 +40,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _common import append_results  # noqa: E402
 from moepeak import _C  # noqa: E402
-from moepeak.transport import TorchDistTransport  # noqa: E402
+from moepeak.core import TorchDistTransport  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 FIELDS = ["nccl_moepeak", "nccl_torch", "world_size", "transport", "op",
@@ -137,7 +137,7 @@ def main():
     transports = {"torch": TorchDistTransport(dist.group.WORLD)}
     nccl_err = None
     try:
-        from moepeak.nccl import NcclTransport
+        from moepeak.core.nccl import NcclTransport
         transports["moepeak_nccl"] = NcclTransport(dist.group.WORLD, device)
     except Exception as e:  # recorded, and the torch arm still runs
         nccl_err = f"{type(e).__name__}: {e}"

@@ -10,36 +10,35 @@ the arithmetic), each with a GPU working set fixed at launch:
   StreamAdamW         moepeak.StreamAdamW                               (optimizer state)
 
 Public names are resolved lazily, so `import moepeak` stays cheap and a
-component's import cost is paid only when it is used.
+component's import cost is paid only when it is used. Each lives in the
+subpackage of its concern (docs/design.md section 7: the package layout).
 """
 from __future__ import annotations
 
-import importlib
+from .version import __version__
 
-__version__ = "0.1.0"
-
-_LAZY = {
-    "StreamAdamW": "stream_adamw",
-    "linear_cross_entropy": "ring_dtp",
-    "RingDTPLinearCrossEntropy": "ring_dtp",
-    "check_labels": "ring_dtp",
-    "sco_checkpoint": "sco",
-    "apply_sco": "sco",
-    "SCOConfig": "sco",
-    "PipelinedLLEPMoE": "llep",
-    "llep_moe": "llep",
-    "get_transport": "transport",
-    "rms_norm": "norms",
-}
-
-__all__ = sorted(_LAZY) + ["__version__"]
+__all__ = sorted(["StreamAdamW", "linear_cross_entropy", "RingDTPLinearCrossEntropy", "check_labels",
+                  "sco_checkpoint", "apply_sco", "SCOConfig", "PipelinedLLEPMoE", "llep_moe", "get_transport",
+                  "rms_norm"]) + ["__version__"]
 
 
 def __getattr__(name):
-    mod = _LAZY.get(name)
-    if mod is None:
+    """Import the subpackage that exports `name` on first use."""
+    if name in ("PipelinedLLEPMoE", "llep_moe"):
+        from . import llep as home
+    elif name in ("linear_cross_entropy", "RingDTPLinearCrossEntropy", "check_labels"):
+        from . import ring_dtp as home
+    elif name in ("sco_checkpoint", "apply_sco", "SCOConfig"):
+        from . import sco as home
+    elif name == "StreamAdamW":
+        from . import stream_adamw as home
+    elif name == "get_transport":
+        from . import core as home
+    elif name == "rms_norm":
+        from . import norms as home
+    else:
         raise AttributeError(f"module 'moepeak' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{mod}", __name__), name)
+    value = getattr(home, name)
     globals()[name] = value
     return value
 

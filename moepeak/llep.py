@@ -25,7 +25,7 @@ Ops (in order: custom_op, register_fake, register_autograd, then the public API)
   moepeak::llep_combine_(acc, y, idx, w, div): acc[idx // div] += w[idx] * y (fp32 acc)
 
 Process groups cannot be op arguments, so the group travels as a key
-(moepeak/process_groups.register_group) resolved in this process; a key
+(moepeak/core/process_groups.register_group) resolved in this process; a key
 whose group was destroyed raises a clear error.
 
 Weights may have any strides: moepeak's own [E, H, 2I] / [E, I, H], or
@@ -47,9 +47,9 @@ from .llep_context import ACTIVATIONS
 from .llep_experts import lean_ok_static
 from .llep_workspace import (capped_save_bytes, effective_chunk_rows, ep_cache_room, one_chunk_ep_rows,
                              one_chunk_fits)
-from ._ext import check_tensor
-from .process_groups import lookup_group, register_group
-from .transport import get_transport
+from .core.ext import check_tensor
+from .core.process_groups import lookup_group, register_group
+from .core.transport_choice import get_transport
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # Activation-cache budget (save_budget_mb=None picks it from the group size):

@@ -22,7 +22,7 @@ from typing import List
 import torch
 
 from . import _C
-from ._ext import check_tensor, current_stream_handle, require_cuda_build
+from .core.ext import check_tensor, current_stream_handle, require_cuda_build
 
 # dtype -> the code csrc/llep.c uses for it (also part of the config fingerprint)
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

@@ -41,8 +41,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._ext import check_tensor, require_cuda_build
-from .transport import check_transport_choice
+from .core.ext import check_tensor, require_cuda_build
+from .core.transport import check_transport_choice
 from . import ring_dtp_blocks as B
 from . import ring_dtp_sched as sched
 from .ring_dtp_labels import LabelGuard, check_labels, sanitize_labels

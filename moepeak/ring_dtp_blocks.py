@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import _C
-from ._ext import check_tensor, current_stream_handle, require_cuda_build
+from .core.ext import check_tensor, current_stream_handle, require_cuda_build
 
 # Chunk sizes and auto's choice are torch-free integer arithmetic (shared with `moepeak plan`).
 from .ring_dtp_sizes import BLOCKED_WORKSPACE_BYTES

@@ -53,8 +53,8 @@ and its whole gradient, 2 V H elements, where the rings hold a shard: the choice
 fit and speed matters (benchmarks/bench_ring_dtp_dist.py measures both); at larger P or
 V x H the rings' 1/P shard wins on memory.
 
-Process groups: `group` is resolved once per call through moepeak.process_groups
-(group_info: rank, size) and the transport is built on it (moepeak.transport).
+Process groups: `group` is resolved once per call through moepeak.core.process_groups
+(group_info: rank, size) and the transport is built on it (moepeak.core.transport).
 """
 from __future__ import annotations
 
@@ -66,9 +66,10 @@ from typing import Optional
 import torch
 
 from . import ring_dtp_blocks as B
-from .process_groups import group_info
+from .core.process_groups import group_info
 from .ring_dtp_sched import REDUCTIONS, reduce_rows
-from .transport import Transport, get_transport, shared_nccl_transport
+from .core.transport import Transport
+from .core.transport_choice import get_transport, shared_nccl_transport
 
 RINGS = ("auto", "weights", "activations", "gather")
 

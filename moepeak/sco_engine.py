@@ -40,8 +40,8 @@ from typing import List
 import torch
 
 from . import _C
-from ._ext import current_stream_handle, require_cuda_build
-from .host_memory import check_room
+from .core.ext import current_stream_handle, require_cuda_build
+from .core.host_memory import check_room
 
 
 

@@ -122,8 +122,8 @@ import weakref
 import torch
 
 from . import _C
-from ._ext import HAS_CUDA_BUILD
-from .host_memory import check_room
+from .core.ext import HAS_CUDA_BUILD
+from .core.host_memory import check_room
 from .stream_adamw_device import HOST_ROOM_REMEDY, backward_tail, device_state_set, fused_update, \
     host_state_bytes_to_create, moment_keys
 from .stream_adamw_op import (DTYPE_CODES, ISA_CODES, PLAN_IDS, PLANS, BucketPlan, check_hyper, stream_adamw,

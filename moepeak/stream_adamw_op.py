@@ -18,7 +18,7 @@ from typing import List, Optional
 import torch
 
 from . import _C
-from ._ext import require_cuda_build
+from .core.ext import require_cuda_build
 
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

@@ -16,7 +16,7 @@ failing test cannot leak its setting into the next one.
       of moepeak._C inside the block, e.g. a proxy that counts them.
   llep_transport(wrapper)
       PipelinedLLEP's ops talk to wrapper(transport) in place of their group's
-      transport inside the block, e.g. a moepeak.transport.Transport that counts
+      transport inside the block, e.g. a moepeak.core.Transport that counts
       the collectives and passes them on.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ import torch
 
 import moepeak
 import moepeak._C as C
-from moepeak import _ext
+from moepeak.core import ext
 
 
 def test_import_and_flags():
@@ -111,7 +111,7 @@ def test_cuda_archs_are_the_targets_in_the_binary():
         assert C.cuda_archs == ()
         return
     for target in C.cuda_archs:
-        _ext.parse_cuda_target(target)  # nvcc's spelling
+        ext.parse_cuda_target(target)  # nvcc's spelling
     with open(C.__file__, "rb") as f:
         images = _fatbin_targets(_elf_section(f.read(), ".nv_fatbin"))
     plain = {t.rstrip("af") for t in C.cuda_archs}  # the arch number; the suffix lives in image flags
@@ -138,39 +138,39 @@ PORTABLE = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120", "compute_120
 ])
 def test_cuda_compatibility_rules(target, runs_on, not_on):
     for cap in runs_on:
-        assert _ext.target_runs_on(target, cap), f"{target} should run on {cap}"
+        assert ext.target_runs_on(target, cap), f"{target} should run on {cap}"
     for cap in not_on:
-        assert not _ext.target_runs_on(target, cap), f"{target} should not run on {cap}"
+        assert not ext.target_runs_on(target, cap), f"{target} should not run on {cap}"
 
 
 def test_portable_build_covers_ampere_to_blackwell():
     for cap in [(8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (10, 3), (12, 0), (12, 1), (13, 0)]:
-        assert _ext.cuda_arch_error(cap, PORTABLE) is None, cap
+        assert ext.cuda_arch_error(cap, PORTABLE) is None, cap
     for cap in [(7, 5), (11, 0)]:  # below sm_80; Jetson Thor (11.0) has neither SASS nor PTX below it
-        assert _ext.cuda_arch_error(cap, PORTABLE) is not None, cap
+        assert ext.cuda_arch_error(cap, PORTABLE) is not None, cap
 
 
 def test_sm90_build_on_an_a100_names_capability_and_targets():
-    msg = _ext.cuda_arch_error((8, 0), ("sm_90", "compute_90"), "NVIDIA A100-SXM4-80GB")
+    msg = ext.cuda_arch_error((8, 0), ("sm_90", "compute_90"), "NVIDIA A100-SXM4-80GB")
     assert msg is not None
     assert "NVIDIA A100-SXM4-80GB" in msg and "compute capability 8.0" in msg and "sm_90, compute_90" in msg
     assert "MOEPEAK_CUDA_ARCH=80" in msg
-    assert _ext.cuda_arch_error((10, 0), ("sm_90", "compute_90")) is None  # B200 JITs compute_90
-    assert _ext.cuda_arch_error((12, 0), ("sm_90",)) is not None  # SASS alone: same major only
+    assert ext.cuda_arch_error((10, 0), ("sm_90", "compute_90")) is None  # B200 JITs compute_90
+    assert ext.cuda_arch_error((12, 0), ("sm_90",)) is not None  # SASS alone: same major only
 
 
 @pytest.mark.parametrize("bad", ["sm90", "sm_9", "compute_", "sm_90b", "lto_90", "sm_090", 90])
 def test_bad_target_named(bad):
     with pytest.raises((ValueError, TypeError)):
-        _ext.parse_cuda_target(bad)
+        ext.parse_cuda_target(bad)
 
 
 def test_first_cuda_op_refuses_a_gpu_the_build_cannot_run_on(monkeypatch):
     """current_stream_handle is where every CUDA op gets its stream: it checks the device
     first, once per device (here with a fake sm_90 build and fake GPUs on a CPU machine)."""
-    monkeypatch.setattr(_ext, "HAS_CUDA_BUILD", True)
-    monkeypatch.setattr(_ext, "CUDA_TARGETS", ("sm_90", "compute_90"))
-    monkeypatch.setattr(_ext, "CHECKED_DEVICES", set())
+    monkeypatch.setattr(ext, "HAS_CUDA_BUILD", True)
+    monkeypatch.setattr(ext, "CUDA_TARGETS", ("sm_90", "compute_90"))
+    monkeypatch.setattr(ext, "CHECKED_DEVICES", set())
     caps = {0: (8, 6), 1: (9, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: caps[i])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: f"fake GPU {i}")
@@ -181,26 +181,26 @@ def test_first_cuda_op_refuses_a_gpu_the_build_cannot_run_on(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device: streams.append(device) or Stream())
     with pytest.raises(RuntimeError, match=r"fake GPU 0 \(compute capability 8\.6\).*sm_90, compute_90"):
-        _ext.current_stream_handle(torch.device("cuda", 0))
-    assert not streams and not _ext.CHECKED_DEVICES  # refused before the stream was taken
-    assert _ext.current_stream_handle(torch.device("cuda", 1)) == 1234
-    assert _ext.CHECKED_DEVICES == {1}
+        ext.current_stream_handle(torch.device("cuda", 0))
+    assert not streams and not ext.CHECKED_DEVICES  # refused before the stream was taken
+    assert ext.current_stream_handle(torch.device("cuda", 1)) == 1234
+    assert ext.CHECKED_DEVICES == {1}
     caps[1] = (7, 0)  # checked once per device: not asked again
-    assert _ext.current_stream_handle(torch.device("cuda", 1)) == 1234
-    assert _ext.current_stream_handle(torch.device("cpu")) == 0
+    assert ext.current_stream_handle(torch.device("cuda", 1)) == 1234
+    assert ext.current_stream_handle(torch.device("cpu")) == 0
 
 
 def test_cpu_only_build_is_not_checked(monkeypatch):
-    monkeypatch.setattr(_ext, "HAS_CUDA_BUILD", False)
+    monkeypatch.setattr(ext, "HAS_CUDA_BUILD", False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: pytest.fail("asked for a capability"))
-    _ext.check_cuda_arch(torch.device("cuda", 0))
+    ext.check_cuda_arch(torch.device("cuda", 0))
 
 
 @pytest.mark.cuda
 def test_this_gpu_runs_the_build():
     """On a GPU machine the default build (the GPUs present) passes the check, and a kernel runs."""
-    _ext.check_cuda_arch(torch.device("cuda", 0))
-    assert _ext.cuda_arch_error(torch.cuda.get_device_capability(0), C.cuda_archs) is None
+    ext.check_cuda_arch(torch.device("cuda", 0))
+    assert ext.cuda_arch_error(torch.cuda.get_device_capability(0), C.cuda_archs) is None
     from moepeak.ring_dtp_blocks import scale_
     t = torch.ones(4, dtype=torch.float32, device="cuda")
     scale_(t, torch.tensor([3.0], device="cuda"))  # a moepeak kernel (ce_scale)

@@ -1,4 +1,4 @@
-"""Host RAM checks (moepeak.host_memory): SCO's pinned arena and StreamAdamW's host state
+"""Host RAM checks (moepeak.core.host_memory): SCO's pinned arena and StreamAdamW's host state
 refuse with a MemoryError naming the sizes when the host RAM left cannot hold them, before
 anything is allocated or updated."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import moepeak
-from moepeak import host_memory
+from moepeak.core import host_memory
 from moepeak.testing import sco_extension
 
 MEMINFO = """MemTotal:       131072000 kB

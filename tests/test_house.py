@@ -2,7 +2,7 @@
 
 - no module (nor a test or benchmark) takes a moepeak module's private name, neither by `from .x import _name`
   nor by attribute access `x._name` on a moepeak module bound by an import (at module level
-  or inside functions); the compiled extension (moepeak._C, reached through moepeak._ext) is
+  or inside functions); the compiled extension (moepeak._C, loaded by moepeak.core.ext) is
   the one private module the package shares;
 - no import cycle among moepeak's modules at module level, and every module imports first in
   a fresh interpreter;
@@ -18,8 +18,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "moepeak"
-# Private modules every moepeak module may use: the extension and its loader.
-SHARED_PRIVATE = {"moepeak._C", "moepeak._ext"}
+# The private module every moepeak module may use: the compiled extension.
+SHARED_PRIVATE = {"moepeak._C"}
 MAX_LINES = 600
 SOURCE_SUFFIXES = {".py", ".c", ".h", ".cu", ".cuh", ".cpp", ".sh"}
 SOURCE_DIRS = ("moepeak", "csrc", "cuda", "benchmarks", "examples", "scripts")

@@ -151,7 +151,7 @@ def _evicted_group(rank, world):
     import gc
 
     from moepeak.llep import llep_dispatch
-    from moepeak.process_groups import lookup_group, register_group, registered_group_count
+    from moepeak.core.process_groups import lookup_group, register_group, registered_group_count
     g = dist.new_group(list(range(world)))
     x, ids, tw = torch.randn(5, H), torch.randint(0, 8, (5, K)), torch.rand(5, K)
     wgu, wd = torch.randn(8 // world, H, 2 * I), torch.randn(8 // world, I, H)

@@ -25,7 +25,7 @@ from moepeak.llep import llep_moe
 from moepeak.llep_workspace import (capped_save_bytes, cache_slots, ep_cache_room, one_chunk_ep_bytes,
                                    one_chunk_ep_rows, working_set_bound, workspace_bytes)
 from moepeak.testing import llep_transport
-from moepeak.transport import Transport
+from moepeak.core import Transport
 
 try:
     from tests import refs
@@ -255,7 +255,7 @@ def _bad_kept_cache(rank, P, group):
     """A kept cache of the wrong size is reported (on every rank, before any
     collective) instead of being read out of bounds."""
     from moepeak.llep import llep_dispatch, llep_dispatch_backward
-    from moepeak.process_groups import register_group
+    from moepeak.core.process_groups import register_group
     tokens = [40 + 7 * r for r in range(P)]
     x, ids, tw, wgu, wd, gy = (t.float() if t.is_floating_point() else t
                                for t in refs.moe_problem(sum(tokens), E, K, H, I, 0.0, 11))

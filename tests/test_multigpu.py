@@ -81,7 +81,7 @@ def _setup(rank: int, device: str):
     torch.cuda.set_device(dev)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    from moepeak.transport import get_transport
+    from moepeak.core import get_transport
     group = dist.new_group(backend="nccl")  # collective over WORLD
     assert dist.get_backend(group) == "nccl"
     ours = get_transport(dist.group.WORLD, device=dev, backend="nccl")

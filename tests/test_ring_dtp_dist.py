@@ -181,7 +181,7 @@ def _transport_fn(rank, P, group):
     results (the instance is the one used: it counts the ring's exchanges); a bad
     choice, "nccl" on CPU tensors and an instance of another size fail clearly."""
     import moepeak
-    from moepeak.transport import Transport, TorchDistTransport
+    from moepeak.core import Transport, TorchDistTransport
 
     class Counting(Transport):
         def __init__(self, inner):

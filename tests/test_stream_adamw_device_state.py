@@ -149,7 +149,7 @@ def test_a_bad_host_state_stops_the_device_update_too():
 def test_cuda_bitwise_torch_fused(overlap):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from moepeak._ext import HAS_CUDA_BUILD
+    from moepeak.core.ext import HAS_CUDA_BUILD
     if not HAS_CUDA_BUILD:
         pytest.skip("moepeak._C built without CUDA")
     ours_m, ref_m = _mlp(5, device="cuda"), _mlp(5, device="cuda")

@@ -1,4 +1,4 @@
-"""The transports every multi-rank schedule talks to (moepeak/transport.py).
+"""The transports every multi-rank schedule talks to (moepeak/core/transport.py).
 
 CPU (here):
   * TorchDistTransport on gloo, P = 2 and 3: send/recv rings (and to self),
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import moepeak._C as C
-from moepeak.transport import TorchDistTransport, get_transport
+from moepeak.core import TorchDistTransport, get_transport
 
 from dist_utils import run_ranks
 
@@ -114,7 +114,7 @@ def test_torch_dist_transport_gloo_p3_and_p2():
 # NcclTransport refusals (no GPU / no NCCL / CPU tensors)
 # ---------------------------------------------------------------------------
 def test_nccl_transport_names_what_is_missing():
-    from moepeak.nccl import NcclTransport, nccl_available
+    from moepeak.core.nccl import NcclTransport, nccl_available
     missing = nccl_available()
     if missing is None:
         pytest.skip("NCCL, a GPU and a CUDA build are all present")
@@ -149,7 +149,7 @@ def test_get_transport_nccl_refuses_cpu():
 
 
 def test_count_lists_validated():
-    from moepeak.nccl import normalize_counts
+    from moepeak.core.nccl import normalize_counts
     assert normalize_counts("send_counts", [3, 0, 2], 3) == [3, 0, 2]
     assert normalize_counts("send_counts", torch.tensor([1, 2]), 2) == [1, 2]
     with pytest.raises(ValueError, match=r"send_counts\[1\] must be >= 0, got -2"):
@@ -278,7 +278,7 @@ _FAKE_SCRIPT = textwrap.dedent(r"""
 
     # NcclTransport's release on a deadline thread (imports torch: after the fake is loaded)
     import time, warnings
-    from moepeak.nccl import release_communicator
+    from moepeak.core.nccl import release_communicator
     c3 = C.nccl_comm_init(uid, 1, 0, -1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -329,7 +329,7 @@ _PY_SCRIPT = textwrap.dedent(r"""
     if ver != 29901:
         print("REAL NCCL", ver, how); sys.exit(0)
     import torch, torch.distributed as dist
-    import moepeak.nccl as MN
+    import moepeak.core.nccl as MN
     import test_transport as T
 
     # CUDA stubbed out: streams and events become no-ops, tensors stay on the
@@ -391,7 +391,7 @@ _LEFT_OPEN = []
 
 
 def _one_gpu_rank(rank, P):
-    from moepeak.nccl import NcclTransport
+    from moepeak.core.nccl import NcclTransport
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     t = get_transport(dist.group.WORLD, device=dev, backend="nccl")

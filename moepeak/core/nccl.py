@@ -1,4 +1,4 @@
-"""NcclTransport: the Transport interface (moepeak/transport.py) on NCCL called
+"""NcclTransport: the Transport interface (moepeak/core/transport.py) on NCCL called
 from C (csrc/nccl.c), for CUDA tensors.
 
 Setup: rank 0 of `group` creates an ncclUniqueId, it is broadcast over
@@ -46,8 +46,8 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _C
-from ._ext import HAS_CUDA_BUILD, check_tensor
+from .. import _C
+from .ext import HAS_CUDA_BUILD, check_tensor
 from .process_groups import group_info
 from .transport import Handle, Transport
 

@@ -21,7 +21,7 @@ from typing import Iterable, Optional, Sequence, Tuple
 
 import torch
 
-from . import _C
+from .. import _C
 
 HAS_CUDA_BUILD: bool = bool(_C.has_cuda)
 # The nvcc targets of the CUDA objects, e.g. ("sm_80", ..., "sm_120", "compute_120"); () if unknown.
