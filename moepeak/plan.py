@@ -391,7 +391,7 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         if P > 1:
             ws += 2 * (V // P) * H * b + 4 * (V // P) * H
         out["vocab"] = ws
-        # SCO (moepeak/sco.py): the last W forward copies stay referenced until the first
+        # SCO (moepeak/sco/checkpoint.py): the last W forward copies stay referenced until the first
         # reload polls them (through the head's backward); in a block's backward: the input
         # being recomputed + `prefetch` loaded ahead, except that a tiled block holds its
         # prefetch back until its attention core's backward peak has passed. Flat in L.

@@ -12,7 +12,7 @@ failing test cannot leak its setting into the next one.
       Whether the grouped path is still on (it switches itself off for the
       process the first time torch._grouped_mm raises).
   sco_extension(ext)
-      SCO's engine (moepeak.sco_engine) makes its extension calls on ext in place
+      SCO's engine (moepeak.sco.engine) makes its extension calls on ext in place
       of moepeak._C inside the block, e.g. a proxy that counts them.
   llep_transport(wrapper)
       PipelinedLLEP's ops talk to wrapper(transport) in place of their group's
@@ -24,7 +24,8 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from . import llep_gemm, sco_engine
+from . import llep_gemm
+from .sco import engine as sco_engine
 
 
 @contextlib.contextmanager

@@ -50,7 +50,7 @@ head_groups = 4; one unit = 4 KiB per token), with torch's flash attention:
     total                                               7.9  (31.6 KiB/token)
 Under SCO the previous block's boundary is not in this list: its prefetch, which the
 reload of x would start, is held back until half the head groups' core backward is done
-(sco_engine.DeferredPrefetch), when the set above has shrunk by more than it adds.
+(moepeak.sco.DeferredPrefetch), when the set above has shrunk by more than it adds.
 Untiled checkpoint recompute of the same block (for comparison): ~17 units measured.
 Without head groups the core's backward alone would add 4 (dq_accum for 16 heads, dk/dv
 expanded to 16 heads) instead of 1. The tile's own working set (one tile of the
@@ -90,7 +90,7 @@ from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tup
 
 import torch
 
-from .sco_engine import DeferredPrefetch
+from .sco import DeferredPrefetch
 
 __all__ = ["TiledBlockSpec", "tiled_block", "TiledBlock", "tile_ranges"]
 

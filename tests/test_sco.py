@@ -535,7 +535,7 @@ def test_cuda_peak_flat_in_depth():
 
 
 class _CountingC:
-    """Stands in for moepeak._C inside moepeak.sco_engine: counts every call by name."""
+    """Stands in for moepeak._C inside moepeak.sco.engine: counts every call by name."""
 
     def __init__(self, real):
         self._real, self.calls = real, {}

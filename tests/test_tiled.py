@@ -381,7 +381,7 @@ def _prefetch_order(device, nkv):
     """Two tiled blocks under sco_checkpoint; the order of the engine's loads and of each core
     head group's backward (marked where dq is born) during backward."""
     import moepeak
-    from moepeak import sco_engine
+    from moepeak.sco import engine as sco_engine
     events = []
 
     class Mark(torch.autograd.Function):

@@ -1,6 +1,6 @@
 """The SCO engine: the pinned host arena, the copy and load streams, the
 events, and the two byte-copy ops (moepeak::sco_offload, moepeak::sco_reload).
-moepeak/sco.py decides *which* tensor is a boundary and *when* it is needed;
+moepeak/sco/checkpoint.py decides *which* tensor is a boundary and *when* it is needed;
 this module moves it.
 
 Schedule (one engine per device and SCOConfig; compute = torch's current stream):
@@ -39,9 +39,9 @@ from typing import List
 
 import torch
 
-from . import _C
-from .core.ext import current_stream_handle, require_cuda_build
-from .core.host_memory import check_room
+from .. import _C
+from ..core.ext import current_stream_handle, require_cuda_build
+from ..core.host_memory import check_room
 
 
 

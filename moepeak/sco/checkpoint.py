@@ -5,9 +5,9 @@ its input (the hidden state, x_k: [.., T, H] x dtype), alive from the block's
 forward until its backward, so L blocks hold L·T·H·b bytes on the GPU. SCO
 moves exactly that tensor (never weights, never tensors saved outside
 checkpointed blocks) into a slot of a pinned host arena and brings it back
-just before the block recomputes. This module is the face (SCOConfig,
-sco_checkpoint, apply_sco) and the checkpoint mechanics; the arena, streams
-and events are the engine in moepeak/sco_engine.py.
+just before the block recomputes. This module is the user's API (SCOConfig,
+sco_checkpoint, apply_sco; exported by moepeak.sco) and the checkpoint mechanics; the
+arena, streams and events are the engine in moepeak/sco/engine.py.
 
 Checkpoint mechanics. torch's non-reentrant checkpoint keeps the block's
 boundary input in its recompute closure, so the GPU input would stay alive
@@ -52,7 +52,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.utils.checkpoint as _tuc
 
-from .sco_engine import SCOEngine
+from .engine import SCOEngine
 
 try:  # the autograd engine's saved tensor (version-checked on unpack), as torch's checkpoint uses
     from torch._C._autograd import _make_saved_tensor
