@@ -90,7 +90,7 @@ def build_arm(arm, d, device):
     """(model, optimizer, autocast dtype or None, note)."""
     import moepeak
     from moepeak.demo.models import MoEConfig, MoELM, resolve
-    from moepeak.stream_adamw_device import device_state_bytes
+    from moepeak.stream_adamw.device import device_state_bytes
     cfg = MoEConfig(vocab_size=d["vocab"], hidden=d["hidden"], layers=d["layers"], heads=d["heads"],
                     kv_heads=d["kv_heads"], experts=d["experts"], top_k=d["top_k"],
                     intermediate=d["intermediate"], chunk_rows=d.get("chunk_rows"))

@@ -8,7 +8,7 @@ import torch
 
 import moepeak
 from moepeak import _C
-from moepeak.stream_adamw_op import stream_adamw
+from moepeak.stream_adamw.op import stream_adamw
 from refs import adamw_step_ref
 
 BEST = _C.cpu_best_isa()

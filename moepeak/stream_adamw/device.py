@@ -5,7 +5,8 @@ host update that overlap_backward runs cannot be hidden behind backward. Its fp3
 master (bf16/fp16 params), exp_avg, exp_avg_sq and step then live on the param's device
 (12 bytes per element; 8 for fp32 params) and torch's fused AdamW kernel updates them
 there, on the current stream: from the param's own hook with overlap_backward, else in
-step(). moepeak/stream_adamw.py owns the state dict, the checks and the order; this
+step(). moepeak/stream_adamw/optimizer.py owns the order (its checks and state dict:
+checks.py, state_dict.py); this
 module holds the choice of params, the update, and the count of host bytes the state
 about to be created on the host takes (checked against the host RAM left before it exists).
 """

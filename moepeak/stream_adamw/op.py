@@ -1,7 +1,7 @@
 """The torch op moepeak::stream_adamw (one AdamW step on flat lists of
 tensors; mutates params, masters, exp_avgs, exp_avg_sqs) and the bucket plans
 and CPU-kernel bindings it drives. The optimizer around it, and the contract
-users see, is moepeak.StreamAdamW (moepeak/stream_adamw.py).
+users see, is moepeak.StreamAdamW (moepeak/stream_adamw/optimizer.py).
 
 Row layouts handed to moepeak._C (csrc/adamw.c):
   ptrs:  [n, 9] int64 (master, exp_avg, exp_avg_sq, grad, low-precision param
@@ -17,8 +17,8 @@ from typing import List, Optional
 
 import torch
 
-from . import _C
-from .core.ext import require_cuda_build
+from .. import _C
+from ..core.ext import require_cuda_build
 
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

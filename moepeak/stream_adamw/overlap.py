@@ -1,7 +1,7 @@
 """StreamAdamW's overlap with backward: post-accumulate-grad hooks that hand
 each bucket of final gradients to a worker thread while autograd continues.
 
-The optimizer (moepeak/stream_adamw.py) owns one ``BackwardOverlap`` when it
+The optimizer (moepeak/stream_adamw/optimizer.py) owns one ``BackwardOverlap`` when it
 is built with ``overlap_backward=True`` and gives it two callables:
 
 - ``prepare(params) -> job | None``: runs in the thread that fired the hook

@@ -1,0 +1,110 @@
+"""StreamAdamW's argument checks (moepeak/stream_adamw/optimizer.py calls them): its settings,
+every param with a grad, and the state tensors the kernel will read and write. Every check
+runs before any parameter of the update (the step, or one overlap bucket) is touched, and
+each error names the parameter (param_groups[g]['params'][i])."""
+from __future__ import annotations
+
+import torch
+
+from .. import _C
+from ..core.ext import HAS_CUDA_BUILD
+from .op import DTYPE_CODES, ISA_CODES, check_hyper
+
+
+def local_shard(t):
+    """The local shard of a DTensor (FSDP2), else t itself."""
+    if t is not None and hasattr(t, "_local_tensor") and type(t).__name__ == "DTensor":
+        return t._local_tensor
+    return t
+
+
+def check_settings(*, overlap_backward, clip_grad_norm, bucket_mb, grad_slots, param_slots, threads, isa) -> int:
+    """Raise naming the argument unless the optimizer's settings are valid; return the ISA
+    code the kernel runs (isa None: the best this CPU supports)."""
+    if not isinstance(overlap_backward, bool):
+        raise TypeError(f"moepeak.StreamAdamW: overlap_backward must be a bool, got {overlap_backward!r}")
+    if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
+        raise ValueError(f"moepeak.StreamAdamW: clip_grad_norm must be None or a float > 0, got {clip_grad_norm!r}")
+    if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
+        raise ValueError(f"moepeak.StreamAdamW: bucket_mb must be > 0, got {bucket_mb!r}")
+    if grad_slots < 2 or param_slots < 1:
+        raise ValueError(f"moepeak.StreamAdamW: need grad_slots >= 2 and param_slots >= 1, got "
+                         f"{grad_slots}, {param_slots}")
+    if threads is not None and not (isinstance(threads, int) and 1 <= threads <= 256):
+        raise ValueError(f"moepeak.StreamAdamW: threads must be None or an int in [1, 256], got {threads!r}")
+    best = _C.cpu_best_isa()
+    if isa is None:
+        return best
+    code = ISA_CODES.get(isa, isa)
+    if not isinstance(code, int) or code not in (0, 1, 2):
+        raise ValueError(f"moepeak.StreamAdamW: isa must be one of {sorted(ISA_CODES)} or None, got {isa!r}")
+    if code > best:
+        raise ValueError(f"moepeak.StreamAdamW: isa={isa!r} is not supported by this CPU "
+                         f"(best: {[k for k, v in ISA_CODES.items() if v == best][0]})")
+    return code
+
+
+def collect(param_groups, devices, only=None, skip=()):
+    """Validate every param of param_groups with a grad (nothing is touched on failure);
+    return [(group, param, local param, local grad, name)]. devices: param -> the device
+    it had at its first step; only: a set of params to restrict to; skip: params to
+    leave out."""
+    out = []
+    for gi, group in enumerate(param_groups):
+        check_hyper(f"param_groups[{gi}]['lr']", group["lr"], group["betas"], group["eps"],
+                     group["weight_decay"], group.get("amsgrad", False), group.get("maximize", False))
+        for pi, p in enumerate(group["params"]):
+            if p.grad is None or (only is not None and p not in only) or p in skip:
+                continue
+            name = f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}, dtype {p.dtype})"
+            lp, lg = local_shard(p), local_shard(p.grad)
+            if p.grad.is_sparse or lg.layout != torch.strided:
+                raise TypeError(f"moepeak.StreamAdamW: {name} has a sparse grad; StreamAdamW needs dense grads")
+            if lp.is_complex() or lg.is_complex():
+                raise TypeError(f"moepeak.StreamAdamW: {name}: complex params/grads are not supported")
+            if lp.dtype not in DTYPE_CODES or lg.dtype not in DTYPE_CODES:
+                raise TypeError(f"moepeak.StreamAdamW: {name}: param and grad must be float32, bfloat16 or "
+                                f"float16, got {lp.dtype} and {lg.dtype}")
+            if lg.shape != lp.shape:
+                raise ValueError(f"moepeak.StreamAdamW: {name}: grad shape {tuple(lg.shape)} != param shape")
+            if not lp.is_contiguous() or not lg.is_contiguous():
+                raise ValueError(f"moepeak.StreamAdamW: {name}: param and grad must be contiguous")
+            if lg.device != lp.device:
+                raise ValueError(f"moepeak.StreamAdamW: {name}: grad on {lg.device} but param on {lp.device}")
+            if lp.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"moepeak.StreamAdamW: {name}: params must be on cpu or cuda, got {lp.device}")
+            if lp.is_cuda and not HAS_CUDA_BUILD:
+                raise RuntimeError(f"moepeak.StreamAdamW: {name} is on CUDA but moepeak._C was built without "
+                                   "CUDA; rebuild with nvcc on PATH")
+            seen = devices.get(p)
+            if seen is not None and seen != lp.device:
+                raise ValueError(f"moepeak.StreamAdamW: {name} moved from {seen} to {lp.device} between steps; "
+                                 "create the optimizer after moving the model")
+            out.append((group, p, lp, lg, name))
+    cuda_devs = {lp.device for _, _, lp, _, _ in out if lp.is_cuda}
+    if len(cuda_devs) > 1:
+        raise ValueError(f"moepeak.StreamAdamW: CUDA params must all be on one device, got {sorted(map(str, cuda_devs))}")
+    return out
+
+
+def check_state_tensors(held, lp, name: str, dev: torch.device, on_device: bool) -> None:
+    """Each (key, tensor) of `held`, the state the kernel reads and writes for the local
+    param lp, must be an fp32 contiguous tensor of lp's numel on `dev` ('step': an fp32
+    scalar there); on_device: the param is a device_state one (the state on its device)."""
+    for key, t in held:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"moepeak.StreamAdamW: {name}: state '{key}' must be a tensor, got {type(t).__name__}")
+        if key == "step":
+            if t.numel() != 1 or t.dtype != torch.float32 or t.device != dev:
+                raise TypeError(f"moepeak.StreamAdamW: {name}: state 'step' must be a float32 scalar on {dev} "
+                                f"(device_state), got {t.dtype} of {t.numel()} elements on {t.device}")
+            continue
+        if t.numel() != lp.numel():
+            raise RuntimeError(
+                f"moepeak.StreamAdamW: {name}: size mismatch: state '{key}' has {t.numel()} elements "
+                f"(shape {tuple(t.shape)}) but the param has {lp.numel()} (shape {tuple(lp.shape)}); "
+                "was the param's .data replaced or a state_dict of another model loaded?")
+        if t.dtype != torch.float32 or t.device != dev or not t.is_contiguous():
+            where = "CPU" if not on_device else f"{dev} (device_state)"
+            raise TypeError(f"moepeak.StreamAdamW: {name}: state '{key}' must be a contiguous float32 {where} "
+                            f"tensor, got {t.dtype} on {t.device} (contiguous={t.is_contiguous()})")

@@ -1,0 +1,96 @@
+"""StreamAdamW's state dict: torch.optim.AdamW's layout both ways (its state keys and
+param-group keys; fp32 tensors kept on the host in fp32), FSDP2 (DTensor) params' state
+as DTensors so that torch.distributed.checkpoint saves every rank's shard. Mixed into
+StreamAdamW (moepeak/stream_adamw/optimizer.py), ahead of torch.optim.Optimizer."""
+from __future__ import annotations
+
+import torch
+
+from .checks import local_shard
+
+# The per-param state tensors, each shaped like the local param (master_param: bf16/fp16 params).
+STATE_TENSORS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
+# The keys torch.optim.AdamW's groups carry beyond the hyper-parameters; fused=True: the
+# kernel is bitwise torch's fused one, so a torch AdamW loaded from our state_dict runs it too.
+TORCH_GROUP_KEYS = dict(foreach=None, capturable=False, differentiable=False, fused=True,
+                        decoupled_weight_decay=True)
+
+
+class StateDictMixin:
+    """state_dict / load_state_dict for StreamAdamW (uses its _state_device, _gpu_master
+    and _plan)."""
+
+    def state_dict(self):
+        """torch's layout. The state of an FSDP2 (DTensor) param lives in host RAM
+        as a plain tensor of the *local shard's* shape; here it is returned as a
+        DTensor with the param's mesh, placements, global shape and stride, so
+        torch.distributed.checkpoint saves every rank's shard (a plain tensor
+        would be taken for a replicated one and only one rank's copy kept).
+        self.state is not changed (the per-param dicts are copied)."""
+        sd = super().state_dict()
+        idx_param = {}
+        for g, sg in zip(self.param_groups, sd["param_groups"]):
+            idx_param.update(zip(sg["params"], g["params"]))
+        for idx, st in list(sd["state"].items()):
+            p = idx_param.get(idx)
+            if p is None or type(p).__name__ != "DTensor":
+                continue
+            from torch.distributed.tensor import DTensor
+            lshape = tuple(local_shard(p).shape)
+            st = dict(st)
+            for k in STATE_TENSORS:
+                v = st.get(k)
+                if torch.is_tensor(v) and type(v).__name__ != "DTensor" and v.dim() > 0 \
+                        and tuple(v.shape) == lshape:
+                    st[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
+                                               shape=p.shape, stride=p.stride())
+            sd["state"][idx] = st
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """Accepts our own state dicts and torch.optim.AdamW's, with state
+        tensors as DTensors (this rank's shard is taken) or plain local-shard
+        tensors. The fp32 tensors are kept on the CPU in fp32 (torch's loader
+        would cast them to the param's dtype and device)."""
+        saved_groups = state_dict["param_groups"]
+        id_map = {}
+        for g, ng in zip(saved_groups, self.param_groups):
+            for pid, p in zip(g["params"], ng["params"]):
+                id_map[pid] = p
+        for pid, st in state_dict["state"].items():  # sizes first: nothing is loaded on a mismatch
+            p = id_map.get(pid)
+            for k in STATE_TENSORS:
+                t = local_shard(st.get(k)) if p is not None else None
+                if torch.is_tensor(t) and t.numel() != local_shard(p).numel() and not (
+                        k == "master_param" and local_shard(p).dtype == torch.float32):
+                    raise RuntimeError(
+                        f"moepeak.StreamAdamW.load_state_dict: size mismatch for state {pid} ('{k}'): "
+                        f"{t.numel()} elements (shape {tuple(t.shape)}) but the param has {local_shard(p).numel()} "
+                        f"(shape {tuple(local_shard(p).shape)})")
+        kept, light = {}, {}
+        for pid, st in state_dict["state"].items():
+            kept[pid] = {k: st[k] for k in STATE_TENSORS if k in st}
+            light[pid] = {k: v for k, v in st.items() if k not in STATE_TENSORS}
+        super().load_state_dict({"state": light, "param_groups": saved_groups})
+        self._gpu_master.clear()
+        self._plan = None
+        for pid, tensors in kept.items():
+            p = id_map.get(pid)
+            if p is None:
+                continue
+            st = self.state[p]
+            lp = local_shard(p)
+            dev = self._state_device(p, lp)
+            if "step" in st:
+                # a copy: the loaded dict's step tensor must not advance with this optimizer
+                st["step"] = torch.as_tensor(st["step"]).detach().to(dev, torch.float32, copy=True).reshape(())
+            for k, t in tensors.items():
+                t = local_shard(t)
+                if k == "master_param" and lp.dtype == torch.float32:
+                    continue  # an fp32 param is its own master
+                st[k] = t.detach().to(dev, torch.float32, copy=True).reshape(lp.shape).contiguous()
+        for group in self.param_groups:  # groups saved by torch carry their own keys; ours need these
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            for k, v in TORCH_GROUP_KEYS.items():
+                group[k] = v  # this optimizer always runs its own (fused-equivalent) kernel
