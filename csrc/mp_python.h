@@ -62,5 +62,6 @@ extern PyMethodDef mp_ce_methods[];        /* ce_bind.c: Ring-DTP cross-entropy 
 extern PyMethodDef mp_sco_methods[];       /* sco.c: selective checkpoint offload */
 extern PyMethodDef mp_llep_methods[];      /* llep.c: PipelinedLLEP planner + permutation */
 extern PyMethodDef mp_transport_methods[]; /* nccl.c: NCCL transport */
+extern PyMethodDef mp_spill_methods[];     /* spill_bind.c: the disk tier's spill file */
 
 #endif
