@@ -31,7 +31,7 @@ Arms at P = 1 (same inputs, same process):
   pipelined      moepeak.llep_moe with the default chunk budget (and the default
                  1536 MiB activation cache: backward skips the first chunks' recompute;
                  one chunk with h cached whole where that peaks no higher than
-                 grouped_mm, llep_workspace.one_chunk_fits: 16k tokens at E = 128)
+                 grouped_mm, llep.sizes.one_chunk_fits: 16k tokens at E = 128)
   pipelined_nocache  the same with save_budget_mb=0 (every chunk recomputed)
   pipelined_hf_layout    pipelined on grouped_mm_hf's weights (gate_up_proj and down_proj
                  through transpose(1, 2), as apply_moepeak passes them) and its bf16 weights
@@ -48,7 +48,7 @@ Arms at P = 2 (T tokens per rank):
   pipelined      PipelinedLLEP, default chunk budget (16384 rows at P > 1) and cache; the
                  step runs as one chunk (standard EP's one dispatch, grouped GEMM and
                  combine, h and grouped x kept for backward) when every rank's rows fit
-                 the chunked working-set bound (llep_workspace.one_chunk_ep_rows); the
+                 the chunked working-set bound (llep.sizes.one_chunk_ep_rows); the
                  log line says which ("1 chunk" or "n chunks")
   pipelined_nocache  the same with save_budget_mb=0
   pipelined_c32k PipelinedLLEP with chunk_rows=32768 (the P = 1 default)
@@ -74,7 +74,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from _common import append_results  # noqa: E402
-from moepeak import llep_sched  # noqa: E402
+from moepeak.llep import sched as llep_sched  # noqa: E402
 from moepeak.llep import llep_moe  # noqa: E402
 
 CONFIGS = {"E128_K4_H2880_I2880": (128, 4, 2880, 2880), "E256_K8_H7168_I2048": (256, 8, 7168, 2048)}
@@ -274,7 +274,7 @@ def one_chunk_rows(ids, E, group, P):
     routing: P * max over pairs of rows sent (so buffers are sized by the
     actual busiest pair, not by the worst case)."""
     import torch.distributed as dist
-    from moepeak import llep_plan as lp
+    from moepeak.llep import plan as lp
     cnt = torch.bincount(ids.flatten(), minlength=E)
     loads = [torch.empty_like(cnt) for _ in range(P)]
     dist.all_gather(loads, cnt, group=group)

@@ -166,7 +166,7 @@ def _gpt_oss_layout(module, x, top_k_index, top_k_weights, group, options):
     on the parameters as they are (no copy); with a group, their gradients
     divided by its size (group_mean_gradient)."""
     from . import llep_moe
-    from .llep_context import GPT_OSS_ALPHA, GPT_OSS_LIMIT
+    from .llep import GPT_OSS_ALPHA, GPT_OSS_LIMIT
     if (module.alpha, module.limit) != (GPT_OSS_ALPHA, GPT_OSS_LIMIT):
         raise ValueError(f"moepeak.hf: {type(module).__name__} has alpha={module.alpha}, limit={module.limit}; "
                          f"moepeak's gpt_oss activation runs alpha={GPT_OSS_ALPHA}, limit={GPT_OSS_LIMIT}")

@@ -242,7 +242,7 @@ class Setup:
     gpu_mem_gib: float = 141.0
     act_bytes: int = 2          # b
     imbalance: float = 1.5      # rho for plain EP (capped to [1, P])
-    chunk_rows: Optional[int] = None  # PipelinedLLEP C (None: its default, llep_plan.default_chunk_rows)
+    chunk_rows: Optional[int] = None  # PipelinedLLEP C (None: its default, llep.sizes.default_chunk_rows)
     llep_save_budget_mb: Optional[int] = None  # PipelinedLLEP activation cache (None: llep.default_save_budget_mb)
     ring_workspace_mb: Optional[float] = None  # Ring-DTP's fused workspace (None: its defaults)
     tile_tokens: Optional[int] = None  # moepeak.tiled's tile (None: whole blocks)
@@ -361,14 +361,13 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         out["optimizer"] = s.plain_opt_bytes * N / P
         out["fixed"] = s.plain_fixed_bytes * N / P + gathered + T * rope
     else:
-        from .llep_plan import default_chunk_rows
-        from .llep_workspace import capped_save_bytes, effective_chunk_rows
+        from .llep.sizes import capped_save_bytes, default_chunk_rows, effective_chunk_rows
         C = effective_chunk_rows(s.chunk_rows or default_chunk_rows(P), T, K, P)  # llep_moe's chunk size
         # llep_dispatch saves its input b*H + the normalised weights 4K (ids: the router's)
         # + forward's send list 8K (int64, so backward need not route again);
         # its backward adds an fp32 [T, H]
         # dX and fp32 [T*K] d(weights); the chunk's GEMM working set C*(2H + 3I)
-        # (P > 1 adds the single-buffered send, receive and combine buffers of C rows: llep_workspace.workspace_bytes).
+        # (P > 1 adds the single-buffered send, receive and combine buffers of C rows: llep.sizes.workspace_bytes).
         out["saved_moe"] = b * H + 4 * K + 8 * K
         block = T * (norms + attn + router + b * H)
         Tm = T  # tokens one MoE call sees
@@ -377,14 +376,14 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
             block = T * tiled_full_len_bytes(m, b) + Tm * (norms + attn + router + b * H)
         # + the activation cache, alive from the layer's (re)computed forward to its
         # backward: whole slots of b*C*2I (h) within the launch budget, never more
-        # slots than chunks (moepeak/llep_sched.py cache_slots).
+        # slots than chunks (moepeak/llep/sched.py cache_slots).
         slot = b * C * 2 * I
         chunks = -(-Tm * K // max(1, C // P))
-        from .llep import default_save_budget_mb
+        from .llep.sizes import default_save_budget_mb
         budget = s.llep_save_budget_mb if s.llep_save_budget_mb is not None else default_save_budget_mb(P)
         cache = min(capped_save_bytes(budget << 20, T, K, C, H, I, P, b) // slot, chunks) * slot
         out["llep_cache"] = cache
-        # P > 1: backward's double-buffered send/receive rings (llep_sched.workspace_bytes)
+        # P > 1: backward's double-buffered send/receive rings (llep.sizes.workspace_bytes)
         out["dispatch"] = Tm * out["saved_moe"] + b * C * ((2 * H + 3 * I) if P == 1 else (16 * H + 7 * I)) \
             + 4 * Tm * H + 4 * Tm * K + cache
         ws = ring_dtp_vocab_bytes(T, H, V, b, s.ring_workspace_mb)

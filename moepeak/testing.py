@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from . import llep_gemm
+from .llep import gemm as llep_gemm
 from .sco import engine as sco_engine
 
 
@@ -52,12 +52,12 @@ def sco_extension(ext) -> Iterator[object]:
 
 @contextlib.contextmanager
 def llep_transport(wrapper) -> Iterator[None]:
-    from . import llep  # noqa: WPS433 (the ops' module: imported when the hook is used)
-    previous = llep.set_transport_wrapper(wrapper)
+    from .llep import ops as llep_ops  # noqa: WPS433 (the ops' module: imported when the hook is used)
+    previous = llep_ops.set_transport_wrapper(wrapper)
     try:
         yield
     finally:
-        llep.set_transport_wrapper(previous)
+        llep_ops.set_transport_wrapper(previous)
 
 
 __all__ = ["force_grouped_mm", "grouped_mm_enabled", "sco_extension", "llep_transport"]

@@ -1,6 +1,6 @@
 """Fuzz: PipelinedLLEP on one process (CPU).
 
-- the planner, chunk count and chunk layout (moepeak.llep_plan) equal the
+- the planner, chunk count and chunk layout (moepeak.llep.plan) equal the
   plain-Python references in tests/refs.py exactly, over random and skewed
   loads, prime rank / expert counts, every alpha / min_tokens / lam;
 - moepeak.llep_moe equals the dense fp64 reference (refs.moe_dense_ref) in
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import moepeak
-from moepeak import llep_plan as lp
+from moepeak.llep import plan as lp
 from tests import refs
 
 hypothesis = pytest.importorskip("hypothesis")

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 import moepeak
-from moepeak import llep_plan as lp
-from moepeak import llep_sched
+from moepeak.llep import plan as lp
+from moepeak.llep import sched as llep_sched
 from moepeak.testing import force_grouped_mm, grouped_mm_enabled
-from moepeak.llep import llep_combine_, llep_dispatch, llep_moe
+from moepeak.llep import llep_moe
+from moepeak.llep.ops import llep_combine_, llep_dispatch
 from tests import refs
 
 

@@ -5,10 +5,10 @@ plan/cache rules (forward's plan reused by backward, the cache cap)."""
 import pytest
 import torch
 
-from moepeak import llep_plan as lp
-from moepeak import llep_sched
+from moepeak.llep import plan as lp
+from moepeak.llep import sched as llep_sched
 from moepeak.llep import llep_moe
-from moepeak.llep_workspace import capped_save_bytes, grouped_mm_saved_bytes
+from moepeak.llep.sizes import capped_save_bytes, grouped_mm_saved_bytes
 
 try:
     from tests import refs

@@ -5,9 +5,9 @@ torch._grouped_mm."""
 import pytest
 import torch
 
-from moepeak import llep_plan as lp
-from moepeak import llep_sched
-from moepeak.llep import llep_combine_
+from moepeak.llep import plan as lp
+from moepeak.llep import sched as llep_sched
+from moepeak.llep.ops import llep_combine_
 from moepeak.testing import force_grouped_mm
 
 try:

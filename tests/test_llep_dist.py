@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moepeak import llep_sched
+from moepeak.llep import sched as llep_sched
 from moepeak.testing import force_grouped_mm, grouped_mm_enabled
 from moepeak.llep import llep_moe
-from moepeak.llep_workspace import capped_save_bytes
+from moepeak.llep.sizes import capped_save_bytes
 
 try:
     from tests import refs
@@ -150,7 +150,7 @@ def _evicted_group(rank, world):
     its key then raises a clear error instead of reaching a dead group."""
     import gc
 
-    from moepeak.llep import llep_dispatch
+    from moepeak.llep.ops import llep_dispatch
     from moepeak.core.process_groups import lookup_group, register_group, registered_group_count
     g = dist.new_group(list(range(world)))
     x, ids, tw = torch.randn(5, H), torch.randint(0, 8, (5, K)), torch.rand(5, K)

@@ -1,4 +1,4 @@
-"""PipelinedLLEP's one-chunk step at P > 1 (moepeak/llep_one_chunk.py) on
+"""PipelinedLLEP's one-chunk step at P > 1 (moepeak/llep/one_chunk.py) on
 gloo ranks: standard EP's single dispatch / grouped GEMMs / combine.
 
 Every path against the dense fp64 reference (tests/refs.py), forward and
@@ -13,19 +13,19 @@ chunked schedule's default cache fits the room its single-buffered working
 set leaves within the same bound. The collectives (a counting transport
 through moepeak.testing.llep_transport),
 host reads and host->device copies of the one-chunk step are counted, and
-the bytes it holds equal llep_workspace.one_chunk_ep_bytes and stay within
+the bytes it holds equal llep.sizes.one_chunk_ep_bytes and stay within
 the chunked working-set bound. One spawn of 3 ranks runs P = 3 and P = 2."""
 import pytest
 import torch
 import torch.distributed as dist
 
-from moepeak import llep_plan as lp
-from moepeak import llep_sched
-from moepeak.llep import llep_moe
-from moepeak.llep_workspace import (capped_save_bytes, cache_slots, ep_cache_room, one_chunk_ep_bytes,
-                                   one_chunk_ep_rows, working_set_bound, workspace_bytes)
-from moepeak.testing import llep_transport
 from moepeak.core import Transport
+from moepeak.llep import llep_moe
+from moepeak.llep import plan as lp
+from moepeak.llep import sched as llep_sched
+from moepeak.llep.sizes import (capped_save_bytes, cache_slots, default_chunk_rows, ep_cache_room, one_chunk_ep_bytes,
+                                one_chunk_ep_rows, working_set_bound, workspace_bytes)
+from moepeak.testing import llep_transport
 
 try:
     from tests import refs
@@ -144,7 +144,7 @@ def _check_bytes(P, fwd, bwd, keep, lean, **options):
         assert bwd["recomputed_chunks"] == (0 if keep else 1)
         assert bwd["workspace_bytes_bwd"] == one_chunk_ep_bytes(R, N, H, I, 4, True, keep=keep, lean=lean,
                                                                 **options)
-    C = lp.default_chunk_rows(P)
+    C = default_chunk_rows(P)
     bound = working_set_bound(C, H, I, P, 4, True, ep_cache_room(C, H, 4) if keep or not bwd else 0, **options)
     assert max(fwd["workspace_bytes"], bwd.get("workspace_bytes_bwd", 0)) + cache <= bound
 
@@ -200,7 +200,7 @@ def _boundary(rank, P, group):
         for key in ("spilled", "borrowed"):
             assert fwd1[key] == fwdc[key]
     # the default budget: one_chunk_ep_rows at the default chunk size decides
-    C = lp.default_chunk_rows(P)
+    C = default_chunk_rows(P)
     assert one_chunk_ep_rows(C, H, I, P, 4, 0, keep=True, grad=True, lean=True) >= C
 
 
@@ -254,7 +254,7 @@ def _counts(rank, P, group):
 def _bad_kept_cache(rank, P, group):
     """A kept cache of the wrong size is reported (on every rank, before any
     collective) instead of being read out of bounds."""
-    from moepeak.llep import llep_dispatch, llep_dispatch_backward
+    from moepeak.llep.ops import llep_dispatch, llep_dispatch_backward
     from moepeak.core.process_groups import register_group
     tokens = [40 + 7 * r for r in range(P)]
     x, ids, tw, wgu, wd, gy = (t.float() if t.is_floating_point() else t

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moepeak import llep_sched
+from moepeak.llep import sched as llep_sched
 from moepeak.llep import llep_moe
 from moepeak.testing import force_grouped_mm
 

@@ -4,10 +4,10 @@ formula against permute + grouped_mm's at issue 26's 16k shape (no allocation)."
 import pytest
 import torch
 
-from moepeak import llep_sched
+from moepeak.llep import sched as llep_sched
 from moepeak.llep import llep_moe
-from moepeak.llep_workspace import (capped_save_bytes, grouped_mm_peak_bytes, one_chunk_fits, one_chunk_peak_bytes,
-                                    working_set_bound, workspace_bytes)
+from moepeak.llep.sizes import (capped_save_bytes, grouped_mm_peak_bytes, one_chunk_fits, one_chunk_peak_bytes,
+                                working_set_bound, workspace_bytes)
 
 GIB = 2 ** 30
 
@@ -88,7 +88,7 @@ def test_default_chunking_picks_one_chunk_when_it_fits():
 
 
 def test_opcheck_lean_backward_op():
-    from moepeak.llep import llep_dispatch, llep_dispatch_backward_lean_
+    from moepeak.llep.ops import llep_dispatch, llep_dispatch_backward_lean_
     T, K, E, H, I = 12, 4, 32, 8, 8
     x, gy = torch.randn(T, H), torch.randn(T, H)
     ids = torch.rand(T, E).topk(K, 1).indices

@@ -251,7 +251,8 @@ LLEP_NAMES = ("y", "dx", "dtopk_weights", "dw_gate_up", "dw_down")
 
 
 def _llep_rank(rank, P, device="cuda"):
-    from moepeak import llep, llep_sched
+    from moepeak import llep
+    from moepeak.llep import sched as llep_sched
 
     dev, group, tps = _setup(rank, device)
     lo, hi = sum(TOKENS[:rank]), sum(TOKENS[:rank + 1])

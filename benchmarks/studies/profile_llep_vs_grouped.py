@@ -50,7 +50,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/: bench_llep's arms
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 import bench_llep  # noqa: E402
-from moepeak import llep_sched  # noqa: E402
+from moepeak.llep import sched as llep_sched  # noqa: E402
 
 DEFAULT_ARMS = "pipelined,grouped_mm_hf,pipelined_nocache,moepeak_1chunk"
 # Kernel classes, first match wins (lower-case substrings of the kernel name).

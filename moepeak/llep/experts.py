@@ -1,7 +1,7 @@
 """PipelinedLLEP's expert arithmetic on grouped rows: what one chunk (or the
 whole step, on the one-chunk paths) computes once its rows are grouped
-expert-ascending. The schedules (moepeak/llep_sched.py, the chunk loops;
-moepeak/llep_one_chunk.py, the one-chunk steps) decide where rows come from
+expert-ascending. The schedules (moepeak/llep/sched.py, the chunk loops;
+moepeak/llep/one_chunk.py, the one-chunk steps) decide where rows come from
 and go to; this module only computes.
 
   forward   h = x W_gate_up (+ b_gate_up); a = act(h); o = a W_down (+ b_down)
@@ -9,9 +9,9 @@ and go to; this module only computes.
             dh = act'(h) da, dx rows = dh W_gate_up^T, weight (and bias)
             gradients summed into Grads.
 
-Buffers (`Bufs`, names as in moepeak/llep_workspace.py) are sized for a row
+Buffers (`Bufs`, names as in moepeak/llep/sizes.py) are sized for a row
 count fixed before the rows exist (the chunk budget C, or the one-chunk
-step's rows); the GEMMs are moepeak/llep_gemm.py.
+step's rows); the GEMMs are moepeak/llep/gemm.py.
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from typing import Optional
 
 import torch
 
-from . import llep_gemm as gemm
-from . import llep_plan as lp
-from .llep_context import GPT_OSS_ALPHA, GPT_OSS_LIMIT, Ctx
+from . import gemm
+from . import plan as lp
+from .context import GPT_OSS_ALPHA, GPT_OSS_LIMIT, Ctx
 
 # Backward divides d(weight) sums by the pick weight w; below this |w| (and at
 # w = 0, and for a non-finite w) dy is left unscaled instead and the row scaled
@@ -62,7 +62,7 @@ class Grads:
 
     dW: a list indexed by weight kind (None until written; param dtype).
     It starts uninitialised (no full-size memset): the first grouped
-    weight-gradient GEMM returns it (llep_gemm.dw_accumulate), otherwise it
+    weight-gradient GEMM returns it (gemm.dw_accumulate), otherwise it
     is allocated there; an expert's first rows write it, later ones add;
     experts that got no rows are zeroed at the end (zero_untouched).
     dWb[which][i]: borrowed slot i's gradient, a view of bgrad [nb, per]
@@ -233,7 +233,7 @@ def rows_backward(ctx: Ctx, buf: Bufs, g: Grads, xg, gg, wg, ecount, hcached=Non
     (+ <dy, b_down>), and (w dy) W_down^T is the GEMM that makes da anyway,
     so d(weight) = <da, a> / w. Rows with |w| < TINY_W (0 included) or a
     non-finite w take wp = 1 instead of w (dy unscaled) and are scaled by w
-    afterwards (llep_plan.down_bwd), so nothing is divided by a tiny number
+    afterwards (plan.down_bwd), so nothing is divided by a tiny number
     and a NaN weight leaves <dy, o> finite. da keeps exactly the rounding
     PyTorch's autograd has (bf16(w dy), then the GEMM; tiny-w rows add one
     rounding); d(weight) sums <da, a> in fp32. fp16 is the exception: w dy
@@ -312,7 +312,7 @@ def lean_rows_backward(ctx: Ctx, hh, make_do, wg, ecount, g: Grads, held, on_dx,
     and are dropped after their last use); wg [rows] fp32 the pick weights;
     on_dx(dx rows [rows, H]) consumes the dx rows before they are dropped;
     xg_rows() returns the grouped x rows [rows, H] for dW_gate_up (called
-    last). held (llep_workspace.Held) accounts for every buffer allocated
+    last). held (workspace.Held) accounts for every buffer allocated
     here. Values: the same ops as rows_backward on the same operands (only
     where results are written differs), so the same bits. Returns
     d(pick weight) [rows] fp32 (counted in held).

@@ -28,7 +28,7 @@ from typing import Tuple
 
 import torch
 
-from .llep_context import LAST_STATS, Ctx
+from .context import LAST_STATS, Ctx
 
 _GROUPED_ERRORS = (RuntimeError, TypeError, NotImplementedError)
 # enabled: try torch._grouped_mm (CUDA); on_cpu: also on CPU tensors where torch supports it
@@ -79,7 +79,7 @@ def _disable_grouped(grp: "Groups") -> None:
 
 
 def _stack(ctx: Ctx, experts, kind, which: int):
-    """[G, in, N] weight stack (weight kind `which`, see llep_context.Ctx) of
+    """[G, in, N] weight stack (weight kind `which`, see context.Ctx) of
     a run of experts that are consecutive in their storage (local block or
     slots): a view."""
     if kind == "l":
@@ -90,7 +90,7 @@ def _stack(ctx: Ctx, experts, kind, which: int):
 
 def mm(ctx: Ctx, inp, grp: "Groups", which: int, transpose: bool, out):
     """Rows of e times W_e (or W_e^T) for each expert e, rows grouped
-    expert-ascending; which: the weight kind (llep_context.Ctx). Returns the [rows, N]
+    expert-ascending; which: the weight kind (context.Ctx). Returns the [rows, N]
     result: torch._grouped_mm's own output where it works (out may then be
     None: no copy into the workspace), else `out` filled by one torch.mm per
     expert."""
@@ -201,7 +201,7 @@ def dw_accumulate(ctx: Ctx, left, right, grp: "Groups", which: int, dW_local, dW
                 if dst is not g:
                     dst.copy_(g)
                 dst.addmm_(left[off:off + c].t(), right[off:off + c])
-            else:  # first rows of e: dW starts uninitialised (see llep_sched.backward)
+            else:  # first rows of e: dW starts uninitialised (see sched.backward)
                 torch.mm(left[off:off + c].t(), right[off:off + c], out=dst)
             if dst is not g:
                 g.copy_(dst)

@@ -1,8 +1,8 @@
 """PipelinedLLEP schedules: forward and backward, readable top to bottom.
 
 Per call (forward, and again in backward: nothing routing-sized is saved):
-the per-call state (moepeak/llep_context.py: counts, plan, send list, lent
-weights), then either the one-chunk step (moepeak/llep_one_chunk.py: P > 1
+the per-call state (moepeak/llep/context.py: counts, plan, send list, lent
+weights), then either the one-chunk step (moepeak/llep/one_chunk.py: P > 1
 when one chunk covers every rank's rows; P = 1's lean backward) or the chunk
 loop. Forward: dispatch(j+1) is issued before GEMM(j), combine(j) is issued
 after GEMM(j) and finished after GEMM(j+1), through one buffer of each kind.
@@ -11,11 +11,11 @@ weights travelling; dx rows and d(topk_weights) come back; borrowed experts'
 weight gradients return to their owner at the end and are summed there.
 
 The buffers are allocated once per call from C, never from the routing
-(moepeak/llep_workspace.py lists them); the expert arithmetic is
-moepeak/llep_experts.py, the GEMMs moepeak/llep_gemm.py. Per chunk the host
+(moepeak/llep/sizes.py lists them); the expert arithmetic is
+moepeak/llep/experts.py, the GEMMs moepeak/llep/gemm.py. Per chunk the host
 does no device read: offsets and permutations come from the chunk layout
 (host) in pinned host->device copies (Ctx.host_to_device, Ctx.grouped_perms).
-Backward never recomputes o = a W_down (llep_experts.rows_backward).
+Backward never recomputes o = a W_down (experts.rows_backward).
 """
 from __future__ import annotations
 
@@ -23,18 +23,19 @@ from typing import Optional
 
 import torch
 
-from . import llep_gemm as gemm
-from . import llep_one_chunk as one
-from . import llep_plan as lp
-from .llep_context import LAST_STATS, Ctx
-from .llep_experts import Bufs, Grads, experts_fwd, finish, lean_ok, rows_backward
-from .llep_workspace import Workspace, cache_slots, slot_elems, workspace_bytes, working_set_bound
+from . import gemm
+from . import one_chunk as one
+from . import plan as lp
+from .context import LAST_STATS, Ctx
+from .experts import Bufs, Grads, experts_fwd, finish, lean_ok, rows_backward
+from .sizes import cache_slots, slot_elems, workspace_bytes, working_set_bound
+from .workspace import Workspace
 
 
 def forward(ctx: Ctx, cache: Optional[torch.Tensor] = None, keep: bool = False) -> torch.Tensor:
     """y [T, H] (x dtype). cache [slots, C*2I] (x dtype, may have 0
     slots): chunk j < slots leaves its h there for backward; on the P > 1
-    one-chunk step with keep, h and the grouped x rows (llep_one_chunk)."""
+    one-chunk step with keep, h and the grouped x rows (one_chunk)."""
     x, H, C, K, P = ctx.x, ctx.H, ctx.C, ctx.K, ctx.P
     if ctx.one_chunk:
         return one.forward_ep(ctx, cache, keep)
@@ -139,7 +140,7 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True, cache: Optional[t
     biases (or None). cache: forward's activation cache (chunks j < slots
     skip the recompute; on the P > 1 one-chunk step with kept, forward's h
     and grouped x rows). overwrite_cache: on the one-chunk paths dh may be
-    written over the cached h (lean_one_chunk at P = 1; llep_one_chunk)."""
+    written over the cached h (lean_one_chunk at P = 1; one_chunk)."""
     x, H, I, C, K, P = ctx.x, ctx.H, ctx.I, ctx.C, ctx.K, ctx.P
     dev, dt = x.device, x.dtype
     LAST_STATS.update(recomputed_chunks=ctx.n - min(ctx.n, cache.shape[0] if cache is not None else 0),
@@ -240,7 +241,7 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True, cache: Optional[t
 
 
 def lean_one_chunk(ctx: Ctx, cache: Optional[torch.Tensor]) -> bool:
-    """Backward takes the P = 1 one-chunk path (llep_one_chunk.backward_local_lean):
+    """Backward takes the P = 1 one-chunk path (one_chunk.backward_local_lean):
     one rank, one chunk, its h cached, swiglu on fused gate/up weights, no
     biases, not fp16."""
     return ctx.P == 1 and ctx.n == 1 and cache is not None and cache.shape[0] >= 1 and lean_ok(ctx)

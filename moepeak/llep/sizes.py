@@ -1,11 +1,14 @@
-"""PipelinedLLEP's working set: the buffers one call allocates, from the chunk
-size C alone (never from the routing), and the activation cache's size.
+"""PipelinedLLEP's sizes: the buffers one call allocates, from the chunk size C alone
+(never from the routing), the activation cache's size, and the defaults they start from
+(default_chunk_rows, default_save_budget_mb). Public by design: the one statement of these
+byte formulas, which the schedule (moepeak/llep/moe.py, sched.py, one_chunk.py) and the
+planner (moepeak.plan) both call; pure arithmetic on ints, no torch.
 
 Buffers (allocated once per call, before the chunk loop; names as in
-moepeak/llep_sched.py; b = bytes per element of x):
+moepeak/llep/sched.py; b = bytes per element of x):
   forward, P = 1:  xr [C, H], h [C, 2I], a [C, I], o [C, H]          (b each)
   forward, P > 1:  sx, rx, yb, back [C, H] (send, receive, combine-send,
-                   combine-receive: one each, llep_sched orders the chunks'
+                   combine-receive: one each, sched orders the chunks'
                    collectives around them); gx [C, H] grouped rows; h [C, 2I];
                    a [C, I]; o [C, H]
   backward, P = 1: xr, gr, o, do [C, H]; h, dh [C, 2I]; s, a, da [C, I];
@@ -36,96 +39,43 @@ One chunk at P = 1 (one_chunk_fits; llep_moe's default chunk size): the
   whole h is cached and backward allocates its buffers at first use and
   drops them after the last, writing dh over the cached h; its peak is
   one_chunk_peak_bytes.
-One chunk at P > 1 (llep_one_chunk; when no rank sends or receives more
+One chunk at P > 1 (one_chunk; when no rank sends or receives more
   rows than one_chunk_ep_rows allows): buffers sized by the step's rows,
   each held from first to last use (Held); its peak is one_chunk_ep_bytes
   (plus the kept cache: h [R, 2I] and grouped x [R, H], b each), and
   one_chunk_ep_rows keeps it within working_set_bound at the call's C.
 Outside the working set: fp32 accumulators [T, H] (forward y, backward dx),
   the send list [T*K] int64, and borrowed experts' weights (and their grads).
+(moepeak/llep/workspace.py's Workspace and Held own and count the buffers.)
 """
 from __future__ import annotations
 
-from typing import List, Optional
 
-import torch
-
-class Workspace:
-    """Every working-set buffer of one call; frozen before the chunk loop so
-    that nothing routing-dependent can be allocated inside it."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.nbytes = 0
-        self.frozen = False
-
-    def alloc(self, shape, dtype) -> torch.Tensor:
-        if self.frozen:
-            raise RuntimeError("moepeak: internal error: workspace allocation inside the chunk loop")
-        t = torch.empty(shape, dtype=dtype, device=self.device)
-        self.nbytes += t.numel() * t.element_size()
-        return t
-
-    def gemm_out(self, shape, dtype, grouped: bool) -> Optional[torch.Tensor]:
-        """A GEMM output buffer. With torch._grouped_mm the GEMM allocates its
-        own [rows <= C, N] output (no copy into the workspace), so the buffer is
-        only counted (the bound is the same), not allocated: None."""
-        if not grouped:
-            return self.alloc(shape, dtype)
-        self.nbytes += torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        return None
-
-    def ring(self, k: int, shape, dtype) -> List[torch.Tensor]:
-        return [self.alloc(shape, dtype) for _ in range(k)]
+def default_chunk_rows(P: int) -> int:
+    """Rows per destination per chunk (C). P = 1: 32768; at H = I = 2880 in
+    bf16 one [C, H] buffer is 180 MiB and the backward working set
+    (C * (4H + 7I) * 2 bytes, workspace_bytes) 2.1 GiB -- small
+    against an 80-141 GiB GPU, large enough for full GEMMs. P > 1: 16384,
+    because the double-buffered send/receive rings make the backward working
+    set C * (16H + 7I) * 2 bytes: 2.0 GiB at the same shapes (4.0 GiB at
+    C = 32768). A chunk still gives each destination
+    up to 16384 rows: full-size expert GEMMs."""
+    return 32768 if P == 1 else max(16384, P)
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+# Activation-cache budget (save_budget_mb=None picks it from the group size):
+# on one rank it keeps the peak bounded while caching every chunk of short
+# inputs; on several ranks no cache beyond the room the single-buffered
+# dispatch leaves within the chunk budget's bound (ep_cache_room),
+# so the cache never raises the peak bound there.
+DEFAULT_SAVE_BUDGET_MB = 1536
 
 
-class Held:
-    """Bytes held by the buffers of a schedule that allocates each buffer at
-    its first use and drops it after its last (the one-chunk steps): `live`
-    now and `peak` at most, from `base` (e.g. an activation cache held
-    throughout). GEMM outputs torch allocates are counted through gemm();
-    alloc/gemm_out make it usable wherever a Workspace is."""
-
-    def __init__(self, device: torch.device, base: int = 0):
-        self.device = device
-        self.live = self.peak = int(base)
-
-    def count(self, nbytes: int) -> None:
-        self.live += int(nbytes)
-        self.peak = max(self.peak, self.live)
-
-    def new(self, shape, dtype) -> torch.Tensor:
-        t = torch.empty(shape, dtype=dtype, device=self.device)
-        self.count(_nbytes(t))
-        return t
-
-    alloc = new
-
-    def gemm_out(self, shape, dtype, grouped: bool) -> Optional[torch.Tensor]:
-        """As Workspace.gemm_out: counted either way, allocated only without
-        torch._grouped_mm (which returns its own output)."""
-        if not grouped:
-            return self.new(shape, dtype)
-        self.count(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
-        return None
-
-    def gemm(self, t: torch.Tensor) -> torch.Tensor:
-        """t, a tensor torch allocated (a GEMM's output), counted."""
-        self.count(_nbytes(t))
-        return t
-
-    def drop(self, *tensors: torch.Tensor) -> None:
-        """The tensors' bytes are no longer held (their last use is issued)."""
-        for t in tensors:
-            self.live -= _nbytes(t)
-
-    def release_to(self, mark: int) -> None:
-        """Back to `live` = mark (everything counted since then dropped)."""
-        self.live = mark
+def default_save_budget_mb(P: int) -> int:
+    """The activation-cache budget (MiB) save_budget_mb=None picks for P
+    ranks beyond the chunk budget's own room (ep_cache_room at
+    P > 1, which the bound b*C*(16H + 7I) already holds)."""
+    return DEFAULT_SAVE_BUDGET_MB if P == 1 else 0
 
 
 def slot_elems(C: int, I: int) -> int:
@@ -222,7 +172,7 @@ def capped_save_bytes(budget_bytes: int, T: int, K: int, C: int, H: int, I: int,
 
 def one_chunk_peak_bytes(T: int, K: int, E: int, H: int, I: int, b: int) -> int:
     """Peak above inputs and weights of the one-chunk P = 1 schedule
-    (llep_sched's lean path: R = T*K rows, h cached, buffers held from first
+    (sched's lean path: R = T*K rows, h cached, buffers held from first
     to last use, dh written over the cached h), counted as
     grouped_mm_peak_bytes counts: cache b*R*2I and the fp32 dx accumulator
     4*T*H throughout, plus the largest of
@@ -268,12 +218,12 @@ def working_set_bound(C: int, H: int, I: int, P: int, b: int, backward: bool, sa
 def one_chunk_ep_bytes(R: int, N: int, H: int, I: int, b: int, backward: bool, *, keep: bool, lean: bool = False,
                        activation: str = "swiglu", bias: bool = False, split: bool = False,
                        grouped: bool = False) -> int:
-    """The most the P > 1 one-chunk step (moepeak/llep_one_chunk.py) holds
+    """The most the P > 1 one-chunk step (moepeak/llep/one_chunk.py) holds
     above the kept cache (b*R*(2I + H) with keep) on a rank that receives R
-    rows and sends N, buffer by buffer as llep_workspace.Held counts them
+    rows and sends N, buffer by buffer as workspace.Held counts them
     (b bytes per element of x; fp32 row vectors 4 B, int64 8 B). keep:
     forward kept h and grouped x (backward re-sends x and recomputes h
-    without); lean: backward's lean rows path (llep_experts.lean_ok, eager);
+    without); lean: backward's lean rows path (experts.lean_ok, eager);
     grouped: GEMMs through torch._grouped_mm (its own h before the copy into
     the kept cache counts in forward). The phases, each the live set when its
     last buffer is allocated:
@@ -285,7 +235,7 @@ def one_chunk_ep_bytes(R: int, N: int, H: int, I: int, b: int, backward: bool, *
                 pick weights 4(N + R); received rows + grouped ones + perms
                 + weights; the rows backward (lean: do [R, H], a, s, da
                 [R, I], 3 fp32 rows, then dx rows and ungrouped dx [R, H];
-                else llep_experts.Bufs of R rows (no h when kept) over dy,
+                else experts.Bufs of R rows (no h when kept) over dy,
                 x (no keep) rows, plus the ungrouped dx); dx + back [R + N, H]
                 + d(pick weight) 4(R + N)."""
     RH, NH, RI = b * R * H, b * N * H, b * R * I
@@ -324,7 +274,7 @@ def one_chunk_ep_rows(C: int, H: int, I: int, P: int, b: int, save_budget_bytes:
     larger of one_chunk_ep_bytes' forward and (with grad) backward at R = N =
     1, plus the kept cache b*(2I + H) with keep; less, up front, one grouped
     weight-gradient result of borrowed experts, at most b*C*max(2I, H)
-    (llep_gemm.dw_accumulate). options: activation, bias, split, grouped."""
+    (gemm.dw_accumulate). options: activation, bias, split, grouped."""
     bound = working_set_bound(C, H, I, P, b, True, save_budget_bytes,
                               **{k: v for k, v in options.items() if k != "grouped"})
     bound -= b * C * max(2 * I, H)

@@ -21,8 +21,8 @@ from typing import List
 
 import torch
 
-from . import _C
-from .core.ext import check_tensor, current_stream_handle, require_cuda_build
+from .. import _C
+from ..core.ext import check_tensor, current_stream_handle, require_cuda_build
 
 # dtype -> the code csrc/llep.c uses for it (also part of the config fingerprint)
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -92,18 +92,6 @@ def config_fingerprint(**fields) -> List[int]:
         v = fields[k]
         out.append(struct.unpack("<q", struct.pack("<d", v))[0] if isinstance(v, float) else int(v))
     return out
-
-
-def default_chunk_rows(P: int) -> int:
-    """Rows per destination per chunk (C). P = 1: 32768; at H = I = 2880 in
-    bf16 one [C, H] buffer is 180 MiB and the backward working set
-    (C * (4H + 7I) * 2 bytes, llep_sched.workspace_bytes) 2.1 GiB -- small
-    against an 80-141 GiB GPU, large enough for full GEMMs. P > 1: 16384,
-    because the double-buffered send/receive rings make the backward working
-    set C * (16H + 7I) * 2 bytes: 2.0 GiB at the same shapes (4.0 GiB at
-    C = 32768). A chunk still gives each destination
-    up to 16384 rows: full-size expert GEMMs."""
-    return 32768 if P == 1 else max(16384, P)
 
 
 # ---------------------------------------------------------------------------
@@ -189,4 +177,4 @@ def down_bwd(D: torch.Tensor, a: torch.Tensor, w: torch.Tensor, wp: torch.Tensor
 
 
 __all__ = ["Plan", "llep_plan", "num_chunks", "ChunkLayout", "chunk_layout", "config_fingerprint",
-           "default_chunk_rows", "count", "route", "gather_rows", "combine_rows", "down_bwd"]
+           "count", "route", "gather_rows", "combine_rows", "down_bwd"]

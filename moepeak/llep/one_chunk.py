@@ -1,10 +1,10 @@
 """PipelinedLLEP's one-chunk steps: when one chunk covers the whole step,
 the schedule is the unchunked one, with every buffer allocated at its first
-use and dropped after its last (moepeak/llep_workspace.Held accounts for
+use and dropped after its last (moepeak/llep/workspace.Held accounts for
 them) and nothing double-buffered or recomputed.
 
   P = 1 (backward_local_lean): forward cached h whole; backward writes dh
-    over it (llep_workspace.one_chunk_peak_bytes).
+    over it (sizes.one_chunk_peak_bytes).
   P > 1 (forward_ep, backward_ep): standard expert parallelism exactly:
     forward  gather x rows -> ONE all-to-all-v -> grouped x -> h, a, o
              (one grouped GEMM each) -> ungroup -> ONE all-to-all-v back
@@ -16,7 +16,7 @@ them) and nothing double-buffered or recomputed.
     activation cache (what standard EP's autograd saves, less: no a, no
     silu(gate), no o), so backward neither recomputes h nor re-sends x;
     without it backward re-sends x and recomputes h. The lent experts'
-    weights travel only when the plan spills (llep_context.Ctx).
+    weights travel only when the plan spills (context.Ctx).
     Kept cache layout (flat, x dtype, viewed from cache [slots, C*2I]):
     [0, R*2I) h [R, 2I]; [R*2I, R*(2I+H)) grouped x [R, H]; the rest zero.
     R: rows this rank receives; N = T*K: rows it sends.
@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import torch
 
-from . import llep_gemm as gemm
-from . import llep_plan as lp
-from .llep_context import LAST_STATS, Ctx
-from .llep_experts import Bufs, Grads, experts_fwd, lean_ok, lean_rows_backward, rows_backward
-from .llep_workspace import Held
+from . import gemm
+from . import plan as lp
+from .context import LAST_STATS, Ctx
+from .experts import Bufs, Grads, experts_fwd, lean_ok, lean_rows_backward, rows_backward
+from .workspace import Held
 
 
 def kept_slots(R: int, C: int, H: int, I: int) -> int:
@@ -51,8 +51,8 @@ def _nbytes(t) -> int:
 def backward_local_lean(ctx: Ctx, gy, g: Grads, hcache, dx, dtw) -> None:
     """P = 1, one chunk (rows = T*K), h cached in hcache [C, 2I] (the op's
     mutable cache): dx [T, H] fp32 and dtw [T*K] fp32 accumulate the
-    result; g the weight gradients (llep_experts.lean_rows_backward). Peak
-    as llep_workspace.one_chunk_peak_bytes counts it."""
+    result; g the weight gradients (experts.lean_rows_backward). Peak
+    as sizes.one_chunk_peak_bytes counts it."""
     x, H, K = ctx.x, ctx.H, ctx.K
     lay = ctx.layout(0)
     idx = ctx.send_idx(lay, None)
@@ -127,7 +127,7 @@ def backward_ep(ctx: Ctx, gy, g: Grads, cache, kept: bool, overwrite: bool):
     fp32); g the weight gradients. kept: cache holds forward's h and grouped
     x (forward_ep with keep); else x travels again and h is recomputed.
     overwrite: the cache may be written (dh over h: the lean rows backward,
-    where llep_experts.lean_ok). LAST_STATS workspace_bytes_bwd: the most
+    where experts.lean_ok). LAST_STATS workspace_bytes_bwd: the most
     this call held above the cache."""
     x, H, I, K, tr, dt = ctx.x, ctx.H, ctx.I, ctx.K, ctx.tr, ctx.x.dtype
     lay = ctx.layout(0)

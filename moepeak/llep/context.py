@@ -32,7 +32,7 @@ from typing import Dict
 
 import torch
 
-from . import llep_plan as lp
+from . import plan as lp
 
 # Expert activations: "swiglu" silu(gate) * up, gate = h[:, :I], up = h[:, I:];
 # "gpt_oss" (Hugging Face GPT-OSS): gate = h[:, 0::2], up = h[:, 1::2],
@@ -58,7 +58,7 @@ class Ctx:
     count, the all-gather and the route (no host round trip).
     `one_chunk_rows` (P > 1): when no rank sends or receives more rows than
     this, the step runs as one chunk (n = 1, `one_chunk`: standard EP's
-    single dispatch, grouped GEMM and combine; moepeak/llep_one_chunk.py);
+    single dispatch, grouped GEMM and combine; moepeak/llep/one_chunk.py);
     0: never. Decided from the all-gathered loads: the same on every rank."""
 
     def __init__(self, x, topk_ids, topk_weights, weights, biases, activation, tr, C, alpha, m, lam,
@@ -277,7 +277,7 @@ class Ctx:
         """A row-major [in, N] matrix of weight kind `which` in the weights'
         dtype, made on first use and reused for the rest of the call: where an
         expert's weights (or weight gradient) are not row-major, the
-        per-expert GEMMs go through it (moepeak/llep_gemm.py)."""
+        per-expert GEMMs go through it (moepeak/llep/gemm.py)."""
         buf = self._staging[which]
         if buf is None:
             buf = self._staging[which] = self.W[which].new_empty(self.W[which].shape[1:])
