@@ -145,8 +145,9 @@ def main():
            "dd_read_GBs": "" if best["read"] is None else f"{best['read']:.3f}", "note": "; ".join(notes)}
     print(f"{args.dir} ({row['fstype']}, O_DIRECT {bool(direct)}), {args.total_mb} MiB in {args.request_mb} MiB "
           f"requests, depth {args.depth}, {args.threads} I/O threads, {row['host_buffers']} buffers")
-    print(f"  spill write {row['spill_write_GBs']:>8} GB/s   dd oflag=direct {row['dd_write_GBs'] or 'refused':>8} GB/s")
-    print(f"  spill read  {row['spill_read_GBs']:>8} GB/s   dd iflag=direct {row['dd_read_GBs'] or 'refused':>8} GB/s")
+    for way, flag in (("write", "oflag"), ("read", "iflag")):
+        print(f"  spill {way:5s} {row[f'spill_{way}_GBs']:>8} GB/s   "
+              f"dd {flag}=direct {row[f'dd_{way}_GBs'] or 'refused':>8} GB/s")
     for n in notes:
         print("  note:", n)
     path = append_results(args.out, "spill", [row], fields=FIELDS)

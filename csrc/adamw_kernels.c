@@ -565,7 +565,8 @@ mp_status mp_adamw_run(const mp_adamw_seg *segs, int nseg, int isa, int nthreads
   if (isa < 0 || isa > mp_cpu_best_isa()) MP_FAIL(st, MP_ERR_INVALID, "adamw: isa %d not supported by this CPU", isa);
   for (int k = 0; k < nseg; k++)
     if (segs[k].sdt != MP_DT_F32 && segs[k].sdt != MP_DT_BF16)
-      MP_FAIL(st, MP_ERR_INVALID, "adamw: state dtype code %d of segment %d is not 0 (fp32) or 1 (bf16)", segs[k].sdt, k);
+      MP_FAIL(st, MP_ERR_INVALID, "adamw: state dtype code %d of segment %d is not 0 (fp32) or 1 (bf16)",
+              segs[k].sdt, k);
   if (nseg >= 64) {
     start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(nseg + 1));
     if (!start) MP_FAIL(st, MP_ERR_NOMEM, "adamw: out of host memory for %d segments", nseg);

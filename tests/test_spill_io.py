@@ -191,10 +191,10 @@ def test_close_with_requests_in_flight(tmp_path):
         _C.spill_submit_write(h, src.data_ptr(), ALIGN, 0)
     _C.spill_close(h)  # idempotent
     # dropping the last reference with requests in flight: the destructor waits for them
-    h = _C.spill_open(str(tmp_path), threads=2)
+    dropped = _C.spill_open(str(tmp_path), threads=2)
     for i in range(16):
-        _C.spill_submit_write(h, src.data_ptr() + i * MiB, MiB, i * MiB)
-    del h
+        _C.spill_submit_write(dropped, src.data_ptr() + i * MiB, MiB, i * MiB)
+    del dropped
     gc.collect()
     assert os.listdir(tmp_path) == []
 
