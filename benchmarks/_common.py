@@ -170,12 +170,12 @@ def is_oom(exc: BaseException) -> bool:
 
 @contextlib.contextmanager
 def ring_dtp_flags(**changes):
-    """Run Ring-DTP with some moepeak.ring_dtp_sched.ScheduleOptions fields changed inside the
+    """Run Ring-DTP with some moepeak.ring_dtp.sched.ScheduleOptions fields changed inside the
     block (its testing hook, schedule_options): dw_finish=False (every term of the fused
     modes' dW rounded per token chunk), center_chunks (centering past that many chunks;
     1 << 30: off), fused_colsum (the column sums made by the gradient kernel),
     dx_finish=False (every term of vocab_outer_lowp's dX rounded per vocab block)."""
-    from moepeak.ring_dtp_sched import schedule_options
+    from moepeak.ring_dtp.sched import schedule_options
     with schedule_options(**changes) as opts:
         yield opts
 

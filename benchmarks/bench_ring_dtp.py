@@ -112,7 +112,7 @@ class MoepeakArm:
         self.mode, self.ct, self.center = mode, ct, center
 
     def resolve(self, T, H, V):
-        from moepeak.ring_dtp_sched import MODES, chunk_sizes, pick_mode
+        from moepeak.ring_dtp.sched import MODES, chunk_sizes, pick_mode
         T0 = self.timed_T or T
         m = pick_mode(MODES[self.mode], True, 1, T0, H, V, torch.bfloat16, self.ct or 0)
         name = [k for k, v in MODES.items() if v == m][0]

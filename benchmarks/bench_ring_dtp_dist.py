@@ -441,7 +441,7 @@ def run_shape(T, H, V, dtype, args, dev, nccl_tr, nccl_why):
                 note=f"{len(log)} exchanges, {gbps:.0f} GB/s sent per rank")
 
     # the ring arms
-    auto = "weights" if V // P <= T else "activations"  # ring_dtp_ring's rule (V_max <= T_max)
+    auto = "weights" if V // P <= T else "activations"  # ring_dtp.ring's rule (V_max <= T_max)
     arms = [("weights", "torch"), ("activations", "torch"), ("auto", "torch"), ("gather", "torch")]
     if nccl_tr is not None:
         arms += [("weights", "nccl"), ("activations", "nccl"), ("gather", "nccl")]

@@ -72,7 +72,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from . import ring_dtp_sizes as RS
+from .ring_dtp import sizes as RS
 
 GiB = 2 ** 30
 
@@ -272,15 +272,15 @@ def keep_last(s: Setup) -> int:
 
 
 def ring_dtp_vocab_bytes(T: int, H: int, V: int, b: int, budget_mb: Optional[float] = None) -> float:
-    """Ring-DTP's own bytes at its peak, for the mode `auto` picks (ring_dtp_sizes, the
+    """Ring-DTP's own bytes at its peak, for the mode `auto` picks (ring_dtp.sizes, the
     op's own sizing and choice):
     fp32: fused (forward makes dX [T, H], kept to the backward, in [ct, V] blocks);
     low precision within FUSED_MAX_CHUNKS token chunks: fused_lowp (one [ct, V] block
     + dX); else vocab_outer while its fp32 [T, H] dX accumulator is <= 512 MiB (+ its
     cast to dtype + the 256 MiB block workspace), vocab_outer_lowp beyond (dX in dtype,
-    an fp32 dW block [cv, H] (ring_dtp_sizes.lowp_dx_block_cols), the block workspace,
+    an fp32 dW block [cv, H] (ring_dtp.sizes.lowp_dx_block_cols), the block workspace,
     dX finish's fp32 [T] label terms); fused_lowp also the dW finish's and the centering's
-    small buffers (ring_dtp_sizes.fused_extra_bytes). All: 5 fp32 [T] fold rows + 3 fp32
+    small buffers (ring_dtp.sizes.fused_extra_bytes). All: 5 fp32 [T] fold rows + 3 fp32
     [T] saved (m, ls, q). (dW [V, H] is the parameter's gradient: counted in 'fixed'.)
     budget_mb overrides the fused workspaces (Setup.ring_workspace_mb)."""
     rows = 32 * T

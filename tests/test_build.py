@@ -201,7 +201,7 @@ def test_this_gpu_runs_the_build():
     """On a GPU machine the default build (the GPUs present) passes the check, and a kernel runs."""
     ext.check_cuda_arch(torch.device("cuda", 0))
     assert ext.cuda_arch_error(torch.cuda.get_device_capability(0), C.cuda_archs) is None
-    from moepeak.ring_dtp_blocks import scale_
+    from moepeak.ring_dtp.blocks import scale_
     t = torch.ones(4, dtype=torch.float32, device="cuda")
     scale_(t, torch.tensor([3.0], device="cuda"))  # a moepeak kernel (ce_scale)
     assert torch.equal(t.cpu(), torch.full((4,), 3.0))

@@ -246,7 +246,7 @@ def _leading_text(path, text):
 
 def test_source_files_found():
     names = {p.relative_to(ROOT).as_posix() for p in _source_files()}
-    assert {"moepeak/ring_dtp.py", "csrc/llep.c", "cuda/llep.cu", "benchmarks/_common.py", "setup.py"} <= names
+    assert {"moepeak/ring_dtp/ops.py", "csrc/llep.c", "cuda/llep.cu", "benchmarks/_common.py", "setup.py"} <= names
 
 
 @pytest.mark.parametrize("path", list(_source_files()), ids=lambda p: p.relative_to(ROOT).as_posix())

@@ -175,7 +175,7 @@ def _ring_expectations(rank, P, w, xs, ys, opts):
 
 def _ring_rank(rank, P, device="cuda"):
     import moepeak
-    from moepeak import ring_dtp_ring
+    from moepeak.ring_dtp import group as ring_dtp_group
 
     dev, group, tps = _setup(rank, device)
     a, b = _shard(P, rank)
@@ -187,7 +187,7 @@ def _ring_rank(rank, P, device="cuda"):
         for variant in ("weights", "activations", "gather"):
             got_by_tp = {}
             for tname, override in tps.items():
-                with _use_transport(ring_dtp_ring, override) as used:
+                with _use_transport(ring_dtp_group, override) as used:  # where the ring picks its transport
                     got = _loss_grads(lambda x, ws, y: moepeak.linear_cross_entropy(
                         x, ws, y, group=group, ring=variant, chunk_tokens=CT, chunk_vocab=CV, **opts),
                         xs[rank], w[a:b], ys[rank])

@@ -370,10 +370,10 @@ def test_plan_within_15_percent_of_the_lean_model(layers, context, tile):
 
 def test_ring_dtp_bytes_follow_the_ops_choice():
     """plan's Ring-DTP bytes are those of the mode the op's auto picks (both read
-    ring_dtp_sizes), with each mode's byte formula."""
-    from moepeak import ring_dtp_sched as R
-    from moepeak import ring_dtp_blocks as B
-    from moepeak import ring_dtp_sizes as S
+    ring_dtp.sizes), with each mode's byte formula."""
+    from moepeak.ring_dtp import sched as R
+    from moepeak.ring_dtp import blocks as B
+    from moepeak.ring_dtp import sizes as S
     for T in (1, 2048, 32768, 40960, 40961, 131072):
         for H, V in ((4096, 151936), (1024, 65536), (2048, 256000), (64, 1000)):
             mode = R.pick_mode(0, True, 1, T, H, V, torch.bfloat16)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import moepeak
-from moepeak import ring_dtp_blocks as B
-from moepeak import ring_dtp_sched as sched
+from moepeak.ring_dtp import blocks as B
+from moepeak.ring_dtp import sched
 from tests.refs import label_rows_dx_ref, label_rows_ref, naive_linear_cross_entropy, ref_linear_cross_entropy
 from tests.ring_dtp_helpers import FLOOR, MODES, _head_problem, check, grads, make, relerr
 
@@ -364,7 +364,7 @@ class _FreshBytes(torch.utils._python_dispatch.TorchDispatchMode):
 def test_fused_backward_allocates_no_gradient_copies(mode):
     """Autograd must not materialize zero gradients [T, H] and [V, H] for the op's dX/dW
     outputs (that would hold dX + dW twice at the peak). Backward of the fused modes scales
-    dX and dW in place (ring_dtp_blocks.scale_, no temporary); .grad must be the op's own
+    dX and dW in place (ring_dtp.blocks.scale_, no temporary); .grad must be the op's own
     buffers."""
     T, H, V = 384, 64, 1000
     x, w, y, _ = make(T, H, V, torch.bfloat16, seed=21)

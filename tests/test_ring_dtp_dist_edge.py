@@ -255,7 +255,7 @@ class _DoneEvent:
 
 def _rank_mismatch(rank, group):
     import moepeak
-    from moepeak.ring_dtp_labels import LabelGuard
+    from moepeak.ring_dtp.labels import LabelGuard
 
     w = _weight()
     xs, ys = _batch((5, 4))

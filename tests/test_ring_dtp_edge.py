@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import moepeak
-import moepeak.ring_dtp_blocks as B
+import moepeak.ring_dtp.blocks as B
 from tests.ring_dtp_helpers import make, relerr
 
 MODES = ("fused", "vocab_outer", "token_outer")
@@ -197,7 +197,7 @@ def test_check_labels_public_and_sync_option():
 def test_backward_checks_pending_label_flags(monkeypatch):
     """The mechanism on CPU: a pending (deferred) flag is read by backward before any
     gradient is written."""
-    from moepeak.ring_dtp_labels import LabelGuard
+    from moepeak.ring_dtp.labels import LabelGuard
 
     class Done:
         def synchronize(self):

@@ -1,7 +1,7 @@
-"""Ring-DTP's error bounds as token chunks / vocab blocks grow (ring_dtp_sched,
+"""Ring-DTP's error bounds as token chunks / vocab blocks grow (ring_dtp.sched,
 "Error growth"): the dW finish, the centering and the dX finish each keep the
 low-precision error within a small multiple of naive bf16's, and turning each off
-(ring_dtp_sched.schedule_options) breaks the bound, so each check can fail.
+(ring_dtp.sched.schedule_options) breaks the bound, so each check can fail.
 """
 import math
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import moepeak
-from moepeak import ring_dtp_blocks as B
-from moepeak import ring_dtp_sched as sched
+from moepeak.ring_dtp import blocks as B
+from moepeak.ring_dtp import sched
 from tests.refs import label_rows_dx_ref, label_rows_ref, naive_linear_cross_entropy, ref_linear_cross_entropy
 from tests.ring_dtp_helpers import FLOOR, MODES, _head_problem, check, grads, make, relerr
 

@@ -1,4 +1,4 @@
-"""Ring-DTP's C/CUDA kernels one by one (moepeak.ring_dtp_blocks): scale_, the fused
+"""Ring-DTP's C/CUDA kernels one by one (moepeak.ring_dtp.blocks): scale_, the fused
 modes' dW finish (take_label_column, finish_dw with its rank-1 term), sub_row, and
 vocab_outer_lowp's dX finish (take_label_column_block, finish_dx).
 """
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import moepeak
-from moepeak import ring_dtp_blocks as B
-from moepeak import ring_dtp_sched as sched
+from moepeak.ring_dtp import blocks as B
+from moepeak.ring_dtp import sched
 from tests.refs import label_rows_dx_ref, label_rows_ref, naive_linear_cross_entropy, ref_linear_cross_entropy
 from tests.ring_dtp_helpers import FLOOR, MODES, _head_problem, check, grads, make, relerr
 

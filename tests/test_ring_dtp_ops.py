@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import moepeak
-from moepeak import ring_dtp_blocks as B
-from moepeak import ring_dtp_sched as sched
+from moepeak.ring_dtp import blocks as B
+from moepeak.ring_dtp import sched
 from tests.refs import label_rows_dx_ref, label_rows_ref, naive_linear_cross_entropy, ref_linear_cross_entropy
 from tests.ring_dtp_helpers import FLOOR, MODES, _head_problem, check, grads, make, relerr
 
@@ -183,9 +183,9 @@ def test_fused_lowp_error_at_auto_chunk_count():
 
 
 def test_auto_mode_choice():
-    from moepeak.ring_dtp_sched import MODES as M, pick_mode
+    from moepeak.ring_dtp.sched import MODES as M, pick_mode
     # bf16 logits, 2048 rows per chunk at V = 151936 (fused_chunk_tokens): at most 128 chunks
-    from moepeak import ring_dtp_blocks as B
+    from moepeak.ring_dtp import blocks as B
     assert B.fused_chunk_tokens(151936, torch.bfloat16, lowp_logits=True) == 2048
     assert B.fused_chunk_tokens(256000, torch.bfloat16, lowp_logits=True) == 1152
     assert B.fused_chunk_tokens(151936, torch.bfloat16) == 576
@@ -212,7 +212,7 @@ def test_auto_mode_choice():
 def test_vocab_outer_lowp_block_sizes():
     """vocab_outer_lowp's vocab blocks: V / 8 rounded up to 128 columns unless the fp32 dW
     block [cv, H] would pass 300 MiB (then more, narrower blocks); its Z/dZ rows fit 256 MiB."""
-    from moepeak import ring_dtp_sizes as S
+    from moepeak.ring_dtp import sizes as S
     assert S.lowp_dx_block_cols(151936, 4096) == 19072                   # 8 blocks, 298 MiB
     assert S.lowp_dx_block_cols(256000, 7168) == 10880                   # 24 blocks, 297.5 MiB
     for V, H in ((151936, 4096), (256000, 7168), (128256, 7168), (256000, 4096), (65536, 1024)):

@@ -145,7 +145,7 @@ def blas_library():
 
 def centering(rounds=8):
     import statistics
-    from moepeak import ring_dtp_blocks as B
+    from moepeak.ring_dtp import blocks as B
     H, V, ct, T, g, w, x, y = _target_inputs()
     # One chunk's gradient kernel alone, + the column sum as a ones-row GEMM, and fused into it.
     z0 = (torch.randn(ct, V, device="cuda", generator=g) * 3).to(torch.bfloat16)
@@ -232,7 +232,7 @@ def tunable(rounds=6):
 
 
 def finish():
-    from moepeak import ring_dtp_blocks as B
+    from moepeak.ring_dtp import blocks as B
     H, V, T = 4096, 151936, 32768
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)

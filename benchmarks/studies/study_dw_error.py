@@ -1,10 +1,10 @@
 """Study: dW's error against fp64 when Ring-DTP's fused modes accumulate dW in
-bf16 over n token chunks, with and without the finish (ring_dtp_sched.fused: the label
+bf16 over n token chunks, with and without the finish (ring_dtp.sched.fused: the label
 column of every chunk's dZ taken out of the per-chunk GEMMs and added once in fp32,
-ring_dtp_blocks.finish_dw) and with the centering too (the dW GEMMs on X - mu, colsum(dZ) mu^T
+ring_dtp.blocks.finish_dw) and with the centering too (the dW GEMMs on X - mu, colsum(dZ) mu^T
 added in the finish; ScheduleOptions.center_chunks), beside vocab_outer_lowp's dX error with and without its
 mirror, dX's finish (each token's label term tc[t] * W[y_t] taken out of the per-vocab-block
-dX GEMMs and added once in fp32, ring_dtp_blocks.finish_dx). Errors are norm-wise relative,
+dX GEMMs and added once in fp32, ring_dtp.blocks.finish_dx). Errors are norm-wise relative,
 divided by naive bf16's (F.linear in bf16, then F.cross_entropy(.float())).
 
 Inputs are chosen to stress the accumulation: labels uniform over V (a dW row

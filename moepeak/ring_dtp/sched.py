@@ -1,10 +1,10 @@
 """Ring-DTP's single-device schedules: the order in which logits blocks are made,
-folded and turned into gradients. The op (ring_dtp.py) picks one per call
+folded and turned into gradients. The op (ops.py) picks one per call
 (pick_mode) and sizes its blocks (chunk_sizes); the arithmetic of a block is
-ring_dtp_blocks', the sizes' formulas ring_dtp_sizes'.
+blocks', the sizes' formulas sizes'.
 
 x: [T, H], w: [V, H], y: [T] int64 (clean: out-of-range labels already replaced
-by ignore_index), bias: [V] or None; the per-token state is ring_dtp_blocks'.
+by ignore_index), bias: [V] or None; the per-token state is blocks'.
 
   fused        token-outer, gradients computed in forward (3 GEMMs: Z, dX, dW).
                A chunk holds whole vocab rows Z: [ct, V] x fp32, so dZ exists
@@ -27,7 +27,7 @@ by ignore_index), bias: [V] or None; the per-token state is ring_dtp_blocks'.
                directly: per element 2 B written by the GEMM, 2 B read by the fold,
                2 B read + 2 B written by the gradient (fused with fp32 logits:
                4 + 4 + 4 + 2), and more rows per chunk (2048 in a 594 MiB block vs
-               576 in 512 MiB at V = 151936; ring_dtp_sizes.fused_chunk_tokens).
+               576 in 512 MiB at V = 151936; sizes.fused_chunk_tokens).
   vocab_outer_lowp
                vocab_outer with dX accumulated in the input dtype (bf16/fp16) over
                its vocab blocks (one rounding per block) instead of an fp32 [T, H]
@@ -35,7 +35,7 @@ by ignore_index), bias: [V] or None; the per-token state is ring_dtp_blocks'.
                out of its block's dZ and added once in fp32 at the end ("dX's
                finish", B.finish_dx); dW exact per block as in vocab_outer. At
                least 8 blocks, narrower where the fp32 dW block [cv, H] would pass
-               300 MiB (ring_dtp_sizes.lowp_dx_block_cols). Worked once: T = 128k,
+               300 MiB (sizes.lowp_dx_block_cols). Worked once: T = 128k,
                H = 4096, V = 151936, bf16: 8 blocks of 19072 columns, dW block
                298 MiB, so 2.16 GiB of gradients + ~0.55 GiB, where vocab_outer
                needs a 2 GiB fp32 dX accumulator (+ its 1 GiB bf16 copy).
@@ -93,8 +93,8 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
-from . import ring_dtp_blocks as B
-from . import ring_dtp_sizes as S
+from . import blocks as B
+from . import sizes as S
 
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 MODES = {"auto": 0, "fused": 1, "vocab_outer": 2, "token_outer": 3, "fused_lowp": 4, "vocab_outer_lowp": 5}
@@ -352,7 +352,7 @@ def reduce_rows(rows: Tensor, valid: Tensor, reduction: int) -> Tensor:
 
 def pick_mode(mode: int, grads: bool, reduction: int, T: int, H: int, V: int, dtype, chunk_tokens: int = 0) -> int:
     """The schedule (a MODES value) a call runs: `mode` as asked, made concrete where it
-    cannot apply, or auto's choice (module docstring; ring_dtp_sizes.auto_lowp_schedule)."""
+    cannot apply, or auto's choice (module docstring; sizes.auto_lowp_schedule)."""
     if mode in FUSED_MODES and reduction == 0:
         return MODES["vocab_outer"]  # per-token upstream grads are unknown in forward
     if mode == MODES["fused_lowp"] and dtype == torch.float32:
@@ -369,7 +369,7 @@ def pick_mode(mode: int, grads: bool, reduction: int, T: int, H: int, V: int, dt
 
 def chunk_sizes(T, H, V, dtype, mode, chunk_tokens, chunk_vocab):
     """(ct, cv): token rows and vocab columns of a block for the resolved `mode`
-    (ring_dtp_sizes works each formula once with numbers); None: the budget's choice."""
+    (sizes works each formula once with numbers); None: the budget's choice."""
     if mode in FUSED_MODES:
         return chunk_tokens or B.fused_chunk_tokens(V, dtype, lowp_logits=mode == MODES["fused_lowp"]), V
     if mode == MODES["vocab_outer_lowp"]:

@@ -1,7 +1,7 @@
 """Ring-DTP's chunk sizes and `auto`'s schedule choice: integer arithmetic on
-(T, H, V, bytes per element), importing nothing, so that the op (ring_dtp_sched.py,
-ring_dtp_blocks.py) and `moepeak plan`'s memory model read the same numbers from
-one place.
+(T, H, V, bytes per element), importing nothing, so that the op (sched.py, blocks.py)
+and `moepeak plan`'s memory model read the same numbers from one place. Public by
+design: any moepeak subpackage may import this module (moepeak.plan does).
 
 b is the element size of the low-precision buffers: 2 for bf16/fp16 inputs, 0
 for fp32 inputs (the fp32 orders make dZ in place and need no second buffer).
@@ -23,19 +23,19 @@ LOWP_MAX_ROWS = 2048
 BLOCKED_WORKSPACE_BYTES = 256 << 20
 # auto: fused_lowp for at most this many token chunks, i.e. bf16 roundings of the
 # part of a dW row the finish and the centering leave in the GEMMs (why 128: the
-# "Error growth" bounds in ring_dtp_sched's docstring reach 128 chunks).
+# "Error growth" bounds in sched's docstring reach 128 chunks).
 FUSED_MAX_CHUNKS = 128
 # vocab_outer_lowp: vocab blocks dX is accumulated over: at least 8, more where the
 # block's fp32 dW accumulator [cv, H] would pass LOWP_DW_BLOCK_BYTES (H = 7168,
 # V = 256000: 24 blocks, 298 MiB, where 8 would take 875 MiB). The block count costs
-# little error thanks to dX's finish (ring_dtp_sched.backward_blocked; its bounds are
-# in ring_dtp_sched's "Error growth").
+# little error thanks to dX's finish (sched.backward_blocked; its bounds are
+# in sched's "Error growth").
 LOWP_DX_BLOCKS = 8
 LOWP_DW_BLOCK_BYTES = 300 << 20
 # The fused modes center X for their dW GEMMs past this many token chunks
-# (ring_dtp_sched.fused; ScheduleOptions.center_chunks defaults to it): uncentered, dW's
+# (sched.fused; ScheduleOptions.center_chunks defaults to it): uncentered, dW's
 # error on very anisotropic hidden states, x_mean = 3, grows past naive's 2x between 8
-# chunks, 1.85x, and 16, 2.39x (ring_dtp_sched's "Error growth"). The centering's column
+# chunks, 1.85x, and 16, 2.39x (sched's "Error growth"). The centering's column
 # sums go through a [<= COLSUM_GROUPS, V] x fp32 scratch in the chunk's dX rows where the
 # gradient kernel makes them (no memory of its own).
 FUSED_CENTER_CHUNKS = 8

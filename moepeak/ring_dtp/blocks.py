@@ -1,7 +1,7 @@
-"""Ring-DTP building blocks shared by the single-device op (ring_dtp.py) and
-the ring schedules (ring_dtp_ring.py): the logits-block GEMM (torch), the fold
+"""Ring-DTP building blocks shared by the single-device op (ops.py) and
+the ring schedules (ring.py): the logits-block GEMM (torch), the fold
 and gradient kernels (moepeak._C), chunk sizing for torch dtypes (the arithmetic
-is ring_dtp_sizes'), and the per-row loss.
+is sizes'), and the per-row loss.
 
 Per-token state of the online log-sum-exp, all [T] x fp32:
   m     running max of the (softcapped) logits folded so far (-inf at start)
@@ -19,12 +19,12 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _C
-from .core.ext import check_tensor, current_stream_handle, require_cuda_build
+from .. import _C
+from ..core.ext import check_tensor, current_stream_handle, require_cuda_build
 
 # Chunk sizes and auto's choice are torch-free integer arithmetic (shared with `moepeak plan`).
-from .ring_dtp_sizes import BLOCKED_WORKSPACE_BYTES
-from . import ring_dtp_sizes as S
+from .sizes import BLOCKED_WORKSPACE_BYTES
+from . import sizes as S
 
 _OUT_DTYPE_OK = {"cuda": None}  # torch.mm(..., out_dtype=fp32) usable on CUDA? (probed once)
 
@@ -305,7 +305,7 @@ def finish_dw(dw: torch.Tensor, x: torch.Tensor, labels: torch.Tensor, tc: torch
 
 def sub_row(x: torch.Tensor, mu: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out = x - mu, mu [H] broadcast over the rows of x [n, H]: the centering's X - mu
-    (ring_dtp_sched.fused). One dtype for all three; the subtraction in fp32 with one rounding per
+    (sched.fused). One dtype for all three; the subtraction in fp32 with one rounding per
     element, the arithmetic of torch.sub (csrc/ce.c, cuda/ce_finish.cu ce_sub_row). On CUDA the
     kernel moves 16-byte vectors, where torch's broadcast of mu does not (H200, T = 32k,
     H = 4096: torch.sub 0.43 ms over the 16 chunks); rows it cannot vectorise go to
@@ -439,19 +439,19 @@ def autocast_off(device: torch.device):
 
 
 def lowp_dx_chunk_tokens(cv: int, dtype: torch.dtype, budget: int = BLOCKED_WORKSPACE_BYTES) -> int:
-    """ring_dtp_sizes.lowp_dx_chunk_tokens for a torch dtype."""
+    """sizes.lowp_dx_chunk_tokens for a torch dtype."""
     return S.lowp_dx_chunk_tokens(cv, lowp_bytes(dtype), budget)
 
 
 def fused_chunk_tokens(V: int, dtype: torch.dtype, budget: Optional[int] = None,
                        lowp_logits: bool = False) -> int:
-    """ring_dtp_sizes.fused_chunk_tokens for a torch dtype (the sizes, worked once, are there)."""
+    """sizes.fused_chunk_tokens for a torch dtype (the sizes, worked once, are there)."""
     return S.fused_chunk_tokens(V, lowp_bytes(dtype), budget, lowp_logits)
 
 
 def blocked_chunks(T: int, H: int, dtype: torch.dtype, budget: int = BLOCKED_WORKSPACE_BYTES,
                    chunk_tokens: Optional[int] = None) -> Tuple[int, int]:
-    """ring_dtp_sizes.blocked_chunks for a torch dtype: (ct, cv) of the 4-GEMM orders."""
+    """sizes.blocked_chunks for a torch dtype: (ct, cv) of the 4-GEMM orders."""
     return S.blocked_chunks(T, H, lowp_bytes(dtype), budget, chunk_tokens)
 
 

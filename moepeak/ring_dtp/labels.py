@@ -1,5 +1,5 @@
-"""Ring-DTP's label handling, shared by the single-device op (ring_dtp.py) and the
-ring schedules (ring_dtp_ring.py).
+"""Ring-DTP's label handling, shared by the single-device op (ops.py) and the
+ring schedules (ring.py).
 
 Labels outside [0, V) that are not ignore_index:
   * CPU: a ValueError before any work (checking costs nothing there).
