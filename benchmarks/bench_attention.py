@@ -1,6 +1,6 @@
 """Attention at the ceiling (issue 38, item 3): causal bf16 forward + backward of one attention
 call at head_dim 128, per backend and per head grouping, the way moepeak's tiled block core
-calls it (moepeak/tiled.py: once per kv-head group).
+calls it (moepeak/tiled/block.py: once per kv-head group).
 
 Backends: flash, cudnn, efficient (F.scaled_dot_product_attention under
 torch.nn.attention.sdpa_kernel with FLASH_ATTENTION, CUDNN_ATTENTION, EFFICIENT_ATTENTION),

@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 from _common import append_results, is_oom  # noqa: E402
 from moepeak.tiled import tiled_block  # noqa: E402
-from moepeak.tiled_adapters import demo_block_spec  # noqa: E402
+from moepeak.demo.tiled import demo_block_spec  # noqa: E402
 
 from moepeak.demo import models as demo_models  # noqa: E402
 

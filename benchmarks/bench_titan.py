@@ -45,7 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # this checkout's moepeak
 sys.path.insert(0, HERE)
 from _common import append_results, is_oom  # noqa: E402
-from moepeak.titan_compat import provide_missing_torch_names  # noqa: E402
+from moepeak.titan.compat import provide_missing_torch_names  # noqa: E402
 
 
 def build_config(tiny: bool, max_seq_len: int):
@@ -191,7 +191,7 @@ def main(argv=None):
     ap.add_argument("--max-step-s", type=float, default=300.0)
     ap.add_argument("--budget-s", type=float, default=None, help="wall-clock budget per job (default 240 s)")
     args = ap.parse_args(argv)
-    provide_missing_torch_names()  # torchtitan 0.3 on torch 2.11 (moepeak/titan_compat.py)
+    provide_missing_torch_names()  # torchtitan 0.3 on torch 2.11 (moepeak/titan/compat.py)
     if args.start_t is None:
         args.start_t = 64 if args.tiny else 4096
     if args.max_t is None:

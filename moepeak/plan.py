@@ -197,7 +197,7 @@ IMPLS = ("demo", "hf")
 
 def tiled_full_len_bytes(m: "ModelShape", b: int) -> float:
     """Bytes per token of the full-length tensors of a sequence-tiled block at its backward
-    peak (the first kv-head group's attention backward; moepeak/tiled.py's docstring):
+    peak (the first kv-head group's attention backward; moepeak/tiled/block.py's docstring):
     grad_y, dx [H]; q [nh*dqk]; out, dout [nh*d]; k [nkv*dqk], v [nkv*d] (all b bytes); lse
     fp32 [nh]; and the group's flash backward (G = nkv groups): fp32 dq accumulator and dk, dv
     expanded to the group's q heads, dq, dk, dv of the group. dqk = d except for MLA, whose q

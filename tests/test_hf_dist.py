@@ -57,7 +57,7 @@ def _batch(world):
 
 def _assert_grads_equal(rank, world, model, ref_grads, what):
     from moepeak.hf import expert_slices
-    from moepeak.hf_expert_parallel import EXPERT_PARAMS
+    from moepeak.hf.expert_parallel import EXPERT_PARAMS
 
     slices = expert_slices(model)
     endings = tuple(f"experts.{p}" for p in EXPERT_PARAMS)

@@ -491,7 +491,7 @@ def _model_2b(layers=16):
 def test_tiled_block_term_is_the_listed_full_length_tensors_plus_one_tile():
     m = _model_2b()
     s = P.Setup(gpus=1, tile_tokens=8192)
-    # moepeak/tiled.py's list without x (the boundaries term's): grad_y, dx 2*2*2048; q, out,
+    # moepeak/tiled/block.py's list without x (the boundaries term's): grad_y, dx 2*2*2048; q, out,
     # dout 3*2*2048; k, v 2*2*512; lse 4*16; group 0's flash backward (4 heads): fp32 dq
     # accumulator 4*512, dk/dv expanded 2*2*512, dq/dk/dv 2*(512+2*128)
     per_token = 2 * 2 * 2048 + 3 * 2 * 2048 + 2 * 2 * 512 + 4 * 16 + 4 * 512 + 2 * 2 * 512 + 2 * (512 + 256)

@@ -11,7 +11,7 @@ import torch
 import torch.utils.checkpoint as torch_ckpt
 
 from moepeak.tiled import TiledBlock, TiledBlockSpec, tiled_block
-from moepeak.tiled_adapters import demo_block_spec
+from moepeak.demo.tiled import demo_block_spec
 from tiled_blocks import LiveBytes, RefBlock, linear_causal_core
 
 
@@ -277,7 +277,7 @@ def _qwen3_layer(dtype, attn_impl, seed=0):
 
 
 def _run_hf(layer, rope, x, gy, tile=None, mask=None, head_groups=None):
-    from moepeak.tiled_adapters import hf_moe_layer_spec
+    from moepeak.hf.tiled import hf_moe_layer_spec
     x = x.detach().requires_grad_(True)
     pos = torch.arange(x.shape[1]).unsqueeze(0)
     pe = rope(x, pos)
@@ -328,7 +328,7 @@ def test_hf_layer_router_logits_side_output(T, tile):
     """return_router_logits: the tiled layer's router logits [B*T, E] equal the untiled router's
     (batch-major rows), and a loss on y and on the logits gives the untiled gradients: the
     logits' gradient goes back through the tiled recompute into x and every weight."""
-    from moepeak.tiled_adapters import tiled_hf_moe_layer_forward
+    from moepeak.hf.tiled import tiled_hf_moe_layer_forward
     layer, rope, _ = _qwen3_layer(torch.float32, "sdpa")
     x0 = torch.randn(2, T, 32, generator=torch.Generator().manual_seed(25))
     gy = torch.randn(2, T, 32, generator=torch.Generator().manual_seed(26))
@@ -361,7 +361,7 @@ def test_hf_layer_router_logits_side_output(T, tile):
 
 
 def test_hf_layer_refuses_cache_jitter_and_missing_rope():
-    from moepeak.tiled_adapters import tiled_hf_moe_layer_forward
+    from moepeak.hf.tiled import tiled_hf_moe_layer_forward
     layer, rope, cfg = _qwen3_layer(torch.float32, "sdpa")
     x = torch.randn(1, 8, 32, requires_grad=True)
     pe = rope(x, torch.arange(8).unsqueeze(0))

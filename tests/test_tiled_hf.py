@@ -118,17 +118,17 @@ def test_three_steps_equal_untiled(tile):
     report = apply_moepeak(tiled, chunk_rows=32, tile_tokens=tile)
     assert "tile_tokens: 2 decoder layers" in str(report), str(report)
     calls = {"n": 0}
-    from moepeak import tiled_adapters
-    orig = tiled_adapters.hf_moe_layer_spec
+    from moepeak.hf import tiled as hf_tiled
+    orig = hf_tiled.hf_moe_layer_spec
 
     def counting(*a, **k):
         calls["n"] += 1
         return orig(*a, **k)
-    tiled_adapters.hf_moe_layer_spec = counting
+    hf_tiled.hf_moe_layer_spec = counting
     try:
         got = _train(tiled)
     finally:
-        tiled_adapters.hf_moe_layer_spec = orig
+        hf_tiled.hf_moe_layer_spec = orig
     assert calls["n"] >= 3 * 2  # every layer of every step went through the tiled block
     _assert_runs_equal(_train(base), got)
 
@@ -203,14 +203,14 @@ def test_deepseek_v3_three_steps_equal_untiled(q_lora_rank, rope_interleave, til
     tiled = copy.deepcopy(base)
     apply_moepeak(base, chunk_rows=32)
     assert "tile_tokens: 2 decoder layers" in str(apply_moepeak(tiled, chunk_rows=32, tile_tokens=tile))
-    from moepeak import tiled_adapters
+    from moepeak.hf import tiled as hf_tiled
     calls = []
-    orig = tiled_adapters.hf_moe_layer_spec
-    tiled_adapters.hf_moe_layer_spec = lambda *a, **k: calls.append(1) or orig(*a, **k)
+    orig = hf_tiled.hf_moe_layer_spec
+    hf_tiled.hf_moe_layer_spec = lambda *a, **k: calls.append(1) or orig(*a, **k)
     try:
         got = _train(tiled, T=12)
     finally:
-        tiled_adapters.hf_moe_layer_spec = orig
+        hf_tiled.hf_moe_layer_spec = orig
     assert len(calls) >= 3 * 2  # every layer of every step went through the tiled block
     _assert_runs_equal(_train(base, T=12), got)
 
@@ -221,7 +221,7 @@ def test_other_families_left_alone_with_reason():
     report = apply_moepeak(model, tile_tokens=8)
     assert "GptOssDecoderLayer stay untiled" in str(report), str(report)
     # the adapter called directly on such a layer refuses it by name
-    from moepeak.tiled_adapters import hf_moe_layer_spec
+    from moepeak.hf.tiled import hf_moe_layer_spec
     x = torch.randn(1, 4, COMMON["hidden_size"])
     cos = sin = torch.ones(1, 4, COMMON["head_dim"])
     with pytest.raises(ValueError, match="no tiled adapter for GptOssDecoderLayer"):
@@ -322,7 +322,7 @@ def test_layer_input_without_grad_replays_only_the_boundary(ckpt):
 
     import moepeak
     import torch.utils.checkpoint as torch_ckpt
-    from moepeak.tiled_adapters import hf_moe_layer_spec
+    from moepeak.hf.tiled import hf_moe_layer_spec
     layer, x, pe = _qwen3_layer()
     gy = torch.randn(x.shape, generator=torch.Generator().manual_seed(9))
     params = list(layer.parameters())
@@ -350,7 +350,7 @@ def test_recompute_draws_the_forwards_random_numbers(device):
     adapter itself refuses dropout): each tile's recompute in backward starts from the RNG state
     its forward call started from, so the gradients are those of the masks the forward applied
     (the untiled layer times those masks), and backward leaves the RNG state as it found it."""
-    from moepeak.tiled_adapters import hf_moe_layer_spec
+    from moepeak.hf.tiled import hf_moe_layer_spec
     layer, x0, pe = _qwen3_layer(device=device)
     gy = torch.randn(x0.shape, generator=torch.Generator().manual_seed(9)).to(device)
     params = list(layer.parameters())
@@ -379,7 +379,7 @@ def test_layer_under_autocast_recomputes_as_the_forward_ran(device, tile):
     router call of the backward's recompute gives the forward's bf16 logits and experts, and the
     gradients are the untiled layer's: within half a bf16 ulp of each tensor's largest entry with
     one tile, 2 ulps with several (weight gradients summed per tile in fp32, not one bf16 product)."""
-    from moepeak.tiled_adapters import tiled_hf_moe_layer_forward
+    from moepeak.hf.tiled import tiled_hf_moe_layer_forward
     layer, x0, pe = _qwen3_layer(device=device)
     gy = torch.randn(x0.shape, generator=torch.Generator().manual_seed(9)).to(device)
     params = list(layer.parameters())
@@ -410,7 +410,7 @@ def test_layer_arguments_placed_by_the_layers_own_signature(family):
     """Positional arguments after hidden_states follow the layer's own forward signature (Mixtral's
     starts with position_embeddings, Qwen3-MoE's with attention_mask): the tiled layer called
     positionally gives the untiled layer's output."""
-    from moepeak.tiled_adapters import tiled_hf_moe_layer_forward
+    from moepeak.hf.tiled import tiled_hf_moe_layer_forward
     model = FAMILIES[family]()
     layer = model.model.layers[0].train()
     x = torch.randn(B, 12, COMMON["hidden_size"], generator=torch.Generator().manual_seed(3))

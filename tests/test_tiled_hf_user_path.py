@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from moepeak import tiled_adapters  # noqa: E402
+from moepeak.hf import tiled as hf_tiled  # noqa: E402
 from moepeak.hf import apply_moepeak  # noqa: E402
 
 V, B, T, TILE = 101, 2, 14, 5
@@ -82,12 +82,12 @@ def stock_and_tiled(build, tile=TILE, attn=None, **apply_options):
 def tiled_forwards(monkeypatch):
     """How many tiled layer forwards ran (hf_moe_layer_spec calls outside backward)."""
     count = {"n": 0}
-    real = tiled_adapters.hf_moe_layer_spec
+    real = hf_tiled.hf_moe_layer_spec
 
     def counting(*args, **kwargs):
         count["n"] += 1
         return real(*args, **kwargs)
-    monkeypatch.setattr(tiled_adapters, "hf_moe_layer_spec", counting)
+    monkeypatch.setattr(hf_tiled, "hf_moe_layer_spec", counting)
     return count
 
 

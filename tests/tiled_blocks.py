@@ -2,7 +2,7 @@
 plain untiled forward, with the arithmetic of moepeak's demo Block (RMSNorm in fp32,
 rotate-half RoPE in fp32, GQA read in place by causal SDPA, fp32 router, dense top-k
 SwiGLU experts accumulated in fp32), and the same attribute names, so that
-moepeak.tiled_adapters.demo_block_spec applies to it."""
+moepeak.demo.tiled.demo_block_spec applies to it."""
 from __future__ import annotations
 
 import math

@@ -18,7 +18,7 @@ Run as a script under torchrun, this file is torchtitan's entry point
                    FSDP module is also set to plain-sum reductions
                    (set_force_sum_reduction_for_comms, the switch torchtitan's own
                    enable_fsdp_symm_mem flips): the same sums, scaled by 1.0.
-  moepeak.titan_compat.provide_missing_torch_names()
+  moepeak.titan.compat.provide_missing_torch_names()
                    torchtitan 0.3.0 (built against a torch nightly) uses two
                    names torch 2.11 / 2.13 lack (fsdp.DataParallelMeshDims,
                    distributed.set_timeout); they are provided where missing,
@@ -58,7 +58,7 @@ if __package__ in (None, ""):  # run as a script: make `tests.titan_cpu` and moe
 
 from dataclasses import dataclass  # noqa: E402
 
-from moepeak.titan_compat import provide_missing_torch_names  # noqa: E402
+from moepeak.titan.compat import provide_missing_torch_names  # noqa: E402
 
 provide_missing_torch_names()  # before torchtitan's first import
 

@@ -26,9 +26,11 @@ TWO_RANKS = ["--parallelism.spmd_backend", "partial_dtensor", "--parallelism.exp
 
 def require_torchtitan():
     """The torchtitan package, or a module-level skip that names the reason."""
-    from moepeak.titan_compat import provide_missing_torch_names
-    provide_missing_torch_names()  # torchtitan 0.3 on torch 2.11 / 2.13
     try:
+        # moepeak.titan (the package of .compat) provides the torch names torchtitan 0.3 needs
+        # on torch 2.11 / 2.13, then imports torchtitan: without torchtitan it raises here
+        from moepeak.titan.compat import provide_missing_torch_names
+        provide_missing_torch_names()
         import torchtitan
         import torchtitan.distributed.fsdp  # noqa: F401
         import torchtitan.models.qwen3  # noqa: F401  needs triton at import time
@@ -42,7 +44,7 @@ def require_torchtitan_trainer():
     on torch < 2.12 its FSDP + expert-parallel path imports torch >= 2.12 names
     (fsdp._fully_shard._fsdp_common.ShardPlacementResult) and its one-rank CPU job dies in
     backward (SIGSEGV, torch 2.11). The in-process tests (test_titan.py, test_titan_dist.py)
-    run on torch 2.11 too, with moepeak.titan_compat's names."""
+    run on torch 2.11 too, with moepeak.titan.compat's names."""
     titan = require_torchtitan()
     if torch.__version__ < "2.12":
         pytest.skip(f"torchtitan 0.3's trainer needs torch >= 2.12 (here {torch.__version__})",

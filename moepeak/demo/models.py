@@ -372,8 +372,8 @@ class Block(nn.Module):
         # Tiled inside forward (not around the call), so that module hooks such as
         # FSDP2's unshard/reshard run around the tiled block as around the plain one.
         if self.tile_tokens is not None:
-            from moepeak.tiled import tiled_block
-            from moepeak.tiled_adapters import demo_block_spec
+            from ..tiled import tiled_block
+            from .tiled import demo_block_spec
             return tiled_block(x, demo_block_spec(self, x), self.tile_tokens)
         x = x + self.attn(self.attn_norm(x))
         y, _ = self.moe(self.mlp_norm(x))

@@ -1,22 +1,18 @@
-"""Adapters: a TiledBlockSpec built from a known block's submodules.
+"""Sequence-tiled Hugging Face decoder layers (apply_moepeak(..., tile_tokens=N)): a layer as
+a moepeak.tiled TiledBlockSpec, its training call as transformers runs it, and the patch
+that makes every supported layer of a model run tiled.
 
-demo_block_spec(block, x)             moepeak's demo decoder block (attribute names of
-                                      moepeak's demo model Block: attn_norm, attn.{q,k,v,o}_proj,
-                                      attn.rotary, attn.cp, mlp_norm, moe)
-hf_moe_layer_spec(layer, x, ...)      a Hugging Face decoder layer of HF_TILED_LAYERS (Qwen3-MoE,
-                                      Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3; MoE or dense): input_layernorm,
-                                      self_attn (q/k/v/o_proj and optional q_norm/k_norm, or DeepSeek's
-                                      latent attention), post_attention_layernorm, mlp (router at mlp.gate)
-tiled_hf_layer_training_forward(...)  such a layer's training call as transformers runs it (gradient
-                                      checkpointing, KV cache arguments), with its router logits and
-                                      attention weights for transformers' output collector
-titan_block_spec(block, x, ...)       a torchtitan (0.3) decoder block with GQAttention: attention_norm,
-                                      attention.{qkv_linear, q_norm, k_norm, rope, inner_attention
-                                      (SDPA), wo}, ffn_norm, moe or feed_forward (tested: qwen3); or
-                                      deepseek_v3's latent attention (attention.{wq or wq_a, q_norm,
-                                      wq_b, wkv_a, kv_norm, wkv_b, rope, inner_attention, wo})
+hf_moe_layer_spec(layer, x, ...)      a decoder layer of HF_TILED_LAYERS (Qwen3-MoE, Qwen2-MoE,
+                                      Mixtral, OLMoE, DeepSeek-V3; MoE or dense): input_layernorm,
+                                      self_attn (q/k/v/o_proj and optional q_norm/k_norm, or
+                                      DeepSeek's latent attention), post_attention_layernorm, mlp
+                                      (router at mlp.gate)
+tiled_hf_layer_training_forward(...)  such a layer's training call as transformers runs it
+                                      (gradient checkpointing, KV cache arguments), with its router
+                                      logits and attention weights for transformers' output collector
+patch_tiled_layers(model, ...)        every such layer of the model runs tiled in training with grad
 
-Each runs exactly the ops of the block's own forward, in the same order, on a tile of
+The spec runs exactly the ops of the layer's own forward, in the same order, on a tile of
 rows; only the split into pre_attn / attn_core / post_attn is new.
 """
 from __future__ import annotations
@@ -26,57 +22,8 @@ import inspect
 
 import torch
 
-from .tiled import TiledBlockSpec, tiled_block
+from ..tiled import TiledBlockSpec, requires_grad_params, tiled_block
 
-
-def _requires_grad_params(module: torch.nn.Module):
-    return lambda: [p for p in module.parameters() if p.requires_grad]
-
-
-# --------------------------------------------------------------------------- the demo block
-
-def _rope(x, cos, sin):
-    """x: [B, nh, t, d], cos/sin: [t, d] fp32; rotate_half convention, computed in fp32
-    (the demo model's apply_rope arithmetic)."""
-    d = x.shape[-1] // 2
-    rot = torch.cat([-x[..., d:], x[..., :d]], dim=-1)
-    return (x.float() * cos + rot.float() * sin).to(x.dtype)
-
-
-def demo_block_spec(block: torch.nn.Module, x: torch.Tensor) -> TiledBlockSpec:
-    """Spec for the demo model's Block: x [B, T, H] (T: this rank's tokens under context
-    parallelism). q/k/v: [B, heads, T, d]; out: [B, heads, T, d]. The core is the block's
-    own attn.attend (GQA: q heads [j*r, (j+1)*r) read kv head j), split into nkv head groups."""
-    attn = block.attn
-    B, T = x.shape[0], x.shape[1]
-    nh, nkv, d = attn.nh, attn.nkv, attn.d
-    offset = 0 if attn.cp is None else attn.cp[2] * T  # global position of this rank's slice
-    cos, sin = attn.rotary.tables(T, x.device, offset)  # [T, d] fp32, shared by all blocks
-
-    def pre_attn(x_t, start):
-        t = x_t.shape[1]
-        n = block.attn_norm(x_t)
-        q = attn.q_proj(n).view(B, t, nh, d).transpose(1, 2)
-        k = attn.k_proj(n).view(B, t, nkv, d).transpose(1, 2)
-        v = attn.v_proj(n).view(B, t, nkv, d).transpose(1, 2)
-        c, s = cos[start:start + t], sin[start:start + t]
-        return _rope(q, c, s), _rope(k, c, s), v
-
-    def attn_core(q, k, v):
-        return attn.attend(q, k, v)
-
-    def post_attn(x_t, o_t):
-        t = x_t.shape[1]
-        h = x_t + attn.o_proj(o_t.transpose(1, 2).reshape(B, t, nh * d))
-        y, _ = block.moe(block.mlp_norm(h))
-        return h + y
-
-    return TiledBlockSpec(pre_attn, attn_core, post_attn, _requires_grad_params(block),
-                          seq_dim=1, qkv_seq_dim=2, out_seq_dim=2, head_groups=nkv, qkv_head_dim=1,
-                          out_head_dim=1)
-
-
-# --------------------------------------------------------------------------- Hugging Face MoE layers
 
 # The decoder layers hf_moe_layer_spec runs (transformers 5.17 to 5.25), by class name: (how the
 # attention makes q, k, v: "mha" = q/k/v_proj, "mla" = DeepSeek's multi-head latent attention;
@@ -93,6 +40,7 @@ HF_TILED_LAYERS = {
     "OlmoeDecoderLayer": ("mha", "config"),
     "DeepseekV3DecoderLayer": ("mla", None),
 }
+TILED_LAYERS = tuple(HF_TILED_LAYERS)  # the class names apply_moepeak(tile_tokens=...) tiles
 # The KV cache argument's names: `cache` (transformers >= 5.2x), `past_key_values` (5.17).
 HF_CACHE_ARGUMENTS = ("cache", "past_key_values")
 
@@ -266,7 +214,7 @@ def hf_moe_layer_spec(layer: torch.nn.Module, x: torch.Tensor, *args, return_rou
             raise RuntimeError(f"moepeak: {name}.mlp called its router {len(seen)} times for one tile (expected 1)")
         return y, seen[0].view(B, t, -1)  # the router's [B*t, E] rows are batch-major
 
-    return TiledBlockSpec(pre_attn, attn_core, post_attn, _requires_grad_params(layer),
+    return TiledBlockSpec(pre_attn, attn_core, post_attn, requires_grad_params(layer),
                           seq_dim=1, qkv_seq_dim=2, out_seq_dim=1, head_groups=head_groups,
                           qkv_head_dim=1, out_head_dim=2, extras=1 if return_router_logits else 0)
 
@@ -338,75 +286,54 @@ class _WithoutGradient(torch.autograd.Function):
                            "no gradient path; a loss on them needs the untiled layer (tile_tokens=None)")
 
 
-# --------------------------------------------------------------------------- torchtitan blocks
+def patch_tiled_layers(model, tile_tokens, report):
+    if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 1:
+        raise ValueError(f"moepeak.hf: tile_tokens must be a positive integer or None, got {tile_tokens!r}")
+    layers = [m for m in model.modules() if type(m).__name__ in TILED_LAYERS]
+    if not layers:
+        kinds = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("DecoderLayer")})
+        report.left_alone.append(f"tile_tokens: no decoder layer the tiled adapter runs ({', '.join(TILED_LAYERS)}); "
+                                 f"{', '.join(kinds) or 'no decoder layers'} stay untiled")
+        return
+    output_collector()  # the hand-off below needs it: refuse now, not mid-training
+    for layer in layers:
+        untiled = layer.forward
 
-def titan_block_spec(block: torch.nn.Module, x: torch.Tensor, attention_masks=None,
-                     positions=None) -> TiledBlockSpec:
-    """Spec for a torchtitan decoder block called as block(x, attention_masks, positions):
-    x [B, T, D] plain (not DTensor: no tensor/sequence parallel); the attention's inner
-    attention is torchtitan's ScaledDotProductAttention (causal, no masks). q/k/v: [B, T,
-    heads, head_dim] as qkv_linear makes them (q heads kv-major, so head groups of GQA), or
-    as deepseek_v3's Attention makes them (q, k: nope + rope head dims, v: v_head_dim);
-    out: [B, T, heads, head_dim]. RoPE at a tile's positions: positions[:, start:start + t],
-    or start .. start + t - 1 when the model passes none (the rows of the prefix table the
-    untiled block reads)."""
-    attn = block.attention
-    name = type(block).__name__
-    mla = hasattr(attn, "wkv_a")  # deepseek_v3's multi-head latent attention
-    if attention_masks is not None:
-        raise ValueError(f"moepeak: a tiled {name} runs causal SDPA attention without masks; "
-                         f"got attention_masks ({type(attention_masks).__name__})")
-    if type(x).__name__ == "DTensor":
-        raise NotImplementedError(f"moepeak: a tiled {name} takes a plain block input (FSDP2 only), got a DTensor "
-                                  "(tensor or sequence parallel)")
-    B = x.shape[0]
-
-    def tile_positions(start, t, device):
-        return positions[:, start:start + t] if positions is not None else \
-            torch.arange(start, start + t, device=device).unsqueeze(0)
-
-    def mla_pre_attn(x_t, start):
-        # deepseek_v3 Attention.forward's ops before its inner attention, on the tile
-        t = x_t.shape[1]
-        n = block.attention_norm(x_t)
-        q = attn.wq(n) if attn.q_lora_rank == 0 else attn.wq_b(attn.q_norm(attn.wq_a(n)))
-        q_nope, q_pe = torch.split(q.view(B, t, -1, attn.qk_head_dim), [attn.qk_nope_head_dim, attn.qk_rope_head_dim],
-                                   dim=-1)
-        kv, k_pe = torch.split(attn.wkv_a(n), [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
-        q_pe, k_pe = attn.rope(q_pe, k_pe.unsqueeze(2), tile_positions(start, t, x_t.device))
-        q = torch.cat([q_nope, q_pe], dim=-1)
-        kv = attn.wkv_b(attn.kv_norm(kv)).view(B, t, -1, attn.qk_nope_head_dim + attn.v_head_dim)
-        k_nope, v = torch.split(kv, [attn.qk_nope_head_dim, attn.v_head_dim], dim=-1)
-        return q, torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.size(2), -1)], dim=-1), v
-
-    def pre_attn(x_t, start):
-        if mla:
-            return mla_pre_attn(x_t, start)
-        t = x_t.shape[1]
-        q, k, v = attn.qkv_linear(block.attention_norm(x_t))
-        if attn.q_norm is not None or attn.k_norm is not None:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = attn.rope(q, k, tile_positions(start, t, x_t.device))
-        return q, k, v
-
-    def attn_core(q, k, v):
-        if mla:
-            return attn.inner_attention(q, k, v, attention_masks=None, scale=attn.softmax_scale).contiguous()
-        return attn.inner_attention(q, k, v, attention_masks=None, scale=attn.scaling, enable_gqa=attn.enable_gqa)
-
-    def post_attn(x_t, o_t):
-        t = x_t.shape[1]
-        h = x_t + attn.wo(o_t.reshape(B, t, -1))
-        ffn = block.moe if getattr(block, "moe_enabled", False) else block.feed_forward
-        return h + ffn(block.ffn_norm(h))
-
-    return TiledBlockSpec(pre_attn, attn_core, post_attn, _requires_grad_params(block),
-                          seq_dim=1, qkv_seq_dim=1, out_seq_dim=1, head_groups=attn.n_heads if mla else attn.n_kv_heads,
-                          qkv_head_dim=2, out_head_dim=2)
+        def forward(hidden_states, *args, _layer=layer, _untiled=untiled, **kwargs):
+            if not (_layer.training and torch.is_grad_enabled()):
+                return _untiled(hidden_states, *args, **kwargs)
+            collected = output_collector().get() or {}
+            logits_out, maps_out = collected.get("router_logits"), collected.get("attentions")
+            first = None if logits_out is None else len(logits_out)
+            y, logits, maps = tiled_hf_layer_training_forward(
+                _layer, hidden_states, *args, tile_tokens=tile_tokens, router_logits=logits_out is not None,
+                attention_weights=maps_out is not None, **kwargs)
+            if logits_out is not None:
+                # transformers' hook on the router recorded one graph-less entry per tile (none in
+                # a dense layer); the layer's one entry is the full-length logits with their graph
+                recorded = len(logits_out) - first
+                del logits_out[first:]
+                if recorded and logits is None:
+                    raise RuntimeError(f"moepeak.hf: {type(_layer).__name__}'s router logits were recorded but "
+                                       "its mlp has no router at mlp.gate")
+                if recorded:
+                    logits_out.append(logits)
+            if maps is not None:
+                maps_out.append(maps)
+            return y
+        layer.forward = forward
+    report.patched.append(f"tile_tokens: {len(layers)} decoder layers run moepeak.hf.tiled.tiled_hf_layer_training_forward "
+                          f"in training (tiles of {tile_tokens} tokens)")
 
 
-def tiled_titan_block_forward(block: torch.nn.Module, x: torch.Tensor, attention_masks=None, positions=None, *,
-                              tile_tokens: int) -> torch.Tensor:
-    """Drop-in for a torchtitan decoder block's forward (same arguments, plus tile_tokens;
-    see titan_block_spec)."""
-    return tiled_block(x, titan_block_spec(block, x, attention_masks, positions), tile_tokens)
+def output_collector():
+    """transformers' context variable holding the outputs being collected in this forward
+    ({"router_logits": [...], "attentions": [...], ...} or None): where an untiled router's
+    logits and attention's weights go."""
+    try:
+        from transformers.utils import output_capturing
+        return output_capturing._active_collector
+    except (ImportError, AttributeError) as e:
+        raise RuntimeError("moepeak.hf: tile_tokens needs transformers' output collector "
+                           "(transformers.utils.output_capturing._active_collector, transformers 5.17) to hand the "
+                           "router logits to the aux loss; this transformers has none") from e

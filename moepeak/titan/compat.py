@@ -14,7 +14,8 @@ provided only where missing (no effect on a torch that has them):
 
 moepeak.titan calls provide_missing_torch_names() before it imports torchtitan.
 A stock torchtitan job imports torchtitan before its --override.imports, so on
-torch < 2.12 its launcher must call this first (tests/titan_cpu.py does).
+torch < 2.12 its launcher must call this first (tests/titan_cpu.py does); importing
+this module runs moepeak.titan's __init__, which already has (and then imports torchtitan).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def provide_missing_torch_names() -> list[str]:
 
         @dataclass(frozen=True)
         class DataParallelMeshDims:
-            """Placeholder (moepeak.titan_compat): this torch has no full-DTensor FSDP."""
+            """Placeholder (moepeak.titan.compat): this torch has no full-DTensor FSDP."""
             shard: object = None
             replicate: object = None
 

@@ -90,9 +90,9 @@ from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tup
 
 import torch
 
-from .sco import DeferredPrefetch
+from ..sco import DeferredPrefetch
 
-__all__ = ["TiledBlockSpec", "tiled_block", "TiledBlock", "tile_ranges"]
+__all__ = ["TiledBlockSpec", "tiled_block", "TiledBlock", "tile_ranges", "requires_grad_params"]
 
 
 @dataclass(frozen=True)
@@ -130,6 +130,12 @@ class TiledBlockSpec:
     qkv_head_dim: int = 1
     out_head_dim: int = 2
     extras: int = 0
+
+
+def requires_grad_params(module: torch.nn.Module) -> Callable[[], List[torch.Tensor]]:
+    """A TiledBlockSpec's `parameters` for a block module: its parameters that require grad,
+    read at each call (the adapters of the demo, Hugging Face and torchtitan blocks use it)."""
+    return lambda: [p for p in module.parameters() if p.requires_grad]
 
 
 def tile_ranges(T: int, tile_tokens: int) -> List[Tuple[int, int]]:
@@ -478,7 +484,7 @@ class TiledBlock(torch.nn.Module):
     """Wraps a block module: forward(x, *a, **kw) = tiled_block(x, make_spec(block, x, *a, **kw), tile_tokens).
 
     The block stays a submodule (state_dict keys gain a `block.` prefix); make_spec is an
-    adapter such as moepeak.tiled_adapters.demo_block_spec or hf_moe_layer_spec."""
+    adapter such as moepeak.demo.tiled.demo_block_spec or moepeak.hf.tiled.hf_moe_layer_spec."""
 
     def __init__(self, block: torch.nn.Module, tile_tokens: int, make_spec: Callable[..., TiledBlockSpec]):
         super().__init__()

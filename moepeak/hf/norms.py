@@ -22,7 +22,7 @@ def _norm_chunk(options):
 
 def _lean_forward(norm, chunk):
     """Replace this instance's forward with moepeak.norms.rms_norm (same forward, bitwise)."""
-    from .norms import rms_norm
+    from ..norms import rms_norm
 
     def forward(hidden_states, _norm=norm, _fp32=LEAN_NORMS[type(norm).__name__]):
         return rms_norm(hidden_states, _norm.weight, _norm.variance_epsilon, chunk_tokens=chunk,

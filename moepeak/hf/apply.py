@@ -1,0 +1,93 @@
+"""apply_moepeak: moepeak's schedules into a transformers model instance, in place (the
+contract is moepeak.hf's docstring). Checks the transformers version and the options,
+then patches each part (experts.py, loss.py, checkpoint.py, norms.py, tiled.py) and
+returns what it did (report.py's MoepeakReport).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .checkpoint import patch_checkpoint
+from .experts import patch_experts
+from .loss import LOSS_OPTIONS, patch_loss
+from .norms import patch_final_norm, patch_layer_norms
+from .report import MoepeakReport
+from .tiled import patch_tiled_layers
+
+TESTED_TRANSFORMERS = ((5, 17), (6, 0))  # [lowest, first untested major)
+
+# Options apply_moepeak accepts (**options) and where each goes (LOSS_OPTIONS: moepeak/hf/loss.py).
+EXPERTS_OPTIONS = ("chunk_rows", "alpha", "min_tokens_per_gemm", "imbalance_threshold", "save_budget_mb")
+NORM_OPTIONS = ("norm_chunk_tokens",)
+CHECKPOINT_OPTIONS = ("sco_config",)
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError("moepeak.hf needs transformers: pip install 'moepeak[hf]'") from e
+    version = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
+    lo, hi = TESTED_TRANSFORMERS
+    if not lo <= version < hi:
+        raise ImportError(f"moepeak.hf supports transformers >= {lo[0]}.{lo[1]}, < {hi[0]} "
+                          f"(found {transformers.__version__})")
+    return transformers
+
+
+def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint: bool = True, group=None,
+                  tile_tokens: Optional[int] = None, lean_norm: bool = True, **options) -> MoepeakReport:
+    """Put moepeak's schedules into a transformers model instance (in place);
+    returns a MoepeakReport. See moepeak.hf's docstring for what each part does.
+
+    group: a torch.distributed process group for expert parallelism (every
+    rank calls apply_moepeak and every forward/backward together). Each rank
+    runs its own batch; the gradients are those of the mean of the ranks'
+    losses once the replicated parameters' are averaged: wrap the model in
+    DistributedDataParallel(model, process_group=group) (it leaves the expert
+    slices alone), or call average_gradients(model) after backward; clip with
+    clip_grad_norm_(model, max_norm) (moepeak/hf/expert_parallel.py).
+    options: for the experts, llep_moe's chunk_rows, alpha,
+    min_tokens_per_gemm, imbalance_threshold, save_budget_mb; for the loss,
+    ce_mode, ce_chunk_tokens, ce_chunk_vocab (linear_cross_entropy's mode,
+    chunk_tokens, chunk_vocab); for the lean final norm, norm_chunk_tokens
+    (moepeak.norms.rms_norm's chunk_tokens); for checkpointing, sco_config (a
+    moepeak.SCOConfig).
+    lean_norm: with loss, the final norm runs moepeak.norms.rms_norm; with checkpoint, the decoder
+    layers' norms too (see moepeak.hf's docstring).
+    tile_tokens: sequence-tiled decoder layers (see moepeak.hf's docstring; None: off)."""
+    transformers = _transformers()
+    if not isinstance(model, transformers.PreTrainedModel):
+        raise TypeError(f"moepeak.hf: model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    if getattr(model, "_moepeak_hf", None) is not None:
+        raise RuntimeError(f"moepeak.hf: apply_moepeak was already applied to this {type(model).__name__} "
+                           "instance; apply it once, to a fresh model")
+    known = EXPERTS_OPTIONS + tuple(LOSS_OPTIONS) + NORM_OPTIONS + CHECKPOINT_OPTIONS
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise TypeError(f"moepeak.hf: unknown option(s) {unknown}; expected some of {list(known)}")
+    report = MoepeakReport(type(model).__name__)
+    if tile_tokens is not None:  # checked first: it may refuse the model's config
+        patch_tiled_layers(model, tile_tokens, report)
+    if experts:
+        patch_experts(model, group, {k: v for k, v in options.items() if k in EXPERTS_OPTIONS}, report)
+    else:
+        report.left_alone.append("experts: turned off (experts=False)")
+        if group is not None:
+            raise ValueError("moepeak.hf: group (expert parallelism) needs experts=True")
+    if loss:
+        patch_loss(model, {k: v for k, v in options.items() if k in LOSS_OPTIONS}, report)
+        if lean_norm:
+            patch_final_norm(model, options, report)
+        else:
+            report.left_alone.append("final norm: turned off (lean_norm=False)")
+    else:
+        report.left_alone.append("loss: turned off (loss=False)")
+    if checkpoint:
+        patch_checkpoint(model, options, report)
+        if lean_norm:
+            patch_layer_norms(model, options, report)
+    else:
+        report.left_alone.append("checkpoint: turned off (checkpoint=False)")
+    model._moepeak_hf = report
+    return report

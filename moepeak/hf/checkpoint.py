@@ -1,0 +1,40 @@
+"""apply_moepeak's checkpoint part: SCO (moepeak.sco_checkpoint) as the gradient-checkpointing
+function of every GradientCheckpointingLayer of the model, enabled at once and reinstalled
+by a later gradient_checkpointing_enable() (the instance's _set_gradient_checkpointing is
+replaced).
+"""
+from __future__ import annotations
+
+import functools
+import types
+
+
+def patch_checkpoint(model, options, report):
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    from ..sco import SCOConfig, sco_checkpoint
+
+    if not getattr(model, "supports_gradient_checkpointing", False) or not any(
+            isinstance(m, GradientCheckpointingLayer) for m in model.modules()):
+        report.left_alone.append(f"checkpoint: {type(model).__name__} has no GradientCheckpointingLayer")
+        return
+    cfg = options.get("sco_config") or SCOConfig()
+    if not isinstance(cfg, SCOConfig):
+        raise TypeError(f"moepeak.hf: sco_config must be a moepeak.SCOConfig, got {type(cfg).__name__}")
+    class_set = type(model)._set_gradient_checkpointing
+
+    def _set_gradient_checkpointing(self, enable=True, gradient_checkpointing_func=None, every_n_layers=1):
+        if not enable:
+            return class_set(self, enable=False)
+        class_set(self, enable=True, gradient_checkpointing_func=functools.partial(sco_checkpoint, sco_config=cfg),
+                  every_n_layers=every_n_layers)
+        layers = [m for m in self.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+        for layer in cfg.kept_blocks(layers):
+            # the blocks whose backward runs first keep their input on the device
+            layer._gradient_checkpointing_func = functools.partial(sco_checkpoint, sco_config=cfg,
+                                                                   sco_keep_on_gpu=True)
+
+    model._set_gradient_checkpointing = types.MethodType(_set_gradient_checkpointing, model)
+    model.gradient_checkpointing_enable()
+    report.sco_config = cfg
+    report.patched.append("checkpoint: SCO (moepeak.sco_checkpoint) is the gradient-checkpointing function of "
+                          "every GradientCheckpointingLayer, enabled; gradient_checkpointing_enable() reinstalls it")

@@ -1,0 +1,22 @@
+"""MoepeakReport: what apply_moepeak changed in a model and what it left alone, and why."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+
+@dataclass
+class MoepeakReport:
+    """What apply_moepeak changed (patched) and what it left alone, and why."""
+    model: str
+    patched: List[str] = field(default_factory=list)
+    left_alone: List[str] = field(default_factory=list)
+    experts_on_moepeak: List[str] = field(default_factory=list)  # module names
+    experts_fallback: Dict[str, str] = field(default_factory=dict)  # module name -> reason
+    sco_config: object = None
+
+    def __str__(self):
+        lines = [f"moepeak.hf.apply_moepeak({self.model}):"]
+        lines += [f"  patched     {p}" for p in self.patched] or ["  patched     nothing"]
+        lines += [f"  left alone  {p}" for p in self.left_alone]
+        return "\n".join(lines)
