@@ -10,7 +10,7 @@ import torch
 import moepeak
 from moepeak import cli
 from moepeak import plan as P
-from moepeak import plan_plot
+from moepeak.plan import chart as plan_chart
 from moepeak.demo.models import DenseMoE, MoEConfig, MoELM, PlainLMHead
 from moepeak.demo.peaks import SavedBytes
 
@@ -171,7 +171,7 @@ def test_bad_input(argv, msg, capsys):
 
 
 def test_plot_when_matplotlib(tmp_path):
-    ok = plan_plot.plot(P.PRESETS["Qwen3-30B-A3B"], P.Setup(), str(tmp_path / "p.png"))
+    ok = plan_chart.plot(P.PRESETS["Qwen3-30B-A3B"], P.Setup(), str(tmp_path / "p.png"))
     try:
         import matplotlib  # noqa: F401
         assert ok and (tmp_path / "p.png").stat().st_size > 0
@@ -421,7 +421,7 @@ def test_report_explains_its_rows(capsys):
 
 def test_plot_spec_title_limit_range_and_requested_context():
     m, s = P.PRESETS["Qwen3-30B-A3B"], P.Setup(gpus=8)
-    spec = plan_plot.plot_spec(m, s, context=262144, name="Qwen3-30B-A3B")
+    spec = plan_chart.plot_spec(m, s, context=262144, name="Qwen3-30B-A3B")
     assert "Qwen3-30B-A3B" in spec["title"] and "8 GPU(s)" in spec["title"]
     assert spec["limit_gib"] == 141.0 and "141 GiB" in spec["limit_label"]
     assert spec["context"] == 262144

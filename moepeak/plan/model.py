@@ -1,7 +1,9 @@
-"""`moepeak plan`: predict the four memory peaks per GPU, for plain FSDP2 (+
-activation checkpointing) and for moepeak, and the longest context that fits.
+"""The model of `moepeak plan`: the four memory peaks per GPU, for plain FSDP2 (+
+activation checkpointing) and for moepeak, and the longest context that fits. Where a
+schedule states its sizes (moepeak.llep.sizes, moepeak.ring_dtp.sizes) the model calls
+them rather than restating them.
 
-Notation (DESIGN.md): T tokens per rank (= context / P: the sequence is split
+Notation (docs/design.md): T tokens per rank (= context / P: the sequence is split
 over the P ranks by context parallelism), H hidden, I expert intermediate,
 V vocab, E experts, K top-k, L layers, b bytes per activation element (bf16 = 2),
 N parameters.
@@ -67,12 +69,10 @@ found by bisection on the total. Checked against H200 measurements in tests/test
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from .ring_dtp import sizes as RS
+from ..ring_dtp import sizes as RS
 
 GiB = 2 ** 30
 
@@ -144,50 +144,6 @@ class ModelShape:
             + self.dense_layers * self.block_params(False)
 
 
-# Public configs (their config.json numbers).
-PRESETS: Dict[str, ModelShape] = {
-    "Qwen3-30B-A3B": ModelShape(layers=48, hidden=2048, experts=128, top_k=8, intermediate=768,
-                                vocab=151936, heads=32, kv_heads=4, head_dim=128),
-    "Qwen3-235B-A22B": ModelShape(layers=94, hidden=4096, experts=128, top_k=8, intermediate=1536,
-                                  vocab=151936, heads=64, kv_heads=4, head_dim=128),
-    # MLA attention: q_a 7168x1536, q_b 1536x(128*192), kv_a 7168x576, kv_b 512x(128*256), o (128*128)x7168
-    "DeepSeek-V3": ModelShape(layers=61, hidden=7168, experts=256, top_k=8, intermediate=2048,
-                              vocab=129280, heads=128, kv_heads=128, head_dim=128, qk_head_dim=192,
-                              attn_params_per_layer=7168 * 1536 + 1536 * 128 * 192 + 7168 * 576
-                              + 512 * 128 * 256 + 128 * 128 * 7168,
-                              shared_experts=1, dense_layers=3, dense_intermediate=18432),
-    "gpt-oss-120b": ModelShape(layers=36, hidden=2880, experts=128, top_k=4, intermediate=2880,
-                               vocab=201088, heads=64, kv_heads=8, head_dim=64),
-    "Mixtral-8x22B": ModelShape(layers=56, hidden=6144, experts=8, top_k=2, intermediate=16384,
-                                vocab=32768, heads=48, kv_heads=8, head_dim=128),
-    # torchtitan 0.3.0's MoE flavors, "titan:<model>:<flavor>" (torchtitan.models.<model>'s
-    # registry; tests/test_plan_presets.py checks each against the config it builds).
-    # MLA (deepseek_v3) counts its attention weights in attn_params_per_layer; head_dim is
-    # the value head size, qk_head_dim q's and k's; kv_heads = heads (each head has its own k, v).
-    # wq 2048x(16*192), kv_a 2048x576, kv_b 512x(16*256), o (16*128)x2048
-    "titan:deepseek_v3:16B": ModelShape(layers=27, hidden=2048, experts=64, top_k=6, intermediate=1408,
-                                        vocab=102400, heads=16, kv_heads=16, head_dim=128, qk_head_dim=192,
-                                        attn_params_per_layer=2048 * 16 * 192 + 2048 * 576 + 512 * 16 * 256
-                                        + 16 * 128 * 2048,
-                                        shared_experts=2, dense_layers=1, dense_intermediate=10944),
-    # q_a 5120x1536, q_b 1536x(128*192), kv_a 5120x576, kv_b 512x(128*256), o (128*128)x5120
-    "titan:deepseek_v3:236B": ModelShape(layers=60, hidden=5120, experts=160, top_k=6, intermediate=1536,
-                                         vocab=102400, heads=128, kv_heads=128, head_dim=128,
-                                         qk_head_dim=192,
-                                         attn_params_per_layer=5120 * 1536 + 1536 * 128 * 192 + 5120 * 576
-                                         + 512 * 128 * 256 + 128 * 128 * 5120,
-                                         shared_experts=2, dense_layers=1, dense_intermediate=12288),
-    "titan:gpt_oss:20b": ModelShape(layers=24, hidden=2880, experts=32, top_k=4, intermediate=2880,
-                                    vocab=201088, heads=64, kv_heads=8, head_dim=64),
-}
-# torchtitan flavors with the same shapes as the public configs above.
-PRESETS.update({
-    "titan:qwen3:30B-A3B": PRESETS["Qwen3-30B-A3B"],
-    "titan:qwen3:235B-A22B": PRESETS["Qwen3-235B-A22B"],
-    "titan:deepseek_v3:671B": PRESETS["DeepSeek-V3"],
-    "titan:gpt_oss:120b": PRESETS["gpt-oss-120b"],
-})
-
 PEAKS = ("dispatch", "vocab", "boundaries", "optimizer")
 BINDING = PEAKS + ("block", "final_norm")  # what the report can name as binding
 # Whose modeling code runs the layers (Setup.impl, --impl): moepeak's demo model, or a Hugging
@@ -206,35 +162,6 @@ def tiled_full_len_bytes(m: "ModelShape", b: int) -> float:
     Qq, Qo, Kk, Kv = nh * m.dqk(), nh * m.d(), nkv * m.dqk(), nkv * m.d()
     return b * (2 * H + Qq + 2 * Qo + Kk + Kv) + 4 * nh + \
         (4 * Qq + b * (Qq + Qo) + b * (Qq + Kk + Kv)) / G
-
-# What the table's rows beside the four peaks hold (report() prints it under the table;
-# `moepeak plan --help` shows it too).
-ROW_LEGEND = """\
-rows (GiB per GPU):
-  dispatch    the MoE layer's forward + backward (expert dispatch, combine, their saved rows)
-  vocab       the lm_head + cross-entropy's forward + backward (the [T, V] logits in plain)
-  boundaries  the checkpoint inputs kept from forward to backward, one [T, H] per block in plain;
-              moepeak: the larger of the head phase's (W forward copies) and the block phase's
-              (the reloaded input + the prefetch; a tiled block starts its prefetch after its peak)
-  optimizer   AdamW's state on the GPU (moepeak's StreamAdamW keeps it in host RAM: 0, or
-              the --device-state-gib tail)
-  fixed       always resident: parameters + gradients (plain: fp32 grads; moepeak: params and
-              grads in the activation dtype), FSDP2's two all-gathered blocks when P > 1,
-              the RoPE tables
-  block       the saved tensors of the one block being recomputed in backward (norms,
-              attention, router) and the gradient flowing into it; with --tile-tokens the
-              attention core's full-length tensors + one tile's position-wise working set
-  head_act    what the head's backward holds besides the vocab peak: the final RMSNorm's
-              saved tensors and the head's input
-  final_norm  the final RMSNorm's own backward at its peak: moepeak.norms.rms_norm, its saved
-              input + grads in and out + chunk temporaries (--eager-norm, and plain: the
-              eager norm's fp32 saved tensors and temporaries)
-  total       fixed + optimizer + the larger phase: block phase = its boundaries + block +
-              dispatch, head phase = its boundaries + max(head_act + vocab, final_norm); the
-              step's peak (the block's backward and the head's backward do not overlap);
-              --impl hf, moepeak: the head phase holds the params and the head's gradients
-              only (no block has run its backward yet)"""
-
 
 @dataclass
 class Setup:
@@ -335,7 +262,7 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
     rope = 2 * b * d + 8 if hf else 8 * d       # hf: cos, sin [B, T, d] x b + position_ids int64;
     #                                             demo: cos, sin tables [T, d] x fp32, cached
     if lean:                                     # moepeak.norms.rms_norm (module docstring)
-        from .norms import BACKWARD_CHUNK_FP32, default_chunk_rows
+        from ..norms import BACKWARD_CHUNK_FP32, default_chunk_rows
         c = min(s.norm_chunk_tokens or default_chunk_rows(H), T)
         head_act = b * H + 4 + b * H             # saved x, rstd + the head's input
         # its backward: saved x, rstd, the incoming grad, dx + the chunk's fp32 temporaries
@@ -361,7 +288,8 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         out["optimizer"] = s.plain_opt_bytes * N / P
         out["fixed"] = s.plain_fixed_bytes * N / P + gathered + T * rope
     else:
-        from .llep.sizes import capped_save_bytes, default_chunk_rows, effective_chunk_rows
+        from ..llep.sizes import (cache_slots, capped_save_bytes, default_chunk_rows, default_save_budget_mb,
+                                  effective_chunk_rows, slot_elems, workspace_bytes)
         C = effective_chunk_rows(s.chunk_rows or default_chunk_rows(P), T, K, P)  # llep_moe's chunk size
         # llep_dispatch saves its input b*H + the normalised weights 4K (ids: the router's)
         # + forward's send list 8K (int64, so backward need not route again);
@@ -375,17 +303,17 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
             Tm = min(s.tile_tokens, T)
             block = T * tiled_full_len_bytes(m, b) + Tm * (norms + attn + router + b * H)
         # + the activation cache, alive from the layer's (re)computed forward to its
-        # backward: whole slots of b*C*2I (h) within the launch budget, never more
-        # slots than chunks (moepeak/llep/sched.py cache_slots).
-        slot = b * C * 2 * I
-        chunks = -(-Tm * K // max(1, C // P))
-        from .llep.sizes import default_save_budget_mb
+        # backward: whole slots of h [C, 2I] within the launch budget, never more
+        # slots than chunks (llep.sizes.cache_slots, as llep_moe sizes it).
         budget = s.llep_save_budget_mb if s.llep_save_budget_mb is not None else default_save_budget_mb(P)
-        cache = min(capped_save_bytes(budget << 20, T, K, C, H, I, P, b) // slot, chunks) * slot
+        slots = cache_slots(capped_save_bytes(budget << 20, T, K, C, H, I, P, b), Tm, K, C, I, P, b)
+        cache = slots * b * slot_elems(C, I)
         out["llep_cache"] = cache
-        # P > 1: backward's double-buffered send/receive rings (llep.sizes.workspace_bytes)
-        out["dispatch"] = Tm * out["saved_moe"] + b * C * ((2 * H + 3 * I) if P == 1 else (16 * H + 7 * I)) \
-            + 4 * Tm * H + 4 * Tm * K + cache
+        # the chunk's working set: P = 1, forward's (llep.sizes.workspace_bytes); P > 1, the chunk
+        # budget's bound b*C*(16H + 7I) (backward's double-buffered send/receive rings and the
+        # cache room they leave)
+        chunk_ws = workspace_bytes(C, H, I, 1, b, False) if P == 1 else b * C * (16 * H + 7 * I)
+        out["dispatch"] = Tm * out["saved_moe"] + chunk_ws + 4 * Tm * H + 4 * Tm * K + cache
         ws = ring_dtp_vocab_bytes(T, H, V, b, s.ring_workspace_mb)
         if P > 1:
             ws += 2 * (V // P) * H * b + 4 * (V // P) * H
@@ -453,147 +381,3 @@ def host_bytes(m: ModelShape, s: Setup, context: int) -> Dict[str, float]:
 def longest_host_context(m: ModelShape, s: Setup, host_gib: float, per_node: int) -> int:
     """Largest context (multiple of 1024) whose host RAM, per_node GPUs to a host, fits host_gib."""
     return _largest_fitting_context(lambda c: per_node * host_bytes(m, s, c)["total"] <= host_gib * GiB)
-
-
-def report(m: ModelShape, s: Setup, context: int, host_gib: Optional[float] = None,
-           gpus_per_node: Optional[int] = None) -> str:
-    rows = []
-    res = {p: peaks(m, s, context, p) for p in ("plain", "moepeak")}
-    rows.append(f"model: {m.params() / 1e9:.2f} B params, L={m.layers} H={m.hidden} E={m.experts} "
-                f"K={m.top_k} I={m.intermediate} V={m.vocab} heads={m.heads}/{m.kv_heads}")
-    rows.append(f"context {context} tokens over {s.gpus} GPU(s) of {s.gpu_mem_gib:g} GiB "
-                f"({-(-context // s.gpus)} tokens per GPU), activations {s.act_bytes} B/elem"
-                + (", Hugging Face layers (--impl hf)" if s.impl == "hf" else ""))
-    rows.append("")
-    rows.append(f"{'GiB per GPU':<22}{'plain FSDP2+AC':>16}{'moepeak':>12}")
-    for k in PEAKS + ("fixed", "block", "head_act", "final_norm", "total"):
-        rows.append(f"{k:<22}{res['plain'][k] / GiB:>16.2f}{res['moepeak'][k] / GiB:>12.2f}")
-    cap = s.gpu_mem_gib * GiB
-    for p in ("plain", "moepeak"):
-        r = res[p]
-        fits = "fits" if r["total"] <= cap else "does NOT fit"
-        rows.append(f"{p}: binding peak = {r['binding']}; {fits}; longest context that fits: "
-                    f"{longest_context(m, s, p)} tokens")
-    h, node = host_bytes(m, s, context), min(s.gpus, gpus_per_node or 8)
-    line = (f"moepeak host RAM per GPU: SCO boundaries {h['sco_boundaries'] / GiB:.2f} + StreamAdamW state "
-            f"{h['optimizer_state'] / GiB:.2f} + pinned slots {h['pinned_slots'] / GiB:.2f} = "
-            f"{h['total'] / GiB:.2f} GiB; per host of {node} GPU(s): {node * h['total'] / GiB:.2f} GiB")
-    if host_gib is not None:
-        fits = "fits in" if node * h["total"] <= host_gib * GiB else "does NOT fit in"
-        c = longest_host_context(m, s, host_gib, node)
-        line += (f", {fits} --host-mem {host_gib:g} GiB; longest context the host RAM holds: "
-                 + (f"{c} tokens" if c < 1 << 26 else "not bound by context (no boundary in host RAM)"))
-    rows += [line, "", ROW_LEGEND]
-    return "\n".join(rows)
-
-
-def add_args(ap: argparse.ArgumentParser):
-    ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                    help="a public model's shape, titan:* torchtitan's flavors' (per-token terms: --impl's "
-                         "code; the flags below override its fields; default %(default)s: give them all)")
-    for f, what in (("layers", "decoder blocks L"), ("hidden", "hidden size H"),
-                    ("experts", "routed experts E"), ("top-k", "experts per token K"),
-                    ("intermediate", "expert intermediate size I"), ("vocab", "vocabulary size V"),
-                    ("heads", "attention heads"), ("kv-heads", "key/value heads (default %(default)s: the preset's, else --heads)"),
-                    ("head-dim", "attention head size (default %(default)s: the preset's, else "
-                                 "hidden / heads; MLA: the value head size)"),
-                    ("qk-head-dim", "q and k head size where it differs from --head-dim (MLA: nope + rope; "
-                                    "default %(default)s: the preset's, else --head-dim)")):
-        ap.add_argument(f"--{f}", type=int, default=None,
-                        help=what if "%(default)" in what else what + " (default %(default)s: the preset's)")
-    ap.add_argument("--context", type=int, default=131072,
-                    help="tokens per sequence (split over the GPUs by context parallelism)")
-    ap.add_argument("--gpus", type=int, default=8, help="GPUs P (experts and context split over them)")
-    ap.add_argument("--gpu-mem", type=float, default=141.0, help="GiB per GPU")
-    ap.add_argument("--imbalance", type=float, default=1.5,
-                    help="routing imbalance rho for plain expert parallelism (the busiest GPU gets "
-                         "rho x the mean rows; capped to [1, P])")
-    ap.add_argument("--act-bytes", type=int, default=2, choices=(2, 4),
-                    help="bytes per activation element (2: bf16/fp16, 4: fp32)")
-    ap.add_argument("--impl", choices=IMPLS, default="demo",
-                    help="whose modeling code runs the layers: moepeak's demo model, or a Hugging Face "
-                         "transformers model under moepeak.hf.apply_moepeak (its RoPE tables, its final "
-                         "RMSNorm's fp32 backward, the head's backward before any block's gradient exists)")
-    ap.add_argument("--eager-norm", action="store_true",
-                    help="moepeak's RMSNorms (the final one, the checkpointed blocks') run their eager autograd "
-                         "backward (apply_moepeak(lean_norm=False), the demo's MoEConfig(lean_norm=False)); "
-                         "default: moepeak.norms.rms_norm")
-    ap.add_argument("--tile-tokens", type=int, default=None,
-                    help="moepeak plan: sequence-tiled blocks (moepeak.tiled) with tiles of this many tokens "
-                         "(default %(default)s: whole blocks)")
-    ap.add_argument("--device-state-gib", type=float, default=0.0,
-                    help="moepeak plan: GiB per GPU of StreamAdamW device_state (StreamAdamW.backward_tail)")
-    ap.add_argument("--sco-keep-last", type=int, default=None,
-                    help="moepeak plan: the last blocks whose inputs SCO keeps on the GPU (SCOConfig.keep_last): "
-                         "GPU memory for host RAM (default: that of the code running the layers, "
-                         "0 for --impl demo, 1 for --impl hf)")
-    ap.add_argument("--host-mem", type=float, default=None,
-                    help="GiB of host RAM per host: the report checks moepeak's host RAM (SCO's boundaries, "
-                         "StreamAdamW's state) against it (default %(default)s: no check)")
-    ap.add_argument("--gpus-per-node", type=int, default=None,
-                    help="GPUs sharing one host's RAM (default %(default)s: min(--gpus, 8))")
-    ap.add_argument("--plot", default=None,
-                    help="PNG path: peak vs context per component (needs matplotlib: moepeak[plot]; "
-                         "default %(default)s: no plot)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-        pass
-    ap = argparse.ArgumentParser(prog="moepeak plan", description=__doc__.split("\n\n")[0],
-                                 epilog=ROW_LEGEND, formatter_class=Formatter)
-    add_args(ap)
-    return ap
-
-
-def from_args(a) -> (ModelShape, Setup):
-    fields = {"layers": "layers", "hidden": "hidden", "experts": "experts", "top_k": "top_k",
-              "intermediate": "intermediate", "vocab": "vocab", "heads": "heads",
-              "kv_heads": "kv_heads", "head_dim": "head_dim", "qk_head_dim": "qk_head_dim"}
-    given = {k: getattr(a, v) for k, v in fields.items() if getattr(a, v) is not None}
-    if a.preset:
-        m = dataclasses.replace(PRESETS[a.preset], **given)
-    else:
-        missing = [f for f in ("layers", "hidden", "experts", "top_k", "intermediate", "vocab", "heads")
-                   if f not in given]
-        if missing:
-            raise ValueError("moepeak plan: give --preset or all of --" +
-                             ", --".join(x.replace("_", "-") for x in missing))
-        given.setdefault("kv_heads", given["heads"])
-        m = ModelShape(**given)
-    m.validate()
-    if a.context < 1 or a.gpus < 1 or a.gpu_mem <= 0 or a.imbalance < 1:
-        raise ValueError(f"moepeak plan: need --context >= 1 (got {a.context}), --gpus >= 1 (got {a.gpus}), "
-                         f"--gpu-mem > 0 (got {a.gpu_mem}), --imbalance >= 1 (got {a.imbalance})")
-    if m.experts % a.gpus and a.gpus <= m.experts:
-        raise ValueError(f"moepeak plan: experts ({m.experts}) must be divisible by --gpus ({a.gpus})")
-    tile = getattr(a, "tile_tokens", None)
-    if tile is not None and tile < 1:
-        raise ValueError(f"moepeak plan: need --tile-tokens >= 1 (got {tile})")
-    keep = getattr(a, "sco_keep_last", None)
-    if keep is not None and keep < 0:
-        raise ValueError(f"moepeak plan: need --sco-keep-last >= 0 (got {keep})")
-    host, per_node = getattr(a, "host_mem", None), getattr(a, "gpus_per_node", None)
-    if (host is not None and not host > 0) or (per_node is not None and per_node < 1):
-        raise ValueError(f"moepeak plan: need --host-mem > 0 (got {host}) and --gpus-per-node >= 1 (got {per_node})")
-    if not getattr(a, "device_state_gib", 0.0) >= 0:
-        raise ValueError(f"moepeak plan: need --device-state-gib >= 0 (got {a.device_state_gib})")
-    return m, Setup(gpus=a.gpus, gpu_mem_gib=a.gpu_mem, act_bytes=a.act_bytes, imbalance=a.imbalance,
-                    tile_tokens=tile, impl=getattr(a, "impl", "demo"),
-                    lean_norm=not getattr(a, "eager_norm", False),
-                    device_state_gib=getattr(a, "device_state_gib", 0.0), sco_keep_last=keep)
-
-
-def main(argv=None) -> int:
-    ap = build_parser()
-    a = ap.parse_args(argv)
-    try:
-        m, s = from_args(a)
-    except ValueError as e:
-        ap.error(str(e))
-    print(report(m, s, a.context, a.host_mem, a.gpus_per_node))
-    if a.plot:
-        from .plan_plot import plot
-        if plot(m, s, a.plot, context=a.context, name=a.preset):
-            print(f"wrote {a.plot}")
-    return 0

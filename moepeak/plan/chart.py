@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from .plan import GiB, PEAKS, ModelShape, Setup, longest_context, peaks
+from .model import PEAKS, GiB, ModelShape, Setup, longest_context, peaks
 
 
 def plot_spec(m: ModelShape, s: Setup, context: Optional[int] = None,
