@@ -26,6 +26,82 @@ def adamw_step_ref(p, g, m, v, step, lr, betas=(0.9, 0.999), eps=1e-8, weight_de
     p.addcdiv_(m, denom, value=-lr / (1 - b1 ** step))
 
 
+def adamw_fused_step_ref(p, m32, v32, vm32, g32, step, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, wd=1e-2,
+                         maximize=False):
+    """torch.optim.AdamW(fused=True), one step (number `step`, 1 = the first) from fp32 state
+    [n] (vm32: amsgrad's max, or None): returns the new (p, m, v, vm), fp32, inputs untouched."""
+    ref = p.clone().requires_grad_(True)
+    opt = torch.optim.AdamW([ref], lr=lr, betas=betas, eps=eps, weight_decay=wd, amsgrad=vm32 is not None,
+                            maximize=maximize, fused=True)
+    state = {"step": torch.tensor(float(step - 1)), "exp_avg": m32.clone(), "exp_avg_sq": v32.clone()}
+    if vm32 is not None:
+        state["max_exp_avg_sq"] = vm32.clone()
+    opt.state[ref] = state
+    ref.grad = g32.clone()
+    opt.step()
+    return ref.detach(), state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq")
+
+
+# The stochastic rounding of bf16 optimizer state (csrc/adamw_kernels.h), emulated in Python
+# ints (keys) and numpy uint32 (per element): SR(x) = (bits(x) + r) >> 16 with r from a
+# counter hash of (seed, step, element index within the parameter).
+_M64 = (1 << 64) - 1
+
+
+def sr_mix64(z):
+    """splitmix64's finalizer (uint64, wrapping)."""
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def sr_mix32(x):
+    """Wellons' lowbias32 finalizer on a numpy uint32 array."""
+    import numpy as np
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x7FEB352D)
+    x = x ^ (x >> np.uint32(15))
+    x = x * np.uint32(0x846CA68B)
+    return x ^ (x >> np.uint32(16))
+
+
+def sr_hash(idx, seed, step):
+    """h (numpy uint32) of the element indices idx (int64 array) for one parameter's (seed, step)."""
+    import struct
+
+    import numpy as np
+    step_bits = struct.unpack("<Q", struct.pack("<d", float(step)))[0]
+    key = sr_mix64(sr_mix64(seed & _M64) ^ step_bits)
+    idx = np.asarray(idx, dtype=np.int64)
+    h = np.empty(idx.shape, dtype=np.uint32)
+    for hi in np.unique(idx >> 32):
+        k = sr_mix64((key + int(hi)) & _M64)
+        sel = (idx >> 32) == hi
+        lo = (idx[sel] & 0xFFFFFFFF).astype(np.uint32)
+        h[sel] = sr_mix32(sr_mix32(lo ^ np.uint32(k & 0xFFFFFFFF)) ^ np.uint32(k >> 32))
+    return h
+
+
+def sr_round(x, r):
+    """bf16 tensor: SR of the fp32 tensor x with the 16-bit draws r (numpy uint32 array)."""
+    import numpy as np
+    bits = x.contiguous().view(torch.int32).numpy().view(np.uint32).astype(np.uint64)
+    out = ((bits + r.astype(np.uint64).reshape(bits.shape)) >> np.uint64(16)).astype(np.uint16)
+    out[np.isnan(x.numpy())] = 0x7FC0
+    return torch.from_numpy(out.view(np.int16).copy()).view(torch.bfloat16)
+
+
+def sr_expected(m32, v32, vm32, seed, step, first=0):
+    """The bf16 (m, v, vm) the kernel stores for fp32 results m32, v32, vm32 (or None) of
+    elements first.. of a parameter with this rounding seed at this step: m takes the hash's
+    high 16 bits, v and vm its low 16 bits."""
+    import numpy as np
+    h = sr_hash(np.arange(first, first + m32.numel(), dtype=np.int64), seed, step)
+    rv = h & np.uint32(0xFFFF)
+    return sr_round(m32, h >> np.uint32(16)), sr_round(v32, rv), None if vm32 is None else sr_round(vm32, rv)
+
+
 # ---------------------------------------------------------------------------
 # Ring-DTP (linear + cross-entropy)
 # ---------------------------------------------------------------------------

@@ -5,21 +5,21 @@ fp32 state, and stored back with stochastic rounding (SR) keyed by (seed, step,
 element index) (csrc/adamw_kernels.h).
 
 The bitwise references: torch's fused AdamW run on the widened state (fp32 p,
-m, v, vm), then SR emulated here in numpy with the header's hash; and the
+m, v, vm), then SR emulated in numpy with the header's hash (tests/refs.py, sr_expected); and the
 kernel's own fp32-state path (bitwise torch's, tests/test_stream_adamw.py) for
 index ranges torch cannot reach. Plus: fp64 bounds, unbiasedness (z-scores of
 many draws of one value), exact values kept, signs, inf/NaN, the same bits for
 every ISA, thread count and bucket split, and bad arguments."""
 import array
 import functools
-import struct
 
-import numpy as np
 import pytest
 import torch
 
 from moepeak import _C
-from refs import adamw_step_ref
+from refs import adamw_fused_step_ref as torch_fused
+from refs import adamw_step_ref, sr_expected
+from refs import sr_mix64 as mix64
 
 BEST = _C.cpu_best_isa()
 ISAS = [
@@ -28,54 +28,6 @@ ISAS = [
 ]
 F32, BF16 = 0, 1
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-M64 = (1 << 64) - 1
-
-
-# ---------------------------------------------------------------------------
-# the SR spec of csrc/adamw_kernels.h, in Python ints (keys) and numpy uint32 (per element)
-# ---------------------------------------------------------------------------
-def mix64(z):
-    z = (z + 0x9E3779B97F4A7C15) & M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
-    return z ^ (z >> 31)
-
-
-def mix32(x):
-    x = x ^ (x >> np.uint32(16))
-    x = x * np.uint32(0x7FEB352D)
-    x = x ^ (x >> np.uint32(15))
-    x = x * np.uint32(0x846CA68B)
-    return x ^ (x >> np.uint32(16))
-
-
-def sr_hash(idx, seed, step):
-    """h (uint32) of the element indices idx (int64 array) for one parameter's (seed, step)."""
-    step_bits = struct.unpack("<Q", struct.pack("<d", float(step)))[0]
-    key = mix64(mix64(seed & M64) ^ step_bits)
-    idx = np.asarray(idx, dtype=np.int64)
-    h = np.empty(idx.shape, dtype=np.uint32)
-    for hi in np.unique(idx >> 32):
-        k = mix64((key + int(hi)) & M64)
-        sel = (idx >> 32) == hi
-        lo = (idx[sel] & 0xFFFFFFFF).astype(np.uint32)
-        h[sel] = mix32(mix32(lo ^ np.uint32(k & 0xFFFFFFFF)) ^ np.uint32(k >> 32))
-    return h
-
-
-def sr_round(x, r):
-    """bf16 tensor: SR of the fp32 tensor x with the 16-bit draws r (uint32 array)."""
-    bits = x.contiguous().view(torch.int32).numpy().view(np.uint32).astype(np.uint64)
-    out = ((bits + r.astype(np.uint64)) >> np.uint64(16)).astype(np.uint16)
-    out[np.isnan(x.numpy())] = 0x7FC0
-    return torch.from_numpy(out.view(np.int16).copy()).view(torch.bfloat16)
-
-
-def sr_expected(m32, v32, vm32, seed, step, first=0):
-    """The bf16 m, v, vm the kernel stores for fp32 results of elements first.. of a parameter."""
-    h = sr_hash(np.arange(first, first + m32.numel(), dtype=np.int64), seed, step)
-    rv = h & np.uint32(0xFFFF)
-    return sr_round(m32, h >> np.uint32(16)), sr_round(v32, rv), None if vm32 is None else sr_round(vm32, rv)
 
 
 def bits(t):
@@ -112,20 +64,6 @@ def hyper(step, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, wd=1e-2, maximize=False):
 def run_rows(rows, hyps, isa=0, threads=1, tail=(1, 0), **kw):
     _C.adamw_cpu(array.array("q", [x for r in rows for x in r]), array.array("d", [x for h in hyps for x in h]),
                  isa, threads, tail[0], tail[1], **kw)
-
-
-def torch_fused(p, m32, v32, vm32, g32, step, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, wd=1e-2, maximize=False):
-    """torch.optim.AdamW(fused=True), one step (number `step`) from fp32 state: (p, m, v, vm)."""
-    ref = p.clone().requires_grad_(True)
-    opt = torch.optim.AdamW([ref], lr=lr, betas=betas, eps=eps, weight_decay=wd, amsgrad=vm32 is not None,
-                            maximize=maximize, fused=True)
-    state = {"step": torch.tensor(float(step - 1)), "exp_avg": m32.clone(), "exp_avg_sq": v32.clone()}
-    if vm32 is not None:
-        state["max_exp_avg_sq"] = vm32.clone()
-    opt.state[ref] = state
-    ref.grad = g32.clone()
-    opt.step()
-    return ref.detach(), state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq")
 
 
 @functools.lru_cache(maxsize=None)

@@ -67,7 +67,7 @@ def test_copy_steps_bitwise_like_the_original(how, kw):
     assert type(opt_c) is moepeak.StreamAdamW
     assert all(a is not b for a, b in zip(model.parameters(), model_c.parameters()))
     assert opt_c.param_groups[1]["lr"] == 3e-3 and opt_c.param_groups[1]["params"][0] is model_c[2].weight
-    assert opt_c._bucket_mb == opt._bucket_mb and opt_c._clip == opt._clip and opt_c._threads == opt._threads
+    assert opt_c.options == opt.options
     assert opt_c._plan is None and opt_c._plan_id != opt._plan_id  # runtime rebuilt, not shared
     _assert_same(model, opt, model_c, opt_c)
     _train(model, opt, seeds=[3, 4])

@@ -6,9 +6,12 @@ API
 ``moepeak.StreamAdamW(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
 weight_decay=1e-2, *, amsgrad=False, maximize=False, bucket_mb=64,
 threads=None, isa=None, grad_slots=3, param_slots=2, overlap_backward=False,
-clip_grad_norm=None, device_state=None)`` is a ``torch.optim.Optimizer`` with
+clip_grad_norm=None, device_state=None, state_dtype=torch.float32,
+rounding_seed=0)`` is a ``torch.optim.Optimizer`` with
 the update of ``torch.optim.AdamW`` (decoupled weight decay, bias correction,
-amsgrad and maximize as torch defines them).
+amsgrad and maximize as torch defines them). The keywords after ``maximize`` are
+the schedule's options: ``opt.options`` is their StreamAdamWOptions (defaults and
+checks, options.py); their byte formulas are ``moepeak.stream_adamw.sizes``.
 
 - Parameters may be CUDA tensors (fp32, bf16 or fp16) or CPU tensors. On
   CUDA, params and grads stay on the GPU; the optimizer's fp32 state lives on
@@ -43,14 +46,32 @@ amsgrad and maximize as torch defines them).
   csrc/adamw_kernels.c). For CUDA params the master/state follow the same
   arithmetic; the bf16/fp16 param is the master rounded to nearest even.
 - State (``state_dict()``) per parameter: ``step`` (0-d float32 CPU tensor),
-  ``exp_avg``, ``exp_avg_sq`` and, with amsgrad, ``max_exp_avg_sq`` (fp32 CPU
-  tensors shaped like the local param), the same keys as ``torch.optim.AdamW``; plus, for bf16/fp16 params
-  only, ``master_param`` (the fp32 master). Loading a ``torch.optim.AdamW``
+  ``exp_avg``, ``exp_avg_sq`` and, with amsgrad, ``max_exp_avg_sq`` (CPU
+  tensors of state_dtype, fp32 by default, shaped like the local param), the
+  same keys as ``torch.optim.AdamW``; plus, for bf16/fp16 params only,
+  ``master_param`` (the fp32 master), and with bf16 state ``rounding_seed``. Loading a ``torch.optim.AdamW``
   state dict works (the master is then initialised from the param); loading
   ours into ``torch.optim.AdamW`` works too (torch keeps ``master_param`` as
   an unused extra entry, cast to the param's dtype; drop it from the dict
   first to avoid that memory). For fp32 CUDA params the CPU master is always
   equal to the param and is rebuilt from it after a load.
+- ``state_dtype=torch.bfloat16`` (opt-in): exp_avg, exp_avg_sq (and
+  max_exp_avg_sq) of host params are bf16 in host RAM, the master stays fp32:
+  8 instead of 12 bytes per bf16/fp16 (or fp32 CUDA) param, 4 instead of 8 per
+  fp32 CPU param. Each step widens them to fp32, runs the fp32 update above
+  (the new param is the one fp32 state would give from the same moments) and
+  stores them back with stochastic rounding (unbiased, error < one bf16 ulp)
+  from a counter hash of (seed, step, element index): the same bits on every
+  ISA, thread count, bucket split, with or without overlap. The seed of param
+  i (its place in param_groups over all groups) is ``rounding_seed + i``, kept
+  in its state as ``rounding_seed`` (an int), so a resumed run rounds
+  identically. state_dict: bf16 tensors under torch's keys (+ rounding_seed);
+  loading fp32 moments (torch.optim.AdamW's dict, an fp32 StreamAdamW's) rounds
+  them to the nearest bf16 (ties to even), loading bf16 moments into fp32 state
+  widens them exactly; loading ours into torch.optim.AdamW works as before
+  (torch casts the moments to the param's dtype and keeps rounding_seed as an
+  unused entry). device_state params keep fp32 state on their device
+  (torch's kernel). Any other state_dtype is refused, named.
 - LR schedulers (lr is read from ``param_groups`` every step), grad clipping
   before ``step()``, ``zero_grad()``, params with ``grad is None`` (skipped)
   and FSDP2 DTensor params (updated through their local shards) work.
@@ -115,16 +136,24 @@ optimizer calls it.
 
 Modules
 -------
-  optimizer    StreamAdamW: the state, the step and its host jobs, copies
-  checks       its argument checks (settings, params and grads, state tensors)
-  state_dict   its state_dict / load_state_dict (torch.optim.AdamW's layout, DTensors)
-  op           the op moepeak::stream_adamw, the bucket plans, the CPU kernel's bindings
+  options      StreamAdamWOptions: the schedule's options, their defaults and checks
+  sizes        the byte formulas: state per param, device_state, pinned staging (public)
+  optimizer    StreamAdamW: the step and its host jobs, the bucket plan it keeps, copies
+  state        the per-param state: dtypes, creation after a host-room check, its checks
+  checks       the argument checks (hyper-parameters, params and grads, state tensors)
+  state_dict   state_dict / load_state_dict (torch.optim.AdamW's layout, DTensors)
+  op           the op moepeak::stream_adamw (one step on flat lists)
+  kernel       the CPU kernel's bindings and torch's scalar-tail model
+  buckets      the bucket plans (layout, pinned slot rings)
   overlap      the updates during backward (overlap_backward=True)
   device       the device_state params, updated on their own device
 
-Public face (exported here, for users): StreamAdamW (also moepeak.StreamAdamW). Everything
-else is internal to moepeak.stream_adamw.
+Public face (exported here, for users): StreamAdamW (also moepeak.StreamAdamW),
+StreamAdamWOptions, and the module moepeak.stream_adamw.sizes. Everything else is
+internal to moepeak.stream_adamw.
 """
+from . import sizes
 from .optimizer import StreamAdamW
+from .options import StreamAdamWOptions
 
-__all__ = ["StreamAdamW"]
+__all__ = ["StreamAdamW", "StreamAdamWOptions", "sizes"]

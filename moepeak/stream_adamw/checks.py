@@ -1,14 +1,14 @@
-"""StreamAdamW's argument checks (moepeak/stream_adamw/optimizer.py calls them): its settings,
-every param with a grad, and the state tensors the kernel will read and write. Every check
+"""StreamAdamW's argument checks (moepeak/stream_adamw/optimizer.py calls them): the
+hyper-parameters of its groups, every param with a grad, and the state tensors the kernel
+will read and write (its schedule options are checked by StreamAdamWOptions). Every check
 runs before any parameter of the update (the step, or one overlap bucket) is touched, and
 each error names the parameter (param_groups[g]['params'][i])."""
 from __future__ import annotations
 
 import torch
 
-from .. import _C
 from ..core.ext import HAS_CUDA_BUILD
-from .op import DTYPE_CODES, ISA_CODES, check_hyper
+from .kernel import DTYPE_CODES
 
 
 def local_shard(t):
@@ -16,32 +16,6 @@ def local_shard(t):
     if t is not None and hasattr(t, "_local_tensor") and type(t).__name__ == "DTensor":
         return t._local_tensor
     return t
-
-
-def check_settings(*, overlap_backward, clip_grad_norm, bucket_mb, grad_slots, param_slots, threads, isa) -> int:
-    """Raise naming the argument unless the optimizer's settings are valid; return the ISA
-    code the kernel runs (isa None: the best this CPU supports)."""
-    if not isinstance(overlap_backward, bool):
-        raise TypeError(f"moepeak.StreamAdamW: overlap_backward must be a bool, got {overlap_backward!r}")
-    if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
-        raise ValueError(f"moepeak.StreamAdamW: clip_grad_norm must be None or a float > 0, got {clip_grad_norm!r}")
-    if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
-        raise ValueError(f"moepeak.StreamAdamW: bucket_mb must be > 0, got {bucket_mb!r}")
-    if grad_slots < 2 or param_slots < 1:
-        raise ValueError(f"moepeak.StreamAdamW: need grad_slots >= 2 and param_slots >= 1, got "
-                         f"{grad_slots}, {param_slots}")
-    if threads is not None and not (isinstance(threads, int) and 1 <= threads <= 256):
-        raise ValueError(f"moepeak.StreamAdamW: threads must be None or an int in [1, 256], got {threads!r}")
-    best = _C.cpu_best_isa()
-    if isa is None:
-        return best
-    code = ISA_CODES.get(isa, isa)
-    if not isinstance(code, int) or code not in (0, 1, 2):
-        raise ValueError(f"moepeak.StreamAdamW: isa must be one of {sorted(ISA_CODES)} or None, got {isa!r}")
-    if code > best:
-        raise ValueError(f"moepeak.StreamAdamW: isa={isa!r} is not supported by this CPU "
-                         f"(best: {[k for k, v in ISA_CODES.items() if v == best][0]})")
-    return code
 
 
 def collect(param_groups, devices, only=None, skip=()):
@@ -88,10 +62,11 @@ def collect(param_groups, devices, only=None, skip=()):
 
 
 def check_state_tensors(held, lp, name: str, dev: torch.device, on_device: bool) -> None:
-    """Each (key, tensor) of `held`, the state the kernel reads and writes for the local
-    param lp, must be an fp32 contiguous tensor of lp's numel on `dev` ('step': an fp32
-    scalar there); on_device: the param is a device_state one (the state on its device)."""
-    for key, t in held:
+    """Each (key, tensor, dtype) of `held`, the state the kernel reads and writes for the
+    local param lp, must be a contiguous tensor of that dtype and lp's numel on `dev`
+    ('step': an fp32 scalar there); on_device: the param is a device_state one (the state
+    on its device)."""
+    for key, t, dtype in held:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"moepeak.StreamAdamW: {name}: state '{key}' must be a tensor, got {type(t).__name__}")
         if key == "step":
@@ -104,7 +79,32 @@ def check_state_tensors(held, lp, name: str, dev: torch.device, on_device: bool)
                 f"moepeak.StreamAdamW: {name}: size mismatch: state '{key}' has {t.numel()} elements "
                 f"(shape {tuple(t.shape)}) but the param has {lp.numel()} (shape {tuple(lp.shape)}); "
                 "was the param's .data replaced or a state_dict of another model loaded?")
-        if t.dtype != torch.float32 or t.device != dev or not t.is_contiguous():
+        if t.dtype != dtype or t.device != dev or not t.is_contiguous():
             where = "CPU" if not on_device else f"{dev} (device_state)"
-            raise TypeError(f"moepeak.StreamAdamW: {name}: state '{key}' must be a contiguous float32 {where} "
+            kind = str(dtype).replace("torch.", "")
+            raise TypeError(f"moepeak.StreamAdamW: {name}: state '{key}' must be a contiguous {kind} {where} "
                             f"tensor, got {t.dtype} on {t.device} (contiguous={t.is_contiguous()})")
+
+
+def check_hyper(lr_name, lr, betas, eps, weight_decay, amsgrad, maximize):
+    """StreamAdamW's hyper-parameters (a group's, or the defaults): a clear error naming the bad one."""
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"moepeak.StreamAdamW: {lr_name} tensor must have one element")
+        lr = float(lr)
+    if not isinstance(lr, (int, float)) or not lr >= 0.0:
+        raise ValueError(f"moepeak.StreamAdamW: {lr_name} must be a float >= 0, got {lr!r}")
+    if not isinstance(eps, (int, float)) or not eps >= 0.0:
+        raise ValueError(f"moepeak.StreamAdamW: eps must be >= 0, got {eps!r}")
+    try:
+        b1, b2 = betas
+    except (TypeError, ValueError):
+        raise ValueError(f"moepeak.StreamAdamW: betas must be a pair of floats, got {betas!r}") from None
+    for i, b in enumerate((b1, b2)):
+        if not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
+            raise ValueError(f"moepeak.StreamAdamW: betas[{i}] must be in [0, 1), got {b!r}")
+    if not isinstance(weight_decay, (int, float)) or not weight_decay >= 0.0:
+        raise ValueError(f"moepeak.StreamAdamW: weight_decay must be >= 0, got {weight_decay!r}")
+    for name, flag in (("amsgrad", amsgrad), ("maximize", maximize)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"moepeak.StreamAdamW: {name} must be a bool, got {flag!r}")

@@ -5,39 +5,16 @@ host update that overlap_backward runs cannot be hidden behind backward. Its fp3
 master (bf16/fp16 params), exp_avg, exp_avg_sq and step then live on the param's device
 (12 bytes per element; 8 for fp32 params) and torch's fused AdamW kernel updates them
 there, on the current stream: from the param's own hook with overlap_backward, else in
-step(). moepeak/stream_adamw/optimizer.py owns the order (its checks and state dict:
-checks.py, state_dict.py); this
-module holds the choice of params, the update, and the count of host bytes the state
-about to be created on the host takes (checked against the host RAM left before it exists).
+step(). Their state is fp32 whatever StreamAdamWOptions.state_dtype says (torch's kernel
+updates it; bf16 state with stochastic rounding is the host kernel's). The optimizer
+(moepeak/stream_adamw/optimizer.py) owns the order and the state (state.py); this module
+holds the choice of params and the update.
 """
 from __future__ import annotations
 
 import torch
 
-
-def moment_keys(group) -> tuple:
-    """The state keys of a param group's fp32 moments: exp_avg, exp_avg_sq (+ max_exp_avg_sq)."""
-    return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
-
-
-HOST_ROOM_REMEDY = ("keep part of it on the GPU (device_state=StreamAdamW.backward_tail(params, max_bytes)), "
-                    "shard the params over more ranks, or free host memory")
-
-
-def host_state_bytes_to_create(entries, state, piped, gpu_master) -> int:
-    """Host bytes of the state that initializing entries' (group, p, lp, ...) creates:
-    fp32 exp_avg, exp_avg_sq (and the AMSGrad max), the fp32 master of a low-precision
-    param, the host copy of a piped fp32 param; state that exists already is not counted."""
-    need = 0
-    for group, p, lp, *_ in entries:
-        st = state[p]
-        words = sum(k not in st for k in moment_keys(group))
-        if lp.dtype != torch.float32:
-            words += "master_param" not in st
-        elif piped(lp) and p not in gpu_master:
-            words += 1
-        need += 4 * words * lp.numel()
-    return need
+from .sizes import bucket_elements, device_state_bytes_per_param
 
 
 def device_state_set(param_groups, device_state) -> set:
@@ -58,11 +35,10 @@ def device_state_set(param_groups, device_state) -> set:
 
 
 def device_state_bytes(p: torch.Tensor) -> int:
-    """Device memory a param's device_state takes on this rank: fp32 exp_avg and exp_avg_sq,
-    plus the fp32 master of a bf16/fp16 param (the step is a scalar), over the local shard
-    of a DTensor param (FSDP2)."""
+    """Device memory a param's device_state takes on this rank (sizes.device_state_bytes_per_param,
+    without amsgrad), over the local shard of a DTensor param (FSDP2)."""
     local = p.to_local() if hasattr(p, "to_local") else p
-    return local.numel() * (8 if p.dtype == torch.float32 else 12)
+    return local.numel() * device_state_bytes_per_param(p.dtype)
 
 
 def backward_tail(params, max_bytes: int) -> list:
@@ -76,6 +52,9 @@ def backward_tail(params, max_bytes: int) -> list:
     for i, p in enumerate(params):
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"moepeak.StreamAdamW.backward_tail: params[{i}] must be a tensor, got {type(p).__name__}")
+        if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"moepeak.StreamAdamW.backward_tail: params[{i}] must be float32, bfloat16 or "
+                            f"float16 (the dtypes StreamAdamW updates), got {p.dtype}")
         need = device_state_bytes(p)
         if used + need > max_bytes:
             break
@@ -96,7 +75,7 @@ def fused_update(entries, state, bucket_mb: float) -> None:
     if steps:
         torch._foreach_add_(steps, 1.0)
     for group, p, lp, lg, _ in entries:
-        slice_n = max(1, int(bucket_mb * (1 << 20)) // 4) if lp.is_cuda else max(1, lp.numel())
+        slice_n = bucket_elements(bucket_mb) if lp.is_cuda else max(1, lp.numel())
         st = state[p]
         master = lp if lp.dtype == torch.float32 else st["master_param"]
         flat = [t.view(-1) for t in (master, lg, st["exp_avg"], st["exp_avg_sq"])]

@@ -1,9 +1,8 @@
 """StreamAdamW, the optimizer (its contract: moepeak.stream_adamw's docstring): the param
-groups and their host state, the step as host jobs of the op moepeak::stream_adamw
-(moepeak/stream_adamw/op.py) over a pinned bucket plan, the device_state params
-(moepeak/stream_adamw/device.py), the updates during backward
-(moepeak/stream_adamw/overlap.py), and copies (deepcopy, pickle). Its argument checks are
-moepeak/stream_adamw/checks.py, its state dict moepeak/stream_adamw/state_dict.py."""
+groups, the step as host jobs of the op moepeak::stream_adamw (moepeak/stream_adamw/op.py)
+over a pinned bucket plan (buckets.py), the device_state params (device.py), the updates
+during backward (overlap.py), and copies (deepcopy, pickle). Its options are options.py,
+its per-param state state.py, its argument checks checks.py, its state dict state_dict.py."""
 
 from __future__ import annotations
 
@@ -13,52 +12,55 @@ import weakref
 import torch
 
 from .. import _C
-from ..core.host_memory import check_room
-from .checks import check_settings, check_state_tensors, collect, local_shard
-from .device import (HOST_ROOM_REMEDY, backward_tail, device_state_set, fused_update, host_state_bytes_to_create,
-                     moment_keys)
-from .op import (DTYPE_CODES, PLAN_IDS, PLANS, BucketPlan, check_hyper, stream_adamw, stream_adamw_step,
-                 torch_tail_model)
+from .buckets import PLAN_IDS, BucketPlan, register
+from .checks import check_hyper, collect, local_shard
+from .device import backward_tail, device_state_set, fused_update
+from .kernel import DTYPE_CODES, torch_tail_model
+from .op import stream_adamw, stream_adamw_step
+from .options import StreamAdamWOptions
 from .overlap import BackwardOverlap, side_stream
+from .state import ParamStateMixin
 from .state_dict import TORCH_GROUP_KEYS, StateDictMixin
 
+_D = StreamAdamWOptions  # the defaults of the schedule keywords
 
-class StreamAdamW(StateDictMixin, torch.optim.Optimizer):
-    """AdamW with fp32 state in host RAM and a bucket-pipelined step (the
-    contract is moepeak.stream_adamw's docstring)."""
+
+class StreamAdamW(ParamStateMixin, StateDictMixin, torch.optim.Optimizer):
+    """AdamW with its state in host RAM and a bucket-pipelined step (the contract is
+    moepeak.stream_adamw's docstring). The schedule keywords become ``self.options``
+    (a StreamAdamWOptions: their defaults and checks)."""
 
     backward_tail = staticmethod(backward_tail)
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, amsgrad=False,
-                 maximize=False, bucket_mb=64, threads=None, isa=None, grad_slots=3, param_slots=2,
-                 overlap_backward=False, clip_grad_norm=None, device_state=None, _host_pipeline=False):
+                 maximize=False, bucket_mb=_D.bucket_mb, threads=_D.threads, isa=_D.isa, grad_slots=_D.grad_slots,
+                 param_slots=_D.param_slots, overlap_backward=_D.overlap_backward, clip_grad_norm=_D.clip_grad_norm,
+                 device_state=_D.device_state, state_dtype=_D.state_dtype, rounding_seed=_D.rounding_seed,
+                 _host_pipeline=_D.host_pipeline):
         check_hyper("lr", lr, betas, eps, weight_decay, amsgrad, maximize)
-        self._isa = check_settings(overlap_backward=overlap_backward, clip_grad_norm=clip_grad_norm,
-                                   bucket_mb=bucket_mb, grad_slots=grad_slots, param_slots=param_slots,
-                                   threads=threads, isa=isa)
-        self._threads = threads or 0
-        # testing hook: CPU params go through the bucket pipeline (memcpy copies)
-        self._host_pipeline = bool(_host_pipeline)
-        self._bucket_mb = float(bucket_mb)
-        self._slots = (int(grad_slots), int(param_slots))
+        self.options = StreamAdamWOptions(
+            bucket_mb=bucket_mb, threads=threads, isa=isa, grad_slots=grad_slots, param_slots=param_slots,
+            overlap_backward=overlap_backward, clip_grad_norm=clip_grad_norm, device_state=device_state,
+            state_dtype=state_dtype, rounding_seed=rounding_seed, host_pipeline=_host_pipeline)
+        self._isa = self.options.isa_code()
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, **TORCH_GROUP_KEYS)
         super().__init__(params, defaults)
-        self._on_device = device_state_set(self.param_groups, device_state)
+        self._on_device = device_state_set(self.param_groups, self.options.device_state)
         self._devices = {}  # param -> device it had at its first step
         self._gpu_master = {}  # fp32 CUDA param -> its fp32 CPU master (always equal to the param)
         self._grad_dt = {}  # param -> dtype code of its last grad (for the plan's slot sizes)
-        self._clip = None if clip_grad_norm is None else float(clip_grad_norm)
         self.last_grad_norm = None  # total grad norm of the last step (clip_grad_norm mode)
-        self._start_runtime(overlap_backward, overlap_enabled=True)
+        self._start_runtime(self.options.overlap_backward, overlap_enabled=True)
 
     def _start_runtime(self, overlap_backward, overlap_enabled):
         """What an optimizer owns besides its state and settings: the pinned bucket plan
         (made at the first CUDA step), the worker streams, the overlap hooks and worker,
         the pool threads it asked for. Built here for a new optimizer and for a copy
         (deepcopy, unpickling), never copied."""
-        if self._threads > _C.get_num_threads():  # more than the pool keeps by default: give them back at death
-            _THREAD_REQUESTS[id(self)] = self._threads
+        threads = self.options.threads or 0
+        if threads > _C.get_num_threads():  # more than the pool keeps by default: give them back at death
+            _THREAD_REQUESTS[id(self)] = threads
             weakref.finalize(self, _release_threads, id(self))
         self._plan = None
         self._plan_id = next(PLAN_IDS)
@@ -67,9 +69,9 @@ class StreamAdamW(StateDictMixin, torch.optim.Optimizer):
         self._overlap = None
         if overlap_backward:
             params = [p for g in self.param_groups for p in g["params"]]
-            self._overlap = BackwardOverlap(self, params, self._bucket_mb * (1 << 20), self._prepare_overlap,
+            self._overlap = BackwardOverlap(self, params, self.options.bucket_mb * (1 << 20), self._prepare_overlap,
                                             self._execute, immediate=self._on_device.__contains__)
-            self._overlap.deferred = self._clip is not None
+            self._overlap.deferred = self.options.clip_grad_norm is not None
             self._overlap.enabled = overlap_enabled
 
     def add_param_group(self, param_group):
@@ -103,7 +105,7 @@ class StreamAdamW(StateDictMixin, torch.optim.Optimizer):
                     "moepeak.StreamAdamW: cannot copy or pickle an overlap_backward optimizer between backward() "
                     f"and step() ({len(ov.done)} params already updated in this round); call step() first")
         state = super().__getstate__()
-        state.update({k: self.__dict__[k] for k in _SETTINGS})
+        state.update({k: self.__dict__[k] for k in _COPIED})
         state["_overlap_backward"] = ov is not None
         state["_overlap_enabled"] = ov.enabled if ov is not None else True
         return state
@@ -118,59 +120,11 @@ class StreamAdamW(StateDictMixin, torch.optim.Optimizer):
         super().__setstate__(state)
         if not copying:
             return
-        for k, default in _SETTINGS.items():  # a state without them (torch's own keys only) gets the defaults
+        for k, default in _COPIED.items():  # a state without them (torch's own keys only) gets the defaults
             if k not in self.__dict__:
-                setattr(self, k, default() if callable(default) else default)
+                setattr(self, k, default())
         self._isa = min(self._isa, _C.cpu_best_isa())  # unpickled on another CPU: every ISA gives the same bits
         self._start_runtime(overlap_backward, overlap_enabled)
-
-    # ------------------------------------------------------------------ state
-    def _state_device(self, p, lp):
-        """Where p's state lives: its own device for device_state params, else the CPU."""
-        return lp.device if p in self._on_device else torch.device("cpu")
-
-    def _init_state(self, group, p, lp):
-        st = self.state[p]
-        dev = self._state_device(p, lp)
-        if "step" not in st:
-            st["step"] = torch.zeros((), dtype=torch.float32, device=dev)
-        for k in moment_keys(group):
-            if k not in st:
-                st[k] = torch.zeros(lp.shape, dtype=torch.float32, device=dev)
-        if lp.dtype != torch.float32 and "master_param" not in st:
-            st["master_param"] = lp.detach().to(dev, torch.float32, copy=True).contiguous()
-        if p in self._on_device:
-            self._devices.setdefault(p, lp.device)
-            return
-        if lp.dtype == torch.float32 and self._piped(lp) and p not in self._gpu_master:
-            self._gpu_master[p] = lp.detach().to("cpu", copy=True).contiguous()
-        self._devices.setdefault(p, lp.device)
-
-    def _check_state(self, group, p, lp, name):
-        """The state tensors the kernel will read and write must be fp32,
-        contiguous, on the CPU and of the param's numel (a param whose .data
-        was replaced, a replaced exp_avg/exp_avg_sq, a loaded state of another
-        size all end here)."""
-        st = self.state[p]
-        dev = self._state_device(p, lp)
-        held = [(k, st.get(k)) for k in moment_keys(group)]
-        if lp.dtype != torch.float32:
-            held.append(("master_param", st.get("master_param")))
-        elif self._piped(lp) and p not in self._on_device:
-            held.append(("the fp32 master copy", self._gpu_master.get(p)))
-        if p in self._on_device:
-            held.append(("step", st.get("step")))
-        check_state_tensors(held, lp, name, dev, p in self._on_device)
-
-    def _master(self, p, lp):
-        if lp.dtype != torch.float32:
-            return self.state[p]["master_param"]
-        if self._piped(lp):
-            return self._gpu_master[p]
-        return lp
-
-    def _piped(self, lp):
-        return lp.is_cuda or self._host_pipeline
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -191,11 +145,12 @@ class StreamAdamW(StateDictMixin, torch.optim.Optimizer):
         self._tail = torch_tail_model()
         skip = ov.done if ov is not None else ()
         entries = collect(self.param_groups, self._devices, skip=skip)  # raises before anything is modified
-        if self._clip is not None and entries:
+        clip = self.options.clip_grad_norm
+        if clip is not None and entries:
             if skip:  # a param updated in backward cannot be clipped any more
                 raise RuntimeError("moepeak.StreamAdamW: clip_grad_norm with params already updated in "
                                    "backward (set_overlap toggled mid-round?)")
-            self.last_grad_norm = torch.nn.utils.clip_grad_norm_([p for _, p, _, _, _ in entries], self._clip)
+            self.last_grad_norm = torch.nn.utils.clip_grad_norm_([p for _, p, _, _, _ in entries], clip)
         job = self._update_on_device_then_job(entries, overlapped=False)
         if job is not None:
             self._execute(job)
@@ -224,43 +179,21 @@ class StreamAdamW(StateDictMixin, torch.optim.Optimizer):
             self._check_state(group, p, lp, name)
         job = self._build_job(host, overlapped) if host else None  # the host entries' checks
         if on_device:
-            fused_update(on_device, self.state, self._bucket_mb)
+            fused_update(on_device, self.state, self.options.bucket_mb)
             if not torch.compiler.is_compiling():
                 _bump_versions([lp for _, _, lp, _, _ in on_device])
         return job
 
     def _build_job(self, entries, overlapped):
-        """State init/checks, step counters advanced, and the op's arguments."""
-        check_room(host_state_bytes_to_create(entries, self.state, self._piped, self._gpu_master),
-                   f"moepeak.StreamAdamW: the optimizer state of {len(entries)} params", HOST_ROOM_REMEDY, pinned=False)
-        for group, p, lp, _, _ in entries:
-            self._init_state(group, p, lp)
+        """The host job of entries: their state created and checked, their step counters
+        advanced, the op's arguments, and (overlap, CUDA) the event it waits for."""
+        self._create_host_state(entries)
         for group, p, lp, _, name in entries:  # every state tensor must fit its param before any pointer reaches C
             self._check_state(group, p, lp, name)
         steps = [self.state[p]["step"] for _, p, _, _, _ in entries]
         torch._foreach_add_(steps, 1.0)
-        step_vals = torch.stack(steps).tolist()
-        params, grads, masters, ms, vs, vmaxs = [], [], [], [], [], []
-        lrs, b1s, b2s, epss, wds, maxs = [], [], [], [], [], []
-        plan_index = self._cuda_plan(entries)
-        for group, p, lp, lg, _ in entries:
-            st = self.state[p]
-            params.append(lp if (self._piped(lp) or lp.dtype != torch.float32) else _EMPTY)
-            grads.append(lg)
-            masters.append(self._master(p, lp))
-            ms.append(st["exp_avg"])
-            vs.append(st["exp_avg_sq"])
-            vmaxs.append(st["max_exp_avg_sq"] if group["amsgrad"] else _EMPTY)
-            lrs.append(float(group["lr"]))
-            b1s.append(float(group["betas"][0]))
-            b2s.append(float(group["betas"][1]))
-            epss.append(float(group["eps"]))
-            wds.append(float(group["weight_decay"]))
-            maxs.append(bool(group["maximize"]))
-        args = (params, grads, masters, ms, vs, vmaxs, step_vals, lrs, b1s, b2s, epss, wds, maxs)
-        kw = dict(isa=self._isa, threads=self._threads, bucket_mb=self._bucket_mb, grad_slots=self._slots[0],
-                  param_slots=self._slots[1], plan_id=self._plan_id, plan_index=plan_index,
-                  host_pipeline=self._host_pipeline, torch_threads=self._tail[0], torch_vlen=self._tail[1])
+        args = self._op_lists(entries) + (torch.stack(steps).tolist(),) + _hyper_lists(entries)
+        kw = self._op_settings(entries)
         cuda_dev = next((lp.device for _, _, lp, _, _ in entries if lp.is_cuda), None)
         ready = None
         if overlapped and cuda_dev is not None:  # grads final / params free once the current stream gets here
@@ -273,6 +206,26 @@ class StreamAdamW(StateDictMixin, torch.optim.Optimizer):
             _bump_versions([lp for _, _, lp, _, _ in entries])
         return dict(args=args, kw=kw, compiling=compiling, device=cuda_dev, ready=ready,
                     plan=self._plan)  # the job keeps its plan (pinned slots) alive
+
+    def _op_lists(self, entries):
+        """The op's tensor lists: params (empty for an fp32 CPU param, its own master),
+        grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs (empty without amsgrad)."""
+        out = ([], [], [], [], [], [])
+        for group, p, lp, lg, _ in entries:
+            st = self.state[p]
+            row = (lp if (self._piped(lp) or lp.dtype != torch.float32) else _EMPTY, lg, self._master(p, lp),
+                   st["exp_avg"], st["exp_avg_sq"], st["max_exp_avg_sq"] if group["amsgrad"] else _EMPTY)
+            for lst, t in zip(out, row):
+                lst.append(t)
+        return out
+
+    def _op_settings(self, entries) -> dict:
+        """The op's keywords: the kernel's settings, the bucket plan and the rounding seeds."""
+        o = self.options
+        return dict(isa=self._isa, threads=o.threads or 0, bucket_mb=float(o.bucket_mb), grad_slots=o.grad_slots,
+                    param_slots=o.param_slots, plan_id=self._plan_id, plan_index=self._cuda_plan(entries),
+                    host_pipeline=o.host_pipeline, torch_threads=self._tail[0], torch_vlen=self._tail[1],
+                    state_dtype=o.state_code, seeds=[self._rounding_seed(p) for _, p, _, _, _ in entries])
 
     def _execute(self, job):
         """Run one job: on the caller's stream (step()), or on the worker's
@@ -349,9 +302,9 @@ class StreamAdamW(StateDictMixin, torch.optim.Optimizer):
             if self._overlap is not None:
                 self._overlap.wait()  # no job of the round still runs on the old plan
             self._plan = None  # free the old pinned slots first
-            self._plan = BucketPlan(key, local_shard(layout[0][0]).device, self._bucket_mb, *self._slots,
-                               host=self._host_pipeline)
-            PLANS[self._plan_id] = self._plan
+            o = self.options
+            self._plan = register(self._plan_id, BucketPlan(key, local_shard(layout[0][0]).device, o.bucket_mb,
+                                                            o.grad_slots, o.param_slots, host=o.host_pipeline))
         row = {p: i for i, (p, _, _, _) in enumerate(layout)}
         idx = [row[p] for _, p, lp, _, _ in entries if self._piped(lp) and lp.numel() > 0 and p not in self._on_device]
         return idx or None
@@ -375,10 +328,20 @@ def _release_threads(key):
         _C.pool_trim(need - 1)  # the calling thread runs one range itself
     except Exception:  # interpreter shutdown
         pass
-# What a copy of the optimizer carries besides torch's keys, with the value (or the
-# factory of the value) of an optimizer built with the defaults.
-_SETTINGS = dict(_isa=_C.cpu_best_isa, _threads=0, _host_pipeline=False, _bucket_mb=64.0, _slots=(3, 2),
-                 _clip=None, last_grad_norm=None, _on_device=set, _devices=dict, _gpu_master=dict, _grad_dt=dict)
+
+
+def _hyper_lists(entries):
+    """The op's per-entry hyper-parameter lists: lrs, beta1s, beta2s, epss, weight_decays, maximizes."""
+    groups = [e[0] for e in entries]
+    return ([float(g["lr"]) for g in groups], [float(g["betas"][0]) for g in groups],
+            [float(g["betas"][1]) for g in groups], [float(g["eps"]) for g in groups],
+            [float(g["weight_decay"]) for g in groups], [bool(g["maximize"]) for g in groups])
+
+
+# What a copy of the optimizer carries besides torch's keys, with the factory of the value
+# an optimizer built with the defaults has.
+_COPIED = dict(options=StreamAdamWOptions, _isa=_C.cpu_best_isa, last_grad_norm=lambda: None, _on_device=set,
+               _devices=dict, _gpu_master=dict, _grad_dt=dict)
 
 
 def _bump_versions(tensors):

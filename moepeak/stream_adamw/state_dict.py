@@ -1,12 +1,22 @@
 """StreamAdamW's state dict: torch.optim.AdamW's layout both ways (its state keys and
-param-group keys; fp32 tensors kept on the host in fp32), FSDP2 (DTensor) params' state
-as DTensors so that torch.distributed.checkpoint saves every rank's shard. Mixed into
-StreamAdamW (moepeak/stream_adamw/optimizer.py), ahead of torch.optim.Optimizer."""
+param-group keys; the state kept on the host in its own dtypes), FSDP2 (DTensor) params'
+state as DTensors so that torch.distributed.checkpoint saves every rank's shard. Mixed into
+StreamAdamW (moepeak/stream_adamw/optimizer.py), ahead of torch.optim.Optimizer.
+
+Dtypes on load: master_param fp32; exp_avg, exp_avg_sq, max_exp_avg_sq the optimizer's
+(state.py: options.state_dtype for host params, fp32 for device_state ones), whatever the
+dict holds: fp32 moments (torch.optim.AdamW's, or an fp32 StreamAdamW's) loaded into
+state_dtype=torch.bfloat16 are rounded to the nearest bf16 (ties to even, torch's .to());
+bf16 moments loaded into fp32 state are widened exactly. rounding_seed (bf16 state) is
+loaded as an int; a dict without it gets options.rounding_seed + the param's index at the
+first step.
+"""
 from __future__ import annotations
 
 import torch
 
 from .checks import local_shard
+from .options import SEED_LIMIT
 
 # The per-param state tensors, each shaped like the local param (master_param: bf16/fp16 params).
 STATE_TENSORS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
@@ -17,8 +27,8 @@ TORCH_GROUP_KEYS = dict(foreach=None, capturable=False, differentiable=False, fu
 
 
 class StateDictMixin:
-    """state_dict / load_state_dict for StreamAdamW (uses its _state_device, _gpu_master
-    and _plan)."""
+    """state_dict / load_state_dict for StreamAdamW (uses its _state_device, _moment_dtype,
+    _gpu_master and _plan)."""
 
     def state_dict(self):
         """torch's layout. The state of an FSDP2 (DTensor) param lives in host RAM
@@ -50,8 +60,9 @@ class StateDictMixin:
     def load_state_dict(self, state_dict):
         """Accepts our own state dicts and torch.optim.AdamW's, with state
         tensors as DTensors (this rank's shard is taken) or plain local-shard
-        tensors. The fp32 tensors are kept on the CPU in fp32 (torch's loader
-        would cast them to the param's dtype and device)."""
+        tensors. The tensors are kept on the state's device in the state's dtypes
+        (module docstring; torch's loader would cast them to the param's dtype and
+        device). Every size and seed is checked before anything is loaded."""
         saved_groups = state_dict["param_groups"]
         id_map = {}
         for g, ng in zip(saved_groups, self.param_groups):
@@ -67,10 +78,12 @@ class StateDictMixin:
                         f"moepeak.StreamAdamW.load_state_dict: size mismatch for state {pid} ('{k}'): "
                         f"{t.numel()} elements (shape {tuple(t.shape)}) but the param has {local_shard(p).numel()} "
                         f"(shape {tuple(local_shard(p).shape)})")
+            if p is not None and "rounding_seed" in st:
+                _seed(st["rounding_seed"], pid)
         kept, light = {}, {}
         for pid, st in state_dict["state"].items():
             kept[pid] = {k: st[k] for k in STATE_TENSORS if k in st}
-            light[pid] = {k: v for k, v in st.items() if k not in STATE_TENSORS}
+            light[pid] = {k: v for k, v in st.items() if k not in STATE_TENSORS and k != "rounding_seed"}
         super().load_state_dict({"state": light, "param_groups": saved_groups})
         self._gpu_master.clear()
         self._plan = None
@@ -88,9 +101,22 @@ class StateDictMixin:
                 t = local_shard(t)
                 if k == "master_param" and lp.dtype == torch.float32:
                     continue  # an fp32 param is its own master
-                st[k] = t.detach().to(dev, torch.float32, copy=True).reshape(lp.shape).contiguous()
+                dtype = torch.float32 if k == "master_param" else self._moment_dtype(p)
+                st[k] = t.detach().to(dev, dtype, copy=True).reshape(lp.shape).contiguous()
+            if "rounding_seed" in state_dict["state"][pid]:
+                st["rounding_seed"] = _seed(state_dict["state"][pid]["rounding_seed"], pid)
         for group in self.param_groups:  # groups saved by torch carry their own keys; ours need these
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
             for k, v in TORCH_GROUP_KEYS.items():
                 group[k] = v  # this optimizer always runs its own (fused-equivalent) kernel
+
+
+def _seed(value, pid) -> int:
+    """A saved rounding_seed as an int in [0, 2^63) (an integer 0-d tensor is accepted)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < SEED_LIMIT:
+        raise TypeError(f"moepeak.StreamAdamW.load_state_dict: state {pid} 'rounding_seed' must be an int in "
+                        f"[0, 2^63), got {value!r}")
+    return value
