@@ -89,7 +89,8 @@ class LigerHead(torch.nn.Module):
 def build_arm(arm, d, device):
     """(model, optimizer, autocast dtype or None, note)."""
     import moepeak
-    from moepeak.demo.models import MoEConfig, MoELM, resolve
+    from moepeak.demo.config import MoEConfig, resolve
+    from moepeak.demo.models import MoELM
     from moepeak.stream_adamw.device import device_state_bytes
     cfg = MoEConfig(vocab_size=d["vocab"], hidden=d["hidden"], layers=d["layers"], heads=d["heads"],
                     kv_heads=d["kv_heads"], experts=d["experts"], top_k=d["top_k"],

@@ -29,7 +29,7 @@ from _common import append_results, is_oom  # noqa: E402
 
 from moepeak import plan as P  # noqa: E402
 from moepeak.demo import DEFAULTS, run  # noqa: E402
-from moepeak.demo.models import available  # noqa: E402
+from moepeak.demo.config import available  # noqa: E402
 
 GiB = 2 ** 30
 

@@ -102,7 +102,8 @@ def _point(rank, world, dev, arm, seq_len, steps, d, simulate_oom):
     from moepeak.demo.context_parallel import cp_slice
     from moepeak.demo.data import TokenStream
     from moepeak.demo import shard_model
-    from moepeak.demo.models import MoEConfig, MoELM, build_optimizer, resolve
+    from moepeak.demo.config import MoEConfig, build_optimizer, resolve
+    from moepeak.demo.models import MoELM
     cfg = MoEConfig(vocab_size=d["vocab"], hidden=d["hidden"], layers=d["layers"], heads=d["heads"],
                     kv_heads=d["kv_heads"], experts=d["experts"], top_k=d["top_k"],
                     intermediate=d["intermediate"], chunk_rows=d.get("chunk_rows"),

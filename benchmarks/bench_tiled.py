@@ -55,6 +55,7 @@ from _common import append_results, is_oom  # noqa: E402
 from moepeak.tiled import tiled_block  # noqa: E402
 from moepeak.demo.tiled import demo_block_spec  # noqa: E402
 
+from moepeak.demo import config as demo_config  # noqa: E402
 from moepeak.demo import models as demo_models  # noqa: E402
 
 K128 = 131072
@@ -66,7 +67,7 @@ FIELDS = ["arm", "T", "tile_tokens", "H", "heads", "kv_heads",
 
 
 def build_block(args, device, dtype):
-    cfg = demo_models.MoEConfig(hidden=args.H, heads=args.heads, kv_heads=args.kv_heads, experts=args.E,
+    cfg = demo_config.MoEConfig(hidden=args.H, heads=args.heads, kv_heads=args.kv_heads, experts=args.E,
                                 top_k=args.K, intermediate=args.I, moe="llep", head="plain", checkpoint="none",
                                 chunk_rows=args.chunk_rows)
     blk = demo_models.Block(cfg, demo_models.Rotary(cfg.head_dim, cfg.rope_theta), device=device, dtype=dtype)
@@ -122,7 +123,7 @@ MODEL_FIELDS = ["arm", "T", "tile_tokens", "layers", "H", "heads", "kv_heads", "
 
 
 def _model_cfg(args, arm):
-    return demo_models.MoEConfig(vocab_size=args.V, hidden=args.H, layers=args.layers, heads=args.heads,
+    return demo_config.MoEConfig(vocab_size=args.V, hidden=args.H, layers=args.layers, heads=args.heads,
                                  kv_heads=args.kv_heads, experts=args.E, top_k=args.K, intermediate=args.I,
                                  moe="llep", head="ring_dtp", checkpoint="sco", chunk_rows=args.chunk_rows,
                                  tile_tokens=args.tile if arm == "tiled" else None)
@@ -136,7 +137,7 @@ def model_child(args, arm, T, out_file):
     try:
         cfg = _model_cfg(args, arm)
         model = demo_models.MoELM(cfg, device=device, dtype=torch.bfloat16)
-        opt = demo_models.build_optimizer(model.parameters(), "stream", lr=1e-5)
+        opt = demo_config.build_optimizer(model.parameters(), "stream", lr=1e-5)
         g = torch.Generator(device="cpu").manual_seed(0)
         ids = torch.randint(0, args.V, (1, T), generator=g).to(device)
         labels = ids.roll(-1, 1)
@@ -153,7 +154,7 @@ def model_child(args, arm, T, out_file):
         peak = torch.cuda.max_memory_allocated() if cuda else float("nan")
         resident = torch.cuda.memory_allocated() - ids.nbytes - labels.nbytes if cuda else float("nan")
         missing = max(0, (args.project_layers or args.layers) - args.layers)
-        block_bytes = (demo_models.param_count(cfg.replace(layers=2)) - demo_models.param_count(cfg.replace(layers=1)))
+        block_bytes = (demo_config.param_count(cfg.replace(layers=2)) - demo_config.param_count(cfg.replace(layers=1)))
         res = {"status": "ok", "peak": peak, "resident": resident, "step_s": step_s,
                "proj_peak": peak + missing * block_bytes * 2 * 2}  # bf16 params + bf16 grads
         model.close()

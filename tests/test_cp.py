@@ -18,7 +18,8 @@ import torch
 from dist_utils import run_ranks
 from moepeak.demo.context_parallel import causal_attention, cp_slice
 from moepeak.demo.data import TokenStream
-from moepeak.demo.models import MoEConfig, MoELM, available, build_optimizer
+from moepeak.demo.config import MoEConfig, available, build_optimizer
+from moepeak.demo.models import MoELM
 
 TINY = dict(vocab_size=264, hidden=32, layers=2, heads=4, kv_heads=2, experts=4, top_k=2,
             intermediate=32)

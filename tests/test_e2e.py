@@ -10,7 +10,8 @@ import torch
 
 from dist_utils import run_ranks
 from moepeak.demo.data import TokenStream
-from moepeak.demo.models import MoEConfig, MoELM, available, build_optimizer
+from moepeak.demo.config import MoEConfig, available, build_optimizer
+from moepeak.demo.models import MoELM
 
 SWITCH = {"moe": "llep", "head": "ring_dtp", "checkpoint": "sco", "optimizer": "stream"}
 TINY = dict(vocab_size=264, hidden=32, layers=2, heads=4, kv_heads=2, experts=4, top_k=2,

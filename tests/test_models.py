@@ -3,8 +3,8 @@ references, identical parameters in every schedule setting, deterministic init."
 import pytest
 import torch
 
-from moepeak.demo.models import (Attention, DenseMoE, MoEConfig, MoELM, Rotary, apply_rope, available,
-                            param_count, resolve, sco_arena_bytes)
+from moepeak.demo.config import MoEConfig, available, param_count, resolve, sco_arena_bytes
+from moepeak.demo.models import Attention, DenseMoE, MoELM, Rotary, apply_rope
 from refs import ref_causal_attention, ref_moe
 
 PLAIN = dict(moe="dense", head="plain", checkpoint="torch")

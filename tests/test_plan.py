@@ -11,7 +11,8 @@ import moepeak
 from moepeak import cli
 from moepeak import plan as P
 from moepeak.plan import chart as plan_chart
-from moepeak.demo.models import DenseMoE, MoEConfig, MoELM, PlainLMHead
+from moepeak.demo.config import MoEConfig
+from moepeak.demo.models import DenseMoE, MoELM, PlainLMHead
 from moepeak.demo.peaks import SavedBytes
 
 # Published total parameter counts (billions) of the presets.
@@ -251,7 +252,8 @@ def test_saved_tensor_terms_match_autograd_on_cpu():
     """The plan's per-token saved bytes of RMSNorm, the router + DenseMoE (plain) and the
     router + PipelinedLLEPMoE (moepeak), measured on CPU with saved_tensors_hooks."""
     import torch
-    from moepeak.demo.models import DenseMoE, RMSNorm, available, component
+    from moepeak.demo.config import available, component
+    from moepeak.demo.models import DenseMoE, RMSNorm
     T, H, I, E, K = 512, 64, 48, 8, 2
     m = P.ModelShape(layers=1, hidden=H, experts=E, top_k=K, intermediate=I, vocab=256, heads=4, kv_heads=2)
     s = P.Setup(gpus=1, imbalance=1.0)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moepeak.demo.models import MoEConfig, MoELM, available, build_optimizer
+from moepeak.demo.config import MoEConfig, available, build_optimizer
+from moepeak.demo.models import MoELM
 
 SMALL = dict(hidden=32, layers=2, heads=4, kv_heads=2, experts=4, top_k=2, intermediate=24)
 

@@ -24,10 +24,16 @@ own batch of --seq-len tokens (data parallel).
     python -m moepeak demo --plot demo.png
     torchrun --nproc_per_node=2 -m moepeak demo --seq-len 262144   # 128k tokens per GPU
 
-Modules: train (the job: run, main), models (the model and its schedule
-switches), data (the corpus and batches), peaks (the peak measurement),
+Modules: train (the job: run, main), args (its command line: DEFAULTS, build_parser),
+models (the model), config (MoEConfig and the schedule switches), tiled (the block as a
+moepeak.tiled spec), data (the corpus and batches), peaks (the peak measurement),
 context_parallel (sequence sharding), plot (the PNG).
+
+Public face (exported here, for `moepeak demo`, the benchmarks and the tests): DEFAULTS,
+build_parser, main, run, shard_model, warmup_cosine. The tests and benchmarks also build
+the model from moepeak.demo.models and moepeak.demo.config directly.
 """
-from .train import DEFAULTS, build_parser, main, run, shard_model, warmup_cosine
+from .args import DEFAULTS, build_parser
+from .train import main, run, shard_model, warmup_cosine
 
 __all__ = ["DEFAULTS", "build_parser", "main", "run", "shard_model", "warmup_cosine"]
