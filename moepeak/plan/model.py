@@ -73,6 +73,8 @@ from dataclasses import dataclass
 from typing import Dict, Optional
 
 from ..ring_dtp import sizes as RS
+from ..stream_adamw import StreamAdamWOptions
+from ..stream_adamw import sizes as SA
 
 GiB = 2 ** 30
 
@@ -176,7 +178,7 @@ class Setup:
     impl: str = "demo"          # IMPLS: whose modeling code runs the layers
     lean_norm: bool = True      # moepeak plan: the RMSNorms are moepeak.norms.rms_norm (False: the eager ones)
     norm_chunk_tokens: Optional[int] = None  # its chunk (None: moepeak.norms.default_chunk_rows(H))
-    bucket_mb: float = 64.0     # StreamAdamW bucket (its slots are pinned host memory: 0 GPU bytes)
+    bucket_mb: float = StreamAdamWOptions.bucket_mb  # StreamAdamW bucket (its slots are pinned host memory: 0 GPU bytes)
     device_state_gib: float = 0.0  # StreamAdamW device_state budget (backward_tail): on the GPU
     sco_in_flight: int = 2      # SCOConfig.max_in_flight (W): forward D2H copies still referenced
     sco_prefetch: int = 1       # SCOConfig.prefetch: boundaries loaded ahead in backward
@@ -331,7 +333,7 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         # StreamAdamW: fp32 master/m/v in host RAM, its bucket slots pinned host memory;
         # on the GPU only a device_state tail: at most the budget, at most all the state
         # (12 B per bf16/fp16 param, 8 per fp32). Params + grads are in 'fixed'.
-        out["optimizer"] = min(s.device_state_gib * GiB, (12.0 if b < 4 else 8.0) * N / P)
+        out["optimizer"] = min(s.device_state_gib * GiB, SA.device_state_bytes_per_param(b) * N / P)
         out["fixed"] = 2 * b * N / P + gathered + T * rope
     out["block"] = block                   # the recomputed block's saved tensors (+ its grad in)
     out["head_act"] = T * head_act         # what the head's backward also holds
@@ -370,10 +372,10 @@ def host_bytes(m: ModelShape, s: Setup, context: int) -> Dict[str, float]:
     ones, (L - keep)*T*H*b), StreamAdamW's state (fp32 master, m, v: 12*N/P, less a device_state
     tail) and its pinned bucket slots (3 grad + 2 param slots of half a bucket each)."""
     T = s.batch * -(-context // s.gpus)
-    state = 12.0 * m.params() / s.gpus
+    state = SA.state_bytes_per_param(s.act_bytes) * m.params() / s.gpus
     out = {"sco_boundaries": max(m.layers - keep_last(s), 0) * T * m.hidden * s.act_bytes,
            "optimizer_state": state - min(s.device_state_gib * GiB, state),
-           "pinned_slots": 2.5 * s.bucket_mb * 2 ** 20}
+           "pinned_slots": SA.pinned_staging_bytes(s.bucket_mb)}
     out["total"] = sum(out.values())
     return out
 
