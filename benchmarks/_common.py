@@ -8,7 +8,6 @@ inputs.
 """
 from __future__ import annotations
 
-import contextlib
 import csv
 import datetime
 import os
@@ -168,16 +167,14 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-@contextlib.contextmanager
-def ring_dtp_flags(**changes):
-    """Run Ring-DTP with some moepeak.ring_dtp.sched.ScheduleOptions fields changed inside the
-    block (its testing hook, schedule_options): dw_finish=False (every term of the fused
-    modes' dW rounded per token chunk), center_chunks (centering past that many chunks;
+def ring_dtp_options(**changes):
+    """Ring-DTP's options (moepeak.ring_dtp.RingDTPOptions, for linear_cross_entropy's
+    options=) with some error-control fields changed: dw_finish=False (every term of the
+    fused modes' dW rounded per token chunk), center_chunks (centering past that many chunks;
     1 << 30: off), fused_colsum (the column sums made by the gradient kernel),
     dx_finish=False (every term of vocab_outer_lowp's dX rounded per vocab block)."""
-    from moepeak.ring_dtp.sched import schedule_options
-    with schedule_options(**changes) as opts:
-        yield opts
+    from moepeak.ring_dtp import RingDTPOptions
+    return RingDTPOptions(**changes)
 
 
 class TimeBudget:

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from _common import append_results, cuda_time_ms, cuda_times_ms, relerr, ring_dtp_flags  # noqa: E402
+from _common import append_results, cuda_time_ms, cuda_times_ms, relerr, ring_dtp_options  # noqa: E402
 import moepeak  # noqa: E402
 
 GiB = 1 << 30
@@ -93,7 +93,7 @@ def make_arms(quick_big=False):
                                                                  "token_outer"]
     for m in modes:
         arms[f"moepeak_{m}"] = MoepeakArm(m)
-    # auto with fused_lowp's centering at any chunk count (ScheduleOptions.center_chunks = 1): what
+    # auto with fused_lowp's centering at any chunk count (RingDTPOptions.center_chunks = 1): what
     # robustness to anisotropic hidden states costs at the target shape's 16 chunks
     arms["moepeak_auto_centered"] = MoepeakArm("auto", center=True)
     if not quick_big:  # chunk-size / logits-dtype sweep that settles the defaults (rows per chunk at this T)
@@ -126,8 +126,9 @@ class MoepeakArm:
         mode, ct = self.resolve(x.shape[0], x.shape[1], w.shape[0])
         if not self.center:
             return moepeak.linear_cross_entropy(x, w, y, mode=mode, chunk_tokens=ct)
-        with ring_dtp_flags(center_chunks=1):  # the fused modes make their gradients in this call
-            return moepeak.linear_cross_entropy(x, w, y, mode=mode, chunk_tokens=ct)
+        # the fused modes make their gradients in this call
+        return moepeak.linear_cross_entropy(x, w, y, mode=mode, chunk_tokens=ct,
+                                            options=ring_dtp_options(center_chunks=1))
 
 
 # ---------------------------------------------------------------------------

@@ -8,12 +8,11 @@ plus a small floor for fp32 (where both are at rounding level).
 """
 import math
 
-import pytest
 import torch
 
 import moepeak
 import moepeak.ring_dtp  # noqa: F401  (registers the ops)
-from tests.refs import label_rows_dx_ref, label_rows_ref, naive_linear_cross_entropy, ref_linear_cross_entropy
+from tests.refs import naive_linear_cross_entropy, ref_linear_cross_entropy
 
 FLOOR = {torch.float32: 2e-6, torch.bfloat16: 1e-3, torch.float16: 2e-4}
 
@@ -44,10 +43,12 @@ def grads(fn, x, w, y, b, gout=None, **kw):
     return loss.detach(), xs.grad, ws.grad, (bs.grad if bs is not None else None)
 
 
-def check(x, w, y, b=None, mode="auto", gout=None, chunk_tokens=None, chunk_vocab=None, **kw):
+def check(x, w, y, b=None, mode="auto", gout=None, chunk_tokens=None, chunk_vocab=None, options=None, **kw):
+    """Ring-DTP's loss and gradients (mode, chunk sizes, options: its schedule; kw: the loss
+    definition) within 2x naive's error against the fp64 reference."""
     dtype = x.dtype
     ours = grads(moepeak.linear_cross_entropy, x, w, y, b, gout, mode=mode, chunk_tokens=chunk_tokens,
-                 chunk_vocab=chunk_vocab, **kw)
+                 chunk_vocab=chunk_vocab, options=options, **kw)
     ref = grads(ref_linear_cross_entropy, x.double(), w.double(), y, None if b is None else b.double(),
                 None if gout is None else gout.double(), **kw)
     naive = grads(naive_linear_cross_entropy, x, w, y, b, gout, **kw)

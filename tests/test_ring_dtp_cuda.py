@@ -1,16 +1,15 @@
 """Ring-DTP on CUDA (every GPU path against the same references) and the fused modes'
 backward (in-place scaling, no gradient copies).
 """
-import math
+import dataclasses
 
 import pytest
 import torch
 
 import moepeak
+from moepeak.ring_dtp import RingDTPOptions
 from moepeak.ring_dtp import blocks as B
-from moepeak.ring_dtp import sched
-from tests.refs import label_rows_dx_ref, label_rows_ref, naive_linear_cross_entropy, ref_linear_cross_entropy
-from tests.ring_dtp_helpers import FLOOR, MODES, _head_problem, check, grads, make, relerr
+from tests.ring_dtp_helpers import MODES, _head_problem, check, grads, make, relerr
 
 
 # ---------------------------------------------------------------------------
@@ -272,11 +271,11 @@ def test_cuda_centering_colsum_fused_vs_gemm(monkeypatch):
     calls = []
     grad_block = B.grad_block
     monkeypatch.setattr(B, "grad_block", lambda *a, **k: calls.append(k.get("colsum")) or grad_block(*a, **k))
-    with sched.schedule_options(center_chunks=1):
-        fused = grads(moepeak.linear_cross_entropy, x, w, y, None, mode="fused_lowp", chunk_tokens=256)
-        assert len(calls) == 16 and all(c is not None and c[1].shape == (2, V) for c in calls)  # 256*64*2 B: 2 rows
-        with sched.schedule_options(fused_colsum=False):
-            gemm = grads(moepeak.linear_cross_entropy, x, w, y, None, mode="fused_lowp", chunk_tokens=256)
+    centered = RingDTPOptions(center_chunks=1)
+    fused = grads(moepeak.linear_cross_entropy, x, w, y, None, mode="fused_lowp", chunk_tokens=256, options=centered)
+    assert len(calls) == 16 and all(c is not None and c[1].shape == (2, V) for c in calls)  # 256*64*2 B: 2 rows
+    gemm = grads(moepeak.linear_cross_entropy, x, w, y, None, mode="fused_lowp", chunk_tokens=256,
+                 options=dataclasses.replace(centered, fused_colsum=False))
     assert all(c is None for c in calls[16:])
     assert torch.equal(fused[0], gemm[0]) and torch.equal(fused[1], gemm[1])
     assert relerr(fused[2], gemm[2]) < 0.1 * base, (relerr(fused[2], gemm[2]), base)
@@ -312,8 +311,10 @@ def test_cuda_bad_labels_no_device_assert():
 def test_cuda_compile_and_opcheck():
     x, w, y, b = make(10, 8, 30, torch.bfloat16, bias=True)
     x, w, y, b = x.cuda().requires_grad_(), w.cuda().requires_grad_(), y.cuda(), b.cuda().requires_grad_()
-    torch.library.opcheck(torch.ops.moepeak.ring_dtp_ce.default, (x, w, y, b, -100, 1, 0.1, 1e-3, 3.0, 2, 4, 8, True))
-    torch.library.opcheck(torch.ops.moepeak.ring_dtp_ce.default, (x, w, y, b, -100, 1, 0.1, 1e-3, 3.0, 4, 4, 0, True))
+    for schedule in (RingDTPOptions(mode="vocab_outer", chunk_tokens=4, chunk_vocab=8),
+                     RingDTPOptions(mode="fused_lowp", chunk_tokens=4)):
+        torch.library.opcheck(torch.ops.moepeak.ring_dtp_ce.default,
+                              (x, w, y, b, -100, 1, 0.1, 1e-3, 3.0, *schedule.op_args(), True))
     cf = torch.compile(lambda x, w, y: moepeak.linear_cross_entropy(x, w, y), fullgraph=True)
     cf(x, w, y).backward()
     assert torch.isfinite(x.grad).all()

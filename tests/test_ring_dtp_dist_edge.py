@@ -13,6 +13,7 @@ each one's outcome per rank; test_ring_edge[section] reports it. A rank ends at 
 failing section (the other rank's pending exchange then fails; later sections are "not
 reached").
 """
+import contextlib
 import json
 import math
 import os
@@ -244,7 +245,7 @@ def _create_graph(rank, group):
 
 # ---- ranks that disagree: every rank raises, none waits; the group still works after ----
 class _DoneEvent:
-    """A completed CUDA event stand-in for LabelGuard's pending flags (CPU testing hook)."""
+    """A completed CUDA event stand-in for the pending label flags (labels.PENDING.add: the CPU testing hook)."""
 
     def synchronize(self):
         pass
@@ -255,7 +256,7 @@ class _DoneEvent:
 
 def _rank_mismatch(rank, group):
     import moepeak
-    from moepeak.ring_dtp.labels import LabelGuard
+    from moepeak.ring_dtp.labels import PENDING
 
     w = _weight()
     xs, ys = _batch((5, 4))
@@ -279,11 +280,13 @@ def _rank_mismatch(rank, group):
                weight=ws.to(torch.bfloat16) if rank == 1 else ws)
         expect((ValueError, "label_smoothing must be"), (ValueError, refused.format(0)), 0, ring=ring,
                label_smoothing=2.0 if rank == 0 else 0.0)
-        LabelGuard.pending = [(_DoneEvent(), torch.ones(1, dtype=torch.int32), V)] if rank == 0 else []
-        try:  # an earlier CUDA call's bad labels, seen on rank 0 only
+        if rank == 0:  # an earlier CUDA call's bad labels, seen on rank 0 only
+            PENDING.add(_DoneEvent(), torch.ones(1, dtype=torch.int32), V)
+        try:
             expect((ValueError, "labels must be in"), (ValueError, refused.format(0)), 0, ring=ring)
         finally:
-            LabelGuard.pending = []
+            with contextlib.suppress(ValueError):  # read already, unless the check above failed
+                PENDING.check()
         # arguments every rank must pass alike
         both = (ValueError, "every rank of the group must pass the same")
         other_ring = {"weights": "activations", "activations": "gather", "gather": "weights"}[ring]

@@ -7,11 +7,8 @@ import math
 import pytest
 import torch
 
-import moepeak
 from moepeak.ring_dtp import blocks as B
-from moepeak.ring_dtp import sched
-from tests.refs import label_rows_dx_ref, label_rows_ref, naive_linear_cross_entropy, ref_linear_cross_entropy
-from tests.ring_dtp_helpers import FLOOR, MODES, _head_problem, check, grads, make, relerr
+from tests.refs import label_rows_dx_ref, label_rows_ref
 
 
 # ---------------------------------------------------------------------------

@@ -8,10 +8,9 @@ import pytest
 import torch
 
 import moepeak
-from moepeak.ring_dtp import blocks as B
-from moepeak.ring_dtp import sched
-from tests.refs import label_rows_dx_ref, label_rows_ref, naive_linear_cross_entropy, ref_linear_cross_entropy
-from tests.ring_dtp_helpers import FLOOR, MODES, _head_problem, check, grads, make, relerr
+from moepeak.ring_dtp import RingDTPOptions
+from tests.refs import naive_linear_cross_entropy, ref_linear_cross_entropy
+from tests.ring_dtp_helpers import MODES, check, grads, make, relerr
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -75,9 +74,8 @@ def test_all_options_centered(mode, dtype, device, V):
     x, w, y, b = make(33, 48, V, dtype, seed=4, bias=True, ignore_frac=0.2)
     x = (x.float() + 2.0).to(dtype)                               # a shared mean to take out
     x, w, y, b = (t.to(device) for t in (x, w, y, b))
-    with sched.schedule_options(center_chunks=1):
-        check(x, w, y, b, mode=mode, gout=torch.tensor(0.5, device=device), chunk_tokens=8,
-              label_smoothing=0.05, z_loss=1e-4, softcap=4.0, reduction="sum")
+    check(x, w, y, b, mode=mode, gout=torch.tensor(0.5, device=device), chunk_tokens=8,
+          options=RingDTPOptions(center_chunks=1), label_smoothing=0.05, z_loss=1e-4, softcap=4.0, reduction="sum")
 
 
 def _torch_linear_ce(hidden, weight, labels, bias=None, **kw):
@@ -265,13 +263,15 @@ def test_opcheck():
     x, w, y, b = make(6, 8, 20, torch.float32, bias=True)
     xs, ws, bs = x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
     # (mode, reduction, grads): the recompute backward op, the fused path, forward only
-    for mode, red, grads_flag in [(2, 0, True), (1, 1, True), (3, 2, False)]:
+    for mode, red, grads_flag in [("vocab_outer", 0, True), ("fused", 1, True), ("token_outer", 2, False)]:
+        schedule = RingDTPOptions(mode=mode, chunk_tokens=4, chunk_vocab=8).op_args()
         torch.library.opcheck(torch.ops.moepeak.ring_dtp_ce.default,
-                              (xs, ws, y, bs, -100, red, 0.1, 1e-3, 3.0, mode, 4, 8, grads_flag))
-    # vocab_outer_lowp (5) is a low-precision order: bf16 inputs (fp32 ones resolve to vocab_outer)
+                              (xs, ws, y, bs, -100, red, 0.1, 1e-3, 3.0, *schedule, grads_flag))
+    # vocab_outer_lowp is a low-precision order: bf16 inputs (fp32 ones resolve to vocab_outer)
     xl, wl = (t.detach().bfloat16().requires_grad_() for t in (x, w))
+    schedule = RingDTPOptions(mode="vocab_outer_lowp", chunk_tokens=4, chunk_vocab=8).op_args()
     torch.library.opcheck(torch.ops.moepeak.ring_dtp_ce.default,
-                          (xl, wl, y, None, -100, 1, 0.0, 0.0, 0.0, 5, 4, 8, True))
+                          (xl, wl, y, None, -100, 1, 0.0, 0.0, 0.0, *schedule, True))
 
 
 def test_torch_compile_fullgraph():
@@ -324,7 +324,7 @@ def test_transport_choice_is_checked():
     with pytest.raises(ValueError, match="transport must be one of"):
         moepeak.linear_cross_entropy(x, w, y, transport="mpi")
     with pytest.raises(ValueError, match="transport must be one of"):
-        moepeak.RingDTPLinearCrossEntropy(8, 30, transport=None)
+        moepeak.RingDTPLinearCrossEntropy(8, 30, transport="mpi")
     # without a group there is no ring: any valid choice gives the single-device op's result
     torch.testing.assert_close(moepeak.linear_cross_entropy(x, w, y, transport="nccl"),
                                moepeak.linear_cross_entropy(x, w, y), rtol=0, atol=0)
@@ -353,22 +353,3 @@ def test_dtype_mismatch_names_both_dtypes():
         moepeak.linear_cross_entropy(x.half(), w, y)
     with pytest.raises(TypeError, match="weight must have dtype in"):  # unsupported dtype: the list
         moepeak.linear_cross_entropy(x, w.double(), y)
-
-
-def test_schedule_options_hook_restores():
-    """schedule_options() changes the options inside the block only, nested blocks included,
-    and rejects unknown fields."""
-    assert sched.current_options() == sched.DEFAULT_OPTIONS
-    with sched.schedule_options(center_chunks=1) as outer:
-        assert sched.current_options() is outer and outer.center_chunks == 1
-        with sched.schedule_options(dw_finish=False):
-            assert sched.current_options() == sched.ScheduleOptions(dw_finish=False, center_chunks=1)
-        assert sched.current_options() is outer
-        with sched.schedule_options():  # equal to the outer one: still popped correctly
-            pass
-        assert sched.current_options() is outer
-    assert sched.current_options() is sched.DEFAULT_OPTIONS
-    with pytest.raises(TypeError):
-        with sched.schedule_options(FUSED_CENTER_CHUNKS=1):
-            pass
-    assert sched.current_options() is sched.DEFAULT_OPTIONS

@@ -4,9 +4,9 @@
   3. Ring-DTP chunk GEMMs: dX and dW+= of one chunk issued on two streams vs one.
   4. The BLAS library torch dispatches plain bf16 GEMMs to (cuBLAS vs cuBLASLt): Ring-DTP's
      three chunk GEMMs and the whole fused_lowp op at T = 32k, H = 4096, V = 151936.
-  5. The cost of fused_lowp's centering (ScheduleOptions.center_chunks): one chunk's gradient
+  5. The cost of fused_lowp's centering (RingDTPOptions.center_chunks): one chunk's gradient
      kernel alone, with the column sum of dZ as a [1, n] x [n, V] GEMM after it, and with the
-     sum made in the kernel (ScheduleOptions.fused_colsum); the whole op at T = 32k (16 chunks) with
+     sum made in the kernel (RingDTPOptions.fused_colsum); the whole op at T = 32k (16 chunks) with
      the centering off and on both ways, in rotating rounds.
   6. TunableOp (torch.cuda.tunable: cuBLAS's default plus cuBLASLt's top heuristic algorithms,
      each timed, the fastest kept): Ring-DTP's three chunk GEMMs, the 8192^3 probe and the whole
@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from _common import cuda_time_ms, ring_dtp_flags
+from _common import cuda_time_ms, ring_dtp_options
 
 
 def t(fn, iters=10):
@@ -104,17 +104,18 @@ def _target_inputs():
 
 
 def _fused_lowp_step(x, w, y):
-    """(step, clear): one fused_lowp fwd + bwd on copies of x and w, and what drops their
-    gradients (step does it first, so a timed step does not hold the previous ones)."""
+    """(step, clear): one fused_lowp fwd + bwd on copies of x and w (step(options): with
+    Ring-DTP's options), and what drops their gradients (step does it first, so a timed step
+    does not hold the previous ones)."""
     import moepeak
     xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
 
     def clear():
         xl.grad = wl.grad = None
 
-    def op():
+    def op(options=None):
         clear()
-        moepeak.linear_cross_entropy(xl, wl, y, mode="fused_lowp").backward()
+        moepeak.linear_cross_entropy(xl, wl, y, mode="fused_lowp", options=options).backward()
     return op, clear
 
 
@@ -176,13 +177,13 @@ def centering(rounds=8):
     peaks = {}
     for r in range(rounds):
         for name, k, fused in arms[r % 3:] + arms[:r % 3]:
-            with ring_dtp_flags(center_chunks=k, fused_colsum=fused):
-                clear()
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                ts[name].append(cuda_time_ms(op, reps=3, warmup=1))
-                peaks[name] = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+            options = ring_dtp_options(center_chunks=k, fused_colsum=fused)
+            clear()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            ts[name].append(cuda_time_ms(lambda: op(options), reps=3, warmup=1))
+            peaks[name] = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
     for name, _, _ in arms:
         print(f"fused_lowp T={T} (16 chunks), centering {name:16s}: {statistics.median(ts[name]):.1f} ms "
               f"(min {min(ts[name]):.1f}, max {max(ts[name]):.1f}; {rounds} rounds), peak above inputs incl. "

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import moepeak  # noqa: E402
-from _common import cuda_time_ms, ring_dtp_flags  # noqa: E402
+from _common import cuda_time_ms, ring_dtp_options  # noqa: E402
 
 
 def _time(fn, iters=5, warmup=2):
@@ -99,8 +99,9 @@ def ring_cases(log):
     profile("ring: naive + torch.compile", step(lambda: comp(x, w, y)), log)
     profile("ring: moepeak default (fused_lowp, centered at this shape's 16 chunks)",
             step(lambda: moepeak.linear_cross_entropy(x, w, y)), log, cpu_table=True)
-    with ring_dtp_flags(center_chunks=1 << 30):  # what the centering adds: the same op without it
-        profile("ring: moepeak default, uncentered", step(lambda: moepeak.linear_cross_entropy(x, w, y)), log)
+    uncentered = ring_dtp_options(center_chunks=1 << 30)  # what the centering adds: the same op without it
+    profile("ring: moepeak default, uncentered",
+            step(lambda: moepeak.linear_cross_entropy(x, w, y, options=uncentered)), log)
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
         lg = LigerFusedLinearCrossEntropyLoss(accum_dtype=torch.float32)

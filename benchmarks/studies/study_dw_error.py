@@ -2,7 +2,7 @@
 bf16 over n token chunks, with and without the finish (ring_dtp.sched.fused: the label
 column of every chunk's dZ taken out of the per-chunk GEMMs and added once in fp32,
 ring_dtp.blocks.finish_dw) and with the centering too (the dW GEMMs on X - mu, colsum(dZ) mu^T
-added in the finish; ScheduleOptions.center_chunks), beside vocab_outer_lowp's dX error with and without its
+added in the finish; RingDTPOptions.center_chunks), beside vocab_outer_lowp's dX error with and without its
 mirror, dX's finish (each token's label term tc[t] * W[y_t] taken out of the per-vocab-block
 dX GEMMs and added once in fp32, ring_dtp.blocks.finish_dx). Errors are norm-wise relative,
 divided by naive bf16's (F.linear in bf16, then F.cross_entropy(.float())).
@@ -24,6 +24,7 @@ numerics are studied; they are not timings.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moepeak  # noqa: E402
-from _common import relerr, ring_dtp_flags  # noqa: E402
+from _common import relerr, ring_dtp_options  # noqa: E402
 
 
 def make_inputs(T, H, V, labels, x_mean, device, seed=0):
@@ -89,18 +90,17 @@ def main():
             ex, ew = relerr(nx, xd), relerr(nw, wd)
             cells = []
             for n in (int(a) for a in args.chunks.split(",")):
-                op = lambda a, b, c: moepeak.linear_cross_entropy(a, b, c, mode="fused_lowp",  # noqa: E731
-                                                                   chunk_tokens=-(-T // n))
                 errs = []
                 for how in VARIANTS.values():
-                    with ring_dtp_flags(**how):
-                        errs.append(relerr(grads(op, x, w, y)[1], wd) / ew)
+                    op = functools.partial(moepeak.linear_cross_entropy, mode="fused_lowp", chunk_tokens=-(-T // n),
+                                           options=ring_dtp_options(**how))
+                    errs.append(relerr(grads(op, x, w, y)[1], wd) / ew)
                 cells.append(" / ".join(f"{e:5.2f}" for e in errs))
-            vo = lambda a, b, c: moepeak.linear_cross_entropy(a, b, c, mode="vocab_outer_lowp")  # noqa: E731
             dx_errs = []
             for how in (True, False):
-                with ring_dtp_flags(dx_finish=how):
-                    dx_errs.append(relerr(grads(vo, x, w, y)[0], xd) / ex)
+                vo = functools.partial(moepeak.linear_cross_entropy, mode="vocab_outer_lowp",
+                                       options=ring_dtp_options(dx_finish=how))
+                dx_errs.append(relerr(grads(vo, x, w, y)[0], xd) / ex)
             print(f"{labels:8s} {xm:6.1f} {ew:9.2e}  " + "  ".join(f"{c:>26s}" for c in cells)
                   + "  " + " / ".join(f"{e:5.2f}" for e in dx_errs))
 

@@ -44,7 +44,8 @@ def patch_loss(model, options, report):
         return
     original = cls.forward
     signature = inspect.signature(original)
-    ce_options = {LOSS_OPTIONS[k]: v for k, v in options.items()}
+    from ..ring_dtp import RingDTPOptions  # the loss's schedule, checked now (a bad value names its field)
+    ce_options = {"options": RingDTPOptions(**{LOSS_OPTIONS[k]: v for k, v in options.items()})}
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):

@@ -1,5 +1,5 @@
 """Ring-DTP building blocks shared by the single-device op (ops.py) and
-the ring schedules (ring.py): the logits-block GEMM (torch), the fold
+the ring schedules (ring.py): the logits-block GEMM (torch's, gemm.py), the fold
 and gradient kernels (moepeak._C), chunk sizing for torch dtypes (the arithmetic
 is sizes'), and the per-row loss.
 
@@ -9,7 +9,7 @@ Per-token state of the online log-sum-exp, all [T] x fp32:
   zy    the target's logit (0 until the block holding it is folded)
   zsum  sum of the logits over real vocab (label smoothing's uniform term)
   sx    like s without the target's term: 1 - p_y = sx / s, precise as p_y -> 1
-lse = m + log(s). Partial states of disjoint vocab ranges merge with merge_state().
+lse = m + log(s).
 """
 from __future__ import annotations
 
@@ -21,109 +21,20 @@ import torch
 
 from .. import _C
 from ..core.ext import check_tensor, current_stream_handle, require_cuda_build
-
+from . import gemm as G
 # Chunk sizes and auto's choice are torch-free integer arithmetic (shared with `moepeak plan`).
-from .sizes import BLOCKED_WORKSPACE_BYTES
 from . import sizes as S
-
-_OUT_DTYPE_OK = {"cuda": None}  # torch.mm(..., out_dtype=fp32) usable on CUDA? (probed once)
+from .sizes import BLOCKED_WORKSPACE_BYTES
 
 
 def lowp_bytes(dtype: torch.dtype) -> int:
+    """sizes' b (bytes of the low-precision buffers) for a torch dtype: 0 for fp32, else 2."""
     return 0 if dtype == torch.float32 else 2
-
-
-def mm(a: torch.Tensor, b: torch.Tensor, f32: bool) -> torch.Tensor:
-    """a @ b for same-dtype a, b, accumulated in fp32; fp32 result if f32 else a.dtype.
-
-    CUDA bf16/fp16: cuBLAS accumulates in fp32; with torch >= 2.8 the fp32
-    output comes straight from the GEMM (out_dtype), otherwise the result is
-    rounded to a.dtype first (the same rounding the naive path has).
-    CPU bf16/fp16: the products of two bf16/fp16 numbers are exact in fp32, so
-    an fp32 GEMM of the upcast operands is the fp32-accumulating GEMM.
-    """
-    if a.dtype == torch.float32:
-        return torch.mm(a, b)
-    if a.device.type == "cuda":
-        if f32 and _OUT_DTYPE_OK["cuda"] is not False:
-            try:
-                r = torch.mm(a, b, out_dtype=torch.float32)
-                if r.dtype == torch.float32:
-                    _OUT_DTYPE_OK["cuda"] = True
-                    return r
-                _OUT_DTYPE_OK["cuda"] = False
-            except (TypeError, RuntimeError, NotImplementedError):
-                _OUT_DTYPE_OK["cuda"] = False
-        r = torch.mm(a, b)
-        return r.float() if f32 else r
-    r = torch.mm(a.float(), b.float())
-    return r if f32 else r.to(a.dtype)
-
-
-def mm_f32_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out <- a @ b as fp32 (out: [m, n] x fp32, contiguous), no new [m, n] buffer where
-    torch can write the fp32 GEMM result in place (fp32 operands; CUDA out_dtype with out=)."""
-    if a.dtype == torch.float32:
-        return torch.mm(a, b, out=out)
-    if a.device.type == "cuda" and _OUT_DTYPE_OK.get("cuda_out") is not False:
-        try:
-            r = torch.mm(a, b, out_dtype=torch.float32, out=out)
-            if r.dtype == torch.float32 and r.data_ptr() == out.data_ptr():
-                _OUT_DTYPE_OK["cuda_out"] = True
-                return out
-            _OUT_DTYPE_OK["cuda_out"] = False
-        except (TypeError, RuntimeError, NotImplementedError):
-            _OUT_DTYPE_OK["cuda_out"] = False
-    for r0 in range(0, a.shape[0], 256):  # fallback: temporaries of <= 256 rows
-        out[r0:r0 + 256].copy_(mm(a[r0:r0 + 256], b, True))
-    return out
-
-
-def mm_acc_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
-    """out = a @ b (first) or out += a @ b, out in a's dtype, accumulated in fp32 inside
-    the GEMM. Adding, CUDA's bf16/fp16 cuBLAS with beta = 1 rounds the product before adding
-    it, rn(out + rn(a @ b)) (H200, probe_gemm_paths.py rounding), and the CPU path does the
-    same (an fp32 GEMM of the operands, rounded, added in fp32, rounded), so CPU tests see
-    the GPU's numerics. out: contiguous rows of a larger tensor."""
-    if a.dtype == torch.float32 or a.device.type == "cuda":
-        if first:
-            torch.mm(a, b, out=out)
-        else:
-            out.addmm_(a, b)
-        return
-    if first:
-        out.copy_(mm(a, b, True))
-    else:
-        out.add_(mm(a, b, False))
-
-
-def mm_f32_acc_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
-    """acc (fp32) = a @ b (first) or acc += a @ b for same-dtype a, b: exact fp32 sums.
-    CUDA bf16/fp16: one GEMM accumulating into the fp32 acc where torch has
-    addmm(out_dtype=fp32) (torch >= 2.8), else an fp32 GEMM result added."""
-    if a.dtype == torch.float32:
-        torch.mm(a, b, out=acc) if first else acc.addmm_(a, b)
-        return
-    if a.device.type == "cuda" and _OUT_DTYPE_OK.get("cuda_addmm") is not False:
-        try:
-            if first:
-                mm_f32_into(a, b, acc)
-            else:
-                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-                _OUT_DTYPE_OK["cuda_addmm"] = True
-            return
-        except (TypeError, RuntimeError, NotImplementedError):
-            _OUT_DTYPE_OK["cuda_addmm"] = False
-    r = mm(a, b, True)
-    if first:
-        acc.copy_(r)
-    else:
-        acc.add_(r)
 
 
 def logits_block(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """Z = x @ w.T (+ bias): [t, v] x fp32, contiguous (x: [t, H], w: [v, H], bias: [v])."""
-    z = mm(x, w.t(), True)
+    z = G.mm(x, w.t(), True)
     if bias is not None:
         z.add_(bias.float())
     return z.contiguous()
@@ -144,8 +55,9 @@ def fold(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ignore_in
     """Fold the logits block z: [t, v] (global columns [v0, v0+v)) into the state rows."""
     t, v = z.shape
     cuda = z.device.type == "cuda"
-    _C.ce_fold(z.data_ptr(), DTYPE_CODE[z.dtype], z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
-               m.data_ptr(), s.data_ptr(), zy.data_ptr(), zsum.data_ptr(), sx.data_ptr(), cuda, current_stream_handle(z.device))
+    _C.ce_fold(z.data_ptr(), DTYPE_CODE[z.dtype], z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index,
+               softcap, m.data_ptr(), s.data_ptr(), zy.data_ptr(), zsum.data_ptr(), sx.data_ptr(), cuda,
+               current_stream_handle(z.device))
 
 
 # Rows of the scratch that the fused column sums go through (cuda/ce_grad.cu ce_grad_colsum_kernel
@@ -177,7 +89,8 @@ def colsum_fusable(z: torch.Tensor, out: Optional[torch.Tensor] = None) -> bool:
 
 
 def grad_block(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ignore_index: int, softcap: float,
-               m: torch.Tensor, ls: torch.Tensor, q: torch.Tensor, g: torch.Tensor, eps: float, n_classes: int, zloss: float,
+               m: torch.Tensor, ls: torch.Tensor, q: torch.Tensor, g: torch.Tensor, eps: float, n_classes: int,
+               zloss: float,
                dtype: torch.dtype, out: Optional[torch.Tensor] = None,
                colsum: Optional[Tuple[torch.Tensor, torch.Tensor, bool]] = None,
                take: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -194,45 +107,44 @@ def grad_block(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ign
     row without a target in the block), bitwise what take_label_column after it gives, without
     its passes; put_label_column(dz, labels, tc) restores the column."""
     t, v = z.shape
-    g_stride = 0 if g.numel() == 1 else 1
     cuda = z.device.type == "cuda"
-    stream = current_stream_handle(z.device)
-    extra = ()
-    if colsum is not None:
-        cs, part, first = colsum
-        if not cuda:
-            raise ValueError("moepeak: grad_block(colsum=...) is CUDA only; on CPU use colsum_acc_ after it")
-        check_tensor("cs", cs, dtypes=(torch.float32,), ndim=1, device=z.device, contiguous=True)
-        check_tensor("part", part, dtypes=(torch.float32,), ndim=2, device=z.device, contiguous=True)
-        if cs.shape[0] != v or part.shape[1] < v:
-            raise ValueError(f"moepeak: grad_block(colsum=) needs cs [{v}] and part [G, >= {v}]; got cs "
-                             f"{tuple(cs.shape)}, part {tuple(part.shape)}")
-        extra = (part.data_ptr(), part.stride(0), part.shape[0], cs.data_ptr(), bool(first))
+    extra = _colsum_args(colsum, take, z)
+    if z.dtype != torch.float32:          # low-precision logits (CUDA): dZ in place, in z's dtype
+        dz = z
+    elif cuda and dtype != torch.float32:  # fp32 logits on CUDA: dZ written in `dtype`
+        dz = out if out is not None else torch.empty((t, v), dtype=dtype, device=z.device)
+    else:                                  # fp32 dZ in place (cast to `dtype` after it)
+        dz = z
+    _C.ce_grad(z.data_ptr(), DTYPE_CODE[z.dtype], z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index,
+               softcap, m.data_ptr(), ls.data_ptr(), q.data_ptr(), g.data_ptr(), 0 if g.numel() == 1 else 1, eps,
+               n_classes, zloss, dz.data_ptr(), dz.stride(0), DTYPE_CODE[dz.dtype], cuda,
+               current_stream_handle(z.device), *extra)
+    return dz if z.dtype != torch.float32 or dz.dtype == dtype else dz.to(dtype)
+
+
+def _colsum_args(colsum, take, z: torch.Tensor) -> tuple:
+    """grad_block's colsum= and take= as the kernel's trailing arguments (checked; () without)."""
+    t, v = z.shape
+    if colsum is None:
         if take is not None:
-            check_tensor("take", take, dtypes=(torch.float32,), ndim=1, device=z.device, contiguous=True)
-            if take.shape[0] != t:
-                raise ValueError(f"moepeak: grad_block(take=) needs tc [{t}] (one per row), got {tuple(take.shape)}")
-            extra += (take.data_ptr(),)
-    elif take is not None:
-        raise ValueError("moepeak: grad_block(take=...) needs colsum=... (the column sums' kernel takes the column)")
-    if z.dtype != torch.float32:  # low-precision logits (CUDA): dZ in place, in z's dtype
-        code = DTYPE_CODE[z.dtype]
-        _C.ce_grad(z.data_ptr(), code, z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
-                   m.data_ptr(), ls.data_ptr(), q.data_ptr(), g.data_ptr(), g_stride, eps, n_classes, zloss, z.data_ptr(),
-                   z.stride(0), code, cuda, stream, *extra)
-        return z
-    if cuda and dtype != torch.float32:
-        if out is None:
-            out = torch.empty((t, v), dtype=dtype, device=z.device)
-        code = 1 if dtype == torch.bfloat16 else 2
-        _C.ce_grad(z.data_ptr(), 0, z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
-                   m.data_ptr(), ls.data_ptr(), q.data_ptr(), g.data_ptr(), g_stride, eps, n_classes, zloss, out.data_ptr(),
-                   out.stride(0), code, True, stream, *extra)
-        return out
-    _C.ce_grad(z.data_ptr(), 0, z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index, softcap,
-               m.data_ptr(), ls.data_ptr(), q.data_ptr(), g.data_ptr(), g_stride, eps, n_classes, zloss, z.data_ptr(), z.stride(0), 0, cuda,
-               stream, *extra)
-    return z if dtype == torch.float32 else z.to(dtype)
+            raise ValueError("moepeak: grad_block(take=...) needs colsum=... (the column sums' kernel takes the "
+                             "column)")
+        return ()
+    cs, part, first = colsum
+    if z.device.type != "cuda":
+        raise ValueError("moepeak: grad_block(colsum=...) is CUDA only; on CPU use colsum_acc_ after it")
+    check_tensor("cs", cs, dtypes=(torch.float32,), ndim=1, device=z.device, contiguous=True)
+    check_tensor("part", part, dtypes=(torch.float32,), ndim=2, device=z.device, contiguous=True)
+    if cs.shape[0] != v or part.shape[1] < v:
+        raise ValueError(f"moepeak: grad_block(colsum=) needs cs [{v}] and part [G, >= {v}]; got cs "
+                         f"{tuple(cs.shape)}, part {tuple(part.shape)}")
+    extra = (part.data_ptr(), part.stride(0), part.shape[0], cs.data_ptr(), bool(first))
+    if take is None:
+        return extra
+    check_tensor("take", take, dtypes=(torch.float32,), ndim=1, device=z.device, contiguous=True)
+    if take.shape[0] != t:
+        raise ValueError(f"moepeak: grad_block(take=) needs tc [{t}] (one per row), got {tuple(take.shape)}")
+    return extra + (take.data_ptr(),)
 
 
 def take_label_column(dz: torch.Tensor, labels: torch.Tensor, tc: torch.Tensor) -> torch.Tensor:
@@ -330,7 +242,7 @@ def sub_row(x: torch.Tensor, mu: torch.Tensor, out: torch.Tensor) -> torch.Tenso
 def colsum_acc_(cs: torch.Tensor, dz: torch.Tensor, ones: torch.Tensor, first: bool) -> None:
     """cs (fp32 [V]) = (first) or += the column sums of dz [n, V], accumulated in fp32: a
     [1, n] x [n, V] GEMM against ones ([1, >= n], dz's dtype), fp32 out. No [n, V] temporary."""
-    mm_f32_acc_(cs.view(1, -1), ones[:, :dz.shape[0]], dz, first)
+    G.mm_f32_acc_(cs.view(1, -1), ones[:, :dz.shape[0]], dz, first)
 
 
 def finish_dx(dx: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, tc: torch.Tensor, v0: int = 0) -> None:
@@ -351,24 +263,6 @@ def finish_dx(dx: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, tc: torch
                     current_stream_handle(dx.device))
 
 
-def merge_state(a, b) -> None:
-    """a <- a (+) b for states of disjoint vocab ranges (in place on a)."""
-    ma, sa, zya, zsa, sxa = a
-    mb, sb, zyb, zsb, sxb = b
-    mn = torch.maximum(ma, mb)
-    safe = torch.where(torch.isinf(mn), torch.zeros_like(mn), mn)
-    ea, eb = torch.exp(ma - safe), torch.exp(mb - safe)
-    sa.mul_(ea).add_(sb * eb)
-    sxa.mul_(ea).add_(sxb * eb)
-    ma.copy_(mn)
-    zya.add_(zyb)
-    zsa.add_(zsb)
-
-
-def lse_of(m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    return m + torch.log(s)
-
-
 def fin(st):
     """(m, ls = log s, q = 1 - p_y) of a complete state: what backward needs.
     Non-finite logits, as torch has them: a NaN anywhere in a row makes zsum NaN (a sum
@@ -383,11 +277,6 @@ def lse_report(m: torch.Tensor, ls: torch.Tensor) -> torch.Tensor:
     """lse = m + ls as torch.logsumexp gives it: +inf for a row with a +inf logit (its s is
     NaN, see fin), NaN for a row with a NaN logit."""
     return torch.where(m == math.inf, m, m + ls)
-
-
-def q_of(s: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
-    """1 - p_y per row, from sums that never cancel."""
-    return sx / s
 
 
 def row_losses(m, ls, zy, zsum, sx, valid, bad, eps: float, n_classes: int, zloss: float) -> torch.Tensor:

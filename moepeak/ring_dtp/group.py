@@ -27,12 +27,12 @@ AGREED = ("ring", "ignore_index", "reduction", "label_smoothing", "z_loss", "sof
 _ROW = 7 + len(AGREED)  # refused, V_r, T, H, dtype code, label min, label max, the AGREED codes
 
 
-def agreed_options(ring, ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_tokens, chunk_vocab
-                   ) -> dict:
-    """The AGREED arguments of a call by name, as Geometry compares them (None sizes: 0)."""
-    return dict(ring=ring, ignore_index=ignore_index, reduction=reduction, label_smoothing=float(label_smoothing),
-                z_loss=float(z_loss), softcap=float(softcap or 0.0), chunk_tokens=chunk_tokens or 0,
-                chunk_vocab=chunk_vocab or 0)
+def agreed_options(options, ignore_index, reduction, label_smoothing, z_loss, softcap) -> dict:
+    """The AGREED arguments of a call by name, as Geometry compares them: the schedule's from
+    `options` (a RingDTPOptions; None sizes: 0), the loss definition's as given."""
+    return dict(ring=options.ring, ignore_index=ignore_index, reduction=reduction,
+                label_smoothing=float(label_smoothing), z_loss=float(z_loss), softcap=float(softcap or 0.0),
+                chunk_tokens=options.chunk_tokens or 0, chunk_vocab=options.chunk_vocab or 0)
 
 
 def _code(v) -> int:

@@ -1,35 +1,36 @@
 """Ring-DTP's public API (exported by moepeak.ring_dtp): linear_cross_entropy and the
 module RingDTPLinearCrossEntropy. The argument checks (every one before any work, each
-naming the argument), autocast, then one of: the single-device op moepeak::ring_dtp_ce
-(moepeak/ring_dtp/ops.py), the rings over a group (moepeak/ring_dtp/ring.py), or the
-gathered weight (ring="gather").
+naming the argument: the tensors' dtypes and devices, their shapes, the loss definition
+here; the schedule's in RingDTPOptions), autocast, then one of: the single-device op
+moepeak::ring_dtp_ce (moepeak/ring_dtp/ops.py), the rings over a group
+(moepeak/ring_dtp/ring.py), or the gathered weight (ring="gather").
 """
 from __future__ import annotations
 
+import logging
 import math
 import operator
+import threading
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from ..core.ext import check_tensor, require_cuda_build
-from ..core.transport import check_transport_choice
 from . import blocks as B
 from . import ops  # noqa: F401 (registers moepeak::ring_dtp_ce, called below through torch.ops)
-from .labels import LabelGuard, check_labels
 from .group import agreed_options, refuse_on_group
-from .ring import RINGS, check_no_bias, gather_vocab_shards, ring_linear_cross_entropy
-from .sched import MODES, REDUCTIONS
+from .labels import PENDING, check_labels
+from .options import RingDTPOptions
+from .ring import check_no_bias, gather_vocab_shards, ring_linear_cross_entropy
+from .sched import REDUCTIONS
 
-__all__ = ["linear_cross_entropy", "RingDTPLinearCrossEntropy", "LABEL_CHECKS"]
+__all__ = ["linear_cross_entropy", "RingDTPLinearCrossEntropy"]
 
-
+LOG = logging.getLogger("moepeak")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-LABEL_CHECKS = ("deferred", "sync")
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_FUSED_MODE_NAMES = ("fused", "fused_lowp")
 
 
 def _int64(name, v) -> int:
@@ -62,17 +63,22 @@ def _canonical(t: Tensor) -> Tensor:
 
 def _autocast_inputs(hidden, weight, bias):
     """Under torch.autocast the projection runs in the autocast dtype, as F.linear's does:
-    hidden, weight and bias are cast to it (differentiably). Outside autocast: unchanged."""
+    hidden, weight and bias are cast to it (differentiably). Outside autocast (or for a
+    hidden that is no tensor: the checks refuse it): unchanged."""
+    if not isinstance(hidden, Tensor):
+        return hidden, weight, bias
     dev = hidden.device.type
     if dev not in ("cpu", "cuda") or not torch.is_autocast_enabled(dev):
         return hidden, weight, bias
     dt = torch.get_autocast_dtype(dev)
-    cast = lambda t: t if t is None or not t.is_floating_point() or t.dtype == dt else t.to(dt)  # noqa: E731
+
+    def cast(t):
+        return t if not isinstance(t, Tensor) or not t.is_floating_point() or t.dtype == dt else t.to(dt)
     return cast(hidden), cast(weight), cast(bias)
 
 
-def _check(hidden, weight, labels, bias, reduction, mode, label_smoothing, z_loss, softcap, chunk_tokens,
-           chunk_vocab, ring="auto", sharded=False, label_check="deferred"):
+# ---- the checks, each naming the argument; all run before any work -------------------------
+def _check_dtypes_and_devices(hidden, weight, labels, bias) -> None:
     check_tensor("hidden", hidden, dtypes=_FLOAT_DTYPES)
     check_tensor("weight", weight, dtypes=_FLOAT_DTYPES, ndim=2, device=hidden.device)
     if weight.dtype != hidden.dtype:
@@ -82,6 +88,15 @@ def _check(hidden, weight, labels, bias, reduction, mode, label_smoothing, z_los
                         f"of them, e.g. hidden.to(weight.dtype)")
     # F.cross_entropy's target dtypes: int64 (and uint8); int32 is refused there as here.
     check_tensor("labels", labels, dtypes=(torch.int64, torch.uint8), device=hidden.device)
+    if bias is not None:
+        check_tensor("bias", bias, dtypes=(hidden.dtype,), ndim=1, device=hidden.device)
+    if hidden.device.type == "cuda":
+        require_cuda_build("linear_cross_entropy")
+    elif hidden.device.type != "cpu":
+        raise ValueError(f"moepeak: linear_cross_entropy supports cpu and cuda tensors, got {hidden.device}")
+
+
+def _check_shapes(hidden, weight, labels, bias, sharded: bool) -> None:
     if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"moepeak: hidden must be [..., H] with H = weight.shape[1] = {weight.shape[1]}, "
                          f"got {tuple(hidden.shape)}")
@@ -90,44 +105,72 @@ def _check(hidden, weight, labels, bias, reduction, mode, label_smoothing, z_los
                          f"got {tuple(labels.shape)}")
     if weight.shape[0] < 1 and not sharded:  # (a shard may be empty: FSDP2 cuts V = 5 for 4 ranks 2, 2, 1, 0;
         raise ValueError("moepeak: weight must have at least one vocab row")  # all-empty raises on every rank)
-    if bias is not None:
-        check_tensor("bias", bias, dtypes=(hidden.dtype,), ndim=1, device=hidden.device)
-        if bias.shape[0] != weight.shape[0]:
-            raise ValueError(f"moepeak: bias must be [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
+    if bias is not None and bias.shape[0] != weight.shape[0]:
+        raise ValueError(f"moepeak: bias must be [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
+
+
+def _check_loss_definition(ignore_index, reduction, label_smoothing, z_loss, softcap) -> int:
+    """Check the loss definition's keywords; returns ignore_index as an int64 Python int."""
+    ignore_index = _int64("ignore_index", ignore_index)
     if reduction not in REDUCTIONS:
         raise ValueError(f"moepeak: reduction must be one of {sorted(REDUCTIONS)}, got {reduction!r}")
-    if mode not in MODES:
-        raise ValueError(f"moepeak: mode must be one of {sorted(MODES)}, got {mode!r}")
-    if ring not in RINGS:
-        raise ValueError(f"moepeak: ring must be one of {RINGS}, got {ring!r}")
     if not 0.0 <= label_smoothing <= 1.0:  # (NaN fails too)
         raise ValueError(f"moepeak: label_smoothing must be in [0, 1], got {label_smoothing}")
     if not 0.0 <= z_loss < math.inf:
         raise ValueError(f"moepeak: z_loss must be finite and >= 0, got {z_loss}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"moepeak: softcap must be None or > 0 (inf: no cap), got {softcap}")
-    if label_check not in LABEL_CHECKS:
-        raise ValueError(f"moepeak: label_check must be one of {LABEL_CHECKS}, got {label_check!r}")
-    for n, v in (("chunk_tokens", chunk_tokens), ("chunk_vocab", chunk_vocab)):
-        if v is not None and (not isinstance(v, int) or v < 1):
-            raise ValueError(f"moepeak: {n} must be None or a positive int, got {v!r}")
-    if hidden.device.type == "cuda":
-        require_cuda_build("linear_cross_entropy")
-    elif hidden.device.type != "cpu":
-        raise ValueError(f"moepeak: linear_cross_entropy supports cpu and cuda tensors, got {hidden.device}")
+    return ignore_index
+
+
+def _check_labels_now(y: Tensor, V: int, ignore_index: int) -> None:
+    """label_check="sync" on CUDA: one host sync, before any work."""
+    bad = (y != ignore_index) & ((y < 0) | (y >= V))
+    if bool(bad.any()):
+        raise ValueError(f"moepeak: labels must be in [0, {V}) or ignore_index={ignore_index}; "
+                         f"got {y[bad][:5].tolist()}")
+
+
+_WARNED = set()
+_WARNED_LOCK = threading.Lock()
+
+
+def _warn_once(key: str, message: str) -> None:
+    """Log `message` through the "moepeak" logger the first time `key` comes in this process."""
+    with _WARNED_LOCK:
+        if key in _WARNED:
+            return
+        _WARNED.add(key)
+    LOG.warning(message)
+
+
+def _note_unused_schedule(options: RingDTPOptions, reduction: str, on_group: bool) -> None:
+    """A mode asked for that this call cannot run is replaced, and said so once."""
+    if on_group and options.mode != "auto":
+        _warn_once("mode-on-ring", f"moepeak: linear_cross_entropy(mode={options.mode!r}) with group and "
+                   f"ring={options.ring!r}: the rings run their own exact order and do not use mode "
+                   "(ring='gather' does)")
+    elif options.mode in _FUSED_MODE_NAMES and reduction == "none":
+        _warn_once("fused-none", f"moepeak: linear_cross_entropy(mode={options.mode!r}, reduction='none') runs "
+                   "'vocab_outer': the fused modes make the gradients in forward, which needs one upstream "
+                   "gradient for the whole loss")
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Optional[Tensor] = None,
                          ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                          z_loss: float = 0.0, softcap: Optional[float] = None, return_lse: bool = False,
-                         group=None, ring: str = "auto", chunk_tokens: Optional[int] = None,
-                         chunk_vocab: Optional[int] = None, mode: str = "auto", transport="auto",
-                         label_check: str = "deferred"):
+                         group=None, options: Optional[RingDTPOptions] = None, ring: Optional[str] = None,
+                         chunk_tokens: Optional[int] = None, chunk_vocab: Optional[int] = None,
+                         mode: Optional[str] = None, transport=None, label_check: Optional[str] = None):
     """F.cross_entropy(F.linear(hidden, weight, bias).float(), labels, ...) without the logits.
 
     hidden [..., H], weight [V, H] (with `group`: this rank's dim-0 vocab shard),
     labels [...] int64. Returns loss ([] or labels.shape for reduction="none", fp32),
     and lse (labels.shape, fp32) when return_lse.
+    The loss definition: ignore_index, reduction, label_smoothing, z_loss, softcap (F.cross_entropy's
+    and the usual extras). The schedule: options (a RingDTPOptions; None: its defaults), and the
+    keywords ring, chunk_tokens, chunk_vocab, mode, transport, label_check, each of which, when
+    not None, replaces that field of options (RingDTPOptions has the defaults and the checks):
     mode: "auto" or a schedule of moepeak.ring_dtp's docstring ("fused", "fused_lowp",
     "vocab_outer", "vocab_outer_lowp", "token_outer"); all give the same loss and
     gradients up to rounding, and differ in speed, workspace and where they round
@@ -140,12 +183,13 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
     hold only a 1/P shard of what grows with the vocabulary; "gather" all-gathers the whole
     weight, runs the single-device op (`mode` applies) and sums each shard's gradient back
     at its owner: it holds 2 V H more elements than a ring, and the single-device op may
-    take its 3-GEMM schedules where the rings take 4, so it is faster where those fit (benchmarks/RESULTS.md has the numbers).
-    `ring` is checked with or without `group` (one of RINGS). Every rank of the group must
-    pass the same ring, chunk sizes, ignore_index, reduction, label_smoothing, z_loss and
-    softcap (moepeak.ring_dtp.group.AGREED), and call backward alike (the same create_graph): the first
-    are checked, a difference raises a ValueError on every rank; an argument refused on one
-    rank raises there, and a ValueError naming that rank on the others (none is left waiting).
+    take its 3-GEMM schedules where the rings take 4, so it is faster where those fit
+    (benchmarks/RESULTS.md has the numbers). `ring` is checked with or without `group` (one
+    of RINGS). Every rank of the group must pass the same ring, chunk sizes, ignore_index,
+    reduction, label_smoothing, z_loss and softcap (moepeak.ring_dtp.group.AGREED), and call
+    backward alike (the same create_graph): the first are checked, a difference raises a
+    ValueError on every rank; an argument refused on one rank raises there, and a ValueError
+    naming that rank on the others (none is left waiting).
     transport (with `group`): "auto" / "torch" (torch.distributed on the group), "nccl"
     (moepeak's NCCL-from-C transport, CUDA tensors; one communicator per group and
     device, created collectively on the first call and kept), or a moepeak Transport.
@@ -165,50 +209,63 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
         softcap = None  # an infinite cap is no cap
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
     try:
-        _check(hidden, weight, labels, bias, reduction, mode, label_smoothing, z_loss, softcap, chunk_tokens,
-               chunk_vocab, ring=ring, sharded=group is not None, label_check=label_check)
-        ignore_index = _int64("ignore_index", ignore_index)
-        check_transport_choice(transport)
+        options = RingDTPOptions.resolve(options, ring=ring, chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab,
+                                         mode=mode, transport=transport, label_check=label_check)
+        _check_dtypes_and_devices(hidden, weight, labels, bias)
+        _check_shapes(hidden, weight, labels, bias, sharded=group is not None)
+        ignore_index = _check_loss_definition(ignore_index, reduction, label_smoothing, z_loss, softcap)
         if group is not None:
             check_no_bias(bias)
-            if LabelGuard.pending:  # earlier calls' CUDA label flags: read here, before the exchange
+            if PENDING:  # earlier calls' CUDA label flags: read here, before the exchange
                 check_labels()
     except (TypeError, ValueError) as err:
         if group is None:
             raise
         # A rank raising alone would leave the others waiting in the group's first exchange:
         # it takes part, flagged, and every rank raises.
-        refuse_on_group(err, group, transport, (weight if isinstance(weight, Tensor) else hidden).device)
+        refuse_on_group(err, group, _transport_of(options, transport),
+                        (weight if isinstance(weight, Tensor) else hidden).device)
+    on_ring = group is not None and options.ring != "gather"
+    _note_unused_schedule(options, reduction, on_ring)
     lead = tuple(labels.shape)
     x = _canonical(hidden.reshape(-1, hidden.shape[-1]))
     y = _canonical(labels.reshape(-1).to(torch.int64))
     weight = _canonical(weight)
     bias = None if bias is None else _canonical(bias)
-    if label_check == "sync" and group is None and y.device.type == "cuda":  # one host sync, before any work
-        bad = (y != ignore_index) & ((y < 0) | (y >= weight.shape[0]))
-        if bool(bad.any()):
-            raise ValueError(f"moepeak: labels must be in [0, {weight.shape[0]}) or ignore_index={ignore_index}; "
-                             f"got {y[bad][:5].tolist()}")
-    if group is not None and ring == "gather":  # the whole weight here, then the single-device op
-        agreed = agreed_options(ring, ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_tokens,
-                                chunk_vocab)
-        weight, group = gather_vocab_shards(weight, group, agreed, transport, bias, y, ignore_index), None
+    if options.label_check == "sync" and group is None and y.device.type == "cuda":
+        _check_labels_now(y, weight.shape[0], ignore_index)
+    loss_definition = (ignore_index, reduction, label_smoothing, z_loss, softcap)
+    if group is not None and not on_ring:  # ring="gather": the whole weight here, then the single-device op
+        agreed = agreed_options(options, *loss_definition)
+        weight, group = gather_vocab_shards(weight, group, agreed, options.transport, y, ignore_index), None
     if group is not None:
-        loss, lse = ring_linear_cross_entropy(x, weight, y, bias, group, ring, ignore_index, reduction,
-                                              label_smoothing, z_loss, softcap or 0.0, chunk_tokens, chunk_vocab,
-                                              transport)
+        loss, lse = ring_linear_cross_entropy(x, weight, y, group, ignore_index, reduction, label_smoothing, z_loss,
+                                              softcap or 0.0, options)
     else:
-        grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
-                                             or (bias is not None and bias.requires_grad))
-        out = torch.ops.moepeak.ring_dtp_ce(x, weight, y, bias, ignore_index, REDUCTIONS[reduction],
-                                            float(label_smoothing), float(z_loss), float(softcap or 0.0),
-                                            MODES[mode], chunk_tokens or 0, chunk_vocab or 0, grads)
-        loss, lse = out[0], B.lse_report(out[1], out[2])
+        loss, lse = _single_device(x, weight, y, bias, loss_definition, options)
     if reduction == "none":
         loss = loss.reshape(lead)
     if return_lse:
         return loss, lse.detach().reshape(lead)
     return loss
+
+
+def _transport_of(options, transport):
+    """The transport a refusing rank joins the group's exchange with: the call's, where it is known."""
+    if isinstance(options, RingDTPOptions):
+        return options.transport
+    return transport if transport is not None else RingDTPOptions.transport
+
+
+def _single_device(x, weight, y, bias, loss_definition, options: RingDTPOptions):
+    """(loss, lse) of the single-device op moepeak::ring_dtp_ce on x [T, H], weight [V, H]."""
+    ignore_index, reduction, label_smoothing, z_loss, softcap = loss_definition
+    grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                         or (bias is not None and bias.requires_grad))
+    out = torch.ops.moepeak.ring_dtp_ce(x, weight, y, bias, ignore_index, REDUCTIONS[reduction],
+                                        float(label_smoothing), float(z_loss), float(softcap or 0.0),
+                                        *options.op_args(), grads)
+    return out[0], B.lse_report(out[1], out[2])
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -238,25 +295,25 @@ class RingDTPLinearCrossEntropy(torch.nn.Module):
     With grad_average=True (default) the shard's gradient is the mean over the
     group's ranks, as FSDP2/DDP reduce gradients; False gives the sum.
     Tied embeddings: assign `module.weight = emb.weight` (unsharded).
-    transport, label_check: as linear_cross_entropy's."""
+    The loss definition and the schedule (options and its keywords): as linear_cross_entropy's,
+    checked here; `.options` is the resolved RingDTPOptions."""
 
     def __init__(self, hidden_size: int, vocab_size: int, *, bias: bool = False, ignore_index: int = -100,
                  reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0,
-                 softcap: Optional[float] = None, group=None, ring: str = "auto",
-                 chunk_tokens: Optional[int] = None, chunk_vocab: Optional[int] = None, mode: str = "auto",
-                 grad_average: bool = True, transport="auto", label_check: str = "deferred", device=None,
-                 dtype=None):
+                 softcap: Optional[float] = None, group=None, options: Optional[RingDTPOptions] = None,
+                 ring: Optional[str] = None, chunk_tokens: Optional[int] = None, chunk_vocab: Optional[int] = None,
+                 mode: Optional[str] = None, grad_average: bool = True, transport=None,
+                 label_check: Optional[str] = None, device=None, dtype=None):
         super().__init__()
+        self.options = RingDTPOptions.resolve(options, ring=ring, chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab,
+                                              mode=mode, transport=transport, label_check=label_check)
+        _check_loss_definition(ignore_index, reduction, label_smoothing, z_loss, softcap)
+        self.loss_definition = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+                                    z_loss=z_loss, softcap=softcap)
         fk = {"device": device, "dtype": dtype}
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.weight = torch.nn.Parameter(torch.empty(vocab_size, hidden_size, **fk))
         self.bias = torch.nn.Parameter(torch.empty(vocab_size, **fk)) if bias else None
-        self.opts = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-                         z_loss=z_loss, softcap=softcap, ring=ring, chunk_tokens=chunk_tokens,
-                         chunk_vocab=chunk_vocab, mode=mode, transport=transport, label_check=label_check)
-        check_transport_choice(transport)
-        if ring not in RINGS:
-            raise ValueError(f"moepeak: ring must be one of {RINGS}, got {ring!r}")
         self.group = group
         self.grad_average = grad_average
         self.reset_parameters()
@@ -283,10 +340,8 @@ class RingDTPLinearCrossEntropy(torch.nn.Module):
             b = b.to_local() if b is not None and hasattr(b, "to_local") else b
         if group is not None and self.grad_average:
             w = _ScaleGrad.apply(w, 1.0 / torch.distributed.get_world_size(group))
-        opts = dict(self.opts)
-        mode = opts.pop("mode")
         return linear_cross_entropy(hidden, w, labels, bias=b, group=group, return_lse=return_lse,
-                                    mode=mode, **opts)
+                                    options=self.options, **self.loss_definition)
 
     @staticmethod
     def _local_shard(w, group):

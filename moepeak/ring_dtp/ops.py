@@ -13,7 +13,7 @@ from torch import Tensor
 
 from . import blocks as B
 from . import sched
-from .labels import LabelGuard, check_labels, sanitize_labels
+from .labels import PENDING, check_labels, sanitize_labels
 from .sched import FUSED_MODES, MODES
 
 __all__ = ["ring_dtp_ce", "ring_dtp_ce_backward"]
@@ -25,25 +25,25 @@ __all__ = ["ring_dtp_ce", "ring_dtp_ce_backward"]
 @torch.library.custom_op("moepeak::ring_dtp_ce", mutates_args=())
 def ring_dtp_ce(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor], ignore_index: int,
                 reduction: int, label_smoothing: float, z_loss: float, softcap: float, mode: int,
-                chunk_tokens: int, chunk_vocab: int, grads: bool
+                chunk_tokens: int, chunk_vocab: int, dw_finish: bool, dx_finish: bool, center_chunks: int,
+                fused_colsum: bool, grads: bool
                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """hidden [T, H], weight [V, H], labels [T] int64, bias [V] or None.
-    Returns (loss: [] or [T] x fp32, m: [T] x fp32, ls = log s: [T] x fp32 (lse = m + ls),
+    """hidden [T, H], weight [V, H], labels [T] int64, bias [V] or None; the loss definition
+    (ignore_index, REDUCTIONS code, label_smoothing, z_loss, softcap: 0 for none), the schedule
+    (mode .. fused_colsum: RingDTPOptions.op_args()), grads: make the gradients if the mode
+    can. Returns (loss: [] or [T] x fp32, m: [T] x fp32, ls = log s: [T] x fp32 (lse = m + ls),
     q = 1 - p_y: [T] x fp32, dX [T, H], dW [V, H], dbias [V] x fp32);
     dX/dW/dbias are gradients for a unit upstream grad when
     the resolved mode is 'fused', else empty."""
-    T, H = hidden.shape
-    V = weight.shape[0]
-    dev = hidden.device
-    if T == 0:
+    if hidden.shape[0] == 0:
         return _empty_batch(hidden, weight, bias, reduction, mode, grads)
-    with B.autocast_off(dev):
+    with B.autocast_off(hidden.device):
         return _ce_forward(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap,
-                           mode, chunk_tokens, chunk_vocab, grads)
+                           mode, chunk_tokens, chunk_vocab, dw_finish, center_chunks, fused_colsum, grads)
 
 
 def _ce_forward(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, mode,
-                chunk_tokens, chunk_vocab, grads):
+                chunk_tokens, chunk_vocab, dw_finish, center_chunks, fused_colsum, grads):
     """ring_dtp_ce's body for T >= 1 (the op's arguments and outputs)."""
     T, H = hidden.shape
     V = weight.shape[0]
@@ -51,24 +51,25 @@ def _ce_forward(hidden, weight, labels, bias, ignore_index, reduction, label_smo
     # Inside the op (opaque to torch.compile, so no graph break): earlier calls' label flags
     # are read here, this call's checked or recorded.
     y, valid, bad = sanitize_labels(labels, V, ignore_index)
-    m = sched.pick_mode(mode, grads, reduction, T, H, V, hidden.dtype, chunk_tokens)
-    ct, cv = sched.chunk_sizes(T, H, V, hidden.dtype, m, chunk_tokens or None, chunk_vocab or None)
+    resolved = sched.pick_mode(mode, grads, reduction, T, H, V, hidden.dtype, chunk_tokens)
+    ct, cv = sched.chunk_sizes(T, H, V, hidden.dtype, resolved, chunk_tokens or None, chunk_vocab or None)
     dx, dw, db = hidden.new_empty(0), hidden.new_empty(0), torch.empty(0, dtype=torch.float32, device=dev)
-    if m in FUSED_MODES and grads:
+    if resolved in FUSED_MODES and grads:
         if reduction == 1:
             g = (1.0 / valid.sum().clamp_min(1).to(torch.float32)).reshape(1)
         else:
             g = torch.ones(1, dtype=torch.float32, device=dev)
         st, dx, dw, dbb = sched.fused(hidden, weight, bias, y, ignore_index, softcap, label_smoothing, z_loss, g, ct,
-                                      lowp_logits=m == MODES["fused_lowp"], opts=sched.current_options())
+                                      lowp_logits=resolved == MODES["fused_lowp"], dw_finish=dw_finish,
+                                      center_chunks=center_chunks, fused_colsum=fused_colsum)
         if dbb is not None:
             db = dbb
     else:
         st = sched.fold_all(hidden, weight, bias, y, ignore_index, softcap, ct, cv)
-    m_, ls, q = B.fin(st)
-    rows = B.row_losses(m_, ls, st[2], st[3], st[4], valid, bad, label_smoothing, V, z_loss)
+    m, ls, q = B.fin(st)
+    rows = B.row_losses(m, ls, st[2], st[3], st[4], valid, bad, label_smoothing, V, z_loss)
     loss = sched.reduce_rows(rows, valid, reduction)
-    return loss, m_, ls, q, dx, dw, db
+    return loss, m, ls, q, dx, dw, db
 
 
 def _empty_batch(hidden, weight, bias, reduction, mode, grads):
@@ -87,7 +88,7 @@ def _empty_batch(hidden, weight, bias, reduction, mode, grads):
 
 @ring_dtp_ce.register_fake
 def _(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, mode,
-      chunk_tokens, chunk_vocab, grads):
+      chunk_tokens, chunk_vocab, dw_finish, dx_finish, center_chunks, fused_colsum, grads):
     T = hidden.shape[0]
     loss = hidden.new_empty((T,) if reduction == 0 else (), dtype=torch.float32)
     lse = hidden.new_empty((T,), dtype=torch.float32)
@@ -95,8 +96,9 @@ def _(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_
     ls = hidden.new_empty((T,), dtype=torch.float32)
     # dX/dW are either full gradients (fused) or empty: data-dependent in size only via
     # the mode choice, which depends on static arguments, so resolve it here the same way.
-    m = sched.pick_mode(mode, grads, reduction, T, hidden.shape[1], weight.shape[0], hidden.dtype, chunk_tokens)
-    if m in FUSED_MODES and grads:
+    resolved = sched.pick_mode(mode, grads, reduction, T, hidden.shape[1], weight.shape[0], hidden.dtype,
+                               chunk_tokens)
+    if resolved in FUSED_MODES and grads:
         dx, dw = torch.empty_like(hidden), torch.empty_like(weight)
         db = hidden.new_empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32)
     else:
@@ -107,11 +109,14 @@ def _(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_
 
 @torch.library.custom_op("moepeak::ring_dtp_ce_backward", mutates_args=())
 def ring_dtp_ce_backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor],
-                         m: Tensor, ls: Tensor, q: Tensor, ignore_index: int, reduction: int, label_smoothing: float, z_loss: float,
-                         softcap: float, mode: int, chunk_tokens: int, chunk_vocab: int
+                         m: Tensor, ls: Tensor, q: Tensor, ignore_index: int, reduction: int, label_smoothing: float,
+                         z_loss: float, softcap: float, mode: int, chunk_tokens: int, chunk_vocab: int, dw_finish: bool,
+                         dx_finish: bool, center_chunks: int, fused_colsum: bool
                          ) -> Tuple[Tensor, Tensor, Tensor]:
-    """Recompute-and-accumulate backward (modes vocab_outer / token_outer).
-    grad_loss: [] or [T]. Returns dX [T, H], dW [V, H], dbias [V] x fp32 (or [0])."""
+    """Recompute-and-accumulate backward (the 4-GEMM modes; a fused mode's second backward).
+    grad_loss: [] or [T]; the other arguments ring_dtp_ce's and its outputs m, ls, q (of the
+    schedule, dw_finish, center_chunks and fused_colsum are forward's only: not used here).
+    Returns dX [T, H], dW [V, H], dbias [V] x fp32 (or [0])."""
     T, H = hidden.shape
     V = weight.shape[0]
     if T == 0:
@@ -119,11 +124,11 @@ def ring_dtp_ce_backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labe
         return torch.empty_like(hidden), torch.zeros_like(weight), db
     with B.autocast_off(hidden.device):
         return _ce_backward(grad_loss, hidden, weight, labels, bias, m, ls, q, ignore_index, reduction,
-                            label_smoothing, z_loss, softcap, mode, chunk_tokens, chunk_vocab)
+                            label_smoothing, z_loss, softcap, mode, chunk_tokens, chunk_vocab, dx_finish)
 
 
 def _ce_backward(grad_loss, hidden, weight, labels, bias, m, ls, q, ignore_index, reduction, label_smoothing, z_loss,
-                 softcap, mode, chunk_tokens, chunk_vocab):
+                 softcap, mode, chunk_tokens, chunk_vocab, dx_finish):
     """ring_dtp_ce_backward's body for T >= 1 (the op's arguments and outputs)."""
     T, H = hidden.shape
     V = weight.shape[0]
@@ -142,7 +147,7 @@ def _ce_backward(grad_loss, hidden, weight, labels, bias, m, ls, q, ignore_index
     ct, cv = sched.chunk_sizes(T, H, V, hidden.dtype, MODES[order], chunk_tokens or None, chunk_vocab or None)
     dx, dw, db = sched.backward_blocked(hidden, weight, bias, y, m.contiguous(), ls.contiguous(), q.contiguous(), g,
                                         ignore_index, softcap, label_smoothing, z_loss, ct, cv, order,
-                                        opts=sched.current_options())
+                                        dx_finish=dx_finish)
     if db is None:
         db = torch.empty(0, dtype=torch.float32, device=hidden.device)
     return dx, dw, db
@@ -150,14 +155,19 @@ def _ce_backward(grad_loss, hidden, weight, labels, bias, m, ls, q, ignore_index
 
 @ring_dtp_ce_backward.register_fake
 def _(grad_loss, hidden, weight, labels, bias, m, ls, q, ignore_index, reduction, label_smoothing, z_loss, softcap,
-      mode, chunk_tokens, chunk_vocab):
+      mode, chunk_tokens, chunk_vocab, dw_finish, dx_finish, center_chunks, fused_colsum):
     db = hidden.new_empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32)
     return torch.empty_like(hidden), torch.empty_like(weight), db
 
 
+# ring_dtp_ce's arguments: hidden, weight, labels, bias, the loss definition (5), the schedule
+# (RingDTPOptions.op_args(): 7), grads. Backward returns one gradient (or None) for each.
+_N_INPUTS = 4 + 5 + 7 + 1
+
+
 def _setup_context(ctx, inputs, output):
-    (hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, mode,
-     chunk_tokens, chunk_vocab, grads) = inputs
+    hidden, weight, labels, bias = inputs[:4]
+    args = inputs[4:-1]  # the loss definition, then the schedule (grads, the last, is forward's)
     loss, m, ls, q, dx, dw, db = output
     # Only `loss` is differentiable. Without these two lines autograd would hand
     # backward zero-filled gradients for every other output (materialize_grads):
@@ -165,7 +175,7 @@ def _setup_context(ctx, inputs, output):
     # V = 151936 in bf16: 1.41 GiB more at the peak).
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(m, ls, q, dx, dw, db)
-    ctx.args = (ignore_index, reduction, label_smoothing, z_loss, softcap, mode, chunk_tokens, chunk_vocab)
+    ctx.args = tuple(args)
     ctx.has_bias = bias is not None
     ctx.bias_dtype = bias.dtype if bias is not None else None
     # The fused modes' gradients (unit upstream grad), handed out by the first backward and
@@ -174,14 +184,18 @@ def _setup_context(ctx, inputs, output):
     # F.linear saves them too): a second backward (retain_graph) recomputes, and
     # create_graph differentiates through torch ops (_double_backward_grads).
     ctx.fused_grads = [dx, dw, db] if dw.numel() > 0 else None
+    # Whether any token has a label: without one the fused gradients are exact zeros and stay
+    # so for any upstream gradient, inf or NaN included (torch's cross-entropy backward). Made
+    # here, so that backward allocates nothing of T elements.
+    ctx.any_label = (labels != args[0]).any() if ctx.fused_grads is not None else None
     ctx.save_for_backward(hidden, weight, labels, bias, m, ls, q)
 
 
-def _backward(ctx, grad_loss, gm, gls, gq, gdx, gdw, gdb):
+def _backward(ctx, grad_loss, *_non_differentiable):
     if grad_loss is None:  # nothing flowed into loss (grads are not materialized)
-        return (None,) * 13
+        return (None,) * _N_INPUTS
     hidden, weight, labels, bias, m, ls, q = ctx.saved_tensors
-    if LabelGuard.pending and type(labels) is torch.Tensor and not torch.compiler.is_compiling():
+    if PENDING and type(labels) is torch.Tensor and not torch.compiler.is_compiling():
         # CUDA labels are checked without a sync in forward; before any gradient is written,
         # wait for the pending flags, this call's included (one host wait on the forward's
         # event), and raise if one is set. Not while the backward is traced (fake or
@@ -194,9 +208,7 @@ def _backward(ctx, grad_loss, gm, gls, gq, gdx, gdw, gdb):
     elif fused is not None:
         dx, dw, db = fused
         g = grad_loss.to(torch.float32)
-        # no label left: the unit gradients are exact zeros and stay so for any upstream
-        # gradient (inf or NaN included), as torch's cross-entropy backward leaves them
-        g = torch.where((labels != ctx.args[0]).any(), g, torch.zeros_like(g))
+        g = torch.where(ctx.any_label, g, torch.zeros_like(g))  # no label: zeros stay zeros
         if torch.compiler.is_compiling() or type(dx) is not torch.Tensor:  # traced (functional/fake tensors)
             dx, dw = (dx.float() * g).to(dx.dtype), (dw.float() * g).to(dw.dtype)
             db = db * g
@@ -207,7 +219,7 @@ def _backward(ctx, grad_loss, gm, gls, gq, gdx, gdw, gdb):
     else:  # 4-GEMM modes, and a second backward of a fused call (retain_graph): recompute
         dx, dw, db = ring_dtp_ce_backward(grad_loss, hidden, weight, labels, bias, m, ls, q, *ctx.args)
     dbias = db.to(ctx.bias_dtype) if ctx.has_bias and db is not None else None
-    return dx, dw, None, dbias, None, None, None, None, None, None, None, None, None
+    return (dx, dw, None, dbias) + (None,) * (_N_INPUTS - 4)
 
 
 def _double_backward_grads(grad_loss, hidden, weight, labels, bias, ignore_index, reduction, eps, zloss, softcap):

@@ -59,15 +59,14 @@ Process groups: `group` is resolved once per call through moepeak.core.process_g
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
 from . import blocks as B
+from . import gemm as G
 from .group import Geometry, agreed_options, ring_transport
+from .options import RINGS, RingDTPOptions
 from .sched import REDUCTIONS, reduce_rows
-
-RINGS = ("auto", "weights", "activations", "gather")
 
 
 def _fold_into(x, w, y, v_off, v_valid, st, ignore_index, softcap, ct, cv):
@@ -91,8 +90,8 @@ def _grad_block(x, w, y, v_off, v_valid, V, m, ls, q, g, dx_acc, dw_acc, ignore_
     dz = B.grad_block(z, v_off + b0, v_valid, y[t0:t1], ignore_index, softcap, m[t0:t1], ls[t0:t1],
                       q[t0:t1], g if g.numel() == 1 else g[t0:t1], eps, V, zloss, x.dtype)
     del z
-    B.mm_f32_acc_(dx_acc[t0:t1], dz, w[b0:b1], first=False)
-    B.mm_f32_acc_(dw_acc[b0:b1], dz.t(), x[t0:t1], first=False)
+    G.mm_f32_acc_(dx_acc[t0:t1], dz, w[b0:b1], first=False)
+    G.mm_f32_acc_(dw_acc[b0:b1], dz.t(), x[t0:t1], first=False)
 
 
 class _AccRing:
@@ -205,12 +204,12 @@ def check_no_bias(bias) -> None:
                          "the weight (an extra hidden column of ones) or use group=None")
 
 
-def gather_vocab_shards(w, group, agreed: dict, transport="auto", bias=None, labels=None, ignore_index=-100):
+def gather_vocab_shards(w, group, agreed: dict, transport, labels=None, ignore_index=-100):
     """ring="gather"'s weight: the whole [V, H] weight from this rank's dim-0 shard `w` and
     the others' (autograd, to any order: the gradient of the result is summed back onto the
-    shards). agreed: the AGREED options by name, checked equal on every rank (Geometry).
-    labels (optional): this rank's, range-checked against V on every rank."""
-    check_no_bias(bias)
+    shards). agreed: the AGREED options by name, checked equal on every rank (Geometry);
+    transport: RingDTPOptions.transport. labels (optional): this rank's, range-checked
+    against V on every rank."""
     tr = ring_transport(transport, group, w.device)
     w = w if w.is_contiguous() else w.contiguous()
     geo = Geometry(tr, 0, w, agreed, labels, ignore_index)
@@ -389,24 +388,25 @@ def _differentiable_grads(x, w, y, grad_loss, tr, geo, ignore_index, reduction, 
     return (got[0] if x.requires_grad else None), dw
 
 
-def ring_linear_cross_entropy(x, w, y, bias, group, ring, ignore_index, reduction, eps, zloss, softcap,
-                              chunk_tokens: Optional[int], chunk_vocab: Optional[int], transport="auto"):
-    """x: [T, H] (contiguous), w: [V_r, H] this rank's vocab shard, y: [T] int64. Every rank
-    of the group must pass the AGREED arguments alike (checked: a clear error on every rank)."""
-    if ring not in ("auto", "weights", "activations"):  # "gather" never comes here: linear_cross_entropy
-        raise ValueError(f"moepeak: ring must be one of {RINGS}, got {ring!r}")  # runs it (gather_vocab_shards)
-    check_no_bias(bias)
-    tr = ring_transport(transport, group, x.device)
+def ring_linear_cross_entropy(x, w, y, group, ignore_index, reduction, eps, zloss, softcap,
+                              options: RingDTPOptions):
+    """x: [T, H] (contiguous), w: [V_r, H] this rank's vocab shard, y: [T] int64; the loss
+    definition (softcap 0: none) and the schedule (options: ring, chunk sizes, transport).
+    Every rank of the group must pass the AGREED arguments alike (checked: a clear error on
+    every rank)."""
+    if options.ring not in ("auto", "weights", "activations"):  # "gather" never comes here:
+        raise ValueError(f"moepeak: ring must be one of {RINGS[:3]} here, got {options.ring!r}")  # see its doc
+    tr = ring_transport(options.transport, group, x.device)
     w = w if w.is_contiguous() else w.contiguous()
-    agreed = agreed_options(ring, ignore_index, reduction, eps, zloss, softcap, chunk_tokens, chunk_vocab)
+    agreed = agreed_options(options, ignore_index, reduction, eps, zloss, softcap)
     geo = Geometry(tr, x.shape[0], w, agreed, y, ignore_index)
-    variant = ring
-    if ring == "auto":
+    variant = options.ring
+    if variant == "auto":
         variant = "weights" if geo.Vmax <= geo.Tmax else "activations"
     # Every rank's labels are in range (the exchange checked them, on every device), so no
     # token is `bad` (row_losses' mask for out-of-range labels) and no flag is deferred.
     bad = torch.zeros_like(y, dtype=torch.bool)
-    ct, cv = B.blocked_chunks(max(geo.Tmax, 1), x.shape[1], x.dtype, chunk_tokens=chunk_tokens)
-    cv = chunk_vocab or cv
+    ct, cv = B.blocked_chunks(max(geo.Tmax, 1), x.shape[1], x.dtype, chunk_tokens=options.chunk_tokens)
+    cv = options.chunk_vocab or cv
     return _RingCE.apply(x, w, y, bad, tr, geo, variant, ignore_index, REDUCTIONS[reduction], float(eps),
                          float(zloss), float(softcap), ct, cv)

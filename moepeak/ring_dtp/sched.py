@@ -13,7 +13,7 @@ by ignore_index), bias: [V] or None; the per-token state is blocks'.
                except its label column (dZ[t, y_t], the largest terms), which is
                taken out of each chunk's dZ for the dW GEMM and added once at the
                end, summed in fp32 ("dW's finish", B.finish_dw); past
-               ScheduleOptions.center_chunks chunks also centered (the dW GEMMs on
+               RingDTPOptions.center_chunks chunks also centered (the dW GEMMs on
                X - mu, colsum(dZ) mu^T in the finish).
   vocab_outer  4 GEMMs. Forward folds lse; backward, per vocab block, recomputes
                Z, makes dZ, and sums dW_b in fp32 over token chunks (exact),
@@ -79,70 +79,23 @@ vocab_outer_lowp's dX with its finish: 0.98-1.00x naive's at 8 blocks on the
 benchmark grid's six H x V (2.4-3.5x without it), 0.76x for x_mean = 3.
 The tests hold these bounds on CPU at smaller shapes (tests/test_ring_dtp_errors.py).
 
-ScheduleOptions holds the switches of the finishes and the centering; the
-defaults are what the op runs. schedule_options() changes them inside a `with`
-block: a testing and benchmarking hook (the A/B comparisons of the tests and of
-benchmarks/study_dw_error.py), not a tuning knob.
+The switches of the finishes and the centering are RingDTPOptions fields (options.py:
+dw_finish, dx_finish, center_chunks, fused_colsum), passed to each call as arguments; their
+defaults are what the op runs, and the tests and benchmarks/studies turn each off to measure
+what it buys.
 """
 from __future__ import annotations
-
-import contextlib
-import dataclasses
-from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
 
 from . import blocks as B
+from . import gemm as G
 from . import sizes as S
+from .options import MODES
 
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
-MODES = {"auto": 0, "fused": 1, "vocab_outer": 2, "token_outer": 3, "fused_lowp": 4, "vocab_outer_lowp": 5}
 FUSED_MODES = (MODES["fused"], MODES["fused_lowp"])
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduleOptions:
-    """Switches of the schedules' error-control steps (see "Error growth").
-
-    dw_finish      fused*: the label column of dW summed in fp32 and added once
-                   (False: every term rounded per token chunk).
-    dx_finish      vocab_outer_lowp: the label term of dX added once in fp32
-                   (False: every term rounded per vocab block).
-    center_chunks  fused*: center X for the dW GEMMs past this many token chunks
-                   (1: whenever dW spans chunks; a huge number: never).
-    fused_colsum   the centering's colsum(dZ) made by the gradient kernel where it
-                   can (CUDA); False: a ones-row GEMM re-reads dZ.
-    """
-    dw_finish: bool = True
-    dx_finish: bool = True
-    center_chunks: int = S.FUSED_CENTER_CHUNKS
-    fused_colsum: bool = True
-
-
-DEFAULT_OPTIONS = ScheduleOptions()
-_active = [DEFAULT_OPTIONS]  # a stack; only schedule_options() pushes and pops
-
-
-def current_options() -> ScheduleOptions:
-    """The options the op runs with now (DEFAULT_OPTIONS outside schedule_options())."""
-    return _active[-1]
-
-
-@contextlib.contextmanager
-def schedule_options(**changes) -> Iterator[ScheduleOptions]:
-    """Testing/benchmarking hook: run the op with some ScheduleOptions fields changed
-    inside the block (forward and backward both read them, so keep the backward inside).
-
-        with schedule_options(center_chunks=1 << 30):   # the fused modes uncentered
-            loss = linear_cross_entropy(h, w, y); loss.backward()
-    """
-    opts = dataclasses.replace(current_options(), **changes)
-    _active.append(opts)
-    try:
-        yield opts
-    finally:
-        _active.pop()
 
 
 def fold_all(x, w, bias, y, ignore_index, softcap, ct, cv):
@@ -159,13 +112,13 @@ def fold_all(x, w, bias, y, ignore_index, softcap, ct, cv):
     return st
 
 
-def fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=False,
-          opts: Optional[ScheduleOptions] = None):
+def fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, *, lowp_logits: bool, dw_finish: bool,
+          center_chunks: int, fused_colsum: bool):
     """Forward with gradients (3 GEMMs). g: [1] x fp32 (the per-token weight).
     lowp_logits: the GEMM writes the logits in x.dtype (bf16/fp16, fp32-accumulated, as naive
     F.linear does) and dZ is made in place in that block (CUDA); on CPU the same rounding is
-    applied to an fp32 block (z <- fp32(bf16(z))), so CPU tests check these numerics."""
-    opts = opts or current_options()
+    applied to an fp32 block (z <- fp32(bf16(z))), so CPU tests check these numerics.
+    dw_finish, center_chunks, fused_colsum: RingDTPOptions' fields of those names."""
     T, V = x.shape[0], w.shape[0]
     st = B.new_state(T, x.device)
     dx = torch.empty_like(x)
@@ -185,9 +138,9 @@ def fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=F
     # dW in bf16/fp16 over more than one chunk ("Error growth"): the label column of each
     # chunk's dZ (its largest terms; a frequent label has one in every chunk) goes to tc
     # and into dW once, summed in fp32 (B.finish_dw), instead of once per chunk.
-    split = lowp and T > ct and opts.dw_finish
+    split = lowp and T > ct and dw_finish
     tc = torch.empty(T, dtype=torch.float32, device=x.device) if split else None
-    # Centering, past opts.center_chunks chunks: what the finish leaves in the GEMMs also
+    # Centering, past center_chunks chunks: what the finish leaves in the GEMMs also
     # adds up over chunks along a mean direction mu the hidden states share (colsum(dZ) mu^T
     # in every chunk), so the dW GEMMs take X - mu (one rounding per element, relative to
     # |x - mu|) and colsum(dZ) (fp32, a [1, n] x [n, V] GEMM per chunk) joins the finish as
@@ -198,7 +151,7 @@ def fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=F
     # B.colsum_fusable), through a [<= COLSUM_GROUPS, V] x fp32 scratch that is the chunk's
     # own dX rows again (B.colsum_scratch; free until X - mu is written there); else (or for
     # a last chunk too short to hold one scratch row) a GEMM re-reads dZ.
-    center = split and -(-T // ct) > opts.center_chunks
+    center = split and -(-T // ct) > center_chunks
     if center:
         H = x.shape[1]
         ones = torch.ones((1, ct), dtype=x.dtype, device=x.device)
@@ -208,7 +161,7 @@ def fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=F
         mu = mu32.div_(T).to(x.dtype)                           # [H] in x.dtype: the GEMMs' operand
         mu32.copy_(mu)                                          # and exactly it in fp32 for the finish
         cs = torch.empty(V, dtype=torch.float32, device=x.device)
-        fuse_cs = opts.fused_colsum and B.colsum_fusable(zbuf, dzbuf)
+        fuse_cs = fused_colsum and B.colsum_fusable(zbuf, dzbuf)
     for t0 in range(0, T, ct):
         t1 = min(T, t0 + ct)
         n = t1 - t0
@@ -219,7 +172,7 @@ def fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=F
             if bias is not None:
                 z.add_(bias)
         else:
-            z = B.mm_f32_into(xc, w.t(), zbuf[:n])           # [n, V] x fp32: the whole vocab row
+            z = G.mm_f32_into(xc, w.t(), zbuf[:n])           # [n, V] x fp32: the whole vocab row
             if bias is not None:
                 z.add_(bias.float())
             if lowp_logits and lowp:                          # CPU: the rounding of a low-precision GEMM output
@@ -240,13 +193,13 @@ def fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=F
             xg = B.sub_row(xc, mu, dx[t0:t1])                 # X - mu: dX's GEMM below overwrites them
             if part is None:
                 B.colsum_acc_(cs, dz, ones, first=t0 == 0)
-        B.mm_acc_(dw, dz.t(), xg, first=t0 == 0)              # rn(dW + rn(product)) (Error growth)
+        G.mm_acc_(dw, dz.t(), xg, first=t0 == 0)              # rn(dW + rn(product)) (Error growth)
         if split:                                             # dX's GEMM with it: put it back, exactly
             B.put_label_column(dz, y[t0:t1], tc[t0:t1], col)
         if x.device.type == "cuda" or f32acc:
             torch.mm(dz, w, out=dx[t0:t1])                    # exact: one GEMM over the whole row
         else:
-            dx[t0:t1] = B.mm(dz, w, False)
+            dx[t0:t1] = G.mm(dz, w, False)
         if db is not None:
             db.add_(dz.float().sum(0))
         del dz  # the previous chunk's dZ must not live while the next one is made
@@ -257,10 +210,10 @@ def fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, lowp_logits=F
 
 
 
-def backward_blocked(x, w, bias, y, m, ls, q, g, ignore_index, softcap, eps, zloss, ct, cv, order,
-                     opts: Optional[ScheduleOptions] = None):
-    """4th and later GEMMs: recompute blocks and accumulate dX, dW (see module doc)."""
-    opts = opts or current_options()
+def backward_blocked(x, w, bias, y, m, ls, q, g, ignore_index, softcap, eps, zloss, ct, cv, order, *,
+                     dx_finish: bool):
+    """4th and later GEMMs: recompute blocks and accumulate dX, dW (see module doc).
+    dx_finish: RingDTPOptions' field of that name."""
     T, H = x.shape
     V = w.shape[0]
     db = None if bias is None else torch.zeros(V, dtype=torch.float32, device=x.device)
@@ -286,8 +239,8 @@ def backward_blocked(x, w, bias, y, m, ls, q, g, ignore_index, softcap, eps, zlo
             for t0 in range(0, T, ct):
                 t1 = min(T, t0 + ct)
                 dz = grad(t0, t1, v0, v1)
-                dx_acc[t0:t1].add_(B.mm(dz, w[v0:v1], True))
-                part = B.mm(dz.t(), x[t0:t1], True)
+                dx_acc[t0:t1].add_(G.mm(dz, w[v0:v1], True))
+                part = G.mm(dz.t(), x[t0:t1], True)
                 dw_b = part if dw_b is None else dw_b.add_(part)
             dw[v0:v1] = dw_b
         return dx_acc.to(x.dtype), dw, db
@@ -305,7 +258,7 @@ def backward_blocked(x, w, bias, y, m, ls, q, g, ignore_index, softcap, eps, zlo
         dx = torch.empty_like(x)
         dw = torch.empty_like(w)
         dw_b = torch.empty((min(cv, V), H), dtype=torch.float32, device=x.device)
-        split = V > cv and opts.dx_finish
+        split = V > cv and dx_finish
         tc = torch.zeros(T, dtype=torch.float32, device=x.device) if split else None
         for v0 in range(0, V, cv):
             v1 = min(V, v0 + cv)
@@ -313,10 +266,10 @@ def backward_blocked(x, w, bias, y, m, ls, q, g, ignore_index, softcap, eps, zlo
             for t0 in range(0, T, ct):
                 t1 = min(T, t0 + ct)
                 dz = grad(t0, t1, v0, v1)
-                B.mm_f32_acc_(blk, dz.t(), x[t0:t1], first=t0 == 0)
+                G.mm_f32_acc_(blk, dz.t(), x[t0:t1], first=t0 == 0)
                 if split:
                     B.take_label_column_block(dz, y[t0:t1], tc[t0:t1], v0)
-                B.mm_acc_(dx[t0:t1], dz, w[v0:v1], first=v0 == 0)
+                G.mm_acc_(dx[t0:t1], dz, w[v0:v1], first=v0 == 0)
                 del dz
             dw[v0:v1] = blk
         if split:
@@ -331,8 +284,8 @@ def backward_blocked(x, w, bias, y, m, ls, q, g, ignore_index, softcap, eps, zlo
         for v0 in range(0, V, cv):
             v1 = min(V, v0 + cv)
             dz = grad(t0, t1, v0, v1)
-            dx_c.add_(B.mm(dz, w[v0:v1], True))
-            dw[v0:v1].add_(B.mm(dz.t(), x[t0:t1], True))
+            dx_c.add_(G.mm(dz, w[v0:v1], True))
+            dw[v0:v1].add_(G.mm(dz.t(), x[t0:t1], True))
         dx[t0:t1] = dx_c
     return dx, dw, db
 

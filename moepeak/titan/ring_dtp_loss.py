@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper, CrossEntropyLoss
 
-from ..ring_dtp import linear_cross_entropy
+from ..ring_dtp import RingDTPOptions, linear_cross_entropy
 
 
 class RingDTPLoss(ChunkedLossWrapper):
@@ -20,12 +20,12 @@ class RingDTPLoss(ChunkedLossWrapper):
 
     @dataclass(kw_only=True, slots=True)
     class Config(ChunkedLossWrapper.Config):
-        ring: str = "auto"
+        ring: str = RingDTPOptions.ring
         """Sharded head: "auto", "weights", "activations" or "gather" (linear_cross_entropy)."""
-        mode: str = "auto"
+        mode: str = RingDTPOptions.mode
         """Unsharded head: linear_cross_entropy's schedule."""
-        chunk_tokens: Optional[int] = None
-        chunk_vocab: Optional[int] = None
+        chunk_tokens: Optional[int] = RingDTPOptions.chunk_tokens
+        chunk_vocab: Optional[int] = RingDTPOptions.chunk_vocab
 
     def __init__(self, config: Config, *, compile_config=None):
         if type(config.loss_fn) is not CrossEntropyLoss.Config:
@@ -36,6 +36,7 @@ class RingDTPLoss(ChunkedLossWrapper):
         self.lm_head = None
         self.options = dict(ring=config.ring, mode=config.mode, chunk_tokens=config.chunk_tokens,
                             chunk_vocab=config.chunk_vocab)
+        RingDTPOptions(**self.options)  # checked now: a bad value names its field
 
     def head_weight(self):
         """(weight, bias, group): the lm_head's weight as linear_cross_entropy
