@@ -1,7 +1,7 @@
-"""Ring-DTP's chunk sizes and `auto`'s schedule choice: integer arithmetic on
-(T, H, V, bytes per element), importing nothing, so that the op (sched.py, blocks.py)
-and `moepeak plan`'s memory model read the same numbers from one place. Public by
-design: any moepeak subpackage may import this module (moepeak.plan does).
+"""Ring-DTP's chunk sizes, `auto`'s schedule choice and the bytes it holds at its peak:
+integer arithmetic on (T, H, V, bytes per element), importing nothing, so that the op
+(sched.py, blocks.py) and `moepeak plan`'s memory model read the same numbers from one
+place. Public by design: any moepeak subpackage may import this module (moepeak.plan does).
 
 b is the element size of the low-precision buffers: 2 for bf16/fp16 inputs, 0
 for fp32 inputs (the fp32 orders make dZ in place and need no second buffer).
@@ -33,7 +33,7 @@ FUSED_MAX_CHUNKS = 128
 LOWP_DX_BLOCKS = 8
 LOWP_DW_BLOCK_BYTES = 300 << 20
 # The fused modes center X for their dW GEMMs past this many token chunks
-# (sched.fused; ScheduleOptions.center_chunks defaults to it): uncentered, dW's
+# (sched.fused; RingDTPOptions.center_chunks defaults to it): uncentered, dW's
 # error on very anisotropic hidden states, x_mean = 3, grows past naive's 2x between 8
 # chunks, 1.85x, and 16, 2.39x (sched's "Error growth"). The centering's column
 # sums go through a [<= COLSUM_GROUPS, V] x fp32 scratch in the chunk's dX rows where the
@@ -139,3 +139,36 @@ def fused_extra_bytes(T: int, H: int, V: int, b: int, ct: int) -> int:
     if -(-T // ct) > FUSED_CENTER_CHUNKS:
         extra += 4 * V + (4 + b) * H + b * ct
     return extra
+
+
+# Per token, beside the blocks: the fold's state (m, s, zy, zsum, sx) and the three rows forward
+# saves for backward (m, log s, 1 - p_y), all fp32.
+STATE_ROW_BYTES = 4 * (5 + 3)
+
+
+def auto_peak_bytes(T: int, H: int, V: int, elem_bytes: int, fused_budget: Optional[int] = None) -> int:
+    """Ring-DTP's own bytes at its peak on one device, for the schedule `auto` picks when
+    backward is certain (loss.backward() after a mean or sum), on inputs of elem_bytes per
+    element (4: fp32, 2: bf16/fp16). dW [V, H] is not counted: it is the parameter's gradient.
+      fp32      fused: one [ct, V] fp32 block (dZ made in place) + dX [T, H] x 4;
+      fused_lowp       one [ct, V] block in the input dtype + dX [T, H] + fused_extra_bytes;
+      vocab_outer      the block workspace + the fp32 [T, H] dX accumulator and its cast;
+      vocab_outer_lowp the block workspace + the fp32 dW block [cv, H] + dX [T, H] + the dX
+                       finish's label terms [T] x fp32;
+    each + STATE_ROW_BYTES per token. fused_budget: the fused modes' workspace in bytes (None:
+    DEFAULT_WORKSPACE_BYTES for fp32 logits, LOWP_WORKSPACE_BYTES for low-precision ones).
+    Worked once: T = 32768, H = 4096, V = 151936, bf16: fused_lowp, ct = 2048, 16 chunks:
+    2048*151936*2 + 2*32768*4096 + 32*32768 + (4*32768 + 4*151936 + 6*4096 + 2*2048) bytes
+    = 851.2 MiB."""
+    if elem_bytes == 4:
+        ct = fused_chunk_tokens(V, 0, fused_budget)
+        return min(ct, T) * V * 4 + 4 * T * H + STATE_ROW_BYTES * T
+    b = elem_bytes
+    ct = fused_chunk_tokens(V, b, fused_budget, lowp_logits=True)
+    schedule = auto_lowp_schedule(True, T, H, V, b, ct)
+    if schedule == "fused_lowp":
+        return min(ct, T) * V * b + b * T * H + STATE_ROW_BYTES * T + fused_extra_bytes(T, H, V, b, ct)
+    if schedule == "vocab_outer":
+        return BLOCKED_WORKSPACE_BYTES + (4 + b) * T * H + STATE_ROW_BYTES * T
+    cv = min(V, lowp_dx_block_cols(V, H))
+    return BLOCKED_WORKSPACE_BYTES + 4 * cv * H + b * T * H + STATE_ROW_BYTES * T + 4 * T
