@@ -9,6 +9,10 @@ Same process, same params, one arm at a time (host memory is freed between):
                   if installed (its hooks fired at step start, see TorchaoArm)
                   (note: its CPU state has the params' dtype, bf16 here)
   stream_adamw    moepeak.StreamAdamW (bucket pipeline)
+  stream_adamw_bf16state  the same with state_dtype=torch.bfloat16 (bf16 exp_avg/exp_avg_sq,
+                  stochastic rounding; 8 instead of 12 B/param of host state), with
+                  --state-dtype bfloat16 or both (the default float32 runs the fp32 arm only;
+                  the kernel-alone row gets its bf16-state twin the same way)
 plus: pinned D2H/H2D bandwidth, torch's fused CPU AdamW alone on fp32 (the
 DRAM floor, 28 B/param; floor32 adds the 4 B/param of pinned DMA), moepeak's C kernel alone (same threads), and the
 floor max(PCIe time, DRAM time). Layouts: "large" (tensors of 64 Mi
@@ -19,7 +23,7 @@ exposed_s = median from step start (end of backward) to params ready on the
 GPU (synchronize after); gpu_added = peak max_memory_allocated during the step
 minus before; host_rss, pinned bytes. An OOM is recorded, not raised.
 
-  python benchmarks/bench_optim.py --out benchmarks/results [--quick]
+  python benchmarks/bench_optim.py --out benchmarks/results [--quick] [--state-dtype both]
 """
 import argparse
 import gc
@@ -33,6 +37,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from _common import append_results, wall_times_s  # noqa: E402
 import moepeak  # noqa: E402
+from moepeak.stream_adamw import StreamAdamWOptions  # noqa: E402
+from moepeak.stream_adamw import sizes as stream_sizes  # noqa: E402
 
 COLS = ["threads", "params", "layout", "arm", "step_s", "step_min_s", "step_max_s",
         "exposed_s", "vs_floor", "gpu_added", "host_rss", "pinned", "pcie_s", "dram_GBs", "d2h_GBs", "h2d_GBs", "note"]
@@ -51,7 +57,9 @@ def rss():
 # Host bytes per parameter each arm needs (fp32 master/grad/m/v, pinned
 # staging, foreach temporaries); an arm that would not fit in 90% of
 # MemAvailable is recorded as skipped instead of letting the OOM killer in.
-HOST_BYTES = {"serial_foreach": 28, "serial_fused": 20, "torchao": 10, "stream_adamw": 12, "cpu_kernels": 16}
+HOST_BYTES = {"serial_foreach": 28, "serial_fused": 20, "torchao": 10, "cpu_kernels": 16,
+              "stream_adamw": stream_sizes.state_bytes_per_param(torch.bfloat16),
+              "stream_adamw_bf16state": stream_sizes.state_bytes_per_param(torch.bfloat16, torch.bfloat16)}
 
 
 def mem_available():
@@ -166,8 +174,9 @@ def bandwidth(nbytes=1 << 30):
     return res
 
 
-def cpu_kernels(total, threads, reps):
-    """torch fused CPU AdamW alone vs moepeak's C kernel alone, fp32, same tensors."""
+def cpu_kernels(total, threads, reps, bf16_state=False):
+    """torch fused CPU AdamW alone vs moepeak's C kernel alone, fp32 params, same tensors
+    (bf16_state: also the kernel with bf16 exp_avg/exp_avg_sq)."""
     # constant values: the step's cost does not depend on them, and CPU randn of
     # 2^30 elements would take longer than the measurement
     p = torch.full((total,), 0.02).requires_grad_(True)
@@ -175,6 +184,9 @@ def cpu_kernels(total, threads, reps):
     out = {}
     makers = (("torch_fused_cpu_alone", lambda: torch.optim.AdamW([p], lr=1e-4, fused=True)),
               ("moepeak_kernel_alone", lambda: moepeak.StreamAdamW([p], lr=1e-4, threads=threads)))
+    if bf16_state:
+        makers += (("moepeak_kernel_alone_bf16state",
+                    lambda: moepeak.StreamAdamW([p], lr=1e-4, threads=threads, state_dtype=torch.bfloat16)),)
     for name, make in makers:  # one optimizer (8 B/param of state) alive at a time
         opt = make()
         out[name] = statistics.median(wall_times_s(opt.step, reps, warmup=1))
@@ -190,8 +202,12 @@ def main():
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    ap.add_argument("--bucket-mb", type=float, default=64)
+    ap.add_argument("--bucket-mb", type=float, default=StreamAdamWOptions.bucket_mb)
+    ap.add_argument("--state-dtype", choices=("float32", "bfloat16", "both"), default="float32",
+                    help="StreamAdamW's state_dtype arms (default %(default)s: the fp32 arm only)")
     args = ap.parse_args()
+    state_arms = {"float32": ("stream_adamw",), "bfloat16": ("stream_adamw_bf16state",),
+                  "both": ("stream_adamw", "stream_adamw_bf16state")}[args.state_dtype]
     torch.set_num_threads(args.threads)
     sizes = [1 << 30] if args.quick else [1 << 30, 1 << 32]
     warmup, reps = (1, 2) if args.quick else (2, 5)
@@ -210,7 +226,7 @@ def main():
         try:
             if not fits("cpu_kernels", total):
                 raise MemoryError(f"needs ~{HOST_BYTES['cpu_kernels'] * total / 2**30:.0f} GiB of host RAM")
-            k = cpu_kernels(total, args.threads, reps)
+            k = cpu_kernels(total, args.threads, reps, bf16_state="stream_adamw_bf16state" in state_arms)
             for name, t in k.items():
                 record(params=total, layout="fp32-cpu", arm=name, step_s=t, dram_GBs=28 * total / t / 1e9)
         except (MemoryError, RuntimeError) as e:
@@ -231,7 +247,10 @@ def main():
                     ("serial_fused", lambda ps: SerialOffload(ps, False)),
                     ("torchao", TorchaoArm),
                     ("stream_adamw", lambda ps: moepeak.StreamAdamW(ps, lr=1e-4, threads=args.threads,
-                                                                     bucket_mb=args.bucket_mb))]
+                                                                     bucket_mb=args.bucket_mb)),
+                    ("stream_adamw_bf16state", lambda ps: moepeak.StreamAdamW(
+                        ps, lr=1e-4, threads=args.threads, bucket_mb=args.bucket_mb, state_dtype=torch.bfloat16))]
+            arms = [a for a in arms if not a[0].startswith("stream_adamw") or a[0] in state_arms]
             for arm, make in arms:
                 params = opt = None
                 if not fits(arm, total):
@@ -291,9 +310,14 @@ def summary(rows, threads):
                        and kern <= tf))
         f28, f32 = val(p, "-", "floor", "step_s"), val(p, "-", "floor32", "step_s")
         for lay in ("large", "experts"):
-            s = val(p, lay, "stream_adamw")
+            s, b = val(p, lay, "stream_adamw"), val(p, lay, "stream_adamw_bf16state")
+            if b is not None:
+                checks.append((f"{lay}: stream_adamw_bf16state exposed_s, info", b, None, None))
+                if s is not None:
+                    checks.append((f"{lay}: stream_adamw_bf16state / stream_adamw, info", b / s, None, None))
             if s is None:
-                checks.append((f"{lay}: stream_adamw ran", None, None, False))
+                if b is None:
+                    checks.append((f"{lay}: stream_adamw ran", None, None, False))
                 continue
             if p == 1 << 30:
                 checks.append((f"{lay}: stream_adamw <= 0.31 s", s, 0.31, s <= 0.31))

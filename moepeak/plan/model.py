@@ -178,7 +178,7 @@ class Setup:
     impl: str = "demo"          # IMPLS: whose modeling code runs the layers
     lean_norm: bool = True      # moepeak plan: the RMSNorms are moepeak.norms.rms_norm (False: the eager ones)
     norm_chunk_tokens: Optional[int] = None  # its chunk (None: moepeak.norms.default_chunk_rows(H))
-    bucket_mb: float = StreamAdamWOptions.bucket_mb  # StreamAdamW bucket (its slots are pinned host memory: 0 GPU bytes)
+    bucket_mb: float = StreamAdamWOptions.bucket_mb  # StreamAdamW bucket (slots: pinned host memory, 0 GPU bytes)
     device_state_gib: float = 0.0  # StreamAdamW device_state budget (backward_tail): on the GPU
     sco_in_flight: int = 2      # SCOConfig.max_in_flight (W): forward D2H copies still referenced
     sco_prefetch: int = 1       # SCOConfig.prefetch: boundaries loaded ahead in backward

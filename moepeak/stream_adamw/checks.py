@@ -57,7 +57,8 @@ def collect(param_groups, devices, only=None, skip=()):
             out.append((group, p, lp, lg, name))
     cuda_devs = {lp.device for _, _, lp, _, _ in out if lp.is_cuda}
     if len(cuda_devs) > 1:
-        raise ValueError(f"moepeak.StreamAdamW: CUDA params must all be on one device, got {sorted(map(str, cuda_devs))}")
+        raise ValueError(f"moepeak.StreamAdamW: CUDA params must all be on one device, got "
+                         f"{sorted(map(str, cuda_devs))}")
     return out
 
 

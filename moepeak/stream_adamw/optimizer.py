@@ -164,7 +164,8 @@ class StreamAdamW(ParamStateMixin, StateDictMixin, torch.optim.Optimizer):
         """BackwardOverlap's prepare: the job for params whose grads just
         became final (runs in autograd's thread, from the hook); device_state
         params among them are updated here, on the current stream."""
-        return self._update_on_device_then_job(collect(self.param_groups, self._devices, only=set(params)), overlapped=True)
+        entries = collect(self.param_groups, self._devices, only=set(params))
+        return self._update_on_device_then_job(entries, overlapped=True)
 
     def _update_on_device_then_job(self, entries, overlapped):
         """Update the device_state params among entries where they live
@@ -294,7 +295,8 @@ class StreamAdamW(ParamStateMixin, StateDictMixin, torch.optim.Optimizer):
             for p in group["params"]:
                 lp = local_shard(p)
                 if self._piped(lp) and lp.numel() > 0 and p not in self._on_device:
-                    layout.append((p, lp.numel(), self._grad_dt.get(p, DTYPE_CODES.get(lp.dtype, 0)), DTYPE_CODES.get(lp.dtype, 0)))
+                    param_code = DTYPE_CODES.get(lp.dtype, 0)
+                    layout.append((p, lp.numel(), self._grad_dt.get(p, param_code), param_code))
         if not layout:
             return None
         key = (tuple(x[1] for x in layout), tuple(x[2] for x in layout), tuple(x[3] for x in layout))

@@ -8,7 +8,7 @@ from typing import Optional
 
 from torchtitan.components.optimizer import OptimizersContainer
 
-from ..stream_adamw import StreamAdamW
+from ..stream_adamw import StreamAdamW, StreamAdamWOptions
 
 _TORCH_IMPL_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
@@ -19,7 +19,7 @@ class StreamAdamWOptimizers(OptimizersContainer):
 
     @dataclass(kw_only=True, slots=True)
     class Config(OptimizersContainer.Config):
-        bucket_mb: float = 64
+        bucket_mb: float = StreamAdamWOptions.bucket_mb
         threads: Optional[int] = None
         device_state_mb: float = 0
         """GPU memory (MiB per model part and rank) for the optimizer state of the leading
