@@ -48,6 +48,9 @@ with all heads and per kv head; at the longer T cudnn and flash per kv head (gqa
 models. About 3-3.5 minutes on an H200 (flex compiles once per shape, ~6 s); --max-seconds cuts
 the tail. At 512k one all-heads fwd+bwd of 16 heads is 3.5 x 1.1e15 FLOP, 7-12 s: all-heads
 cases beyond T0 run only with --full or --groups.
+
+over 500 lines: every backend, model and grouping of the comparison in one script, so that they
+run in one process on the same shapes (docs/design.md section 4, benchmarks).
 """
 from __future__ import annotations
 

@@ -59,6 +59,9 @@ Timing: CUDA events, median (min-max) of the timed iterations; tokens/s =
 T / median fwd+bwd time. P = 2: a barrier starts every timed call on all
 ranks together; each statistic is the max over ranks. An OOM is a result.
 --max-seconds: (T, routing) points not started within it are skipped (logged).
+
+over 500 lines: every arm at P = 1 and P > 1 in one script, so that they run in one process on
+the same routing and weights (docs/design.md section 4, benchmarks).
 """
 from __future__ import annotations
 

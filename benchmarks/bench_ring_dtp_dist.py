@@ -57,6 +57,9 @@ ranks agree on it with an all-reduce after each arm.
   NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 benchmarks/bench_ring_dtp_dist.py --out DIR [--quick]
   torchrun --nproc_per_node=2 benchmarks/bench_ring_dtp_dist.py --smoke        # CPU, gloo, tiny shapes
 Rows go to DIR/ring_dtp_dist.csv (rank 0 appends after each shape).
+
+over 500 lines: every arm of the comparison in one script, so that they run in one process per
+rank on the same inputs (docs/design.md section 4, benchmarks).
 """
 from __future__ import annotations
 

@@ -9,9 +9,11 @@ the arithmetic), each with a GPU working set fixed at launch:
   SCO                 moepeak.sco_checkpoint, moepeak.apply_sco         (checkpoint boundaries)
   StreamAdamW         moepeak.StreamAdamW                               (optimizer state)
 
-Public names are resolved lazily, so `import moepeak` stays cheap and a
-component's import cost is paid only when it is used. Each lives in the
-subpackage of its concern (docs/design.md section 7: the package layout).
+Public face (for users): the names above, get_transport (moepeak.core) and rms_norm
+(moepeak.norms), and __version__. They are resolved lazily, so `import moepeak` stays cheap
+and a component's import cost is paid only when it is used; each lives in the subpackage of
+its concern (docs/design.md section 7: the package layout), which moepeak's own modules
+import instead of this facade.
 """
 from __future__ import annotations
 

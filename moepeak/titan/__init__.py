@@ -67,9 +67,9 @@ from typing import Any
 
 import torch
 
-from .compat import provide_missing_torch_names
+from . import compat
 
-provide_missing_torch_names()  # torchtitan 0.3 on torch 2.11 / 2.13 (see moepeak/titan/compat.py)
+compat.provide_missing_torch_names()  # torchtitan 0.3 on torch 2.11 / 2.13 (see moepeak/titan/compat.py)
 try:
     from torchtitan.components.loss import BaseLoss, ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.components.optimizer import OptimizersContainer
@@ -86,7 +86,8 @@ from .optimizers import StreamAdamWOptimizers
 from .ring_dtp_loss import RingDTPLoss
 from .routed_experts import LLEPRoutedExperts
 from .sco_checkpointing import SCOActivationCheckpointing
-from .shared_rope import SHARED_ROPE, SharedComplexRoPE, SharedCosSinRoPE
+from . import shared_rope
+from .shared_rope import SharedComplexRoPE, SharedCosSinRoPE
 
 __all__ = ["LLEPRoutedExperts", "RingDTPLoss", "SCOActivationCheckpointing", "StreamAdamWOptimizers",
            "SharedCosSinRoPE", "SharedComplexRoPE", "experts", "loss", "sco", "stream_adamw", "rope",
@@ -121,9 +122,9 @@ def sco(cfg: ActivationCheckpointing.Config, **options: Any) -> SCOActivationChe
 
 @override(target=RoPE.Config, description="moepeak: one rotary table for all blocks")
 def rope(cfg: RoPE.Config) -> RoPE.Config:
-    if type(cfg) in SHARED_ROPE.values():
+    if type(cfg) in shared_rope.SHARED_ROPE.values():
         return cfg
-    shared = SHARED_ROPE.get(type(cfg))
+    shared = shared_rope.SHARED_ROPE.get(type(cfg))
     if shared is None:
         raise ValueError(f"moepeak.titan.rope shares CosSinRoPE and ComplexRoPE tables; "
                          f"{type(cfg).__qualname__} is not supported")
