@@ -1,6 +1,6 @@
 /* moepeak.h: what every C and CUDA C file of moepeak shares.
  *
- * Conventions (DESIGN.md section 4):
+ * Conventions (docs/design.md section 4):
  *  - Library functions return an mp_status (MP_OK == 0). On failure they
  *    record "file:line: message" with mp_set_error() and jump to one `fail:`
  *    label that frees what they own. Nothing calls exit() or abort().

@@ -1,6 +1,6 @@
 // common.cuh: what every CUDA C file of moepeak includes.
 // MP_CUDA_STATUS(expr) is the mp_status of one runtime call; MP_CUDA_CHECK records file:line and cudaGetErrorString and jumps to the
-// caller's `fail:` label with `st` set (DESIGN.md section 4, C errors). On a
+// caller's `fail:` label with `st` set (docs/design.md section 4, C errors). On a
 // failure it also calls cudaGetLastError(), which clears a non-sticky error
 // (a refused cudaHostAlloc, a bad launch configuration) so the next launch
 // check anywhere in the process does not report it as its own; a sticky error

@@ -1,7 +1,7 @@
 """Plain-PyTorch reference implementations shared by tests and benchmarks.
 
 Every reference is the obvious, unscheduled computation in fp64 or fp32, with
-shapes documented; the ops under test must match them (DESIGN.md section 4).
+shapes documented; the ops under test must match them (docs/design.md section 4).
 Sections are per component; keep each component's references in its section.
 """
 from __future__ import annotations
@@ -141,7 +141,7 @@ def _ce_of_logits(z, labels, ignore_index, reduction, label_smoothing, z_loss, s
 def naive_linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, reduction="mean",
                                label_smoothing=0.0, z_loss=0.0, softcap=None):
     """What users write today (logits in the input dtype, then .float()): the
-    error yardstick for low precision (DESIGN.md: at most 2x its error)."""
+    error yardstick for low precision (docs/design.md: at most 2x its error)."""
     z = torch.nn.functional.linear(hidden, weight, bias).float()
     return _ce_of_logits(z, labels, ignore_index, reduction, label_smoothing, z_loss, softcap)
 

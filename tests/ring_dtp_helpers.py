@@ -1,7 +1,7 @@
 """Shared helpers of the Ring-DTP single-device tests (test_ring_dtp_*.py): problem
 makers, gradient runners and the tolerance check against the fp64 reference.
 
-Tolerance rule (DESIGN.md section 4): relative error (norm of the difference /
+Tolerance rule (docs/design.md section 4): relative error (norm of the difference /
 norm of the fp64 result) of loss, dX, dW, dbias at most 2x that of the naive
 computation in the same dtype (F.linear in the input dtype, then .float()),
 plus a small floor for fp32 (where both are at rounding level).

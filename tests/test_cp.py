@@ -7,7 +7,7 @@ Labels include ignored positions spread unevenly over the ranks, so the loss
 averaging is tested too.
 
 CPU: gloo, fp32. CUDA (2 GPUs): NCCL, bf16, against the project's rule
-(DESIGN.md section 4): at the same weights, at most 2x as far from fp64 as plain
+(docs/design.md section 4): at the same weights, at most 2x as far from fp64 as plain
 PyTorch at bf16 on the full sequence.
 """
 import os
@@ -227,7 +227,7 @@ def test_context_parallel_fsdp2_nccl_bf16_within_2x_of_pytorch(tmp_path, monkeyp
     # max over a 32-element norm weight is too noisy a statistic for a 2x
     # rule; elementwise max errors get a 4x bound). The plain arm must stay
     # within 4x of e1 (a CP bug is far larger; the fp32 test checks CP
-    # exactly); moepeak within DESIGN.md's 2x of the worse plain error.
+    # exactly); moepeak within docs/design.md's 2x of the worse plain error.
     plain_err = {}
     for arm in ("plain", "moepeak"):
         g = got[arm]

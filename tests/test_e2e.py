@@ -197,7 +197,7 @@ def _step(model, x, y):
 
 
 def _within_2x_of_pytorch(got, plain, truth, dtype, what):
-    """The project's low-precision rule (DESIGN.md section 4): against an fp64 ground
+    """The project's low-precision rule (docs/design.md section 4): against an fp64 ground
     truth, moepeak may be at most 2x as wrong as plain PyTorch at the same dtype, plus
     a tiny floor, 1/16 of bf16's eps (2^-11) relative to the tensor's largest element (so
     a tensor that PyTorch happens to get exactly right does not demand bit-exactness)."""

@@ -75,7 +75,7 @@ def _run(p, dtype=torch.float32, **over):
 
 def _assert_close(name, got, want, rtol=2e-5, atol=2e-5, torch_fp32=None):
     """|got - want| <= atol + rtol |want| (+ twice plain PyTorch's own fp32 error when given:
-    DESIGN's yardstick, which matters where large logits cancel); NaN only where want is NaN."""
+    docs/design.md's yardstick, which matters where large logits cancel); NaN only where want is NaN."""
     got, want = got.double(), want.double()
     assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     if got.numel() == 0:

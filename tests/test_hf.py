@@ -3,7 +3,7 @@
 The reference is the same model unpatched: transformers' eager experts, torch's
 checkpoint (gradient_checkpointing_enable), the full-logits loss,
 torch.optim.AdamW. fp32 is compared tightly; bf16 against an fp64 run of the
-reference with DESIGN's rule (moepeak's error at most 2x transformers' own at
+reference with docs/design.md's rule (moepeak's error at most 2x transformers' own at
 bf16). Integer routing (top_k_index of every experts call) must be identical."""
 import copy
 from csv import DictReader

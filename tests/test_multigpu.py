@@ -19,7 +19,7 @@ in the ring; T differs per rank and is not a multiple of chunk_tokens; every
 9th label is ignore_index): per rank, loss and dX equal the single-GPU op on
 (X_r, W_full), and the dW shard equals those rows of sum_j dW_j (the ring's
 contract). fp32: within 2e-5 (norm-wise relative) of the single-GPU op and of
-an fp64 reference; bf16: DESIGN.md section 4's rule (error vs fp64 at most 2x
+an fp64 reference; bf16: docs/design.md section 4's rule (error vs fp64 at most 2x
 naive bf16's + 1e-3), also against the single-GPU op. Both ring variants, both
 transports; the two transports give bitwise equal results (the same kernels
 and GEMMs on the same bytes; no atomics in the Ring-DTP kernels).
@@ -61,7 +61,7 @@ pytestmark = [
 
 
 def relerr(a, b) -> float:
-    """Norm-wise relative error of a against b (DESIGN.md section 4's metric)."""
+    """Norm-wise relative error of a against b (docs/design.md section 4's metric)."""
     a, b = a.double(), b.double()
     n = b.norm()
     return ((a - b).norm() / (n if n > 0 else 1.0)).item()

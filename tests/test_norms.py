@@ -1,5 +1,5 @@
 """moepeak.norms.rms_norm against transformers' Llama-style RMSNorm modules (forward bitwise)
-and an fp64 reference (gradients, DESIGN's rule: at most 2x the eager module's own error at the
+and an fp64 reference (gradients, docs/design.md's rule: at most 2x the eager module's own error at the
 same dtype), and the live bytes of its backward (the plan's lean final_norm term)."""
 import pytest
 import torch
@@ -182,7 +182,7 @@ def test_backward_live_bytes_are_the_plans_lean_final_norm(T, H, chunk):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_forward_bitwise_and_grads_within_rule(dtype, name):
     """On the GPU: chunked forward bitwise the module's at the bench's H (2048), T not a multiple
-    of the chunk; gradients within DESIGN's rule of the fp64 reference."""
+    of the chunk; gradients within docs/design.md's rule of the fp64 reference."""
     T, H, chunk = 10000, 2048, DEFAULT_CHUNK_TOKENS
     norm = _module(name, H, dtype).cuda()
     g = torch.Generator(device="cuda").manual_seed(0)

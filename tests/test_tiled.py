@@ -63,7 +63,7 @@ def test_demo_block_bf16_within_twice_plain_error(T, tile):
     names = ["y", "dx"] + [n for n, _ in blk16.named_parameters()]
     for name, r, p, t in zip(names, ref, plain, tiled):
         e_plain, e_tiled = _max_err(p, r), _max_err(t, r)
-        # DESIGN's rule: at most 2x plain PyTorch's own error at the same dtype (plus one
+        # docs/design.md's rule: at most 2x plain PyTorch's own error at the same dtype (plus one
         # bf16 ulp of the tensor's scale, for tensors plain bf16 happens to get exact)
         assert e_tiled <= 2 * e_plain + 2 ** -8 * r.abs().max().item(), (name, e_tiled, e_plain)
 

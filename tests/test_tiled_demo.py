@@ -80,7 +80,7 @@ def test_three_steps_fp32_match_untiled_cuda():
 
 def test_three_steps_bf16_within_twice_untiled_error():
     """bf16 with SCO: the tiled run's distance to the fp32 run is at most 2x the untiled bf16
-    run's (DESIGN's rule), plus one bf16 ulp of the parameter's scale."""
+    run's (docs/design.md's rule), plus one bf16 ulp of the parameter's scale."""
     if not available("checkpoint"):
         pytest.skip("moepeak.sco_checkpoint is not in this build")
     moe, head = _schedules()

@@ -13,7 +13,7 @@ block, shared experts), cut to 3 blocks, runs the same comparisons.
 Tolerance: stock GroupedExperts always computes in bf16 (torch._grouped_mm on
 x.bfloat16()); the reference is the same stock job with its experts computed
 in fp32 by a plain loop, and every run's loss and gradients must be within 2x
-the stock run's own error against that reference (DESIGN "Tolerance").
+the stock run's own error against that reference (docs/design.md, "Tolerance").
 SCO and StreamAdamW alone must be bitwise equal to the stock run.
 """
 from __future__ import annotations

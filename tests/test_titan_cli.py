@@ -1,5 +1,5 @@
 """torchtitan's trainer from its command line, stock and with moepeak's four
-overrides, 3 steps on CPU (gloo): the losses agree within DESIGN's tolerance rule.
+overrides, 3 steps on CPU (gloo): the losses agree within docs/design.md's tolerance rule.
 
 Every job is a command titan_command() builds (README "With torchtitan" shows
 the two-rank one): torchrun of tests/titan_cpu.py -- torchtitan.train's main()
@@ -13,7 +13,7 @@ and dataloader. Per world size three jobs run side by side:
              tests.titan_cpu.fp32_experts)
   moepeak    --override.imports with the moepeak.titan overrides (tests.titan_utils.OVERRIDES)
 
-Tolerance (DESIGN): per step, moepeak's loss and gradient norm (as the trainer
+Tolerance (docs/design.md): per step, moepeak's loss and gradient norm (as the trainer
 logs them, recorded in full precision) are at most 2x as far from the
 reference as the stock job's, plus the fp32 rounding of the value itself. The
 stock job's error must be nonzero for that to mean anything, and each job's log

@@ -6,7 +6,7 @@ Setup: rank 0 of `group` creates an ncclUniqueId, it is broadcast over
 communicator on its device. This communicator is moepeak's own: it is
 independent of whatever backend `group` uses (gloo or nccl).
 
-Streams (DESIGN.md section 1): every operation runs on one dedicated comm
+Streams (docs/design.md section 1): every operation runs on one dedicated comm
 stream per transport, so the operations of the communicator execute in the
 order they were issued (NCCL's rule: same order on every rank; the schedules
 issue them identically by construction).

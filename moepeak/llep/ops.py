@@ -1,5 +1,5 @@
 """PipelinedLLEP: an MoE layer whose dispatch peak grows with neither routing
-imbalance nor tokens (DESIGN.md "PipelinedLLEP").
+imbalance nor tokens (docs/design.md "PipelinedLLEP").
 
 Ops (in order: custom_op, register_fake, register_autograd; the public API over them,
 llep_moe and PipelinedLLEPMoE, is moepeak/llep/moe.py):

@@ -5,7 +5,7 @@ All integer tables live on the host as int64 CPU tensors and are identical on
 every rank (they derive only from the all-gathered P x E load matrix), so the
 chunk count and every collective's sizes agree everywhere.
 
-Chunk-size formula, worked once (DESIGN.md "PipelinedLLEP"):
+Chunk-size formula, worked once (docs/design.md "PipelinedLLEP"):
   C = 32768 rows per destination per chunk, P = 4 ranks -> q = C // P = 8192
   rows per (src, dst) pair per chunk. If the busiest pair moves S = 100000
   rows, n = ceil(100000 / 8192) = 13 chunks on every rank; chunk j of a pair

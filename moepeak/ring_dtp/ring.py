@@ -1,4 +1,4 @@
-"""Ring-DTP over P ranks (DESIGN.md section 2): the vocabulary is sharded on
+"""Ring-DTP over P ranks (docs/design.md section 2): the vocabulary is sharded on
 dim 0 (rank r holds W_r: [V_r, H], global vocab ids [off_r, off_r + V_r)), the
 tokens are per rank (X_r: [T_r, H]). Each rank's loss is the loss of its own
 tokens against the full vocabulary (the same as the single-device op on

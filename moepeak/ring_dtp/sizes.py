@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 
 # Workspace the block loops may hold at once (bytes), unless chunk sizes are
 # given. 512 MiB keeps Ring-DTP's working set a small fraction of the 2 GiB
-# target at T = 32k, H = 4096, V = 151936 (DESIGN.md section 2).
+# target at T = 32k, H = 4096, V = 151936 (docs/design.md section 2).
 DEFAULT_WORKSPACE_BYTES = 512 << 20
 # fused_lowp's single [ct, V] block (see fused_chunk_tokens): what the 2 GiB at
 # T = 32k, H = 4096, V = 151936 leaves beside dX + dW (2048 - 256 - 1187 = 605 MiB).
