@@ -403,3 +403,15 @@ def test_loss_curve_stays_near_fp32_state():
     rel = max(abs(a - b) / a for a, b in zip(f32, b16))
     assert rel < 0.01, rel
     assert f32 != b16  # the state dtype is live
+
+
+def test_demo_selects_bf16_state():
+    """`moepeak demo --state-dtype bfloat16` reaches StreamAdamW (the run itself:
+    benchmarks/bench_bf16_state.py)."""
+    from moepeak.demo import build_parser
+    from moepeak.demo.config import build_optimizer
+    assert build_parser().parse_args(["--state-dtype", "bfloat16"]).state_dtype == "bfloat16"
+    assert build_parser().parse_args([]).state_dtype is None
+    p = torch.nn.Parameter(torch.randn(4))
+    assert build_optimizer([p], "stream", state_dtype=BF16).options.state_dtype == BF16
+    assert build_optimizer([p], "stream").options == StreamAdamWOptions()

@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "torch.utils.checkpoint, torch.optim.AdamW")
     s.add_argument("--no-checkpoint", action="store_true", help="no activation checkpointing at all")
     s.add_argument("--bucket-mb", type=float, default=None, help="StreamAdamW bucket size in MiB (default %(default)s: StreamAdamW's)")
+    s.add_argument("--state-dtype", choices=("float32", "bfloat16"), default=None,
+                   help="StreamAdamW's exp_avg/exp_avg_sq dtype in host RAM (bfloat16: 8 instead of 12 B per "
+                        "bf16 param, stochastic rounding; default %(default)s: StreamAdamW's, float32)")
     s.add_argument("--chunk-rows", type=int, default=None,
                    help="PipelinedLLEP chunk budget" + DEVICE_DEFAULT)
     s.add_argument("--tile-tokens", type=int, default=None,

@@ -175,12 +175,14 @@ def param_count(cfg: MoEConfig) -> int:
 
 
 def build_optimizer(params, kind: str = "stream", *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-                    weight_decay=1e-2, bucket_mb: Optional[float] = None):
-    """"stream": moepeak.StreamAdamW (state in host RAM); "torch": torch.optim.AdamW
-    (fused where this torch supports it: StreamAdamW's bitwise target)."""
+                    weight_decay=1e-2, bucket_mb: Optional[float] = None,
+                    state_dtype: Optional[torch.dtype] = None):
+    """"stream": moepeak.StreamAdamW (state in host RAM; bucket_mb, state_dtype: its options,
+    None: its defaults); "torch": torch.optim.AdamW (fused where this torch supports it:
+    StreamAdamW's bitwise target)."""
     params = list(params)
     if kind == "stream":
-        kw = {} if bucket_mb is None else {"bucket_mb": bucket_mb}
+        kw = {k: v for k, v in (("bucket_mb", bucket_mb), ("state_dtype", state_dtype)) if v is not None}
         return component("optimizer")(params, lr=lr, betas=betas, eps=eps,
                                       weight_decay=weight_decay, **kw)
     if kind != "torch":

@@ -363,7 +363,8 @@ def _run(a, res: Run, stop: StopRequest) -> Dict:
         res.model = model
         local_params = shard_model(model, world) if world > 1 else set()
         res.opt = build_optimizer(model.parameters(), opt_kind, lr=train["lr"], weight_decay=0.0,
-                                  bucket_mb=a.bucket_mb)
+                                  bucket_mb=a.bucket_mb,
+                                  state_dtype=getattr(torch, a.state_dtype) if a.state_dtype else None)
         return model, res.opt, local_params
 
     model, opt, local_params = build(cfg, opt_kind)
