@@ -77,8 +77,15 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from _common import append_results  # noqa: E402
-from moepeak.llep import sched as llep_sched  # noqa: E402
-from moepeak.llep import llep_moe  # noqa: E402
+from moepeak.llep import LLEPStats, llep_moe  # noqa: E402
+
+# Every llep arm's calls fill this (forward and backward statistics of the last call).
+LLEP_STATS = LLEPStats()
+
+
+def llep_run(*args, **kw):
+    """llep_moe, its statistics into LLEP_STATS."""
+    return llep_moe(*args, stats=LLEP_STATS, **kw)
 
 CONFIGS = {"E128_K4_H2880_I2880": (128, 4, 2880, 2880), "E256_K8_H7168_I2048": (256, 8, 7168, 2048)}
 IMBALANCE = {"balanced": 0.0, "30:4": 0.30, "50:4": 0.50, "80:4": 0.80, "95:4": 0.95}
@@ -213,10 +220,10 @@ def p1_arm_fns(mods, x, ids, tw, tw_act, wgu, wd, T, K):
         "hf_loop": (lambda: hf_loop(x, ids, tw, wgu, wd), [x, tw, wgu, wd]),
         "grouped_mm_fp32w": (lambda: grouped_mm_layer(x, ids, tw, wgu, wd), [x, tw, wgu, wd]),
         "grouped_mm_bf16w": (lambda: grouped_mm_layer(x, ids, tw_act, wgu, wd), [x, tw_act, wgu, wd]),
-        "moepeak_1chunk": (lambda: llep_moe(x, ids, tw, wgu, wd, chunk_rows=max(T * K, 1)), [x, tw, wgu, wd]),
-        "pipelined": (lambda: llep_moe(x, ids, tw, wgu, wd), [x, tw, wgu, wd]),
+        "moepeak_1chunk": (lambda: llep_run(x, ids, tw, wgu, wd, chunk_rows=max(T * K, 1)), [x, tw, wgu, wd]),
+        "pipelined": (lambda: llep_run(x, ids, tw, wgu, wd), [x, tw, wgu, wd]),
         # the same without the activation cache: backward recomputes every chunk
-        "pipelined_nocache": (lambda: llep_moe(x, ids, tw, wgu, wd, save_budget_mb=0), [x, tw, wgu, wd]),
+        "pipelined_nocache": (lambda: llep_run(x, ids, tw, wgu, wd, save_budget_mb=0), [x, tw, wgu, wd]),
     }
     hf = mods.get("hf")
     if isinstance(hf, str):
@@ -224,7 +231,7 @@ def p1_arm_fns(mods, x, ids, tw, tw_act, wgu, wd, T, K):
     elif hf is not None:
         hw = [hf.gate_up_proj, hf.down_proj]
         fns["grouped_mm_hf"] = (lambda: hf(x, ids, tw_act), [x, tw_act] + hw)
-        fns["pipelined_hf_layout"] = (lambda: llep_moe(x, ids, tw_act, hf.gate_up_proj.transpose(1, 2),
+        fns["pipelined_hf_layout"] = (lambda: llep_run(x, ids, tw_act, hf.gate_up_proj.transpose(1, 2),
                                                        hf.down_proj.transpose(1, 2)), [x, tw_act] + hw)
     titan = mods.get("titan")
     if isinstance(titan, str):
@@ -239,7 +246,7 @@ def p1_arm_fns(mods, x, ids, tw, tw_act, wgu, wd, T, K):
 
         fns["grouped_mm_titan"] = (titan_fn, [x, tw] + tw3)
         fns["pipelined_titan_layout"] = (
-            lambda: llep_moe(x, ids, tw, (inner.w1_EFD.transpose(1, 2), inner.w3_EFD.transpose(1, 2)),
+            lambda: llep_run(x, ids, tw, (inner.w1_EFD.transpose(1, 2), inner.w3_EFD.transpose(1, 2)),
                              inner.w2_EDF.transpose(1, 2)), [x, tw] + tw3)
     return fns
 
@@ -453,13 +460,13 @@ def main():
                     c1 = one_chunk_rows(ids, E, group, P)
                     fns = {
                         "standard_ep": (lambda: standard_ep(x, ids, tw, wgu, wd, group), [x, tw, wgu, wd]),
-                        "llep_1chunk": (lambda: llep_moe(x, ids, tw, wgu, wd, group=group, chunk_rows=c1),
+                        "llep_1chunk": (lambda: llep_run(x, ids, tw, wgu, wd, group=group, chunk_rows=c1),
                                         [x, tw, wgu, wd]),
-                        "pipelined": (lambda: llep_moe(x, ids, tw, wgu, wd, group=group), [x, tw, wgu, wd]),
-                        "pipelined_nocache": (lambda: llep_moe(x, ids, tw, wgu, wd, group=group, save_budget_mb=0),
+                        "pipelined": (lambda: llep_run(x, ids, tw, wgu, wd, group=group), [x, tw, wgu, wd]),
+                        "pipelined_nocache": (lambda: llep_run(x, ids, tw, wgu, wd, group=group, save_budget_mb=0),
                                               [x, tw, wgu, wd]),
                         # P = 1's chunk budget at P = 2 (twice the default working set)
-                        "pipelined_c32k": (lambda: llep_moe(x, ids, tw, wgu, wd, group=group, chunk_rows=32768),
+                        "pipelined_c32k": (lambda: llep_run(x, ids, tw, wgu, wd, group=group, chunk_rows=32768),
                                            [x, tw, wgu, wd]),
                     }
                 if args.smoke:  # the arms compute the same layer
@@ -470,13 +477,13 @@ def main():
                         err = (o - first).abs().max().item()
                         assert err <= 3e-2 * first.abs().max().item() + 1e-3, f"{a} differs by {err}"
                 for arm in arms:
-                    llep_sched.LAST_STATS.clear()
+                    LLEP_STATS.forward, LLEP_STATS.backward = {}, {}
                     if isinstance(fns[arm], str):  # its library did not import or build
                         nan = float("nan")
                         res = dict(status=fns[arm], peak_gib=nan, ms=nan, ms_min=nan, ms_max=nan)
                     else:
                         res = run_arm(arm, fns[arm][0], fns[arm][1], gy, iters, warmup)
-                    n_chunks = llep_sched.LAST_STATS.get("n_chunks")  # the last llep call's (its backward)
+                    n_chunks = LLEP_STATS.backward.get("n_chunks")  # the last llep call's (its backward)
                     if P > 1:  # max over ranks
                         import torch.distributed as dist
                         v = torch.tensor([res["peak_gib"], res["ms"], res["ms_min"], res["ms_max"],

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 import moepeak
+from moepeak.llep import LLEPStats, llep_moe
 from moepeak.llep import plan as lp
-from moepeak.llep import sched as llep_sched
-from moepeak.testing import force_grouped_mm, grouped_mm_enabled
-from moepeak.llep import llep_moe
+from moepeak.llep import sizes
 from moepeak.llep.ops import llep_combine_, llep_dispatch
 from tests import refs
 
@@ -204,17 +203,19 @@ def _assert_close_all(got, ref, rtol, atol):
 def test_single_rank_fp32_vs_dense(T, C, frac):
     prob = _problem(T, 16, 24, 8, 3, torch.float32, seed=T, frac=frac)
     ref = _dense_grads(*prob)
-    got = _op_grads(*prob, torch.float32, chunk_rows=C)
+    st = LLEPStats()
+    got = _op_grads(*prob, torch.float32, chunk_rows=C, stats=st)
     _assert_close_all(got, ref, 1e-5, 1e-5)
-    assert llep_sched.LAST_STATS["max_rows"] <= C
+    assert st.forward["max_rows"] <= C and st.backward["max_rows"] <= C
 
 
 def test_one_chunk_equals_many_chunks():
     prob = _problem(61, 8, 12, 4, 2, torch.float32, seed=5, frac=0.5)
-    one = _op_grads(*prob, torch.float32, chunk_rows=1 << 20)
-    assert llep_sched.LAST_STATS["n_chunks"] == 1
-    many = _op_grads(*prob, torch.float32, chunk_rows=3)
-    assert llep_sched.LAST_STATS["n_chunks"] == 41
+    st = LLEPStats()
+    one = _op_grads(*prob, torch.float32, chunk_rows=1 << 20, stats=st)
+    assert st.forward["n_chunks"] == st.backward["n_chunks"] == 1
+    many = _op_grads(*prob, torch.float32, chunk_rows=3, stats=st)
+    assert st.forward["n_chunks"] == st.backward["n_chunks"] == 41
     _assert_close_all(many, one, 1e-6, 1e-6)
 
 
@@ -326,11 +327,12 @@ def test_grouped_path_vs_per_expert_cpu(C, frac):
     torch_bf16 = _dense_grads(*[t.to(torch.bfloat16) if t.is_floating_point() else t for t in prob])
     outs = []
     for grouped in (False, True):
-        with force_grouped_mm(True, on_cpu=grouped):
-            outs.append(_op_grads(*prob, torch.bfloat16, chunk_rows=C))
-            st = dict(llep_sched.LAST_STATS)
-            assert grouped_mm_enabled()  # no grouped GEMM raised and fell back
-        assert (st["grouped_mm"] > 0) == grouped and (st["grouped_dw"] > 0) == grouped, st
+        st = LLEPStats()
+        outs.append(_op_grads(*prob, torch.bfloat16, chunk_rows=C, grouped_mm="on" if grouped else "auto", stats=st))
+        for phase in (st.forward, st.backward):
+            assert not phase["grouped_fallback"], phase  # no grouped GEMM raised and fell back
+            assert (phase["grouped_mm"] > 0) == grouped, phase
+        assert (st.backward["grouped_dw"] > 0) == grouped, st
     for name, a, b, ref, t in zip(NAMES, outs[1], outs[0], torch_bf16, truth):
         # the same roundings on both paths: equal up to GEMM summation order
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2, msg=name)
@@ -366,30 +368,32 @@ def test_module_matches_reference_block():
 def test_working_set_fixed_by_chunk_rows(frac):
     T, H, I, E, K, C = 90, 8, 12, 8, 4, 32
     prob = _problem(T, H, I, E, K, torch.float32, frac=frac)
-    _op_grads(*prob, torch.float32, chunk_rows=C)
-    st = llep_sched.LAST_STATS
-    assert st["workspace_bytes"] == llep_sched.workspace_bytes(C, H, I, 1, 4, backward=False) == 4 * C * (2 * H + 3 * I)
-    assert st["workspace_bytes_bwd"] == llep_sched.workspace_bytes(C, H, I, 1, 4, backward=True)
+    stats = LLEPStats()
+    _op_grads(*prob, torch.float32, chunk_rows=C, stats=stats)
+    st = {**stats.forward, **stats.backward}
+    assert st["workspace_bytes"] == sizes.workspace_bytes(C, H, I, 1, 4, backward=False) == 4 * C * (2 * H + 3 * I)
+    assert st["workspace_bytes_bwd"] == sizes.workspace_bytes(C, H, I, 1, 4, backward=True)
     assert st["max_rows"] <= C and st["n_chunks"] == -(-T * K // C)
     # with the activation cache (default budget: every chunk fits here)
     assert st["cache_bytes"] == 4 * C * 2 * I * st["n_chunks"] and st["recomputed_chunks"] == 0
     for bwd, key in ((False, "workspace_bytes"), (True, "workspace_bytes_bwd")):
-        assert st[key] + st["cache_bytes"] <= llep_sched.working_set_bound(C, H, I, 1, 4, bwd, 1536 << 20)
-    _op_grads(*prob, torch.float32, chunk_rows=C, save_budget_mb=1)
-    st = llep_sched.LAST_STATS
+        assert st[key] + st["cache_bytes"] <= sizes.working_set_bound(C, H, I, 1, 4, bwd, 1536 << 20)
+    _op_grads(*prob, torch.float32, chunk_rows=C, save_budget_mb=1, stats=stats)
+    st = {**stats.forward, **stats.backward}
     assert 0 < st["cache_bytes"] <= 1 << 20
-    assert st["workspace_bytes_bwd"] + st["cache_bytes"] <= llep_sched.working_set_bound(C, H, I, 1, 4, True, 1 << 20)
+    assert st["workspace_bytes_bwd"] + st["cache_bytes"] <= sizes.working_set_bound(C, H, I, 1, 4, True, 1 << 20)
 
 
 # ---------------------------------------------------------------------------
 # activation cache (forward keeps h, o of the first chunks; backward reuses)
 # ---------------------------------------------------------------------------
-def _slot_grads(x, ids, tw, wgu, wd, gy, dtype, C, slots):
+def _slot_grads(x, ids, tw, wgu, wd, gy, dtype, C, slots, stats=None, grouped_mm="auto"):
     """Gradients through the op with an explicit cache slot count."""
     leaves = [x.to(dtype).requires_grad_(), tw.float().requires_grad_(), wgu.to(dtype).requires_grad_(),
               wd.to(dtype).requires_grad_()]
-    y, cache = llep_dispatch(leaves[0], ids, leaves[1], leaves[2], leaves[3], "", C, 1.0, 1024, 1.3, slots)[:2]
-    assert tuple(cache.shape) == (slots, llep_sched.slot_elems(C, wd.shape[1]))
+    y, cache = llep_dispatch(leaves[0], ids, leaves[1], leaves[2], leaves[3], "", C, 1.0, 1024, 1.3, slots,
+                             grouped_mm=grouped_mm, stats=stats.key if stats is not None else "")[:2]
+    assert tuple(cache.shape) == (slots, sizes.slot_elems(C, wd.shape[1]))
     assert not cache.requires_grad
     return (y.detach(),) + torch.autograd.grad(y, leaves, gy.to(dtype))
 
@@ -431,12 +435,13 @@ def test_cache_bitwise_equals_recompute(dtype, frac):
     T, C = 53, 16
     prob = _problem(T, 16, 24, 8, 3, torch.float64, seed=21, frac=frac)
     n = -(-T * 3 // C)
-    ref = _slot_grads(*prob, dtype, C, 0)
-    assert llep_sched.LAST_STATS["cached_chunks"] == 0 and llep_sched.LAST_STATS["recomputed_chunks"] == n
+    st = LLEPStats()
+    ref = _slot_grads(*prob, dtype, C, 0, st)
+    assert st.forward["cached_chunks"] == 0 and st.backward["recomputed_chunks"] == n
     for slots in (1, n // 2, n, n + 3):
-        got = _slot_grads(*prob, dtype, C, slots)
-        st = llep_sched.LAST_STATS
-        assert st["cached_chunks"] == min(slots, n) and st["recomputed_chunks"] == n - min(slots, n), st
+        got = _slot_grads(*prob, dtype, C, slots, st)
+        assert st.forward["cached_chunks"] == min(slots, n), st
+        assert st.backward["recomputed_chunks"] == n - min(slots, n), st
         for name, a, b in zip(NAMES, got, ref):
             assert torch.equal(a, b), f"{name} differs with {slots} cache slots"
     if dtype == torch.float32:
@@ -448,10 +453,10 @@ def test_cache_bitwise_grouped_cpu():
     """The grouped path copies torch._grouped_mm's own outputs into the cache:
     still bitwise the recompute."""
     prob = _problem(70, 16, 8, 16, 3, torch.float64, seed=12, frac=0.5)
-    with force_grouped_mm(True, on_cpu=True):
-        ref = _slot_grads(*prob, torch.bfloat16, 24, 0)
-        got = _slot_grads(*prob, torch.bfloat16, 24, 4)
-        assert llep_sched.LAST_STATS["grouped_mm"] > 0
+    st = LLEPStats()
+    ref = _slot_grads(*prob, torch.bfloat16, 24, 0, grouped_mm="on")
+    got = _slot_grads(*prob, torch.bfloat16, 24, 4, st, grouped_mm="on")
+    assert st.forward["grouped_mm"] > 0 and st.backward["grouped_mm"] > 0
     for name, a, b in zip(NAMES, got, ref):
         assert torch.equal(a, b), name
 
@@ -460,28 +465,28 @@ def test_cache_slots_from_budget_not_routing():
     C, H, I, b = 32768, 2880, 2880, 2
     slot = b * C * 2 * I
     assert slot == 377487360  # 360 MiB
-    assert llep_sched.cache_slots(1536 << 20, 16384, 4, C, I, 1, b) == 2  # its 2 chunks
-    assert llep_sched.cache_slots(1536 << 20, 262144, 4, C, I, 1, b) == 4
-    assert llep_sched.cache_slots(1536 << 20, 1000, 4, C, I, 1, b) == 1  # one chunk only
-    assert llep_sched.cache_slots(1536 << 20, 262144, 4, C, I, 2, b) == 4
-    assert llep_sched.cache_slots(0, 262144, 4, C, I, 1, b) == 0
-    assert llep_sched.cache_slots(slot - 1, 262144, 4, C, I, 1, b) == 0
+    assert sizes.cache_slots(1536 << 20, 16384, 4, C, I, 1, b) == 2  # its 2 chunks
+    assert sizes.cache_slots(1536 << 20, 262144, 4, C, I, 1, b) == 4
+    assert sizes.cache_slots(1536 << 20, 1000, 4, C, I, 1, b) == 1  # one chunk only
+    assert sizes.cache_slots(1536 << 20, 262144, 4, C, I, 2, b) == 4
+    assert sizes.cache_slots(0, 262144, 4, C, I, 1, b) == 0
+    assert sizes.cache_slots(slot - 1, 262144, 4, C, I, 1, b) == 0
     # the cache a call allocates: the same under balanced and skewed routing,
     # and none without gradients
     T, H, I, E, K, C = 90, 8, 12, 8, 4, 32
-    sizes = []
+    cache_bytes, st = [], LLEPStats()
     for frac in (0.0, 0.95):
         prob = _problem(T, H, I, E, K, torch.float32, frac=frac)
-        _op_grads(*prob, torch.float32, chunk_rows=C, save_budget_mb=1)
-        sizes.append(llep_sched.LAST_STATS["cache_bytes"])
-    assert sizes[0] == sizes[1] == 4 * C * 2 * I * llep_sched.cache_slots(1 << 20, T, K, C, I, 1, 4)
-    assert sizes[0] == 4 * C * 2 * I * 12  # ceil(360 / 32) chunks, all fit in 1 MiB
+        _op_grads(*prob, torch.float32, chunk_rows=C, save_budget_mb=1, stats=st)
+        cache_bytes.append(st.forward["cache_bytes"])
+    assert cache_bytes[0] == cache_bytes[1] == 4 * C * 2 * I * sizes.cache_slots(1 << 20, T, K, C, I, 1, 4)
+    assert cache_bytes[0] == 4 * C * 2 * I * 12  # ceil(360 / 32) chunks, all fit in 1 MiB
     with torch.no_grad():
-        llep_moe(*[t.float() if t.is_floating_point() else t for t in prob[:5]], chunk_rows=C)
-    assert llep_sched.LAST_STATS["cache_bytes"] == 0
+        llep_moe(*[t.float() if t.is_floating_point() else t for t in prob[:5]], chunk_rows=C, stats=st)
+    assert st.forward["cache_bytes"] == 0
     prob = _problem(T, H, I, E, K, torch.float32, frac=0.3)
-    _op_grads(*prob, torch.float32, chunk_rows=C, save_budget_mb=0)
-    assert llep_sched.LAST_STATS["cache_bytes"] == 0 and llep_sched.LAST_STATS["recomputed_chunks"] == 12
+    _op_grads(*prob, torch.float32, chunk_rows=C, save_budget_mb=0, stats=st)
+    assert st.forward["cache_bytes"] == 0 and st.backward["recomputed_chunks"] == 12
 
 
 # ---------------------------------------------------------------------------

@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from moepeak.llep import plan as lp
-from moepeak.llep import sched as llep_sched
-from moepeak.llep import llep_moe
-from moepeak.llep.sizes import capped_save_bytes, grouped_mm_saved_bytes
+from moepeak.llep import LLEPStats, llep_moe
+from moepeak.llep.sizes import cache_slots, capped_save_bytes, grouped_mm_saved_bytes, workspace_bytes
 
 try:
     from tests import refs
@@ -81,8 +80,9 @@ def test_gpt_oss_fp32_vs_dense(C, frac):
 
 def test_gpt_oss_cache_equals_recompute():
     prob = gpt_oss_problem(29, 8, 8, 4, 2, seed=2, frac=0.3)
-    cached = op_grads(*prob, torch.float32, chunk_rows=8, save_budget_mb=64)
-    assert llep_sched.LAST_STATS["cached_chunks"] > 0
+    st = LLEPStats()
+    cached = op_grads(*prob, torch.float32, chunk_rows=8, save_budget_mb=64, stats=st)
+    assert st.forward["cached_chunks"] > 0 and st.backward["recomputed_chunks"] < st.forward["n_chunks"]
     plain = op_grads(*prob, torch.float32, chunk_rows=8, save_budget_mb=0)
     for a, b in zip(cached, plain):
         assert torch.equal(a, b)
@@ -185,23 +185,24 @@ def test_backward_reuses_forwards_plan(monkeypatch):
 
 def test_one_rank_chunk_is_at_most_the_rows():
     prob = gpt_oss_problem(10, 8, 8, 4, 2, seed=8, scale=1.0)
-    op_grads(*prob, torch.float32, save_budget_mb=0)
-    st = llep_sched.LAST_STATS
+    stats = LLEPStats()
+    op_grads(*prob, torch.float32, save_budget_mb=0, stats=stats)
+    st = stats.backward
     assert st["chunk_rows"] == 20 and st["n_chunks"] == 1
-    assert st["workspace_bytes_bwd"] == llep_sched.workspace_bytes(20, 8, 8, 1, 4, True, activation="gpt_oss",
-                                                                   bias=True)
+    assert st["workspace_bytes_bwd"] == workspace_bytes(20, 8, 8, 1, 4, True, activation="gpt_oss", bias=True)
 
 
 @pytest.mark.parametrize("T", [40, 400])
 def test_cache_plus_working_set_within_grouped_mm_saved(T):
     H, I, K, C = 16, 16, 2, 128
     prob = gpt_oss_problem(T, H, I, 4, K, seed=9, scale=1.0)
-    op_grads(*prob, torch.float32, chunk_rows=C, save_budget_mb=1024)
-    st = llep_sched.LAST_STATS
+    stats = LLEPStats()
+    op_grads(*prob, torch.float32, chunk_rows=C, save_budget_mb=1024, stats=stats)
+    st = {**stats.forward, **stats.backward}
     saved = grouped_mm_saved_bytes(T, K, H, I, 4)
     assert st["cache_bytes"] + st["workspace_bytes_bwd"] <= max(saved, st["workspace_bytes_bwd"])
     budget = capped_save_bytes(1024 << 20, T, K, C, H, I, 1, 4, activation="gpt_oss", bias=True)
-    assert st["cache_bytes"] == llep_sched.cache_slots(budget, T, K, C, I, 1, 4) * 4 * C * 2 * I
+    assert st["cache_bytes"] == cache_slots(budget, T, K, C, I, 1, 4) * 4 * C * 2 * I
     if T == 400:
         assert 0 < st["cached_chunks"] < st["n_chunks"]  # capped below the 1 GiB budget, not zero
 
@@ -236,10 +237,11 @@ def _two_ranks(rank, P):
         x, ids, tw, gu, d, bgu, bd, gy = prob
         lo, hi = sum(tokens[:rank]), sum(tokens[:rank + 1])
         es = slice(rank * E // P, (rank + 1) * E // P)
+        st = LLEPStats()
         got = op_grads(x[lo:hi], ids[lo:hi], tw[lo:hi], gu[es], d[es], bgu[es], bd[es], gy[lo:hi],
-                       torch.float32, group=dist.group.WORLD, chunk_rows=C, min_tokens_per_gemm=m)
+                       torch.float32, group=dist.group.WORLD, chunk_rows=C, min_tokens_per_gemm=m, stats=st)
         if frac:
-            assert llep_sched.LAST_STATS["spilled"]
+            assert st.forward["spilled"] and st.backward["spilled"]
         mine = (want[0][lo:hi], want[1][lo:hi], want[2][lo:hi]) + tuple(w[es] for w in want[3:])
         assert_close_all(got, mine, 2e-5, 2e-5)
 

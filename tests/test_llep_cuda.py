@@ -5,10 +5,10 @@ torch._grouped_mm."""
 import pytest
 import torch
 
+from moepeak.llep import LLEPStats
 from moepeak.llep import plan as lp
-from moepeak.llep import sched as llep_sched
 from moepeak.llep.ops import llep_combine_
-from moepeak.testing import force_grouped_mm
+from moepeak.llep.sizes import slot_elems
 
 try:
     from tests import refs
@@ -115,11 +115,12 @@ def test_layer_p1_bf16_cuda(grouped, frac):
     prob = _to(_problem(1000, 128, 64, 16, 4, torch.float32, seed=9, frac=frac), dev)
     truth = _dense_grads(*prob)
     bf = _dense_grads(*[t.to(torch.bfloat16) if t.is_floating_point() else t for t in prob])
-    with force_grouped_mm(grouped):
-        got = _op_grads(*prob, torch.bfloat16, chunk_rows=512)
-        st = dict(llep_sched.LAST_STATS)
-        # grouped: forward/dX GEMMs and the 2D x 2D weight gradients went grouped
-        assert (st["grouped_mm"] > 0 and st["grouped_dw"] > 0) == grouped, st
+    stats = LLEPStats()
+    got = _op_grads(*prob, torch.bfloat16, chunk_rows=512, grouped_mm="auto" if grouped else "off", stats=stats)
+    st = stats.backward
+    # grouped: forward/dX GEMMs and the 2D x 2D weight gradients went grouped
+    assert (st["grouped_mm"] > 0 and st["grouped_dw"] > 0) == grouped, st
+    assert (stats.forward["grouped_mm"] > 0) == grouped and not st["grouped_fallback"], stats
     for name, a, b, t in zip(NAMES, got, bf, truth):
         ea = (a.double() - t).abs().max().item()
         eb = (b.double() - t).abs().max().item()
@@ -160,13 +161,12 @@ def test_grouped_peak_not_above_per_expert_cuda():
     prob = _to(_problem(T, H, I, E, K, torch.float32, seed=4, frac=0.5), dev)
     peaks, outs = [], []
     for grouped in (False, True):
-        with force_grouped_mm(grouped):
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            outs.append(_op_grads(*prob, torch.bfloat16, chunk_rows=C))
-            torch.cuda.synchronize()
-            peaks.append(torch.cuda.max_memory_allocated() - base)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        outs.append(_op_grads(*prob, torch.bfloat16, chunk_rows=C, grouped_mm="auto" if grouped else "off"))
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
     if hasattr(torch, "_grouped_mm"):
         assert peaks[1] <= peaks[0], peaks
     for name, a, b in zip(NAMES, outs[1], outs[0]):
@@ -187,18 +187,17 @@ def test_cache_cuda_equals_recompute(grouped):
     T, H, I, E, K, C = 4096, 256, 256, 16, 4, 2048
     prob = _to(_problem(T, H, I, E, K, torch.float32, seed=6, frac=0.95), dev)
     outs, peaks = [], []
-    with force_grouped_mm(grouped):
-        for slots in (0, 3, 8):
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            outs.append(_slot_grads(*prob, torch.bfloat16, C, slots))
-            torch.cuda.synchronize()
-            peaks.append(torch.cuda.max_memory_allocated() - base)
-            st = dict(llep_sched.LAST_STATS)
-            assert st["cached_chunks"] == slots and st["recomputed_chunks"] == 8 - slots, st
-            assert (st["grouped_mm"] > 0) == (grouped and hasattr(torch, "_grouped_mm")), st
-    slot_bytes = 2 * llep_sched.slot_elems(C, I)
+    for slots in (0, 3, 8):
+        stats = LLEPStats()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        outs.append(_slot_grads(*prob, torch.bfloat16, C, slots, stats, "auto" if grouped else "off"))
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+        assert stats.forward["cached_chunks"] == slots and stats.backward["recomputed_chunks"] == 8 - slots, stats
+        assert (stats.backward["grouped_mm"] > 0) == (grouped and hasattr(torch, "_grouped_mm")), stats
+    slot_bytes = 2 * slot_elems(C, I)
     for got, slots, peak in zip(outs[1:], (3, 8), peaks[1:]):
         for name, a, b in zip(NAMES, got, outs[0]):
             if name in ("y", "dx"):
@@ -220,10 +219,10 @@ def test_hf_layout_cuda(grouped):
     except ImportError:
         from test_llep_hf_layout import _grads
     prob = _to(_problem(1000, 128, 64, 16, 4, torch.float32, seed=9, frac=0.5), dev)
-    with force_grouped_mm(grouped):
-        ref = _grads(*prob, torch.bfloat16, False, chunk_rows=512)
-        got = _grads(*prob, torch.bfloat16, True, chunk_rows=512)   # asserts the gradient strides
-        st = dict(llep_sched.LAST_STATS)
+    mode, stats = "auto" if grouped else "off", LLEPStats()
+    ref = _grads(*prob, torch.bfloat16, False, chunk_rows=512, grouped_mm=mode)
+    got = _grads(*prob, torch.bfloat16, True, chunk_rows=512, grouped_mm=mode, stats=stats)  # asserts the strides
+    st = stats.backward
     assert (st["grouped_mm"] > 0 and st["grouped_dw"] > 0) == (grouped and hasattr(torch, "_grouped_mm")), st
     for name, a, b in zip(NAMES, got, ref):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2, msg=name)
@@ -243,8 +242,8 @@ def test_biased_experts_cuda_bf16_tolerance_rule(activation, grouped):
     low = [t.to(torch.bfloat16) if t.is_floating_point() else t for t in prob]
     torch_bf16 = act.ref_grads(*low, activation=activation)
     on_dev = [t.to(dev) for t in prob]
-    with force_grouped_mm(grouped):
-        got = act.op_grads(*on_dev, torch.bfloat16, activation=activation, chunk_rows=128)
+    got = act.op_grads(*on_dev, torch.bfloat16, activation=activation, chunk_rows=128,
+                       grouped_mm="auto" if grouped else "off")
     for name, a, b, t in zip(act.GRAD_NAMES, got, torch_bf16, truth):
         ea = (a.cpu().double() - t).norm().item()
         eb = (b.double() - t).norm().item()
@@ -260,9 +259,8 @@ def test_split_gate_up_cuda_grouped():
     w1 = wgu[..., :I].transpose(1, 2).contiguous().to(dev, torch.bfloat16).requires_grad_()
     w3 = wgu[..., I:].transpose(1, 2).contiguous().to(dev, torch.bfloat16).requires_grad_()
     xs = x.to(dev, torch.bfloat16).requires_grad_()
-    with force_grouped_mm(True):
-        y = llep_moe(xs, ids.to(dev), tw.to(dev).float(), (w1.transpose(1, 2), w3.transpose(1, 2)),
-                     wd.to(dev, torch.bfloat16), chunk_rows=128)
+    y = llep_moe(xs, ids.to(dev), tw.to(dev).float(), (w1.transpose(1, 2), w3.transpose(1, 2)),
+                 wd.to(dev, torch.bfloat16), chunk_rows=128, grouped_mm="on")
     y.backward(gy.to(dev, torch.bfloat16))
     torch.testing.assert_close(y.float(), fused[0].float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(xs.grad.float(), fused[1].float(), rtol=3e-2, atol=3e-2)

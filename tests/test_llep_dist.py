@@ -9,10 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moepeak.llep import sched as llep_sched
-from moepeak.testing import force_grouped_mm, grouped_mm_enabled
-from moepeak.llep import llep_moe
-from moepeak.llep.sizes import capped_save_bytes
+from moepeak.llep import LLEPStats, llep_moe
+from moepeak.llep.sizes import cache_slots, capped_save_bytes, working_set_bound, workspace_bytes
 
 try:
     from tests import refs
@@ -39,9 +37,10 @@ def _run_case(rank, P, tokens, frac, C, m, expect_spill=None, seed=0, group=None
     es = slice(rank * El, (rank + 1) * El)
     mine = [x[lo:hi].float().requires_grad_(), tw[lo:hi].float().requires_grad_(),
             wgu[es].float().requires_grad_(), wd[es].float().requires_grad_()]
+    st = LLEPStats()
     y = llep_moe(mine[0], ids[lo:hi], mine[1], mine[2], mine[3], group=group, chunk_rows=C,
-                 min_tokens_per_gemm=m, save_budget_mb=save_budget_mb)
-    stats = dict(llep_sched.LAST_STATS)
+                 min_tokens_per_gemm=m, save_budget_mb=save_budget_mb, stats=st)
+    stats = st.forward
     if stats["one_chunk_ep"]:  # one chunk covers the step: h and grouped x kept (tests/test_llep_ep_one_chunk.py)
         keep = save_budget_mb != 0
         assert stats["cached_chunks"] == int(keep)
@@ -50,7 +49,7 @@ def _run_case(rank, P, tokens, frac, C, m, expect_spill=None, seed=0, group=None
         # activation cache: ceil(T*K / (C//P)) slots fit 1 MiB here (none for T = 0), capped by
         # what grouped_mm would save minus the working set
         budget = capped_save_bytes(save_budget_mb << 20, hi - lo, K, C, H, I, P, 4)
-        slots = llep_sched.cache_slots(budget, hi - lo, K, C, I, P, 4)
+        slots = cache_slots(budget, hi - lo, K, C, I, P, 4)
         assert stats["cached_chunks"] == min(slots, stats["n_chunks"]), stats
         assert stats["cache_bytes"] == slots * 4 * C * 2 * I
     got = (y.detach(),) + torch.autograd.grad(y, mine, gy[lo:hi].float())
@@ -60,15 +59,14 @@ def _run_case(rank, P, tokens, frac, C, m, expect_spill=None, seed=0, group=None
         assert torch.allclose(a.double(), b, rtol=2e-5, atol=2e-5), \
             f"P={P} tokens={tokens} frac={frac} C={C}: {name} max diff {err.max().item():.3g} " \
             f"mean {err.mean().item():.3g}"
-    assert stats["max_rows"] <= C
+    assert stats["max_rows"] <= C and st.backward["max_rows"] <= C
     if stats["one_chunk_ep"]:  # within the chunked working set at the same C
-        bound = llep_sched.working_set_bound(C, H, I, P, 4, True, save_budget_mb << 20)
+        bound = working_set_bound(C, H, I, P, 4, True, save_budget_mb << 20)
         assert stats["workspace_bytes"] + stats["cache_bytes"] <= bound
-        assert llep_sched.LAST_STATS["workspace_bytes_bwd"] + stats["cache_bytes"] <= bound
+        assert st.backward["workspace_bytes_bwd"] + stats["cache_bytes"] <= bound
     else:
-        assert stats["workspace_bytes"] == llep_sched.workspace_bytes(C, H, I, P, 4, backward=False)
-        assert llep_sched.LAST_STATS["workspace_bytes_bwd"] == llep_sched.workspace_bytes(C, H, I, P, 4,
-                                                                                          backward=True)
+        assert stats["workspace_bytes"] == workspace_bytes(C, H, I, P, 4, backward=False)
+        assert st.backward["workspace_bytes_bwd"] == workspace_bytes(C, H, I, P, 4, backward=True)
     if expect_spill is not None:
         assert stats["spilled"] == expect_spill, stats
     return stats
@@ -106,16 +104,15 @@ def _grouped_vs_loop(rank, P, group):
     (x, ids, tw, wgu, wd, gy), lo, hi, es = _rank_share(rank, P, 11)
     outs = []
     for grouped in (False, True):
-        with force_grouped_mm(True, on_cpu=grouped):
-            leaves = [x[lo:hi].to(torch.bfloat16).requires_grad_(), tw[lo:hi].float().requires_grad_(),
-                      wgu[es].to(torch.bfloat16).requires_grad_(), wd[es].to(torch.bfloat16).requires_grad_()]
-            y = llep_moe(leaves[0], ids[lo:hi], leaves[1], leaves[2], leaves[3], group=group, chunk_rows=24,
-                         min_tokens_per_gemm=2)
-            assert llep_sched.LAST_STATS["spilled"]
-            outs.append((y.detach(),) + torch.autograd.grad(y, leaves, gy[lo:hi].to(torch.bfloat16)))
-            # backward's own Ctx reset the counter: > 0 means its GEMMs went grouped
-            assert (llep_sched.LAST_STATS["grouped_mm"] > 0) == grouped, llep_sched.LAST_STATS
-            assert grouped_mm_enabled()  # no grouped GEMM raised and fell back
+        st = LLEPStats()
+        leaves = [x[lo:hi].to(torch.bfloat16).requires_grad_(), tw[lo:hi].float().requires_grad_(),
+                  wgu[es].to(torch.bfloat16).requires_grad_(), wd[es].to(torch.bfloat16).requires_grad_()]
+        y = llep_moe(leaves[0], ids[lo:hi], leaves[1], leaves[2], leaves[3], group=group, chunk_rows=24,
+                     min_tokens_per_gemm=2, grouped_mm="on" if grouped else "off", stats=st)
+        assert st.forward["spilled"]
+        outs.append((y.detach(),) + torch.autograd.grad(y, leaves, gy[lo:hi].to(torch.bfloat16)))
+        for phase in (st.forward, st.backward):  # > 0: that pass's GEMMs went grouped
+            assert (phase["grouped_mm"] > 0) == grouped and not phase["grouped_fallback"], phase
     for a, b in zip(*outs):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
@@ -135,9 +132,10 @@ def _hf_layout(rank, P, group):
             gu, d = gu.transpose(1, 2).contiguous().transpose(1, 2), d.transpose(1, 2).contiguous().transpose(1, 2)
         leaves = [x[lo:hi].float().requires_grad_(), tw[lo:hi].float().requires_grad_(),
                   gu.requires_grad_(), d.requires_grad_()]
+        st = LLEPStats()
         y = llep_moe(leaves[0], ids[lo:hi], leaves[1], leaves[2], leaves[3], group=group, chunk_rows=24,
-                     min_tokens_per_gemm=2)
-        assert llep_sched.LAST_STATS["spilled"]
+                     min_tokens_per_gemm=2, stats=st)
+        assert st.forward["spilled"]
         grads = torch.autograd.grad(y, leaves, gy[lo:hi].float())
         assert grads[2].stride() == gu.stride() and grads[3].stride() == d.stride()
         outs.append((y.detach(),) + grads)

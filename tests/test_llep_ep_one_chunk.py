@@ -20,9 +20,8 @@ import torch
 import torch.distributed as dist
 
 from moepeak.core import Transport
-from moepeak.llep import llep_moe
+from moepeak.llep import LLEPStats, llep_moe
 from moepeak.llep import plan as lp
-from moepeak.llep import sched as llep_sched
 from moepeak.llep.sizes import (capped_save_bytes, cache_slots, default_chunk_rows, ep_cache_room, one_chunk_ep_bytes,
                                 one_chunk_ep_rows, working_set_bound, workspace_bytes)
 from moepeak.testing import llep_transport
@@ -86,13 +85,14 @@ def _swiglu_case(rank, P, group, frac, seed, *, split=False, grad=True, hf=False
         mine[3] = mine[3].transpose(1, 2).contiguous().transpose(1, 2)
     mine = [t.requires_grad_(grad) for t in mine]
     w_gate_up = (mine[2][..., :I], mine[2][..., I:]) if split else mine[2]
-    y = llep_moe(mine[0], ids[ts], mine[1], w_gate_up, mine[3], group=group, **kw)
-    fwd = dict(llep_sched.LAST_STATS)
+    st = LLEPStats()
+    y = llep_moe(mine[0], ids[ts], mine[1], w_gate_up, mine[3], group=group, stats=st, **kw)
+    fwd = dict(st.forward)
     got = (y.detach(),)
     bwd = {}
     if grad:
         got += torch.autograd.grad(y, mine, gy[ts].float())
-        bwd = dict(llep_sched.LAST_STATS)
+        bwd = {**st.forward, **st.backward}
     for name, a, b in zip(NAMES, got, (want[0][ts], want[1][ts], want[2][ts], want[3][es], want[4][es])):
         assert torch.allclose(a.double(), b, rtol=2e-5, atol=2e-5), \
             f"P={P} frac={frac} {kw}: {name} max diff {(a.double() - b).abs().max().item():.3g}"
@@ -120,11 +120,12 @@ def _gpt_oss_case(rank, P, group, frac):
     want = (yref.detach(),) + torch.autograd.grad(yref, leaves, gy)
     ts, es = _share(rank, P, tokens)
     mine = [t.float().requires_grad_() for t in (x[ts], tw[ts], gu[es], d[es], bgu[es], bd[es])]
+    st = LLEPStats()
     y = llep_moe(mine[0], ids[ts], mine[1], mine[2], mine[3], b_gate_up=mine[4], b_down=mine[5],
-                 activation="gpt_oss", group=group, min_tokens_per_gemm=2)
-    fwd = dict(llep_sched.LAST_STATS)
+                 activation="gpt_oss", group=group, min_tokens_per_gemm=2, stats=st)
+    fwd = dict(st.forward)
     got = (y.detach(),) + torch.autograd.grad(y, mine, gy[ts].float())
-    bwd = dict(llep_sched.LAST_STATS)
+    bwd = {**st.forward, **st.backward}
     wants = (want[0][ts], want[1][ts], want[2][ts]) + tuple(w[es] for w in want[3:])
     for name, a, b in zip(NAMES, got, wants):
         assert torch.allclose(a.double(), b, rtol=2e-5, atol=2e-5), f"gpt_oss P={P} frac={frac}: {name}"
@@ -238,12 +239,13 @@ def _counts(rank, P, group):
         x, ids, tw, wgu, wd, gy = refs.moe_problem(sum(tokens), E, K, H, I, frac, 9)
         ts, es = _share(rank, P, tokens)
         leaves = [t.float().requires_grad_() for t in (x[ts], tw[ts], wgu[es], wd[es])]
+        st = LLEPStats()
         with llep_transport(lambda tr: CountingTransport(tr, fwd_counts)):
-            y = llep_moe(leaves[0], ids[ts], leaves[1], leaves[2], leaves[3], group=group, min_tokens_per_gemm=2)
-        fwd = dict(llep_sched.LAST_STATS)
+            y = llep_moe(leaves[0], ids[ts], leaves[1], leaves[2], leaves[3], group=group, min_tokens_per_gemm=2,
+                         stats=st)
         with llep_transport(lambda tr: CountingTransport(tr, bwd_counts)):
             torch.autograd.grad(y, leaves, gy[ts].float())
-        bwd = dict(llep_sched.LAST_STATS)
+        fwd, bwd = st.forward, st.backward
         assert fwd["one_chunk_ep"] and fwd["spilled"] == bool(spill) and bwd["lean_one_chunk"]
         assert fwd_counts == {"all_gather": 1, "all_to_all_v": 2 + spill}, fwd_counts
         assert bwd_counts == {"all_to_all_v": 4 + 2 * spill}, bwd_counts
@@ -261,9 +263,10 @@ def _bad_kept_cache(rank, P, group):
                                for t in refs.moe_problem(sum(tokens), E, K, H, I, 0.0, 11))
     ts, es = _share(rank, P, tokens)
     args = (x[ts], ids[ts], tw[ts], wgu[es], wd[es], register_group(group), 64, 1.0, 2, 1.3)
-    _, cache, load, send_index = llep_dispatch(*args, 0, None, None, None, "swiglu", 1 << 20, True)
-    R = llep_sched.LAST_STATS["recv_rows"]
-    assert llep_sched.LAST_STATS["one_chunk_ep"] and cache.shape == (1, R * (2 * I + H))
+    st = LLEPStats()
+    _, cache, load, send_index = llep_dispatch(*args, 0, None, None, None, "swiglu", 1 << 20, True, stats=st.key)
+    R = st.forward["recv_rows"]
+    assert st.forward["one_chunk_ep"] and cache.shape == (1, R * (2 * I + H))
     with pytest.raises(ValueError, match="kept one-chunk cache"):
         llep_dispatch_backward(gy[ts], *args, cache[:, 1:], None, None, None, "swiglu", load, send_index, 1 << 20,
                                True)
@@ -332,12 +335,12 @@ def _two_gpus(rank, P):
             counts = {}
             leaves = [x[ts].to(dtype).requires_grad_(), tw[ts].float().requires_grad_(),
                       wgu[es].to(dtype).requires_grad_(), wd[es].to(dtype).requires_grad_()]
+            st = LLEPStats()
             with llep_transport(lambda tr: CountingTransport(tr, counts)):
                 y = llep_moe(leaves[0], ids[ts], leaves[1], leaves[2], leaves[3], group=group,
-                             min_tokens_per_gemm=2)
-                fwd = dict(llep_sched.LAST_STATS)
+                             min_tokens_per_gemm=2, stats=st)
                 got = (y.detach(),) + torch.autograd.grad(y, leaves, gy[ts].to(dtype))
-                bwd = dict(llep_sched.LAST_STATS)
+            fwd, bwd = st.forward, st.backward
             case = f"rank {rank} frac={frac} {dtype}"
             assert fwd["one_chunk_ep"] and bwd["lean_one_chunk"] and fwd["host_syncs"] == 1, (case, fwd)
             assert bwd["host_syncs"] == 0 and fwd["spilled"] == (frac > 0), (case, bwd)

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from moepeak.llep import LLEPOptions, LLEPStats, llep_moe
 from moepeak.llep import sched as llep_sched
-from moepeak.llep import llep_moe
-from moepeak.testing import force_grouped_mm
+from moepeak.llep.context import Ctx
 
 try:
     from tests.test_llep import NAMES, _cpu_grouped_mm, _problem
@@ -60,11 +60,10 @@ def test_hf_layout_grouped_cpu(C):
     are and computes the weight gradients in their orientation: bitwise the
     contiguous-weight grouped result."""
     prob = _problem(70, 16, 8, 16, 3, torch.float64, seed=11, frac=0.5)
-    with force_grouped_mm(True, on_cpu=True):
-        ref = _grads(*prob, torch.bfloat16, False, chunk_rows=C)
-        got = _grads(*prob, torch.bfloat16, True, chunk_rows=C)
-        st = dict(llep_sched.LAST_STATS)
-    assert st["grouped_mm"] > 0 and st["grouped_dw"] > 0, st
+    st = LLEPStats()
+    ref = _grads(*prob, torch.bfloat16, False, chunk_rows=C, grouped_mm="on")
+    got = _grads(*prob, torch.bfloat16, True, chunk_rows=C, grouped_mm="on", stats=st)
+    assert st.forward["grouped_mm"] > 0 and st.backward["grouped_dw"] > 0, st
     for name, a, b in zip(NAMES, got, ref):
         assert torch.equal(a, b), f"{name}: max diff {(a.double() - b.double()).abs().max().item():.3g}"
 
@@ -118,21 +117,22 @@ def test_hf_layout_makes_no_weight_copy(grouped):
     gu, d = gu_p.transpose(1, 2), d_p.transpose(1, 2)
     small = min(gu.numel(), d.numel())
     assert max(x.numel(), 16 * 2 * 24) < small                     # [T, H] and [C, 2I] are smaller
-    with force_grouped_mm(True, on_cpu=grouped):
-        with _NewAllocations(small) as fwd:
-            y = llep_moe(x, ids, tw, gu, d, chunk_rows=16, save_budget_mb=0)
-        with _NewAllocations(small) as bwd:
-            y.backward(gy)
-        assert not fwd.big, f"forward allocated weight-sized tensors: {fwd.big}"
-        assert len(bwd.big) == 2 and all("llep_dispatch_backward" in f for f, _, _ in bwd.big), bwd.big
-        assert sorted(s for _, _, s in bwd.big) == sorted([gu.stride(), d.stride()]), bwd.big
+    mode = "on" if grouped else "off"
+    with _NewAllocations(small) as fwd:
+        y = llep_moe(x, ids, tw, gu, d, chunk_rows=16, save_budget_mb=0, grouped_mm=mode)
+    with _NewAllocations(small) as bwd:
+        y.backward(gy)
+    assert not fwd.big, f"forward allocated weight-sized tensors: {fwd.big}"
+    assert len(bwd.big) == 2 and all("llep_dispatch_backward" in f for f, _, _ in bwd.big), bwd.big
+    assert sorted(s for _, _, s in bwd.big) == sorted([gu.stride(), d.stride()]), bwd.big
 
-        # inside the op: the schedule's own ops
-        ctx_args = (x, ids, tw, (gu.detach(), d.detach(), None), (None, None), "swiglu", None, 16, 1.0, 1024, 1.3)
-        with _NewAllocations(small) as inner_fwd:
-            llep_sched.forward(llep_sched.Ctx(*ctx_args))
-        with _NewAllocations(small) as inner_bwd:
-            _, _, (dgu, dd, _), _, _ = llep_sched.backward(llep_sched.Ctx(*ctx_args), gy)
+    # inside the op: the schedule's own ops
+    ctx_args = (x, ids, tw, (gu.detach(), d.detach(), None), (None, None), "swiglu", None,
+                LLEPOptions(chunk_rows=16, grouped_mm=mode))
+    with _NewAllocations(small) as inner_fwd:
+        llep_sched.forward(Ctx(*ctx_args))
+    with _NewAllocations(small) as inner_bwd:
+        _, _, (dgu, dd, _), _, _ = llep_sched.backward(Ctx(*ctx_args), gy)
     assert not inner_fwd.big, f"the forward schedule allocated weight-sized tensors: {inner_fwd.big}"
     assert len(inner_bwd.big) == 2, f"the backward schedule allocated more than the two dW: {inner_bwd.big}"
     assert dgu.stride() == gu.stride() and dd.stride() == d.stride()

@@ -4,8 +4,7 @@ formula against permute + grouped_mm's at issue 26's 16k shape (no allocation)."
 import pytest
 import torch
 
-from moepeak.llep import sched as llep_sched
-from moepeak.llep import llep_moe
+from moepeak.llep import LLEPStats, llep_moe
 from moepeak.llep.sizes import (capped_save_bytes, grouped_mm_peak_bytes, one_chunk_fits, one_chunk_peak_bytes,
                                 working_set_bound, workspace_bytes)
 
@@ -21,10 +20,10 @@ def _grads(T, K, E, H, I, dtype, **kw):
     wgu = (torch.randn(E, H, 2 * I, generator=g) * H ** -0.5).to(dtype).requires_grad_()
     wd = (torch.randn(E, I, H, generator=g) * I ** -0.5).to(dtype).requires_grad_()
     gy = torch.randn(T, H, generator=g).to(dtype)
-    y = llep_moe(x, ids, tw, wgu, wd, **kw)
-    st = dict(llep_sched.LAST_STATS)
+    stats = LLEPStats()
+    y = llep_moe(x, ids, tw, wgu, wd, stats=stats, **kw)
     y.backward(gy)
-    st.update(llep_sched.LAST_STATS)
+    st = {**stats.forward, **stats.backward}
     return [y.detach()] + [t.grad for t in (x, tw, wgu, wd)], st
 
 

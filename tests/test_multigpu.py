@@ -253,7 +253,6 @@ LLEP_NAMES = ("y", "dx", "dtopk_weights", "dw_gate_up", "dw_down")
 def _llep_rank(rank, P, device="cuda"):
     from moepeak import llep
     from moepeak.llep import ops as llep_ops
-    from moepeak.llep import sched as llep_sched
 
     dev, group, tps = _setup(rank, device)
     lo, hi = sum(TOKENS[:rank]), sum(TOKENS[:rank + 1])
@@ -275,9 +274,10 @@ def _llep_rank(rank, P, device="cuda"):
         for tname, override in tps.items():
             leaves = [x[lo:hi].to(dtype).requires_grad_(), tw[lo:hi].float().requires_grad_(),
                       wgu[es].to(dtype).requires_grad_(), wd[es].to(dtype).requires_grad_()]
+            stats = llep.LLEPStats()
             with _use_transport(llep_ops, override) as used:  # the module whose ops pick the transport
-                y = llep.llep_moe(leaves[0], ids[lo:hi], leaves[1], leaves[2], leaves[3], **kw)
-                fwd = dict(llep_sched.LAST_STATS)
+                y = llep.llep_moe(leaves[0], ids[lo:hi], leaves[1], leaves[2], leaves[3], stats=stats, **kw)
+                fwd = stats.forward
                 got = (y.detach(),) + torch.autograd.grad(y, leaves, gy[lo:hi].to(dtype))
             assert used and set(used) == {_EXPECTED[tname]}, (tname, used)
             got_by_tp[tname] = got

@@ -24,8 +24,9 @@ and the kernel rows as .csv):
     c++filt is installed);
   * per arm: wall ms, kernel ms (busy = kernel / wall; below ~0.97 the GPU waits on the
     host), the largest idle gaps, GEMM ms and the TFLOP/s of 18*T*K*H*I (the layer's
-    GEMM FLOP) over it, and llep's LAST_STATS of forward and backward (chunks, cached
-    and recomputed chunks, grouped GEMM calls, host syncs, host->device copies).
+    GEMM FLOP) over it, and llep's statistics of forward and backward (bench_llep.LLEP_STATS:
+    chunks, cached and recomputed chunks, grouped GEMM calls, host syncs, host->device
+    copies).
 
   python benchmarks/studies/profile_llep_vs_grouped.py --out $OUT          # ~30-60 s on an H200
   python benchmarks/studies/profile_llep_vs_grouped.py --routing 95:4 --arms pipelined,grouped_mm_titan
@@ -50,7 +51,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/: bench_llep's arms
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 import bench_llep  # noqa: E402
-from moepeak.llep import sched as llep_sched  # noqa: E402
 
 DEFAULT_ARMS = "pipelined,grouped_mm_hf,pipelined_nocache,moepeak_1chunk"
 # Kernel classes, first match wins (lower-case substrings of the kernel name).
@@ -105,13 +105,12 @@ def short_name(name: str, width: int = 96) -> str:
 def fwd_bwd(fn, leaves, gy, stats=None):
     for t in leaves:
         t.grad = None
-    llep_sched.LAST_STATS.clear()
+    bench_llep.LLEP_STATS.forward, bench_llep.LLEP_STATS.backward = {}, {}
     y = fn()
-    if stats is not None:
-        stats["fwd"] = dict(llep_sched.LAST_STATS)
     y.backward(gy)
     if stats is not None:
-        stats["bwd"] = dict(llep_sched.LAST_STATS)
+        stats["fwd"] = dict(bench_llep.LLEP_STATS.forward)
+        stats["bwd"] = dict(bench_llep.LLEP_STATS.backward)
     del y
     for t in leaves:
         t.grad = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..llep import LLEPOptions
 from .checkpoint import patch_checkpoint
 from .experts import patch_experts
 from .loss import LOSS_OPTIONS, patch_loss
@@ -17,7 +18,7 @@ from .tiled import patch_tiled_layers
 TESTED_TRANSFORMERS = ((5, 17), (6, 0))  # [lowest, first untested major)
 
 # Options apply_moepeak accepts (**options) and where each goes (LOSS_OPTIONS: moepeak/hf/loss.py).
-EXPERTS_OPTIONS = ("chunk_rows", "alpha", "min_tokens_per_gemm", "imbalance_threshold", "save_budget_mb")
+EXPERTS_OPTIONS = LLEPOptions.names()  # llep_moe's schedule options (moepeak/llep/options.py)
 NORM_OPTIONS = ("norm_chunk_tokens",)
 CHECKPOINT_OPTIONS = ("sco_config",)
 
@@ -48,7 +49,8 @@ def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint:
     slices alone), or call average_gradients(model) after backward; clip with
     clip_grad_norm_(model, max_norm) (moepeak/hf/expert_parallel.py).
     options: for the experts, llep_moe's chunk_rows, alpha,
-    min_tokens_per_gemm, imbalance_threshold, save_budget_mb; for the loss,
+    min_tokens_per_gemm, imbalance_threshold, save_budget_mb, grouped_mm
+    (moepeak.llep.LLEPOptions' fields); for the loss,
     ce_mode, ce_chunk_tokens, ce_chunk_vocab (linear_cross_entropy's mode,
     chunk_tokens, chunk_vocab); for the lean final norm, norm_chunk_tokens
     (moepeak.norms.rms_norm's chunk_tokens); for checkpointing, sco_config (a

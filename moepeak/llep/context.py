@@ -19,8 +19,8 @@ and the route are not repeated: the plan itself is host-only and cheap.
 Host->device copies of per-chunk tables (grouping offsets, permutations) go
 through `host_to_device`: staged in pinned memory on CUDA, so the copy is
 truly asynchronous (a copy from pageable memory may wait for the stream).
-LAST_STATS counts host reads (`host_syncs`) and these copies (`h2d_copies`)
-per call, so tests can pin them down.
+ctx.stats (the call's record, moepeak/llep/stats.py) counts host reads
+(`host_syncs`) and these copies (`h2d_copies`), so tests can pin them down.
 
 Weights may have any strides (e.g. Hugging Face's [E, 2I, H] storage seen
 through transpose(1, 2)): they are only sliced per expert, never copied
@@ -33,15 +33,13 @@ from typing import Dict
 import torch
 
 from . import plan as lp
+from .options import LLEPOptions
 
 # Expert activations: "swiglu" silu(gate) * up, gate = h[:, :I], up = h[:, I:];
 # "gpt_oss" (Hugging Face GPT-OSS): gate = h[:, 0::2], up = h[:, 1::2],
 # g = min(gate, 7), u = clamp(up, -7, 7), a = (u + 1) * g * sigmoid(1.702 g).
 ACTIVATIONS = ("swiglu", "gpt_oss")
 GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0
-
-# Statistics of the last call (tests and benchmarks read them).
-LAST_STATS: Dict[str, object] = {}
 
 
 class Ctx:
@@ -59,14 +57,17 @@ class Ctx:
     `one_chunk_rows` (P > 1): when no rank sends or receives more rows than
     this, the step runs as one chunk (n = 1, `one_chunk`: standard EP's
     single dispatch, grouped GEMM and combine; moepeak/llep/one_chunk.py);
-    0: never. Decided from the all-gathered loads: the same on every rank."""
+    0: never. Decided from the all-gathered loads: the same on every rank.
+    `options`: the call's LLEPOptions, chunk_rows the launch's C (an int).
+    `stats`: the call's record (moepeak/llep/stats.py keys), filled as it runs."""
 
-    def __init__(self, x, topk_ids, topk_weights, weights, biases, activation, tr, C, alpha, m, lam,
+    def __init__(self, x, topk_ids, topk_weights, weights, biases, activation, tr, options: LLEPOptions,
                  plan_state=None, one_chunk_rows: int = 0, keep_one_chunk: bool = False):
         w0, w_down, w_up = weights
-        self.x, self.tr, self.C, self.activation = x, tr, C, activation
+        self.x, self.tr, self.activation, self.options = x, tr, activation, options
+        self.C = int(options.chunk_rows)
         self.W = [w0, w_down, w_up]
-        self.wgu, self.wd, self.wu = w0, w_down, w_up
+        self.wgu, self.wu = w0, w_up
         self.split = w_up is not None
         self.kinds = (0, 1, 2) if self.split else (0, 1)
         self.bgu_local, self.bd_local = biases
@@ -79,21 +80,23 @@ class Ctx:
         self.r = tr.rank if tr is not None else 0
         self.E = self.El * self.P
         self.pinned = x.is_cuda  # host->device copies staged in pinned memory
-        LAST_STATS.update(host_syncs=0, h2d_copies=0)
+        self.stats: Dict[str, object] = dict(host_syncs=0, h2d_copies=0, grouped_mm=0, grouped_dw=0,
+                                             grouped_fallback=0)
+        self.grouped_failed = False  # torch._grouped_mm raised under "auto": per-expert GEMMs from then on
         self.ids = topk_ids.reshape(-1).to(torch.int64).contiguous()
         self.wflat = topk_weights.reshape(-1).to(torch.float32).contiguous()
         self.one_chunk_rows, self.keep_one_chunk = int(one_chunk_rows), bool(keep_one_chunk)
         if plan_state is None:
-            self.load = self._gather_loads(alpha, m, lam)
+            self.load = self._gather_loads()
         else:
             self.load = plan_state[0]
-        self.plan = lp.llep_plan(self.load, alpha, m, lam)
+        self.plan = lp.llep_plan(self.load, options.alpha, options.min_tokens_per_gemm, options.imbalance_threshold)
         S = self.plan.S
         # rows this rank receives; the most any rank sends or receives (the one-chunk test)
         self.recv_rows = int(S[:, self.r].sum())
         step_rows = max(int(S.sum(0).max()), int(S.sum(1).max()))
         self.one_chunk = self.P > 1 and 0 < step_rows <= one_chunk_rows
-        self.n = 1 if self.one_chunk else lp.num_chunks(S, C)
+        self.n = 1 if self.one_chunk else lp.num_chunks(S, self.C)
         if plan_state is None:
             self.send_index = lp.route(self.ids, self.E, self.plan, self.r, self.load[self.r], self.host_to_device)
         else:
@@ -124,21 +127,21 @@ class Ctx:
         # experts whose weight gradient (per kind) holds a partial sum
         self.touched = (set(), set(), set())
         self._staging = [None, None, None]  # see staging()
-        LAST_STATS.update(n_chunks=self.n, chunk_rows=C, spilled=self.plan.spilled, borrowed=list(self.borrowed),
-                          max_rows=0, grouped_mm=0, grouped_dw=0, one_chunk_ep=self.one_chunk)
+        self.stats.update(n_chunks=self.n, chunk_rows=self.C, spilled=self.plan.spilled,
+                          borrowed=list(self.borrowed), max_rows=0, one_chunk_ep=self.one_chunk)
 
-    def _gather_loads(self, alpha, m, lam):
+    def _gather_loads(self):
         """Count picks per expert and all-gather [counts (E) | ids outside
         [0, E) (1) | config fingerprint (F)] per rank in ONE collective and
         ONE host read; bad ids and differing configs are reported on every
         rank. Returns load [P, E] int64 CPU."""
-        tr, dev, x = self.tr, self.x.device, self.x
+        tr, dev, x, o = self.tr, self.x.device, self.x, self.options
         cnt = lp.count(self.ids, self.E)
-        fp = lp.config_fingerprint(E=self.E, K=self.K, H=self.H, I=self.I, C=self.C, m=m, alpha=float(alpha),
-                                   lam=float(lam), dtype=lp.DTYPE_CODE[x.dtype], cuda=int(x.is_cuda),
-                                   split=int(self.split), bias=int(self.has_bias),
-                                   act=ACTIVATIONS.index(self.activation), one=self.one_chunk_rows,
-                                   keep=int(self.keep_one_chunk))
+        fp = lp.config_fingerprint(E=self.E, K=self.K, H=self.H, I=self.I, C=self.C, m=o.min_tokens_per_gemm,
+                                   alpha=float(o.alpha), lam=float(o.imbalance_threshold),
+                                   dtype=lp.DTYPE_CODE[x.dtype], cuda=int(x.is_cuda), split=int(self.split),
+                                   bias=int(self.has_bias), act=ACTIVATIONS.index(self.activation),
+                                   one=self.one_chunk_rows, keep=int(self.keep_one_chunk))
         if tr is not None:
             mine = torch.cat([cnt, self.host_to_device(torch.tensor(fp, dtype=torch.int64))])
             rows = torch.empty(self.P, mine.numel(), dtype=torch.int64, device=dev)
@@ -161,15 +164,15 @@ class Ctx:
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """t on the host: the call's device->host syncs all go through here
-        (LAST_STATS["host_syncs"] counts them)."""
-        LAST_STATS["host_syncs"] = int(LAST_STATS.get("host_syncs", 0)) + 1
+        (stats["host_syncs"] counts them)."""
+        self.stats["host_syncs"] += 1
         return t.cpu()
 
     def host_to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A host table t on x's device, copied asynchronously: staged in
         pinned memory on CUDA (the caching host allocator keeps the staging
-        block until the copy has run). LAST_STATS["h2d_copies"] counts them."""
-        LAST_STATS["h2d_copies"] = int(LAST_STATS.get("h2d_copies", 0)) + 1
+        block until the copy has run). stats["h2d_copies"] counts them."""
+        self.stats["h2d_copies"] += 1
         if self.pinned:
             t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
         return t.to(self.x.device, non_blocking=True)
@@ -182,7 +185,7 @@ class Ctx:
         host = torch.empty(2 * rows, dtype=torch.int64, pin_memory=self.pinned)
         host[:rows] = lay.perm
         host[rows:].index_copy_(0, lay.perm, torch.arange(rows, dtype=torch.int64))
-        LAST_STATS["h2d_copies"] = int(LAST_STATS.get("h2d_copies", 0)) + 1
+        self.stats["h2d_copies"] += 1
         dev = out[:2 * rows]
         dev.copy_(host, non_blocking=True)
         return dev[:rows], dev[rows:]
@@ -256,7 +259,7 @@ class Ctx:
         if lay is None:
             cap = self.recv_rows if self.one_chunk else self.C
             lay = lp.chunk_layout(self.plan, self.r, self.n, j, cap)
-            LAST_STATS["max_rows"] = max(int(LAST_STATS["max_rows"]), lay.rows, sum(lay.send_len))
+            self.stats["max_rows"] = max(int(self.stats["max_rows"]), lay.rows, sum(lay.send_len))
             self.layouts = {j: lay}  # keep one: layouts are cheap to recompute
         return lay
 

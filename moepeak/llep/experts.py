@@ -285,15 +285,15 @@ def rows_backward(ctx: Ctx, buf: Bufs, g: Grads, xg, gg, wg, ecount, hcached=Non
     return dxr.add_(gemm.mm(ctx, dh[:, I:], grp, 2, True, buf.do))
 
 
-def lean_ok_static(activation: str, w_up, b_gate_up, dtype: torch.dtype) -> bool:
-    """lean_rows_backward applies: swiglu on fused gate/up weights (no
-    w_up), no biases, not fp16."""
-    return activation == "swiglu" and w_up is None and b_gate_up is None and dtype != torch.float16
+def lean_ok_static(activation: str, split: bool, bias: bool, dtype: torch.dtype) -> bool:
+    """lean_rows_backward applies: swiglu on fused gate/up weights (not
+    split), no biases, not fp16."""
+    return activation == "swiglu" and not split and not bias and dtype != torch.float16
 
 
 def lean_ok(ctx: Ctx) -> bool:
     """lean_ok_static for this call."""
-    return lean_ok_static(ctx.activation, ctx.wu, ctx.bgu_local, ctx.x.dtype)
+    return lean_ok_static(ctx.activation, ctx.split, ctx.has_bias, ctx.x.dtype)
 
 
 class _RowBufs:

@@ -17,36 +17,26 @@ transpose(1, 2)); the stack is never copied whole.
     allocated once per call), and its weight gradient is formed there and
     copied out. Results are then bitwise those of contiguous weights.
 
-Whether torch._grouped_mm is used is process state: on by default where torch
-has it, switched off for the process the first time it raises (per-expert
-GEMMs from then on; results are the same). set_grouped_mm changes it (for
-tests and benchmarks: moepeak.testing.force_grouped_mm).
+Whether torch._grouped_mm is used is the call's option grouped_mm
+(moepeak/llep/options.py): "off" never; "on" wherever the call qualifies
+(grouped_capability), else refused up front; "auto" where it qualifies on a
+CUDA device of compute capability >= 8.0. Under "auto" a raise from
+torch._grouped_mm all the same sends the rest of the call to the per-expert
+GEMMs (results are the same up to summation order) and the logger "moepeak"
+warns once per distinct error; nothing is switched off beyond the call.
 """
 from __future__ import annotations
 
-from typing import Tuple
+import logging
+from typing import Optional
 
 import torch
 
-from .context import LAST_STATS, Ctx
+from .context import Ctx
 
 _GROUPED_ERRORS = (RuntimeError, TypeError, NotImplementedError)
-# enabled: try torch._grouped_mm (CUDA); on_cpu: also on CPU tensors where torch supports it
-_STATE = {"enabled": hasattr(torch, "_grouped_mm"), "on_cpu": False}
-
-
-def grouped_mm_settings() -> Tuple[bool, bool]:
-    """(enabled, on_cpu): whether torch._grouped_mm is tried, and whether also on CPU."""
-    return bool(_STATE["enabled"]), bool(_STATE["on_cpu"])
-
-
-def set_grouped_mm(enabled: bool, on_cpu: bool = False) -> Tuple[bool, bool]:
-    """Set whether torch._grouped_mm is tried (never where torch lacks it) and
-    whether also on CPU tensors; returns the previous settings."""
-    prev = grouped_mm_settings()
-    _STATE["enabled"] = bool(enabled) and hasattr(torch, "_grouped_mm")
-    _STATE["on_cpu"] = bool(on_cpu)
-    return prev
+_LOG = logging.getLogger("moepeak")
+_warned_fallbacks = set()  # (error type, message) already logged: each distinct failure warns once
 
 
 def column_major(W: torch.Tensor) -> bool:
@@ -67,15 +57,57 @@ def _grouped_operand_ok(W: torch.Tensor) -> bool:
     return (lead * b) % 16 == 0 and (W.stride(0) * b) % 16 == 0 and W.data_ptr() % 16 == 0
 
 
+def grouped_capability(x: torch.Tensor, weights, H: int, I: int, auto: bool) -> Optional[str]:
+    """Why torch._grouped_mm cannot run this call's GEMMs (None: it can). weights: the
+    local stacks present. auto: also require what "auto" requires (a CUDA device of
+    compute capability >= 8.0)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return "this torch has no torch._grouped_mm"
+    if x.dtype != torch.bfloat16:
+        return f"it takes bf16 tensors, got {x.dtype}"
+    if H % 8 or I % 8:
+        return f"it needs H and I multiples of 8, got H={H}, I={I}"
+    if not all(_grouped_operand_ok(W) for W in weights):
+        return "a weight stack is neither row- nor column-major with 16-byte aligned strides and start"
+    if auto:
+        if not x.is_cuda:
+            return "grouped_mm='auto' uses it on CUDA devices only"
+        if torch.cuda.get_device_capability(x.device) < (8, 0):
+            return "it needs compute capability >= 8.0"
+    return None
+
+
+def check_grouped_request(x: torch.Tensor, weights, H: int, I: int, mode: str) -> None:
+    """grouped_mm="on" on a call torch._grouped_mm cannot run is refused by name."""
+    if mode == "on":
+        why = grouped_capability(x, [W for W in weights if W is not None], H, I, auto=False)
+        if why is not None:
+            raise ValueError(f"moepeak: grouped_mm='on' but torch._grouped_mm cannot run this call: {why}")
+
+
 def grouped_ok(ctx: Ctx) -> bool:
-    """This call's GEMMs go through torch._grouped_mm."""
-    return (_STATE["enabled"] and (ctx.x.is_cuda or _STATE["on_cpu"]) and ctx.x.dtype == torch.bfloat16
-            and ctx.H % 8 == 0 and ctx.I % 8 == 0 and all(_grouped_operand_ok(ctx.W[w]) for w in ctx.kinds))
+    """This call's GEMMs go through torch._grouped_mm (options.grouped_mm; under "auto",
+    not after it raised in this call)."""
+    mode = ctx.options.grouped_mm
+    if mode == "off" or ctx.grouped_failed:
+        return False
+    return grouped_capability(ctx.x, [ctx.W[w] for w in ctx.kinds], ctx.H, ctx.I, auto=mode == "auto") is None
 
 
-def _disable_grouped(grp: "Groups") -> None:
-    _STATE["enabled"] = False  # unsupported here: per-expert GEMMs from now on
+def _fall_back(ctx: Ctx, grp: "Groups", err: Exception) -> None:
+    """torch._grouped_mm raised: under "on" the error propagates; under "auto" the rest of
+    this call runs per-expert GEMMs, and the logger "moepeak" warns (once per process for
+    each distinct error)."""
+    if ctx.options.grouped_mm == "on":
+        raise err
+    ctx.grouped_failed = True
+    ctx.stats["grouped_fallback"] = 1
     grp.grouped = False
+    seen = (type(err).__name__, str(err))
+    if seen not in _warned_fallbacks:
+        _warned_fallbacks.add(seen)
+        _LOG.warning("moepeak: torch._grouped_mm raised (%s: %s); the llep call runs one GEMM per expert "
+                     "from there (grouped_mm='off' chooses that up front; this error is reported once)", *seen)
 
 
 def _stack(ctx: Ctx, experts, kind, which: int):
@@ -110,10 +142,10 @@ def mm(ctx: Ctx, inp, grp: "Groups", which: int, transpose: bool, out):
                     if res is None:
                         res = inp.new_empty(rows, N) if out is None else out[:rows]
                     res[a:b].copy_(r)
-            LAST_STATS["grouped_mm"] = int(LAST_STATS.get("grouped_mm", 0)) + 1
+            ctx.stats["grouped_mm"] += 1
             return res
-        except _GROUPED_ERRORS:
-            _disable_grouped(grp)
+        except _GROUPED_ERRORS as err:
+            _fall_back(ctx, grp, err)
     if out is None:  # only after a grouped failure: this call's buffer
         out = inp.new_empty(rows, N)
     off = 0
@@ -184,9 +216,9 @@ def dw_accumulate(ctx: Ctx, left, right, grp: "Groups", which: int, dW_local, dW
                 r = None  # freed before the next run's result exists: one [G, ., .] at a time
                 touched.update(experts)
                 done.update(experts)
-            LAST_STATS["grouped_dw"] = int(LAST_STATS.get("grouped_dw", 0)) + 1
-        except _GROUPED_ERRORS:
-            _disable_grouped(grp)
+            ctx.stats["grouped_dw"] += 1
+        except _GROUPED_ERRORS as err:
+            _fall_back(ctx, grp, err)
     if dW_local[which] is None:
         dW_local[which] = ctx.new_dw(which)
     off = 0
@@ -260,7 +292,7 @@ class Groups:
         ctx = self.ctx
         G = max(1, ctx.C // ctx.dims(which)[0])
         runs, host = [], []
-        for a, b, experts, kind, _ in self.segments:
+        for a, _, experts, _, _ in self.segments:
             row, cur, start = a, [], a
             for e in experts:
                 c = self.ecount[e]

@@ -1,8 +1,10 @@
 """PipelinedLLEP's public API (exported by moepeak.llep): llep_moe, the experts of an MoE
 layer on this rank's weights, PipelinedLLEP-scheduled, and PipelinedLLEPMoE, router +
-SwiGLU experts as an nn.Module. Both validate their arguments, size the launch (chunk
-rows, activation-cache slots, the one-chunk paths; moepeak/llep/sizes.py) from shapes and
-options alone, and call the op moepeak::llep_dispatch (moepeak/llep/ops.py).
+SwiGLU experts as an nn.Module. Both take the schedule options as an LLEPOptions (or its
+fields as keywords; moepeak/llep/options.py), validate the tensors, size the launch
+(moepeak/llep/launch.py, from shapes and options alone) and call the op
+moepeak::llep_dispatch (moepeak/llep/ops.py). An LLEPStats given as `stats` receives
+each call's forward and backward statistics (moepeak/llep/stats.py).
 """
 from __future__ import annotations
 
@@ -16,25 +18,28 @@ from ..core.ext import check_tensor
 from ..core.process_groups import register_group
 from ..core.transport_choice import get_transport
 from .context import ACTIVATIONS
-from .experts import lean_ok_static
+from .launch import Shapes, size_launch
 from .ops import FLOAT_DTYPES, llep_dispatch
-from .sizes import (cache_slots, capped_save_bytes, default_chunk_rows, default_save_budget_mb, effective_chunk_rows,
-                    ep_cache_room, one_chunk_ep_rows, one_chunk_fits)
+from .options import LLEPOptions
+from .stats import LLEPStats, stats_key
 
 
-def _validate(x, topk_ids, topk_weights, w_gate_up, w_down, w_up, b_gate_up, b_down, activation, P, chunk_rows,
-              alpha, m, lam):
-    check_tensor("x", x, dtypes=FLOAT_DTYPES)
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"moepeak: activation must be one of {ACTIVATIONS}, got {activation!r}")
+def _gate_up_pair(w_gate_up):
+    """(w_gate_up, None) for a fused tensor, (w_gate, w_up) for the pair."""
+    if isinstance(w_gate_up, (tuple, list)):
+        if len(w_gate_up) != 2:
+            raise ValueError(f"moepeak: w_gate_up must be a tensor or a (w_gate, w_up) pair, got "
+                             f"{len(w_gate_up)} tensors")
+        return w_gate_up[0], w_gate_up[1]
+    return w_gate_up, None
+
+
+def _validate_weights(x, w_gate_up, w_down, w_up, b_gate_up, b_down):
+    """Checks the experts' tensors against w_down [E_local, I, H]; returns (E_local, I, H)."""
     check_tensor("w_down", w_down, dtypes=(x.dtype,), ndim=3, device=x.device)
-    El, I, H = w_down.shape  # the experts' hidden size H: x's last dim must be it
-    if x.dim() < 1 or x.shape[-1] != H:
-        raise ValueError(f"moepeak: x must be [..., H] with H = {H} (w_down [E_local, I, H] is "
-                         f"{tuple(w_down.shape)}), got {tuple(x.shape)}")
+    El, I, H = w_down.shape
     if I < 1:
         raise ValueError(f"moepeak: w_down must be [E_local, I, H] with I >= 1, got {tuple(w_down.shape)}")
-    T = x.numel() // H if H else 0
     if w_up is None:
         check_tensor("w_gate_up", w_gate_up, dtypes=(x.dtype,), ndim=3, device=x.device)
         if tuple(w_gate_up.shape) != (El, H, 2 * I):
@@ -55,31 +60,37 @@ def _validate(x, topk_ids, topk_weights, w_gate_up, w_down, w_up, b_gate_up, b_d
             check_tensor(name, b, dtypes=(x.dtype,), ndim=2, device=x.device)
             if tuple(b.shape) != (El, n):
                 raise ValueError(f"moepeak: {name} must be [E_local={El}, {n}], got {tuple(b.shape)}")
+    return El, I, H
+
+
+def _validate(x, topk_ids, topk_weights, w_gate_up, w_down, w_up, b_gate_up, b_down, activation, P):
+    """Checks every tensor and the activation; returns (T, K, E_local, I, H)."""
+    check_tensor("x", x, dtypes=FLOAT_DTYPES)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"moepeak: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    El, I, H = _validate_weights(x, w_gate_up, w_down, w_up, b_gate_up, b_down)
+    if x.dim() < 1 or x.shape[-1] != H:  # the experts' hidden size
+        raise ValueError(f"moepeak: x must be [..., H] with H = {H} (w_down [E_local, I, H] is "
+                         f"{tuple(w_down.shape)}), got {tuple(x.shape)}")
+    T = x.numel() // H if H else 0
     check_tensor("topk_ids", topk_ids, dtypes=(torch.int64, torch.int32), ndim=2, device=x.device)
     check_tensor("topk_weights", topk_weights, dtypes=FLOAT_DTYPES, ndim=2, device=x.device)
-    E = El * P
     if topk_ids.shape[0] != T or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"moepeak: topk_ids and topk_weights must both be [T={T}, K], got "
                          f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
     K = topk_ids.shape[1]
-    if K < 1 or K > E:
-        raise ValueError(f"moepeak: top_k ({K}) must be in [1, num_experts={E}]")
-    if not isinstance(chunk_rows, int) or chunk_rows < P:
-        raise ValueError(f"moepeak: chunk_rows must be an int >= the number of ranks ({P}), got {chunk_rows!r}")
-    if not alpha >= 1.0:
-        raise ValueError(f"moepeak: alpha (capacity factor) must be >= 1.0, got {alpha}")
-    if not (isinstance(m, int) and m >= 0):
-        raise ValueError(f"moepeak: min_tokens_per_gemm must be an int >= 0, got {m!r}")
-    if not lam >= 1.0:
-        raise ValueError(f"moepeak: imbalance_threshold must be >= 1.0, got {lam}")
-    return T, H
+    if K < 1 or K > El * P:
+        raise ValueError(f"moepeak: top_k ({K}) must be in [1, num_experts={El * P}]")
+    return T, K, El, I, H
 
 
 def llep_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up, w_down: torch.Tensor,
              *, b_gate_up: Optional[torch.Tensor] = None, b_down: Optional[torch.Tensor] = None,
-             activation: str = "swiglu", group=None, chunk_rows: Optional[int] = None, alpha: float = 1.0,
-             min_tokens_per_gemm: int = 1024, imbalance_threshold: float = 1.3,
-             save_budget_mb: Optional[int] = None) -> torch.Tensor:
+             activation: str = "swiglu", group=None, options: Optional[LLEPOptions] = None,
+             chunk_rows: Optional[int] = None, alpha: Optional[float] = None,
+             min_tokens_per_gemm: Optional[int] = None, imbalance_threshold: Optional[float] = None,
+             save_budget_mb: Optional[int] = None, grouped_mm: Optional[str] = None,
+             stats: Optional[LLEPStats] = None) -> torch.Tensor:
     """The MoE experts on this rank's local weights, PipelinedLLEP-scheduled.
 
     x [..., H]; topk_ids, topk_weights [T, K] (T = x.numel() // H; ids are
@@ -102,6 +113,9 @@ def llep_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     gradients have the parameters' strides.
     Every rank of `group` must call it (with its own tokens; T may differ).
     Differentiable in x, topk_weights, the weights and the biases.
+    options: an LLEPOptions (None: the defaults); the keywords chunk_rows,
+    alpha, min_tokens_per_gemm, imbalance_threshold, save_budget_mb and
+    grouped_mm set its fields (None: the options' value):
     alpha, min_tokens_per_gemm, imbalance_threshold: the LLEP plan
     (csrc/llep_plan.c): nothing moves while the max/mean rank load is below
     imbalance_threshold; otherwise each rank has room for alpha x the mean
@@ -113,10 +127,9 @@ def llep_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     16384 on several; sizes.default_chunk_rows). On one rank it is
     lowered to T*K when that is smaller (one chunk, buffers no larger than
     the rows); with chunk_rows=None it is also raised to T*K when one chunk
-    with its whole h cached peaks no higher than permute + grouped GEMM and
-    stays within the chunked working-set bound
-    (sizes.one_chunk_fits; swiglu, fused gate/up, no biases, not
-    fp16): backward then recomputes nothing. On several ranks the step runs
+    with its whole h cached peaks no higher than permute + grouped GEMM
+    (sizes.one_chunk_fits; swiglu, no biases, not fp16): backward then
+    recomputes nothing. On several ranks the step runs
     as one chunk (standard EP's one dispatch, grouped GEMMs and combine,
     moepeak/llep/one_chunk.py) when no rank sends or receives more rows than
     fit the chunked working-set bound at chunk_rows
@@ -125,66 +138,36 @@ def llep_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     save_budget_mb: bytes (MiB) fixed at launch for an activation cache: the
     first chunks whose [C, 2I] forward intermediates fit are kept for
     backward, which recomputes only the others (0: recompute all; no cache
-    when no gradient is needed; None: 1536 on one rank; on several the
-    room the chunk budget's bound leaves, sizes.ep_cache_room, see
-    sizes.DEFAULT_SAVE_BUDGET_MB). At P > 1 the one-chunk step keeps h and its
-    grouped x rows whole for backward unless save_budget_mb=0 (counted
-    within the bound, sizes.one_chunk_ep_rows). The cache is also capped so that it and the
+    when no gradient is needed; None: sizes.default_save_budget_mb). At P > 1
+    the one-chunk step keeps h and its grouped x rows whole for backward
+    unless save_budget_mb=0 (counted within the bound,
+    sizes.one_chunk_ep_rows). The cache is also capped so that it and the
     backward working set together stay within what permute + grouped GEMM
     holds at its peak for the same T (sizes.capped_save_bytes). Results
     are identical either way.
+    grouped_mm: "auto" | "on" | "off", torch._grouped_mm for the expert
+    GEMMs (options.GROUPED_MM_MODES).
     The cache lives from this call's forward to its backward: a model keeps
     one per MoE layer whose backward is pending (none under activation
-    checkpointing's no-grad forward), so budget it per resident layer."""
+    checkpointing's no-grad forward), so budget it per resident layer.
+    stats: an LLEPStats that receives this call's forward and backward
+    statistics (moepeak/llep/stats.py)."""
+    options = LLEPOptions.resolve(options, chunk_rows=chunk_rows, alpha=alpha,
+                                  min_tokens_per_gemm=min_tokens_per_gemm, imbalance_threshold=imbalance_threshold,
+                                  save_budget_mb=save_budget_mb, grouped_mm=grouped_mm)
+    key = stats_key(stats)
     tr = get_transport(group)
     P = tr.world_size if tr is not None else 1
-    C = default_chunk_rows(P) if chunk_rows is None else chunk_rows
-    keep_allowed = save_budget_mb != 0  # None or a budget: the P > 1 one-chunk step keeps h and grouped x
-    default_budget = save_budget_mb is None
-    if save_budget_mb is None:
-        save_budget_mb = default_save_budget_mb(P)
-    w_up = None
-    if isinstance(w_gate_up, (tuple, list)):
-        if len(w_gate_up) != 2:
-            raise ValueError(f"moepeak: w_gate_up must be a tensor or a (w_gate, w_up) pair, got "
-                             f"{len(w_gate_up)} tensors")
-        w_gate_up, w_up = w_gate_up
-    T, H = _validate(x, topk_ids, topk_weights, w_gate_up, w_down, w_up, b_gate_up, b_down, activation, P, C,
-                     alpha, min_tokens_per_gemm, imbalance_threshold)
-    if not (isinstance(save_budget_mb, int) and save_budget_mb >= 0):
-        raise ValueError(f"moepeak: save_budget_mb must be an int >= 0, got {save_budget_mb!r}")
-    K, I = topk_ids.shape[1], w_down.shape[1]
-    C = effective_chunk_rows(C, T, K, P)  # P = 1: one chunk when T*K fits, buffers no larger than the rows
+    w_gate_up, w_up = _gate_up_pair(w_gate_up)
+    T, K, El, I, H = _validate(x, topk_ids, topk_weights, w_gate_up, w_down, w_up, b_gate_up, b_down, activation, P)
     params = (x, topk_weights, w_gate_up, w_down, w_up, b_gate_up, b_down)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params)
-    b = x.element_size()
-    # P > 1, save_budget_mb=None: the cache room within the chunk budget's bound
-    room = ep_cache_room(int(C), H, b) if P > 1 and default_budget else 0
-    lean = (grad and P == 1 and (chunk_rows is None or T * K <= C) and activation == "swiglu" and w_up is None
-            and b_gate_up is None and x.dtype != torch.float16
-            and one_chunk_fits(T, K, w_down.shape[0], H, I, int(C), b, save_budget_mb << 20))
-    if lean:  # one chunk, h cached whole, backward's buffers held only while used
-        C, slots = T * K, 1
-    else:
-        budget = capped_save_bytes((save_budget_mb << 20) + room, T, K, int(C), H, I, P, b,
-                                   activation=activation, bias=b_gate_up is not None, split=w_up is not None)
-        slots = cache_slots(budget, T, K, int(C), I, P, b) if grad else 0
-    one_rows, keep = 0, False
-    if P > 1:  # from shapes, options and the arguments only: the same on every rank
-        keep = grad and keep_allowed
-        options = dict(activation=activation, bias=b_gate_up is not None, split=w_up is not None)
-        one_rows = one_chunk_ep_rows(int(C), H, I, P, b, (save_budget_mb << 20) + room, keep=keep, grad=grad,
-                                     lean=lean_ok_static(activation, w_up, b_gate_up, x.dtype)
-                                     and not torch.compiler.is_compiling(),
-                                     grouped=x.dtype == torch.bfloat16, **options)
-        if chunk_rows is not None:  # an explicit budget: one chunk only where it covers the step's rows
-            one_rows = min(one_rows, int(C))
-    shape = x.shape
-    y = llep_dispatch(x.reshape(T, H).contiguous(), topk_ids.contiguous(), topk_weights.contiguous(),
-                      w_gate_up, w_down, register_group(group), int(C), float(alpha), int(min_tokens_per_gemm),
-                      float(imbalance_threshold), int(slots), w_up, b_gate_up, b_down, activation, int(one_rows),
-                      bool(keep))[0]
-    return y.view(shape)
+    launch = size_launch(options, Shapes(P=P, T=T, K=K, E_local=El, H=H, I=I, dtype=x.dtype, grad=grad,
+                                         activation=activation, split=w_up is not None, bias=b_gate_up is not None))
+    y = llep_dispatch(x.reshape(T, H).contiguous(), topk_ids.contiguous(), topk_weights.contiguous(), w_gate_up,
+                      w_down, register_group(group), w_up=w_up, b_gate_up=b_gate_up, b_down=b_down,
+                      activation=activation, stats=key, **launch.op_kwargs())[0]
+    return y.view(x.shape)
 
 
 def dense_moe_reference(x, topk_ids, topk_weights, w_gate_up, w_down):
@@ -212,23 +195,30 @@ class PipelinedLLEPMoE(nn.Module):
     silu(gate) * up), w_down [E_local, I, H]; E_local = E / P and rank r owns
     experts [r*E_local, (r+1)*E_local). forward(x [..., H]) returns
     (y [..., H], router_logits [N, E] fp32). top-k is taken on softmax
-    probabilities, renormalised to sum 1 when norm_topk_prob."""
+    probabilities, renormalised to sum 1 when norm_topk_prob. options (or
+    its fields as keywords): the schedule's LLEPOptions, kept as
+    self.options; self.last_stats (an LLEPStats) holds the last forward's
+    and backward's statistics."""
 
-    def __init__(self, hidden_size, intermediate_size, num_experts, top_k, *, group=None, chunk_rows=None,
-                 alpha=1.0, min_tokens_per_gemm=1024, imbalance_threshold=1.3, norm_topk_prob=True,
-                 save_budget_mb=None, device=None, dtype=None):
+    def __init__(self, hidden_size, intermediate_size, num_experts, top_k, *, group=None,
+                 options: Optional[LLEPOptions] = None, chunk_rows=None, alpha=None, min_tokens_per_gemm=None,
+                 imbalance_threshold=None, save_budget_mb=None, grouped_mm=None, norm_topk_prob=True, device=None,
+                 dtype=None):
         super().__init__()
         P = get_transport(group).world_size if group is not None else 1
         if num_experts % P:
             raise ValueError(f"moepeak: num_experts ({num_experts}) must be a multiple of the group size ({P})")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"moepeak: top_k ({top_k}) must be in [1, num_experts={num_experts}]")
+        self.options = LLEPOptions.resolve(options, chunk_rows=chunk_rows, alpha=alpha,
+                                           min_tokens_per_gemm=min_tokens_per_gemm,
+                                           imbalance_threshold=imbalance_threshold, save_budget_mb=save_budget_mb,
+                                           grouped_mm=grouped_mm)
+        self.last_stats = LLEPStats()  # the last forward's and backward's statistics
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k, self.group, self.world = num_experts, top_k, group, P
         self.num_local_experts = num_experts // P
-        self.chunk_rows, self.alpha, self.min_tokens_per_gemm = chunk_rows, alpha, min_tokens_per_gemm
-        self.imbalance_threshold, self.norm_topk_prob = imbalance_threshold, norm_topk_prob
-        self.save_budget_mb = save_budget_mb
+        self.norm_topk_prob = norm_topk_prob
         kw = dict(device=device, dtype=dtype)
         self.router = nn.Linear(hidden_size, num_experts, bias=False, **kw)
         self.w_gate_up = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, 2 * intermediate_size, **kw))
@@ -261,9 +251,8 @@ class PipelinedLLEPMoE(nn.Module):
     def forward(self, x):
         x2 = self._tokens(x)
         logits, ti, tw = self.route(x2)
-        y = llep_moe(x2, ti, tw, self.w_gate_up, self.w_down, group=self.group, chunk_rows=self.chunk_rows,
-                     alpha=self.alpha, min_tokens_per_gemm=self.min_tokens_per_gemm,
-                     imbalance_threshold=self.imbalance_threshold, save_budget_mb=self.save_budget_mb)
+        y = llep_moe(x2, ti, tw, self.w_gate_up, self.w_down, group=self.group, options=self.options,
+                     stats=self.last_stats)
         return y.view(x.shape), logits
 
     def reference_forward(self, x):

@@ -27,15 +27,9 @@ import torch
 
 from . import gemm
 from . import plan as lp
-from .context import LAST_STATS, Ctx
+from .context import Ctx
 from .experts import Bufs, Grads, experts_fwd, lean_ok, lean_rows_backward, rows_backward
 from .workspace import Held
-
-
-def kept_slots(R: int, C: int, H: int, I: int) -> int:
-    """Slots of cache [slots, C*2I] the kept one-chunk step needs for R rows:
-    h [R, 2I] and grouped x [R, H]."""
-    return -(-R * (2 * I + H) // (C * 2 * I)) if R > 0 else 0
 
 
 def _kept_views(cache, R: int, H: int, I: int):
@@ -65,13 +59,13 @@ def backward_local_lean(ctx: Ctx, gy, g: Grads, hcache, dx, dtw) -> None:
         held, lambda dxr: lp.combine_rows(dx, dxr, idx, None, K),
         lambda: lp.gather_rows(x, idx, K, held.new((rows, H), x.dtype)))
     dtw.index_copy_(0, idx, dwr)
-    LAST_STATS.update(workspace_bytes_bwd=held.peak, lean_one_chunk=True)
+    ctx.stats.update(workspace_bytes_bwd=held.peak, lean_one_chunk=True)
 
 
 def forward_ep(ctx: Ctx, cache, keep: bool) -> torch.Tensor:
-    """P > 1, one chunk: y [T, H] (x dtype). keep: cache (the op's, at
-    least kept_slots(R, ...) slots) receives h and the grouped x rows.
-    LAST_STATS workspace_bytes: the most this call held above the cache."""
+    """P > 1, one chunk: y [T, H] (x dtype). keep: cache (the op's kept
+    cache, [1, R*(2I + H)]) receives h and the grouped x rows.
+    stats workspace_bytes: the most this call held above the cache."""
     x, H, I, K, tr, dt = ctx.x, ctx.H, ctx.I, ctx.K, ctx.tr, ctx.x.dtype
     lay = ctx.layout(0)
     R, N = lay.rows, sum(lay.send_len)
@@ -117,7 +111,7 @@ def forward_ep(ctx: Ctx, cache, keep: bool) -> torch.Tensor:
         cache.view(-1)[R * (2 * I + H):].zero_()  # the op output is fully defined
     elif cache is not None and cache.numel():
         cache.zero_()
-    LAST_STATS.update(workspace_bytes=held.peak - base, cached_chunks=int(keep), cache_bytes=_nbytes(cache),
+    ctx.stats.update(workspace_bytes=held.peak - base, cached_chunks=int(keep), cache_bytes=_nbytes(cache),
                       recv_rows=R, send_rows=N)
     return acc.to(dt)
 
@@ -127,7 +121,7 @@ def backward_ep(ctx: Ctx, gy, g: Grads, cache, kept: bool, overwrite: bool):
     fp32); g the weight gradients. kept: cache holds forward's h and grouped
     x (forward_ep with keep); else x travels again and h is recomputed.
     overwrite: the cache may be written (dh over h: the lean rows backward,
-    where experts.lean_ok). LAST_STATS workspace_bytes_bwd: the most
+    where experts.lean_ok). stats workspace_bytes_bwd: the most
     this call held above the cache."""
     x, H, I, K, tr, dt = ctx.x, ctx.H, ctx.I, ctx.K, ctx.tr, ctx.x.dtype
     lay = ctx.layout(0)
@@ -213,6 +207,6 @@ def backward_ep(ctx: Ctx, gy, g: Grads, cache, kept: bool, overwrite: bool):
     dxb = dwb = None
     lp.combine_rows(dx, back, idx, None, K)
     dtw.index_copy_(0, idx, dwback)
-    LAST_STATS.update(workspace_bytes_bwd=held.peak - base, lean_one_chunk=lean,
+    ctx.stats.update(workspace_bytes_bwd=held.peak - base, lean_one_chunk=lean,
                       recomputed_chunks=0 if kept else 1)
     return dx, dtw

@@ -6,7 +6,7 @@ llep_moe and PipelinedLLEPMoE, is moepeak/llep/moe.py):
   moepeak::llep_dispatch(x [T, H], topk_ids [T, K], topk_weights [T, K],
                          w_gate_up [E_local, H, 2I], w_down [E_local, I, H], ...,
                          w_up=None, b_gate_up=None, b_down=None, activation="swiglu",
-                         one_chunk_rows=0, keep_one_chunk=False)
+                         one_chunk_rows=0, keep_one_chunk=False, grouped_mm="auto", stats="")
       -> (y [T, H], cache, load [P, E] int64 CPU, send_index [T*K] int64)
       y[t] = sum_k topk_weights[t, k] * expert_{ids[t, k]}(x[t]),
       expert_e(v) = act(v @ Wgu_e + bgu_e) @ Wd_e + bd_e; act "swiglu":
@@ -25,9 +25,16 @@ llep_moe and PipelinedLLEPMoE, is moepeak/llep/moe.py):
                                                   db_gate_up, db_down)  (empty [0] where absent)
   moepeak::llep_combine_(acc, y, idx, w, div): acc[idx // div] += w[idx] * y (fp32 acc)
 
+The schedule arguments (chunk_rows, alpha, min_tokens_per_gemm,
+imbalance_threshold, grouped_mm) are LLEPOptions' fields (moepeak/llep/options.py;
+chunk_rows the launch's C, an int): each op call rebuilds the options from them,
+checked, and the per-call context (context.Ctx) takes that object.
+
 Process groups cannot be op arguments, so the group travels as a key
 (moepeak/core/process_groups.register_group) resolved in this process; a key
-whose group was destroyed raises a clear error.
+whose group was destroyed raises a clear error. The same for `stats`: the key
+of an LLEPStats (moepeak/llep/stats.py; "" for none) that receives the call's
+record, forward's from llep_dispatch, backward's from the backward ops.
 
 Weights may have any strides: moepeak's own [E, H, 2I] / [E, I, H], or
 Hugging Face's gate_up_proj [E, 2I, H] / down_proj [E, H, I] seen through
@@ -43,10 +50,13 @@ import torch
 from ..core.ext import check_tensor
 from ..core.process_groups import lookup_group
 from ..core.transport_choice import get_transport
+from . import gemm
 from . import plan as lp
 from . import sched
-from .context import ACTIVATIONS
+from .context import ACTIVATIONS, Ctx
+from .options import LLEPOptions
 from .sizes import slot_elems
+from .stats import publish
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # x, y and weights
 
@@ -78,15 +88,17 @@ def _transport(key: str):
 # Ops
 # ---------------------------------------------------------------------------
 def _ctx(x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha, min_tokens_per_gemm,
-         imbalance_threshold, w_up, b_gate_up, b_down, activation, plan_state=None, one_chunk_rows=0,
+         imbalance_threshold, w_up, b_gate_up, b_down, activation, grouped_mm, plan_state=None, one_chunk_rows=0,
          keep_one_chunk=False):
     if activation not in ACTIVATIONS:
         raise ValueError(f"moepeak: activation must be one of {ACTIVATIONS}, got {activation!r}")
     if not (isinstance(one_chunk_rows, int) and one_chunk_rows >= 0):
         raise ValueError(f"moepeak: one_chunk_rows must be an int >= 0, got {one_chunk_rows!r}")
-    return sched.Ctx(x, topk_ids, topk_weights, (w_gate_up, w_down, w_up), (b_gate_up, b_down), activation,
-                     _transport(group), chunk_rows, alpha, min_tokens_per_gemm, imbalance_threshold, plan_state,
-                     one_chunk_rows, keep_one_chunk)
+    options = LLEPOptions(chunk_rows=chunk_rows, alpha=alpha, min_tokens_per_gemm=min_tokens_per_gemm,
+                          imbalance_threshold=imbalance_threshold, grouped_mm=grouped_mm)
+    gemm.check_grouped_request(x, (w_gate_up, w_down, w_up), x.shape[1], w_down.shape[1], grouped_mm)
+    return Ctx(x, topk_ids, topk_weights, (w_gate_up, w_down, w_up), (b_gate_up, b_down), activation,
+                     _transport(group), options, plan_state, one_chunk_rows, keep_one_chunk)
 
 
 @torch.library.custom_op("moepeak::llep_dispatch", mutates_args=())
@@ -94,20 +106,23 @@ def llep_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
                   w_down: torch.Tensor, group: str, chunk_rows: int, alpha: float, min_tokens_per_gemm: int,
                   imbalance_threshold: float, save_slots: int = 0, w_up: Optional[torch.Tensor] = None,
                   b_gate_up: Optional[torch.Tensor] = None, b_down: Optional[torch.Tensor] = None,
-                  activation: str = "swiglu", one_chunk_rows: int = 0, keep_one_chunk: bool = False
+                  activation: str = "swiglu", one_chunk_rows: int = 0, keep_one_chunk: bool = False,
+                  grouped_mm: str = "auto", stats: str = ""
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (y [T, H], activation cache [save_slots, C*2I] (or the kept
     one-chunk cache [1, R*(2I + H)]), load [P, E] int64 CPU, send_index
     [T*K] int64): the last three are for backward."""
     ctx = _ctx(x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha, min_tokens_per_gemm,
-               imbalance_threshold, w_up, b_gate_up, b_down, activation, one_chunk_rows=one_chunk_rows,
+               imbalance_threshold, w_up, b_gate_up, b_down, activation, grouped_mm, one_chunk_rows=one_chunk_rows,
                keep_one_chunk=keep_one_chunk)
     keep = keep_one_chunk and ctx.one_chunk
     if keep:
         cache = x.new_empty(1, ctx.recv_rows * (2 * ctx.I + ctx.H))
     else:
         cache = _new_cache(x, w_down, chunk_rows, save_slots)
-    return sched.forward(ctx, cache, keep), cache, ctx.load, ctx.send_index
+    y = sched.forward(ctx, cache, keep)
+    publish(stats, "forward", ctx.stats)
+    return y, cache, ctx.load, ctx.send_index
 
 
 def _new_cache(x, w_down, chunk_rows, save_slots):
@@ -121,7 +136,7 @@ def _new_cache(x, w_down, chunk_rows, save_slots):
 @llep_dispatch.register_fake
 def _(x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha, min_tokens_per_gemm,
       imbalance_threshold, save_slots=0, w_up=None, b_gate_up=None, b_down=None, activation="swiglu",
-      one_chunk_rows=0, keep_one_chunk=False):
+      one_chunk_rows=0, keep_one_chunk=False, grouped_mm="auto", stats=""):
     tr = _transport(group)
     P = tr.world_size if tr is not None else 1
     load = torch.empty(P, w_gate_up.shape[0] * P, dtype=torch.int64, device="cpu")
@@ -136,7 +151,7 @@ def _(x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha, mi
 
 def _dispatch_backward(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha,
                        min_tokens_per_gemm, imbalance_threshold, cache, w_up, b_gate_up, b_down, activation,
-                       load, send_index, one_chunk_rows, keep_one_chunk, overwrite_cache):
+                       load, send_index, one_chunk_rows, keep_one_chunk, grouped_mm, stats, overwrite_cache):
     """Both backward ops' body (overwrite_cache: the lean op's in-place dh)."""
     plan_state = None
     if load is not None or send_index is not None:
@@ -149,7 +164,7 @@ def _dispatch_backward(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, gro
                              f"got {send_index.numel()}")
         plan_state = (load, send_index)
     ctx = _ctx(x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha, min_tokens_per_gemm,
-               imbalance_threshold, w_up, b_gate_up, b_down, activation, plan_state, one_chunk_rows)
+               imbalance_threshold, w_up, b_gate_up, b_down, activation, grouped_mm, plan_state, one_chunk_rows)
     if plan_state is not None and tuple(load.shape) != (ctx.P, ctx.E):
         raise ValueError(f"moepeak: load must be [P={ctx.P}, E={ctx.E}], got {tuple(load.shape)}")
     kept = keep_one_chunk and ctx.one_chunk
@@ -165,6 +180,7 @@ def _dispatch_backward(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, gro
             raise ValueError(f"moepeak: cache must be [slots, {se}] (chunk_rows*2I), got {tuple(cache.shape)}")
     dx, dtw, dW, dbgu, dbd = sched.backward(ctx, grad_y.contiguous(), cache=cache,
                                            overwrite_cache=overwrite_cache, kept=kept)
+    publish(stats, "backward", ctx.stats)
     def or_empty(t):
         return t if t is not None else x.new_empty(0)
     return (dx, dtw.view(topk_weights.shape).to(topk_weights.dtype), dW[0], dW[1],
@@ -180,12 +196,13 @@ def _backward_op(name: str, overwrite_cache: bool, doc: str):
            w_up: Optional[torch.Tensor] = None, b_gate_up: Optional[torch.Tensor] = None,
            b_down: Optional[torch.Tensor] = None, activation: str = "swiglu",
            load: Optional[torch.Tensor] = None, send_index: Optional[torch.Tensor] = None,
-           one_chunk_rows: int = 0, keep_one_chunk: bool = False
+           one_chunk_rows: int = 0, keep_one_chunk: bool = False, grouped_mm: str = "auto", stats: str = ""
            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                       torch.Tensor]:
         return _dispatch_backward(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha,
                                   min_tokens_per_gemm, imbalance_threshold, cache, w_up, b_gate_up, b_down,
-                                  activation, load, send_index, one_chunk_rows, keep_one_chunk, overwrite_cache)
+                                  activation, load, send_index, one_chunk_rows, keep_one_chunk, grouped_mm, stats,
+                                  overwrite_cache)
     op.__name__ = op.__qualname__ = name.split("::")[1]
     op.__doc__ = doc
     return torch.library.custom_op(name, op, mutates_args=("cache",) if overwrite_cache else ())
@@ -197,8 +214,8 @@ llep_dispatch_backward = _backward_op(
     the last three are empty [0] tensors where w_up / the biases are absent.
     load and send_index: forward's (llep_dispatch's 3rd and 4th outputs);
     without them backward counts and routes again. cache: forward's
-    activation cache (only read). one_chunk_rows, keep_one_chunk:
-    forward's.""")
+    activation cache (only read). one_chunk_rows, keep_one_chunk,
+    grouped_mm, stats: forward's.""")
 
 llep_dispatch_backward_lean_ = _backward_op(
     "moepeak::llep_dispatch_backward_lean_", True,
@@ -215,7 +232,7 @@ llep_dispatch_backward_lean_ = _backward_op(
 def _dispatch_backward_fake(grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, group, chunk_rows, alpha,
                             min_tokens_per_gemm, imbalance_threshold, cache=None, w_up=None, b_gate_up=None,
                             b_down=None, activation="swiglu", load=None, send_index=None, one_chunk_rows=0,
-                            keep_one_chunk=False):
+                            keep_one_chunk=False, grouped_mm="auto", stats=""):
     def like(t):
         return torch.empty_like(t) if t is not None else x.new_empty(0)
     return (torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w_gate_up),
@@ -232,7 +249,7 @@ def _setup_context(ctx, inputs, output):
                           output[2], output[3])
     ctx.args = inputs[5:10]
     ctx.activation = inputs[14]
-    ctx.one_chunk = inputs[15:17]  # (one_chunk_rows, keep_one_chunk)
+    ctx.launch = inputs[15:19]  # (one_chunk_rows, keep_one_chunk, grouped_mm, stats)
     ctx.mark_non_differentiable(*output[1:])
     # No zero-filled gradient for the cache output (it would cost the whole
     # cache budget again in backward).
@@ -241,7 +258,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_y, *grad_rest):
     if grad_y is None:  # y did not reach the loss: nothing flows back
-        return (None,) * 17
+        return (None,) * 19
     x, topk_ids, topk_weights, w_gate_up, w_down, cache, w_up, b_gate_up, b_down, load, send_index = \
         ctx.saved_tensors
     # the lean op overwrites the cache: eager only (a traced graph keeps it read-only)
@@ -249,9 +266,10 @@ def _backward(ctx, grad_y, *grad_rest):
     lean = not torch.compiler.is_compiling() and type(grad_y) is torch.Tensor and cache.shape[0] > 0
     dx, dtw, dwgu, dwd, dwu, dbgu, dbd = (llep_dispatch_backward_lean_ if lean else llep_dispatch_backward)(
         grad_y, x, topk_ids, topk_weights, w_gate_up, w_down, *ctx.args, cache,
-        w_up, b_gate_up, b_down, ctx.activation, load, send_index, *ctx.one_chunk)
+        w_up, b_gate_up, b_down, ctx.activation, load, send_index, *ctx.launch)
     return (dx, None, dtw, dwgu, dwd, None, None, None, None, None, None, dwu if w_up is not None else None,
-            dbgu if b_gate_up is not None else None, dbd if b_down is not None else None, None, None, None)
+            dbgu if b_gate_up is not None else None, dbd if b_down is not None else None, None, None, None, None,
+            None)
 
 
 llep_dispatch.register_autograd(_backward, setup_context=_setup_context)

@@ -26,9 +26,8 @@ import torch
 from . import gemm
 from . import one_chunk as one
 from . import plan as lp
-from .context import LAST_STATS, Ctx
+from .context import Ctx
 from .experts import Bufs, Grads, experts_fwd, finish, lean_ok, rows_backward
-from .sizes import cache_slots, slot_elems, workspace_bytes, working_set_bound
 from .workspace import Workspace
 
 
@@ -39,7 +38,7 @@ def forward(ctx: Ctx, cache: Optional[torch.Tensor] = None, keep: bool = False) 
     x, H, C, K, P = ctx.x, ctx.H, ctx.C, ctx.K, ctx.P
     if ctx.one_chunk:
         return one.forward_ep(ctx, cache, keep)
-    LAST_STATS.update(cached_chunks=min(ctx.n, cache.shape[0] if cache is not None else 0),
+    ctx.stats.update(cached_chunks=min(ctx.n, cache.shape[0] if cache is not None else 0),
                       cache_bytes=cache.numel() * cache.element_size() if cache is not None else 0)
     acc = torch.zeros(ctx.T, H, dtype=torch.float32, device=x.device)
     ws = Workspace(x.device)
@@ -57,7 +56,7 @@ def forward(ctx: Ctx, cache: Optional[torch.Tensor] = None, keep: bool = False) 
             lp.combine_rows(acc, y, idx, ctx.wflat, K)
             y = None
         _zero_unused(ctx, cache)
-        LAST_STATS.update(workspace_bytes=ws.nbytes)
+        ctx.stats.update(workspace_bytes=ws.nbytes)
         xr = buf = None  # release the working set before the output copy
         return acc.to(x.dtype)
 
@@ -106,7 +105,7 @@ def forward(ctx: Ctx, cache: Optional[torch.Tensor] = None, keep: bool = False) 
     if pend is not None:
         finish_chunk(pend)
     _zero_unused(ctx, cache)
-    LAST_STATS.update(workspace_bytes=ws.nbytes)
+    ctx.stats.update(workspace_bytes=ws.nbytes)
     sx = rx = yb = back = gx = buf = cur = pend = None  # release the working set
     return acc.to(x.dtype)
 
@@ -143,7 +142,7 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True, cache: Optional[t
     written over the cached h (lean_one_chunk at P = 1; one_chunk)."""
     x, H, I, C, K, P = ctx.x, ctx.H, ctx.I, ctx.C, ctx.K, ctx.P
     dev, dt = x.device, x.dtype
-    LAST_STATS.update(recomputed_chunks=ctx.n - min(ctx.n, cache.shape[0] if cache is not None else 0),
+    ctx.stats.update(recomputed_chunks=ctx.n - min(ctx.n, cache.shape[0] if cache is not None else 0),
                       lean_one_chunk=False)
     g = Grads(ctx, need_dw)
     if ctx.one_chunk:
@@ -173,7 +172,7 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True, cache: Optional[t
             lp.combine_rows(dx, dxr, idx, None, K)
             dxr = None
             dtw.index_copy_(0, idx, buf.dwr[:rows])
-        LAST_STATS.update(workspace_bytes_bwd=ws.nbytes)
+        ctx.stats.update(workspace_bytes_bwd=ws.nbytes)
         buf = xr = gr = wr = None  # release the working set before the dx copy
         return finish(ctx, g, dx, dtw)
 
@@ -234,7 +233,7 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True, cache: Optional[t
                  tr.all_to_all_v(dwb[:rows], lay.recv_len, dwback[:ns], lay.send_len)], idx)
     if pend is not None:
         finish_chunk(pend)
-    LAST_STATS.update(workspace_bytes_bwd=ws.nbytes)
+    ctx.stats.update(workspace_bytes_bwd=ws.nbytes)
     buf = wr = None
     sx = sg = rx = rg = dxb = back = gx = gg_ = sw = rw = dwb = dwback = cur = pend = None
     return finish(ctx, g, dx, dtw)
@@ -247,5 +246,4 @@ def lean_one_chunk(ctx: Ctx, cache: Optional[torch.Tensor]) -> bool:
     return ctx.P == 1 and ctx.n == 1 and cache is not None and cache.shape[0] >= 1 and lean_ok(ctx)
 
 
-__all__ = ["Ctx", "LAST_STATS", "forward", "backward", "lean_one_chunk", "cache_slots", "slot_elems", "workspace_bytes",
-           "working_set_bound"]
+__all__ = ["forward", "backward", "lean_one_chunk"]

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 
-from ..llep import llep_moe
+from ..llep import LLEPOptions, llep_moe
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -24,23 +24,22 @@ class LLEPRoutedExperts(RoutedExperts):
 
     @dataclass(kw_only=True, slots=True)
     class Config(RoutedExperts.Config):
-        chunk_rows: Optional[int] = None
+        """llep_moe's options (moepeak.llep.LLEPOptions: fields, defaults and checks)."""
+        chunk_rows: Optional[int] = LLEPOptions.chunk_rows
         """Rows per destination per chunk (None: llep_moe's default)."""
-        alpha: float = 1.0
-        min_tokens_per_gemm: int = 1024
-        imbalance_threshold: float = 1.3
-        save_budget_mb: Optional[int] = None
+        alpha: float = LLEPOptions.alpha
+        min_tokens_per_gemm: int = LLEPOptions.min_tokens_per_gemm
+        imbalance_threshold: float = LLEPOptions.imbalance_threshold
+        save_budget_mb: Optional[int] = LLEPOptions.save_budget_mb
         """Activation cache per MoE layer (MiB; None: llep_moe's default)."""
+        grouped_mm: str = LLEPOptions.grouped_mm
 
     def __init__(self, config: Config):
         super().__init__(config)
         if type(self.inner_experts) is not GroupedExperts:
             raise ValueError(f"moepeak.titan.experts: inner_experts must be torchtitan's SwiGLU GroupedExperts, "
                              f"got {type(self.inner_experts).__name__}")
-        self.llep_options = dict(chunk_rows=config.chunk_rows, alpha=config.alpha,
-                                 min_tokens_per_gemm=config.min_tokens_per_gemm,
-                                 imbalance_threshold=config.imbalance_threshold,
-                                 save_budget_mb=config.save_budget_mb)
+        self.llep_options = LLEPOptions(**{name: getattr(config, name) for name in LLEPOptions.names()})
         self.ep_group = None
 
     def parallelize(self, parallel_dims) -> None:
@@ -63,5 +62,5 @@ class LLEPRoutedExperts(RoutedExperts):
         w_down = w2.transpose(1, 2)  # [E_local, F, D]: a view
         y = llep_moe(x_BLD.reshape(B * L, D), topk_expert_ids_BLK.reshape(B * L, K),
                      topk_scores_BLK.reshape(B * L, K), w_gate_up, w_down, group=self.ep_group,
-                     **self.llep_options)
+                     options=self.llep_options)
         return y.view(B, L, D)
