@@ -306,6 +306,7 @@ def test_options_are_the_one_home_of_the_defaults():
     assert opt.options == StreamAdamWOptions(bucket_mb=2, threads=1, isa="scalar", grad_slots=4, param_slots=3,
                                              clip_grad_norm=1.0, device_state=(p,), state_dtype=BF16,
                                              rounding_seed=5)
+    assert opt.options.device_state == (p,)
 
 
 @pytest.mark.parametrize("kw,exc,match", [

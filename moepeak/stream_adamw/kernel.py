@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import array
 import functools
+import logging
 from typing import List, NamedTuple
 
 import torch
@@ -20,6 +21,7 @@ from .. import _C
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 PTR_COLS, HYP_COLS = 9, 7  # the row widths of ptrs / hyper
+LOG = logging.getLogger("moepeak")
 
 
 class KernelCall(NamedTuple):
@@ -62,7 +64,8 @@ def run_plan(capsule, ptrs: list, hyper: list, seeds: List[int], stream: int, ca
 
 # --------------------------------------------------------------------------
 # torch's scalar-tail model (see csrc/adamw_kernels.c): found once per torch thread count by
-# running torch's fused CPU AdamW on a probe and keeping the model that matches it.
+# running torch's fused CPU AdamW on a probe and keeping the model that matches it (memoized:
+# a fact about this torch, the same for every optimizer; no match is logged once).
 # --------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _tail_model_for(threads: int):
@@ -84,6 +87,9 @@ def _tail_model_for(threads: int):
         run_cpu(row, [1e-2, 0.9, 0.999, 1e-8, 0.0, 3.0, 0.0], [0], KernelCall(0, 1, cand[0], cand[1], 0))
         if torch.equal(v, want) and torch.equal(p, ref.detach()):
             return cand
+    LOG.warning("moepeak.StreamAdamW: no model of torch's scalar-tail rounding matches its fused CPU AdamW "
+                "with %d threads; the fp32 update is AdamW's arithmetic but may differ from torch's in the last "
+                "bit of a tensor's tail elements", threads)
     return (1, 0)
 
 

@@ -316,8 +316,9 @@ class StreamAdamW(ParamStateMixin, StateDictMixin, torch.optim.Optimizer):
         return 0 if self._plan is None else self._plan.pinned_bytes
 
 
-_EMPTY = torch.empty(0)
-# live optimizers that asked for more pool threads than the default: id -> threads
+_EMPTY = torch.empty(0)  # an absent tensor argument of the op (never written)
+# Live optimizers that asked for more pool threads than the default: id -> threads. Process-wide
+# because moepeak's C thread pool is: it is trimmed to the largest live request when one dies.
 _THREAD_REQUESTS = {}
 
 

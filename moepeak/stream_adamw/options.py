@@ -9,8 +9,7 @@ raised when the options are built, before the optimizer exists.
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Tuple, Union
 
 import torch
@@ -42,7 +41,8 @@ class StreamAdamWOptions:
     param_slots       pinned H2D slots of the pipeline (>= 1)
     overlap_backward  update each bucket of params as its grads become final in backward
     clip_grad_norm    None, or the max total grad norm: step() clips first (torch's clip_grad_norm_)
-    device_state      params whose state stays on their own device, fp32 (None: none)
+    device_state      params whose state stays on their own device, fp32 (None: none); kept as a
+                      tuple, left out of == (tensors have no truth value)
     state_dtype       torch.float32 (default: bitwise torch.optim.AdamW(fused=True)) or
                       torch.bfloat16: exp_avg, exp_avg_sq (and max_exp_avg_sq) in bf16 on the
                       host, stored with stochastic rounding; the master stays fp32
@@ -58,7 +58,7 @@ class StreamAdamWOptions:
     param_slots: int = 2
     overlap_backward: bool = False
     clip_grad_norm: Optional[float] = None
-    device_state: Optional[Tuple[torch.Tensor, ...]] = None
+    device_state: Optional[Tuple[torch.Tensor, ...]] = field(default=None, compare=False)  # tensors: no ==
     state_dtype: torch.dtype = torch.float32
     rounding_seed: int = 0
     host_pipeline: bool = False
@@ -124,7 +124,3 @@ class StreamAdamWOptions:
     def state_code(self) -> int:
         """state_dtype's code for the kernel (0 fp32, 1 bf16)."""
         return STATE_DTYPE_CODES[self.state_dtype]
-
-    def replace(self, **changes) -> "StreamAdamWOptions":
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)
