@@ -19,7 +19,7 @@
  * pinned slots are allocated once per plan and never grow. No GPU memory is
  * allocated: copies go straight between the torch tensors and pinned slots.
  *
- * Plan buffers (built once in Python, moepeak/stream_adamw_op.py):
+ * Plan buffers (built once in Python, moepeak/stream_adamw/op.py):
  *   segs:  [nseg, 5] int64 (param index, first element, n, gslot byte offset,
  *          pslot byte offset); a segment is a piece of one parameter.
  *   bucket_seg: [nb + 1] int64, bucket b holds segments bucket_seg[b] ..

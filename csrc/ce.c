@@ -6,7 +6,7 @@
  *
  * What a block is: Z: [t, ldz] x fp32, row i = token i of the chunk, columns
  * [0, v) = global vocab ids [v0, v0 + v). The GEMM that made Z comes from torch
- * (moepeak/ring_dtp.py); these kernels never see the weight or the hidden.
+ * (moepeak/ring_dtp/ops.py); these kernels never see the weight or the hidden.
  * Global columns >= v_valid are padding (vocab padded to a multiple, or the
  * zero rows of an uneven ring shard): they count as -inf logits (probability
  * 0, gradient 0), never as 0.
@@ -80,7 +80,7 @@ void mp_ce_fold_rows(void *ctx, int64_t begin, int64_t end, int worker) {
     if (nv == 0 || bm == -INFINITY) continue; /* nothing to fold (all padding / -inf) */
     const float mo = a->m[i];
     /* NaN in the block or in the state: m, s, sx become NaN (lse NaN, as torch's). A +inf logit:
-     * m = +inf and exp(inf - inf) makes s NaN; ring_dtp_blocks.fin reads that as lse = +inf. */
+     * m = +inf and exp(inf - inf) makes s NaN; ring_dtp/blocks.py's fin reads that as lse = +inf. */
     const float mn = (bm != bm || mo != mo) ? NAN : (mo > bm ? mo : bm);
     const int64_t jy = (y != a->ignore_index) ? y - a->v0 : -1;
     double se = 0.0, sy = 0.0; /* sum without the target, summed on its own: (se + e_y) - e_y would cancel */
@@ -175,7 +175,7 @@ void mp_ce_sub_row_range(void *ctx, int64_t begin, int64_t end, int worker) {
 /* per element the optional rank-1 term, then the label terms by fmaf in the  */
 /* order of sy (labels sorted stably), then one rounding of dw + sum. The     */
 /* label terms are the column the fused modes took out of their per-chunk dW  */
-/* GEMMs, the rank-1 term their centering's colsum(dZ) mu^T (ring_dtp_sched.fused; */
+/* GEMMs, the rank-1 term their centering's colsum(dZ) mu^T (ring_dtp/sched.py's fused; */
 /* why: cuda/ce_finish.cu ce_dw_finish_runs_kernel, the same order and arithmetic).  */
 /* ------------------------------------------------------------------------- */
 static int64_t ce_lower_bound(const int64_t *a, int64_t n, int64_t key) {
@@ -221,7 +221,7 @@ void mp_ce_dw_finish_range(void *ctx, int64_t begin, int64_t end, int worker) {
 /* is one of w's rows [v0, v0 + nv), per element one fmaf in fp32 and one     */
 /* rounding; other rows (ignore_index, labels of other shards) untouched. The */
 /* label column vocab_outer_lowp took out of its per-vocab-block dX GEMMs     */
-/* (ring_dtp_sched.backward_blocked; cuda/ce_finish.cu ce_dx_finish_kernel, the same      */
+/* (ring_dtp/sched.py's backward_blocked; cuda/ce_finish.cu ce_dx_finish_kernel, the same  */
 /* arithmetic). A token has one label, so no sum and no order to fix.         */
 /* ------------------------------------------------------------------------- */
 /* [begin, end): token rows t of dx. */

@@ -181,7 +181,7 @@ static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
     }
     if (part) {
       PyErr_SetString(PyExc_ValueError, "moepeak._C.ce_grad: the fused column sums (part, cs) are CUDA only "
-                      "(on CPU: ring_dtp_blocks.colsum_acc_ after the gradient)");
+                      "(on CPU: moepeak.ring_dtp.blocks.colsum_acc_ after the gradient)");
       return NULL;
     }
     return mp_py_parallel_for(t, CE_ROW_GRAIN, mp_ce_grad_rows, &a);

@@ -11,7 +11,7 @@
  *   combine acc[idx[i] / div, :] += w[idx[i]] * y[i, :] in fp32 (w optional).
  *           The CPU version gives each thread a column range over all rows,
  *           so there are no races and the sum order is the row order.
- * The binding layer takes tensors as (data_ptr, sizes) ints; moepeak/llep.py
+ * The binding layer takes tensors as (data_ptr, sizes) ints; moepeak/llep/ops.py
  * validates every tensor before a pointer gets here. */
 #include <stdlib.h>
 #include <string.h>

@@ -1,7 +1,7 @@
 /* sco.c: SCO (selective checkpoint offload): the pinned arena and the copy
  * engine for checkpoint boundaries.
  *
- * What lives here (the Python schedule in moepeak/sco.py decides *when*):
+ * What lives here (the Python schedule in moepeak/sco/checkpoint.py decides *when*):
  *  - sco_arena_alloc(nbytes) / sco_arena_free(ptr): one page-locked host chunk
  *    per call (cudaHostAlloc, portable). The arena is a handful of such
  *    chunks allocated once and reused for every iteration; there is no

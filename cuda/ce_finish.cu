@@ -59,7 +59,7 @@ fail:
 namespace {
 
 // =============================================================================
-// Centering: out[i, :h] = x[i, :h] - mu (ring_dtp_sched.fused's X - mu for its dW GEMMs)
+// Centering: out[i, :h] = x[i, :h] - mu (ring_dtp/sched.py's fused: X - mu for its dW GEMMs)
 // =============================================================================
 // The subtraction in fp32, one rounding to T: the arithmetic of torch.sub on two T tensors.
 // torch broadcasts mu with a zero stride, which takes its elementwise kernel off the 16-byte
@@ -151,7 +151,7 @@ namespace {
 // count, so the caller takes that column out of dZ into tc (fp32) before the dW GEMM and
 // this kernel adds it once: per element the label terms summed by fmaf in the order of sy
 // (labels sorted stably: deterministic), then one rounding of dW + sum. Optionally a
-// rank-1 term cs[r] * mu first in the same sum (the centering of ring_dtp_sched.fused:
+// rank-1 term cs[r] * mu first in the same sum (the centering of ring_dtp/sched.py's fused:
 // colsum(dZ) mu^T), which touches every row. Without the rank-1 term, rows no token is
 // labelled with are left untouched. Labels outside [v0, v0 + nv) (ignore_index, other
 // shards) are never rows.

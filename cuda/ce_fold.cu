@@ -1,5 +1,5 @@
 // ce_fold.cu: the online log-sum-exp fold of one logits block into the per-row state
-// (m, s, zy, zsum, sx; ring_dtp_blocks), one pass over the block, the target's term kept
+// (m, s, zy, zsum, sx; moepeak/ring_dtp/blocks.py), one pass over the block, the target's term kept
 // out of s. Layout of work and per-element cost: ce_common.cuh. Launcher under its kernel.
 #include "ce_common.cuh"
 

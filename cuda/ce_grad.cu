@@ -195,7 +195,7 @@ fail:
 namespace {
 
 // =============================================================================
-// Gradient + column sums (the centering of ring_dtp_sched.fused)
+// Gradient + column sums (the centering of ring_dtp/sched.py's fused)
 // =============================================================================
 // The same dZ as ce_grad_kernel, element for element, made by column slabs: a thread owns one
 // 16-byte vector of columns and walks down a group of rows, so it also sums its columns over
@@ -207,7 +207,7 @@ namespace {
 // kSlabThreads rows at a time. Needs 16-byte aligned rows of z (and 8/16 of out; checked by the
 // launcher): every row then has the same vector boundaries.
 // With tc ([t] x fp32, optional) the kernel also takes the label column out of the dZ it writes, as
-// ring_dtp_blocks.take_label_column would right after it: tc[i] = dZ[i, jy] as stored (rounded to
+// ring_dtp/blocks.py's take_label_column would right after it: tc[i] = dZ[i, jy] as stored (rounded to
 // Out) and 0 written there; tc[i] = 0 for a row with no target in the block (ignored, zero weight, or
 // its label in another block). So the dZ written is the dW GEMM's operand, and the caller puts the
 // column back for dX's GEMM (put_label_column): bitwise what the separate take gives.
