@@ -79,3 +79,50 @@ def test_stream_adamw_bitwise_vs_torch_fused(p):
         for key in ("exp_avg", "exp_avg_sq"):
             assert _same(ref.state[a][key], ours.state[b][key]), key
         assert float(ref.state[a]["step"]) == float(ours.state[b]["step"])
+
+
+@given(runs())
+def test_stream_adamw_bf16_state_vs_fused_then_rounding(p):
+    """state_dtype=torch.bfloat16: each step is torch's fused AdamW on the widened state, then
+    the kernel's stochastic rounding (tests/refs.py) keyed by rounding_seed + the param's
+    index and its own step; a state_dict reload mid-run (into an optimizer with another
+    rounding_seed) changes no bit."""
+    from refs import adamw_fused_step_ref, sr_expected
+
+    g = torch.Generator().manual_seed(p["seed"])
+    params = [torch.randn(n, generator=g).requires_grad_(True) for n in p["sizes"]]
+    hyper = dict(lr=p["lr"], betas=(p["b1"], p["b2"]), eps=p["eps"], weight_decay=p["wd"])
+    kw = dict(state_dtype=torch.bfloat16, **hyper)
+    ours = moepeak.StreamAdamW(_groups(params, p), rounding_seed=p["seed"], **kw)
+    group_of = [group for group in ours.param_groups for _ in group["params"]]
+    ref = [dict(master=t.detach().clone(), m=torch.zeros(t.shape, dtype=torch.bfloat16),
+                v=torch.zeros(t.shape, dtype=torch.bfloat16), step=0) for t in params]
+    k = 0
+    for step in range(p["steps"]):
+        if step == p["reload_at"]:
+            state = copy.deepcopy(ours.state_dict())
+            ours = moepeak.StreamAdamW(_groups(params, p), rounding_seed=p["seed"] + 1, **kw)
+            ours.load_state_dict(state)
+        grads = []
+        for t in params:
+            skip = p["missing"][k % len(p["missing"])] and step > 0
+            k += 1
+            t.grad = None if skip else torch.randn(t.shape, generator=g) * p["grad_scale"]
+            grads.append(t.grad)
+        ours.step()
+        for i, (r, grad) in enumerate(zip(ref, grads)):
+            if grad is None:
+                continue
+            r["step"] += 1
+            grp = group_of[i]
+            out = adamw_fused_step_ref(r["master"], r["m"].float(), r["v"].float(), None, grad, r["step"],
+                                       lr=grp["lr"], betas=grp["betas"], eps=grp["eps"], wd=grp["weight_decay"])
+            r["master"] = out[0]
+            r["m"], r["v"], _ = sr_expected(out[1], out[2], None, p["seed"] + i, r["step"])
+            assert _same(params[i].detach(), r["master"]), f"step {step} param {i}"
+    for i, (t, r) in enumerate(zip(params, ref)):
+        if r["step"] == 0:
+            continue
+        for key, want in (("exp_avg", r["m"]), ("exp_avg_sq", r["v"])):
+            assert ours.state[t][key].dtype == torch.bfloat16
+            assert _same(ours.state[t][key].float(), want.float()), f"param {i} {key}"
