@@ -233,7 +233,7 @@ class _RingCE(torch.autograd.Function):
         return loss, lse
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_lse):
+    def backward(ctx, grad_loss, _grad_lse):  # lse is not differentiable
         x, w, y, m, ls, q = ctx.saved_tensors
         tr, geo, variant, ignore_index, reduction, eps, zloss, softcap, ct, cv = ctx.cfg
         with B.autocast_off(x.device):
@@ -248,122 +248,148 @@ class _RingCE(torch.autograd.Function):
 
 def _ring_forward(x, w, y, bad, tr, geo, variant, ignore_index, reduction, eps, zloss, softcap, ct, cv):
     """(loss, m, ls, q) of this rank's tokens: the state folded over every shard, by the ring."""
+    fold = _fold_weights_ring if variant == "weights" else _fold_activations_ring
+    st = fold(x, w, y, tr, geo, ignore_index, softcap, ct, cv)
+    m, ls, q = B.fin(st)
+    valid = y != ignore_index
+    rows = B.row_losses(m, ls, st[2], st[3], st[4], valid, bad, eps, geo.V, zloss)
+    if x.shape[0] == 0 and reduction == REDUCTIONS["mean"]:  # the mean of no token: NaN, as torch's
+        return torch.full((), math.nan, dtype=torch.float32, device=x.device), m, ls, q
+    return reduce_rows(rows, valid, reduction), m, ls, q
+
+
+def _fold_weights_ring(x, w, y, tr, geo, ignore_index, softcap, ct, cv):
+    """This rank's tokens' state (B.new_state's rows), every shard folded in as it comes by."""
     P, r = geo.P, geo.r
     nxt, prv = (r + 1) % P, (r - 1) % P
     T, H = x.shape
-    valid = y != ignore_index
-    if variant == "weights":
-        st = B.new_state(T, x.device)
-        cur = torch.zeros((geo.Vmax, H), dtype=w.dtype, device=w.device)
-        cur[:w.shape[0]] = w
-        other = torch.empty_like(cur)
-        for k in range(P):
-            o = (r - k) % P
-            h = tr.send_recv(cur, nxt, other, prv) if k < P - 1 else None
-            _fold_into(x, cur[:geo.Vs[o]], y, geo.off[o], geo.off[o] + geo.Vs[o], st, ignore_index, softcap,
-                       ct, cv)
-            if h is not None:
-                h.wait()
-                cur, other = other, cur
-    else:
-        xb = torch.zeros((geo.Tmax, H), dtype=x.dtype, device=x.device)
-        xb[:T] = x
-        yb = torch.full((geo.Tmax,), ignore_index, dtype=torch.int64, device=x.device)
-        yb[:T] = y
-        stb = torch.zeros((5, geo.Tmax), dtype=torch.float32, device=x.device)
-        stb[0].fill_(-math.inf)
-        xo, yo, sto = torch.empty_like(xb), torch.empty_like(yb), torch.empty_like(stb)
-        hs = None
-        for k in range(P):
-            j = (r - k) % P
-            hx = [tr.send_recv(xb, nxt, xo, prv), tr.send_recv(yb, nxt, yo, prv)] if k < P - 1 else []
-            if hs is not None:
-                hs.wait()
-                stb, sto = sto, stb
-            tj = geo.Ts[j]
-            _fold_into(xb[:tj], w, yb[:tj], geo.off[r], geo.off[r] + geo.Vs[r], tuple(stb[i, :tj] for i in range(5)),
-                       ignore_index, softcap, ct, cv)
-            hs = tr.send_recv(stb, nxt, sto, prv)  # the P-th hop brings each state home
-            for h in hx:
-                h.wait()
-            if hx:
-                xb, xo, yb, yo = xo, xb, yo, yb
-        hs.wait()
-        st = tuple(sto[i, :T].clone() for i in range(5))
-    m, ls, q = B.fin(st)
-    rows = B.row_losses(m, ls, st[2], st[3], st[4], valid, bad, eps, geo.V, zloss)
-    if T == 0 and reduction == REDUCTIONS["mean"]:  # the mean of no token: NaN, as torch's
-        return torch.full((), math.nan, dtype=torch.float32, device=x.device), m, ls, q
-    return reduce_rows(rows, valid, reduction), m, ls, q
+    st = B.new_state(T, x.device)
+    cur = torch.zeros((geo.Vmax, H), dtype=w.dtype, device=w.device)
+    cur[:w.shape[0]] = w
+    other = torch.empty_like(cur)
+    for k in range(P):
+        o = (r - k) % P
+        h = tr.send_recv(cur, nxt, other, prv) if k < P - 1 else None
+        _fold_into(x, cur[:geo.Vs[o]], y, geo.off[o], geo.off[o] + geo.Vs[o], st, ignore_index, softcap, ct, cv)
+        if h is not None:
+            h.wait()
+            cur, other = other, cur
+    return st
+
+
+def _fold_activations_ring(x, w, y, tr, geo, ignore_index, softcap, ct, cv):
+    """This rank's tokens' state: the tokens and their state travel, each rank folds its shard
+    in, and the P-th hop brings the state home."""
+    P, r = geo.P, geo.r
+    nxt, prv = (r + 1) % P, (r - 1) % P
+    T, H = x.shape
+    xb = torch.zeros((geo.Tmax, H), dtype=x.dtype, device=x.device)
+    xb[:T] = x
+    yb = torch.full((geo.Tmax,), ignore_index, dtype=torch.int64, device=x.device)
+    yb[:T] = y
+    stb = torch.zeros((5, geo.Tmax), dtype=torch.float32, device=x.device)
+    stb[0].fill_(-math.inf)
+    xo, yo, sto = torch.empty_like(xb), torch.empty_like(yb), torch.empty_like(stb)
+    hs = None
+    for k in range(P):
+        j = (r - k) % P
+        hx = [tr.send_recv(xb, nxt, xo, prv), tr.send_recv(yb, nxt, yo, prv)] if k < P - 1 else []
+        if hs is not None:
+            hs.wait()
+            stb, sto = sto, stb
+        tj = geo.Ts[j]
+        _fold_into(xb[:tj], w, yb[:tj], geo.off[r], geo.off[r] + geo.Vs[r], tuple(stb[i, :tj] for i in range(5)),
+                   ignore_index, softcap, ct, cv)
+        hs = tr.send_recv(stb, nxt, sto, prv)  # the P-th hop brings each state home
+        for h in hx:
+            h.wait()
+        if hx:
+            xb, xo, yb, yo = xo, xb, yo, yb
+    hs.wait()
+    return tuple(sto[i, :T].clone() for i in range(5))
 
 
 def _ring_backward(x, w, y, m, ls, q, grad_loss, tr, geo, variant, ignore_index, reduction, eps, zloss, softcap,
                    ct, cv):
     """(dX, dW shard) by the ring (module docstring)."""
+    g = _g_rows(grad_loss, y != ignore_index, reduction, x.shape[0])
+    backward = _weights_ring_backward if variant == "weights" else _activations_ring_backward
+    return backward(x, w, y, m, ls, q, g, tr, geo, ignore_index, softcap, eps, zloss, ct, cv)
+
+
+def _weights_ring_backward(x, w, y, m, ls, q, g, tr, geo, ignore_index, softcap, eps, zloss, ct, cv):
+    """(dX, dW shard): the shards circulate again, each with its fp32 dW accumulator; dX in an
+    fp32 [T, H] accumulator here."""
     P, r = geo.P, geo.r
     nxt, prv = (r + 1) % P, (r - 1) % P
     T, H = x.shape
-    g = _g_rows(grad_loss, y != ignore_index, reduction, T)
-    if variant == "weights":
-        dx_acc = torch.zeros((T, H), dtype=torch.float32, device=x.device)
-        cur = torch.zeros((geo.Vmax, H), dtype=w.dtype, device=w.device)
-        cur[:w.shape[0]] = w
-        other = torch.empty_like(cur)
-        # dW of the shard travels with it, in vocab blocks of cv rows: vocab blocks
-        # are the outer loop, so block i is final (for this rank) before the next.
-        acc = _AccRing(tr, nxt, prv, geo.Vmax, H, cv, x.device)
-        for k in range(P):
-            o = (r - k) % P
-            hw = tr.send_recv(cur, nxt, other, prv) if k < P - 1 else None
-            vo = geo.Vs[o]
-            for i in range(acc.n):
-                b0, b1 = acc.span(i)
-                dw_i = acc.ready(i)
-                for t0 in range(0, T, ct):
-                    _grad_block(x, cur[b0:min(b1, vo)], y, geo.off[o] + b0, geo.off[o] + vo, geo.V, m, ls, q,
-                                g, dx_acc, dw_i, ignore_index, softcap, eps, zloss, t0, min(T, t0 + ct), 0,
-                                max(0, min(b1, vo) - b0))
-                acc.done(i)  # the P-th hop lands each dW at its owner
-            acc.next_step()
-            if hw is not None:
-                hw.wait()
-                cur, other = other, cur
-        dx = dx_acc.to(x.dtype)
-        dw = acc.home()[:w.shape[0]].to(w.dtype)
-    else:
-        xb = torch.zeros((geo.Tmax, H), dtype=x.dtype, device=x.device)
-        xb[:T] = x
-        yb = torch.full((geo.Tmax,), ignore_index, dtype=torch.int64, device=x.device)
-        yb[:T] = y
-        aux = torch.zeros((4, geo.Tmax), dtype=torch.float32, device=x.device)  # m, log s, 1 - p_y, g
-        aux[0, :T], aux[1, :T], aux[2, :T], aux[3, :T] = m, ls, q, g
-        xo, yo, auxo = torch.empty_like(xb), torch.empty_like(yb), torch.empty_like(aux)
-        # dX of the tokens travels with them (home on the P-th hop), in token
-        # chunks of ct rows: chunk i is final (for this rank) after its vocab blocks.
-        dxa = _AccRing(tr, nxt, prv, geo.Tmax, H, ct, x.device)
-        dw_acc = torch.zeros((w.shape[0], H), dtype=torch.float32, device=x.device)
-        Vr = w.shape[0]
-        for k in range(P):
-            j = (r - k) % P
-            hx = ([tr.send_recv(xb, nxt, xo, prv), tr.send_recv(yb, nxt, yo, prv),
-                   tr.send_recv(aux, nxt, auxo, prv)] if k < P - 1 else [])
-            tj = geo.Ts[j]
-            gj = aux[3].contiguous()
-            for i in range(dxa.n):
-                t0, t1 = dxa.span(i)
-                dx_i = dxa.ready(i)
-                for b0 in range(0, Vr, cv):
-                    _grad_block(xb[t0:min(t1, tj)], w, yb[t0:min(t1, tj)], geo.off[r], geo.off[r] + Vr, geo.V,
-                                aux[0, t0:], aux[1, t0:], aux[2, t0:], gj[t0:], dx_i, dw_acc, ignore_index,
-                                softcap, eps, zloss, 0, max(0, min(t1, tj) - t0), b0, min(Vr, b0 + cv))
-                dxa.done(i)
-            dxa.next_step()
-            for h in hx:
-                h.wait()
-            if hx:
-                xb, xo, yb, yo, aux, auxo = xo, xb, yo, yb, auxo, aux
-        dx = dxa.home()[:T].to(x.dtype)
-        dw = dw_acc.to(w.dtype)
+    dx_acc = torch.zeros((T, H), dtype=torch.float32, device=x.device)
+    cur = torch.zeros((geo.Vmax, H), dtype=w.dtype, device=w.device)
+    cur[:w.shape[0]] = w
+    other = torch.empty_like(cur)
+    # dW of the shard travels with it, in vocab blocks of cv rows: vocab blocks
+    # are the outer loop, so block i is final (for this rank) before the next.
+    acc = _AccRing(tr, nxt, prv, geo.Vmax, H, cv, x.device)
+    for k in range(P):
+        o = (r - k) % P
+        hw = tr.send_recv(cur, nxt, other, prv) if k < P - 1 else None
+        vo = geo.Vs[o]
+        for i in range(acc.n):
+            b0, b1 = acc.span(i)
+            dw_i = acc.ready(i)
+            for t0 in range(0, T, ct):
+                _grad_block(x, cur[b0:min(b1, vo)], y, geo.off[o] + b0, geo.off[o] + vo, geo.V, m, ls, q,
+                            g, dx_acc, dw_i, ignore_index, softcap, eps, zloss, t0, min(T, t0 + ct), 0,
+                            max(0, min(b1, vo) - b0))
+            acc.done(i)  # the P-th hop lands each dW at its owner
+        acc.next_step()
+        if hw is not None:
+            hw.wait()
+            cur, other = other, cur
+    dx = dx_acc.to(x.dtype)
+    dw = acc.home()[:w.shape[0]].to(w.dtype)
+    return dx, dw
+
+
+def _activations_ring_backward(x, w, y, m, ls, q, g, tr, geo, ignore_index, softcap, eps, zloss, ct, cv):
+    """(dX, dW shard): the tokens circulate again with their fp32 dX accumulator; this shard's dW
+    in an fp32 accumulator here."""
+    P, r = geo.P, geo.r
+    nxt, prv = (r + 1) % P, (r - 1) % P
+    T, H = x.shape
+    xb = torch.zeros((geo.Tmax, H), dtype=x.dtype, device=x.device)
+    xb[:T] = x
+    yb = torch.full((geo.Tmax,), ignore_index, dtype=torch.int64, device=x.device)
+    yb[:T] = y
+    aux = torch.zeros((4, geo.Tmax), dtype=torch.float32, device=x.device)  # m, log s, 1 - p_y, g
+    aux[0, :T], aux[1, :T], aux[2, :T], aux[3, :T] = m, ls, q, g
+    xo, yo, auxo = torch.empty_like(xb), torch.empty_like(yb), torch.empty_like(aux)
+    # dX of the tokens travels with them (home on the P-th hop), in token
+    # chunks of ct rows: chunk i is final (for this rank) after its vocab blocks.
+    dxa = _AccRing(tr, nxt, prv, geo.Tmax, H, ct, x.device)
+    dw_acc = torch.zeros((w.shape[0], H), dtype=torch.float32, device=x.device)
+    Vr = w.shape[0]
+    for k in range(P):
+        j = (r - k) % P
+        hx = ([tr.send_recv(xb, nxt, xo, prv), tr.send_recv(yb, nxt, yo, prv),
+               tr.send_recv(aux, nxt, auxo, prv)] if k < P - 1 else [])
+        tj = geo.Ts[j]
+        gj = aux[3].contiguous()
+        for i in range(dxa.n):
+            t0, t1 = dxa.span(i)
+            dx_i = dxa.ready(i)
+            for b0 in range(0, Vr, cv):
+                _grad_block(xb[t0:min(t1, tj)], w, yb[t0:min(t1, tj)], geo.off[r], geo.off[r] + Vr, geo.V,
+                            aux[0, t0:], aux[1, t0:], aux[2, t0:], gj[t0:], dx_i, dw_acc, ignore_index,
+                            softcap, eps, zloss, 0, max(0, min(t1, tj) - t0), b0, min(Vr, b0 + cv))
+            dxa.done(i)
+        dxa.next_step()
+        for h in hx:
+            h.wait()
+        if hx:
+            xb, xo, yb, yo, aux, auxo = xo, xb, yo, yb, auxo, aux
+    dx = dxa.home()[:T].to(x.dtype)
+    dw = dw_acc.to(w.dtype)
     return dx, dw
 
 

@@ -153,13 +153,7 @@ def fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, *, lowp_logit
     # a last chunk too short to hold one scratch row) a GEMM re-reads dZ.
     center = split and -(-T // ct) > center_chunks
     if center:
-        H = x.shape[1]
-        ones = torch.ones((1, ct), dtype=x.dtype, device=x.device)
-        mu32 = torch.empty(H, dtype=torch.float32, device=x.device)
-        for t0 in range(0, T, ct):
-            B.colsum_acc_(mu32, x[t0:t0 + ct], ones, first=t0 == 0)
-        mu = mu32.div_(T).to(x.dtype)                           # [H] in x.dtype: the GEMMs' operand
-        mu32.copy_(mu)                                          # and exactly it in fp32 for the finish
+        mu, mu32, ones = _token_mean(x, ct)
         cs = torch.empty(V, dtype=torch.float32, device=x.device)
         fuse_cs = fused_colsum and B.colsum_fusable(zbuf, dzbuf)
     for t0 in range(0, T, ct):
@@ -167,16 +161,7 @@ def fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, *, lowp_logit
         n = t1 - t0
         m, s, zy, zs, sx = (a[t0:t1] for a in st)
         xc = x[t0:t1]
-        if direct:
-            z = torch.mm(xc, w.t(), out=zbuf[:n])                # [n, V] x dtype, fp32-accumulated
-            if bias is not None:
-                z.add_(bias)
-        else:
-            z = G.mm_f32_into(xc, w.t(), zbuf[:n])           # [n, V] x fp32: the whole vocab row
-            if bias is not None:
-                z.add_(bias.float())
-            if lowp_logits and lowp:                          # CPU: the rounding of a low-precision GEMM output
-                z.copy_(z.to(x.dtype))
+        z = _chunk_logits(xc, w, bias, zbuf[:n], direct, lowp_logits and lowp)
         B.fold(z, 0, V, y[t0:t1], ignore_index, softcap, m, s, zy, zs, sx)
         mm_, ls, q = B.fin((m, s, zy, zs, sx))
         part = B.colsum_scratch(dx[t0:t1], V) if center and fuse_cs else None
@@ -209,73 +194,126 @@ def fused(x, w, bias, y, ignore_index, softcap, eps, zloss, g, ct, *, lowp_logit
     return st, dx, dw, db
 
 
+def _token_mean(x, ct):
+    """The centering's mean row of x [T, H]: (mu [H] in x.dtype, the GEMMs' operand; the same
+    values in fp32, for the finish; ones [1, ct] in x.dtype, the column sums' GEMM operand),
+    summed in fp32 chunk by chunk."""
+    T, H = x.shape
+    ones = torch.ones((1, ct), dtype=x.dtype, device=x.device)
+    mu32 = torch.empty(H, dtype=torch.float32, device=x.device)
+    for t0 in range(0, T, ct):
+        B.colsum_acc_(mu32, x[t0:t0 + ct], ones, first=t0 == 0)
+    mu = mu32.div_(T).to(x.dtype)
+    mu32.copy_(mu)
+    return mu, mu32, ones
+
+
+def _chunk_logits(xc, w, bias, zbuf, direct: bool, round_to_input: bool):
+    """The chunk's logits xc @ w.T (+ bias) written into zbuf [n, V], the whole vocab row:
+    direct (CUDA), in x.dtype from an fp32-accumulating GEMM; else fp32, rounded to x.dtype
+    and back where round_to_input (CPU: the rounding a low-precision GEMM output has)."""
+    if direct:
+        z = torch.mm(xc, w.t(), out=zbuf)
+        if bias is not None:
+            z.add_(bias)
+        return z
+    z = G.mm_f32_into(xc, w.t(), zbuf)
+    if bias is not None:
+        z.add_(bias.float())
+    if round_to_input:
+        z.copy_(z.to(xc.dtype))
+    return z
+
 
 def backward_blocked(x, w, bias, y, m, ls, q, g, ignore_index, softcap, eps, zloss, ct, cv, order, *,
                      dx_finish: bool):
-    """4th and later GEMMs: recompute blocks and accumulate dX, dW (see module doc).
-    dx_finish: RingDTPOptions' field of that name."""
-    T, H = x.shape
-    V = w.shape[0]
+    """4th and later GEMMs: recompute blocks and accumulate dX, dW (see module doc) in `order`
+    ("vocab_outer", "vocab_outer_lowp" or "token_outer"). dx_finish: RingDTPOptions' field of
+    that name. Returns (dX, dW, dbias in fp32 or None)."""
+    T, V = x.shape[0], w.shape[0]
     db = None if bias is None else torch.zeros(V, dtype=torch.float32, device=x.device)
-    g1 = g.numel() == 1
     if T == 0:  # no token: zero gradients (the orders below assume at least one chunk)
         return torch.zeros_like(x), torch.zeros_like(w), db
+    grad = _block_gradient(x, w, bias, y, m, ls, q, g, ignore_index, softcap, eps, zloss, db)
+    if order == "vocab_outer":
+        dx, dw = _vocab_outer(grad, x, w, ct, cv)
+    elif order == "vocab_outer_lowp":
+        dx, dw = _vocab_outer_lowp(grad, x, w, y, ct, cv, dx_finish)
+    else:
+        dx, dw = _token_outer(grad, x, w, ct, cv)
+    return dx, dw, db
+
+
+def _block_gradient(x, w, bias, y, m, ls, q, g, ignore_index, softcap, eps, zloss, db):
+    """grad(t0, t1, v0, v1): the recomputed block's dZ [t1 - t0, v1 - v0] in x.dtype (its column
+    sums added to db, the fp32 dbias, where there is a bias)."""
+    V = w.shape[0]
+    per_row = g.numel() != 1
 
     def grad(t0, t1, v0, v1):
         z = B.logits_block(x[t0:t1], w[v0:v1], None if bias is None else bias[v0:v1])
-        gg = g if g1 else g[t0:t1]
-        dz = B.grad_block(z, v0, V, y[t0:t1], ignore_index, softcap, m[t0:t1], ls[t0:t1], q[t0:t1], gg, eps, V,
-                           zloss, x.dtype)
+        dz = B.grad_block(z, v0, V, y[t0:t1], ignore_index, softcap, m[t0:t1], ls[t0:t1], q[t0:t1],
+                          g[t0:t1] if per_row else g, eps, V, zloss, x.dtype)
         if db is not None:
             db[v0:v1].add_(dz.float().sum(0))
         return dz
+    return grad
 
-    if order == "vocab_outer":
-        dx_acc = torch.zeros((T, H), dtype=torch.float32, device=x.device)   # [T, H] x fp32
-        dw = torch.empty_like(w)
-        for v0 in range(0, V, cv):
-            v1 = min(V, v0 + cv)
-            dw_b = None                                                      # [cv, H] x fp32
-            for t0 in range(0, T, ct):
-                t1 = min(T, t0 + ct)
-                dz = grad(t0, t1, v0, v1)
-                dx_acc[t0:t1].add_(G.mm(dz, w[v0:v1], True))
-                part = G.mm(dz.t(), x[t0:t1], True)
-                dw_b = part if dw_b is None else dw_b.add_(part)
-            dw[v0:v1] = dw_b
-        return dx_acc.to(x.dtype), dw, db
-    if order == "vocab_outer_lowp":
-        # dX accumulates in x.dtype inside the output: the first vocab block writes
-        # it, each later one adds with one rounding (GEMM accumulate, fp32 inside);
-        # dW block [cv, H] summed in fp32 over the token chunks (exact), as above.
-        # dX's finish (the mirror of the fused modes' dW finish): a token's label
-        # column, its largest dZ term (p_y - 1), is taken out of its vocab block's
-        # dZ after the dW GEMM (which needs it) and before the dX GEMM, and
-        # tc[t] * W[y_t] is added once at the end in fp32, so the roundings over the
-        # vocab blocks are relative to the small sum of p_v W_v, not to W[y_t].
-        if not T:
-            return torch.zeros_like(x), torch.zeros_like(w), db
-        dx = torch.empty_like(x)
-        dw = torch.empty_like(w)
-        dw_b = torch.empty((min(cv, V), H), dtype=torch.float32, device=x.device)
-        split = V > cv and dx_finish
-        tc = torch.zeros(T, dtype=torch.float32, device=x.device) if split else None
-        for v0 in range(0, V, cv):
-            v1 = min(V, v0 + cv)
-            blk = dw_b[:v1 - v0]
-            for t0 in range(0, T, ct):
-                t1 = min(T, t0 + ct)
-                dz = grad(t0, t1, v0, v1)
-                G.mm_f32_acc_(blk, dz.t(), x[t0:t1], first=t0 == 0)
-                if split:
-                    B.take_label_column_block(dz, y[t0:t1], tc[t0:t1], v0)
-                G.mm_acc_(dx[t0:t1], dz, w[v0:v1], first=v0 == 0)
-                del dz
-            dw[v0:v1] = blk
-        if split:
-            B.finish_dx(dx, w, y, tc)
-        return dx, dw, db
-    # token_outer: dX exact per chunk, dW accumulates in the weight's dtype
+
+def _vocab_outer(grad, x, w, ct, cv):
+    """dX in an fp32 [T, H] accumulator, each dW block [cv, H] summed in fp32 over the token
+    chunks: both exact, one rounding each at the end."""
+    (T, H), V = x.shape, w.shape[0]
+    dx_acc = torch.zeros((T, H), dtype=torch.float32, device=x.device)
+    dw = torch.empty_like(w)
+    for v0 in range(0, V, cv):
+        v1 = min(V, v0 + cv)
+        dw_b = None                                                      # [cv, H] x fp32
+        for t0 in range(0, T, ct):
+            t1 = min(T, t0 + ct)
+            dz = grad(t0, t1, v0, v1)
+            dx_acc[t0:t1].add_(G.mm(dz, w[v0:v1], True))
+            part = G.mm(dz.t(), x[t0:t1], True)
+            dw_b = part if dw_b is None else dw_b.add_(part)
+        dw[v0:v1] = dw_b
+    return dx_acc.to(x.dtype), dw
+
+
+def _vocab_outer_lowp(grad, x, w, y, ct, cv, dx_finish: bool):
+    """dX accumulated in x.dtype inside the output: the first vocab block writes it, each later
+    one adds with one rounding (GEMM accumulate, fp32 inside); each dW block [cv, H] summed in
+    fp32 over the token chunks (exact), as in _vocab_outer.
+    dX's finish (the mirror of the fused modes' dW finish): a token's label column, its largest
+    dZ term (p_y - 1), is taken out of its vocab block's dZ after the dW GEMM (which needs it)
+    and before the dX GEMM, and tc[t] * W[y_t] is added once at the end in fp32, so the
+    roundings over the vocab blocks are relative to the small sum of p_v W_v, not to W[y_t]."""
+    (T, H), V = x.shape, w.shape[0]
+    dx = torch.empty_like(x)
+    dw = torch.empty_like(w)
+    dw_b = torch.empty((min(cv, V), H), dtype=torch.float32, device=x.device)
+    split = V > cv and dx_finish
+    tc = torch.zeros(T, dtype=torch.float32, device=x.device) if split else None
+    for v0 in range(0, V, cv):
+        v1 = min(V, v0 + cv)
+        blk = dw_b[:v1 - v0]
+        for t0 in range(0, T, ct):
+            t1 = min(T, t0 + ct)
+            dz = grad(t0, t1, v0, v1)
+            G.mm_f32_acc_(blk, dz.t(), x[t0:t1], first=t0 == 0)
+            if split:
+                B.take_label_column_block(dz, y[t0:t1], tc[t0:t1], v0)
+            G.mm_acc_(dx[t0:t1], dz, w[v0:v1], first=v0 == 0)
+            del dz
+        dw[v0:v1] = blk
+    if split:
+        B.finish_dx(dx, w, y, tc)
+    return dx, dw
+
+
+def _token_outer(grad, x, w, ct, cv):
+    """dX exact per token chunk (an fp32 [ct, H] accumulator), dW accumulated in the weight's
+    dtype, chunk by chunk."""
+    (T, H), V = x.shape, w.shape[0]
     dx = torch.empty_like(x)
     dw = torch.zeros_like(w)
     for t0 in range(0, T, ct):
@@ -287,8 +325,7 @@ def backward_blocked(x, w, bias, y, m, ls, q, g, ignore_index, softcap, eps, zlo
             dx_c.add_(G.mm(dz, w[v0:v1], True))
             dw[v0:v1].add_(G.mm(dz.t(), x[t0:t1], True))
         dx[t0:t1] = dx_c
-    return dx, dw, db
-
+    return dx, dw
 
 
 def reduce_rows(rows: Tensor, valid: Tensor, reduction: int) -> Tensor:
