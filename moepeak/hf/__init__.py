@@ -79,6 +79,24 @@ what transformers expects. Three parts, each can be turned off:
   in bf16, 1/128 of one [T, H] at H = 2048 (transformers' aux loss also keeps each layer's
   softmax of them). Other families' layers are left alone (the report says so).
 
+- sequence_group (off unless given): sequence parallelism from an existing engine (DeepSpeed
+  Ulysses' UlyssesSPAttentionHF, torch's context_parallel through accelerate's cp_size): each
+  rank of the group holds a shard of one sequence with its global position_ids and the
+  pre-shifted shift_labels, and only the attention function reaches across ranks. moepeak's
+  parts run on the shard unchanged; sequence.py says what becomes sequence-aware: the tiled
+  layers call the attention with every head in one group when it exchanges heads (Ulysses;
+  attention_head_groups forces a count) and apply self_attn's keyword forward pre-hooks
+  (accelerate's context-parallel hook); the loss is the rank's share of the sequence's (CE
+  over the sequence's label count, the router aux loss's share from all-reduced expert
+  counts), whose value is the sequence's loss on every rank and whose gradient suits the
+  engine's reduction (sequence_loss "mean": DDP/FSDP2; "sum": DeepSpeed); the batch is
+  checked with the group (position_ids, no padding, packed documents only with a core that
+  reads them: "moepeak_varlen_sdpa", attention.py, or flash attention). Experts may be split
+  over the same ranks (group=the sequence group) or any group; with data-parallel replicas of
+  the sequence group, average_gradients(model, expert_replica_group=...) also averages the
+  slices over the replicas. SequenceParallelTrainerMixin (trainer.py) is the Trainer's loss
+  under DeepSpeed sequence parallelism (accelerate ParallelismConfig(sp_backend="deepspeed")).
+
 The optimizer is not patched: moepeak.StreamAdamW(model.parameters(), lr=...)
 works in a plain loop, and with the Trainer as
 Trainer(..., optimizers=(moepeak.StreamAdamW(model.parameters(), lr=...), None)).
@@ -87,22 +105,30 @@ Tested with transformers 5.17 (it uses the private
 PreTrainedModel._set_gradient_checkpointing); other versions are refused.
 
 Modules: apply (apply_moepeak), experts, loss, checkpoint, norms (the lean RMSNorms),
-tiled (the tiled decoder layers), expert_parallel (the expert slices' gradients), report.
+tiled (the tiled decoder layers), expert_parallel (the expert slices' gradients), report,
+sequence (sequence parallelism's options, checks and shares), attention (moepeak_varlen_sdpa),
+trainer (SequenceParallelTrainerMixin).
 
 Public face (exported here, for users of transformers models): apply_moepeak and its
 MoepeakReport; the families and layouts it handles (SUPPORTED_LAYOUTS, ExpertsLayout,
 experts_layout, LOSS_FAMILIES, LEAN_NORMS, TILED_LAYERS, IMPLEMENTATION); the pieces usable
-alone (causal_lm_loss, moepeak_experts_forward); and for expert parallelism expert_slices,
-average_gradients, clip_grad_norm_. Everything else is internal to moepeak.hf.
+alone (causal_lm_loss, moepeak_experts_forward); for expert parallelism expert_slices,
+average_gradients, clip_grad_norm_; for sequence parallelism SequenceOptions,
+SequenceParallelTrainerMixin, sequence_aux_share, engine_sequence_group, and the packed-document
+attention VARLEN_SDPA with register_varlen_sdpa. Everything else is internal to moepeak.hf.
 """
 from .apply import apply_moepeak
+from .attention import VARLEN_SDPA, register_varlen_sdpa
 from .expert_parallel import average_gradients, clip_grad_norm_, expert_slices
 from .experts import IMPLEMENTATION, SUPPORTED_LAYOUTS, ExpertsLayout, experts_layout, moepeak_experts_forward
 from .loss import LOSS_FAMILIES, causal_lm_loss
 from .norms import LEAN_NORMS
 from .report import MoepeakReport
+from .sequence import SequenceOptions, engine_sequence_group, sequence_aux_share
 from .tiled import TILED_LAYERS
+from .trainer import SequenceParallelTrainerMixin
 
 __all__ = ["apply_moepeak", "MoepeakReport", "ExpertsLayout", "SUPPORTED_LAYOUTS", "LOSS_FAMILIES", "LEAN_NORMS",
            "TILED_LAYERS", "experts_layout", "causal_lm_loss", "moepeak_experts_forward", "IMPLEMENTATION",
-           "expert_slices", "average_gradients", "clip_grad_norm_"]
+           "expert_slices", "average_gradients", "clip_grad_norm_", "SequenceOptions", "SequenceParallelTrainerMixin",
+           "sequence_aux_share", "engine_sequence_group", "VARLEN_SDPA", "register_varlen_sdpa"]

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from ..llep import LLEPOptions
 from .checkpoint import patch_checkpoint
 from .experts import patch_experts
 from .loss import LOSS_OPTIONS, patch_loss
 from .norms import patch_final_norm, patch_layer_norms
 from .report import MoepeakReport
+from .sequence import SequenceOptions, install_batch_check
 from .tiled import patch_tiled_layers
 
 TESTED_TRANSFORMERS = ((5, 17), (6, 0))  # [lowest, first untested major)
@@ -37,7 +40,9 @@ def _transformers():
 
 
 def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint: bool = True, group=None,
-                  tile_tokens: Optional[int] = None, lean_norm: bool = True, **options) -> MoepeakReport:
+                  tile_tokens: Optional[int] = None, lean_norm: bool = True, sequence_group=None,
+                  sequence_loss: str = "mean", attention_head_groups: Optional[int] = None,
+                  **options) -> MoepeakReport:
     """Put moepeak's schedules into a transformers model instance (in place);
     returns a MoepeakReport. See moepeak.hf's docstring for what each part does.
 
@@ -51,13 +56,21 @@ def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint:
     options: for the experts, llep_moe's chunk_rows, alpha,
     min_tokens_per_gemm, imbalance_threshold, save_budget_mb, grouped_mm
     (moepeak.llep.LLEPOptions' fields); for the loss,
-    ce_mode, ce_chunk_tokens, ce_chunk_vocab (linear_cross_entropy's mode,
-    chunk_tokens, chunk_vocab); for the lean final norm, norm_chunk_tokens
+    ce_mode, ce_chunk_tokens, ce_chunk_vocab, ce_ring (linear_cross_entropy's mode,
+    chunk_tokens, chunk_vocab, and ring for a vocab-sharded head); for the lean final norm, norm_chunk_tokens
     (moepeak.norms.rms_norm's chunk_tokens); for checkpointing, sco_config (a
     moepeak.SCOConfig).
     lean_norm: with loss, the final norm runs moepeak.norms.rms_norm; with checkpoint, the decoder
     layers' norms too (see moepeak.hf's docstring).
-    tile_tokens: sequence-tiled decoder layers (see moepeak.hf's docstring; None: off)."""
+    tile_tokens: sequence-tiled decoder layers (see moepeak.hf's docstring; None: off).
+    sequence_group: sequence parallelism from an existing engine (moepeak/hf/sequence.py): the
+    ranks that each hold a shard of one sequence (a ProcessGroup), or "engine" (DeepSpeed's
+    sequence-parallel group, read at each forward). group may be the same ranks (experts split
+    over the sequence's ranks) or any other group.
+    sequence_loss: "mean" (DDP, FSDP2, average_gradients: gradients averaged over the ranks) or
+    "sum" (a DeepSpeed engine: summed over the sequence group); see SequenceOptions.
+    attention_head_groups: the tiled layers' attention head groups (None: 1 when the attention
+    function exchanges heads across ranks, DeepSpeed Ulysses; else num_key_value_heads)."""
     transformers = _transformers()
     if not isinstance(model, transformers.PreTrainedModel):
         raise TypeError(f"moepeak.hf: model must be a transformers PreTrainedModel, got {type(model).__name__}")
@@ -68,17 +81,22 @@ def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint:
     unknown = sorted(set(options) - set(known))
     if unknown:
         raise TypeError(f"moepeak.hf: unknown option(s) {unknown}; expected some of {list(known)}")
+    sequence = SequenceOptions(sequence_group, sequence_loss, attention_head_groups)
+    _check_head_groups(model.config, attention_head_groups, tile_tokens)
     report = MoepeakReport(type(model).__name__)
     if tile_tokens is not None:  # checked first: it may refuse the model's config
-        patch_tiled_layers(model, tile_tokens, report)
+        patch_tiled_layers(model, tile_tokens, report, head_groups=attention_head_groups)
     if experts:
         patch_experts(model, group, {k: v for k, v in options.items() if k in EXPERTS_OPTIONS}, report)
     else:
         report.left_alone.append("experts: turned off (experts=False)")
         if group is not None:
             raise ValueError("moepeak.hf: group (expert parallelism) needs experts=True")
+    loss_patched = loss and patch_loss(model, {k: v for k, v in options.items() if k in LOSS_OPTIONS}, report,
+                                       sequence if sequence_group is not None else None)
+    if sequence_group is not None:
+        _patch_sequence(model, sequence, loss_patched, report)
     if loss:
-        patch_loss(model, {k: v for k, v in options.items() if k in LOSS_OPTIONS}, report)
         if lean_norm:
             patch_final_norm(model, options, report)
         else:
@@ -93,3 +111,30 @@ def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint:
         report.left_alone.append("checkpoint: turned off (checkpoint=False)")
     model._moepeak_hf = report
     return report
+
+
+def _check_head_groups(config, head_groups, tile_tokens) -> None:
+    if head_groups is None:
+        return
+    if tile_tokens is None:
+        raise ValueError("moepeak.hf: attention_head_groups sets the tiled layers' head groups; it needs tile_tokens")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = (getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None))
+    if any(h is not None and h % head_groups for h in heads):
+        raise ValueError(f"moepeak.hf: attention_head_groups ({head_groups}) must divide num_attention_heads and "
+                         f"num_key_value_heads {heads}")
+
+
+def _patch_sequence(model, sequence: SequenceOptions, loss_patched: bool, report) -> None:
+    """Sequence parallelism's parts outside the tiled layers: the batch check (in the replaced
+    forward when the loss is patched, else before the base model's forward)."""
+    if not loss_patched:
+        install_batch_check(model, sequence)
+        report.left_alone.append("sequence_group: the loss is not moepeak's (loss=False or its family's forward is "
+                                 "not replaced): the model's own loss is that of the rank's tokens, not its share "
+                                 "of the sequence's (see moepeak/hf/sequence.py)")
+    what = "the engine's sequence-parallel group" if sequence.group == "engine" else \
+        f"{torch.distributed.get_world_size(sequence.group)} ranks"
+    report.patched.append(f"sequence_group: each rank holds a shard of one sequence ({what}); the batch is checked "
+                          f"with the group, the loss is the rank's share (sequence_loss={sequence.loss!r})")
+    report.sequence = sequence

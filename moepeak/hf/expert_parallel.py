@@ -115,30 +115,56 @@ def _expert_group(model):
     return next(iter(groups.values()))
 
 
-def average_gradients(model) -> None:
-    """Average over the expert-parallel group the gradient of every trainable parameter that
-    is not an expert slice (DDP's reduction, without DDP): call it on every rank after
-    backward, before clipping and the optimizer step. A parameter without a gradient on
-    every rank keeps none; one with a gradient on some ranks only gets the average with
-    zeros for the others (as DDP with find_unused_parameters). One all_reduce per gradient
-    plus one for the presence flags (one host read): DDP buckets and overlaps them."""
+def _is_sharded(p) -> bool:
+    """A DTensor parameter (FSDP2's shards, a vocab-sharded head): its gradient is its shard's,
+    reduced by whoever sharded it."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(p, DTensor)
+
+
+def _average_over(params, group) -> None:
+    """Each parameter's gradient averaged over the group (None on every rank stays None; None on
+    some ranks counts as zeros there)."""
     import torch.distributed as dist
-    group = _expert_group(model)
-    P = dist.get_world_size(group)
-    local = {id(p) for p in expert_slices(model).values()}
-    replicated = [p for p in model.parameters() if p.requires_grad and id(p) not in local]
-    if not replicated:
+    if not params or group_size(group) == 1:
         return
-    present = torch.tensor([p.grad is not None for p in replicated], dtype=torch.int32,
-                           device=replicated[0].device)
+    P = dist.get_world_size(group)
+    present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
     dist.all_reduce(present, group=group)
-    for p, anywhere in zip(replicated, present.tolist()):
+    for p, anywhere in zip(params, present.tolist()):
         if not anywhere:
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad, group=group)  # sum (gloo has no average), then / P
         p.grad.div_(P)
+
+
+def average_gradients(model, expert_replica_group=None) -> None:
+    """Average over the expert-parallel group the gradient of every trainable parameter that
+    is not an expert slice (DDP's reduction, without DDP): call it on every rank after
+    backward, before clipping and the optimizer step. A parameter without a gradient on
+    every rank keeps none; one with a gradient on some ranks only gets the average with
+    zeros for the others (as DDP with find_unused_parameters). One all_reduce per gradient
+    plus one for the presence flags (one host read): DDP buckets and overlaps them.
+
+    expert_replica_group: when the expert-parallel group is narrower than the data-parallel
+    world (e.g. experts split over the P ranks of a sequence group, D such groups training D
+    sequences), the ranks holding the same expert slices (the same position in each expert
+    group: D ranks). Every gradient, the slices' included, is then also averaged over it, so
+    each is that of the mean of all W = P * D ranks' losses. Gradients DDP already averaged
+    over the world are averaged again unchanged (identical on the ranks). DTensor parameters
+    (FSDP2, a vocab-sharded head) are left to whoever sharded them."""
+    group = _expert_group(model)
+    local = {id(p) for p in expert_slices(model).values()}
+    replicated = [p for p in model.parameters() if p.requires_grad and id(p) not in local and not _is_sharded(p)]
+    _average_over(replicated, group)
+    if expert_replica_group is not None:
+        slices = [p for p in expert_slices(model).values() if p.requires_grad]
+        _average_over(replicated + slices, expert_replica_group)
 
 
 def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

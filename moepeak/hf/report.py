@@ -13,7 +13,9 @@ class MoepeakReport:
     left_alone: List[str] = field(default_factory=list)
     experts_on_moepeak: List[str] = field(default_factory=list)  # module names
     experts_fallback: Dict[str, str] = field(default_factory=dict)  # module name -> reason
-    sco_config: object = None
+    sco_config: object = None  # the moepeak.SCOConfig of the checkpoints
+    sco: object = None  # the moepeak.SCOOffloader running them: its stats() and free()
+    sequence: object = None  # the SequenceOptions under sequence parallelism (apply_moepeak(sequence_group=...))
 
     def __str__(self):
         lines = [f"moepeak.hf.apply_moepeak({self.model}):"]

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import Optional
 
 import torch
 
 from ..tiled import TiledBlockSpec, requires_grad_params, tiled_block
+from .sequence import crosses_heads
 
 
 # The decoder layers hf_moe_layer_spec runs (transformers 5.17 to 5.25), by class name: (how the
@@ -90,8 +92,40 @@ def _leave_cache_alone(arguments: dict, attn: torch.nn.Module, name: str) -> Non
                              "to train, or generate under torch.no_grad() or model.eval() (the layer's own forward)")
 
 
+def _attention_pre_hooks(attn: torch.nn.Module, arguments: dict, name: str) -> dict:
+    """The keyword arguments the layer passes self_attn (all but hidden_states, which the tiled
+    layer makes tile by tile), after self_attn's keyword forward pre-hooks (those registered
+    with with_kwargs=True: how an engine rewrites the attention's arguments, e.g. accelerate's
+    context-parallel hook, which drops the mask and sets is_causal=True). The layer calls
+    self_attn with keywords only, so the hooks get no positional arguments and must return none."""
+    hooks = [(hook_id, hook) for hook_id, hook in attn._forward_pre_hooks.items()
+             if hook_id in attn._forward_pre_hooks_with_kwargs]
+    for _, hook in hooks:
+        result = hook(attn, (), arguments)
+        if result is None:
+            continue
+        args, arguments = result
+        if args:
+            raise ValueError(f"moepeak: a forward pre-hook of {name}.self_attn returned {len(args)} positional "
+                             "arguments; the tiled layer passes the attention's arguments by keyword only")
+    return arguments
+
+
+def attention_head_groups(attn: torch.nn.Module, interface, forced: Optional[int], name: str) -> int:
+    """How many head groups the tiled layer calls the attention function with: forced, or 1 when
+    the function crosses ranks by heads (DeepSpeed Ulysses checks it receives every head), else
+    num_key_value_heads (each group's backward frees its tensors before the next runs)."""
+    if crosses_heads(interface):
+        if forced not in (None, 1):
+            raise ValueError(f"moepeak: attention_head_groups={forced}, but the attention function of {name} "
+                             f"({attn.config._attn_implementation!r}, from {interface.__module__}) exchanges heads "
+                             "across ranks and needs every head in one call; pass attention_head_groups=1 or None")
+        return 1
+    return forced if forced is not None else attn.config.num_key_value_heads
+
+
 def hf_moe_layer_spec(layer: torch.nn.Module, x: torch.Tensor, *args, return_router_logits=False,
-                      attention_weights=None, **kwargs) -> TiledBlockSpec:
+                      attention_weights=None, head_groups: Optional[int] = None, **kwargs) -> TiledBlockSpec:
     """Spec for a Hugging Face pre-norm MoE decoder layer (a class of HF_TILED_LAYERS) called as
     layer(x, *args, **kwargs): the same arguments, placed by the layer's own signature. Every
     argument but attention_mask, position_embeddings and the KV cache reaches the attention
@@ -115,7 +149,11 @@ def hf_moe_layer_spec(layer: torch.nn.Module, x: torch.Tensor, *args, return_rou
     attention_weights: a list, or None; a list receives the attention weights the interface
     returns for each head group in the forward (the first head-group calls of the core; the
     backward's recompute adds nothing): [B, heads of the group, T, T] from the eager interface,
-    None from sdpa or flash attention."""
+    None from sdpa or flash attention.
+    head_groups: the attention's head groups (attention_head_groups: None picks 1 for an
+    attention function that crosses ranks by heads, else num_key_value_heads).
+    self_attn's keyword forward pre-hooks run on the attention's keyword arguments first
+    (_attention_pre_hooks), as they would when the layer calls self_attn."""
     import sys
 
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -125,7 +163,7 @@ def hf_moe_layer_spec(layer: torch.nn.Module, x: torch.Tensor, *args, return_rou
         raise ValueError(f"moepeak: no tiled adapter for {name} (tiled: {', '.join(HF_TILED_LAYERS)})")
     attn, mlp = layer.self_attn, layer.mlp
     modeling = sys.modules[type(attn).__module__]
-    core_kwargs = hf_layer_arguments(layer, args, kwargs)
+    core_kwargs = _attention_pre_hooks(attn, hf_layer_arguments(layer, args, kwargs), name)
     attention_mask = core_kwargs.pop("attention_mask", None)
     position_embeddings = core_kwargs.pop("position_embeddings", None)
     _leave_cache_alone(core_kwargs, attn, name)
@@ -151,7 +189,9 @@ def hf_moe_layer_spec(layer: torch.nn.Module, x: torch.Tensor, *args, return_rou
     B, hd = x.shape[0], getattr(attn, "head_dim", None)
     per_head_norm = q_norm is not None and q_norm.weight.numel() == hd
     clip = getattr(attn.config, "clip_qkv", None)
-    head_groups = attn.config.num_key_value_heads
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
+                                                      modeling.eager_attention_forward)
+    head_groups = attention_head_groups(attn, interface, head_groups, name)
     cos, sin = position_embeddings
 
     def mla_pre_attn(x_t, start):
@@ -189,8 +229,6 @@ def hf_moe_layer_spec(layer: torch.nn.Module, x: torch.Tensor, *args, return_rou
         return q, k, v.transpose(1, 2)
 
     def attn_core(q, k, v):
-        interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
-                                                          modeling.eager_attention_forward)
         out, weights = interface(attn, q, k, v, attention_mask, dropout=dropout, scaling=attn.scaling, **core_kwargs)
         if attention_weights is not None and len(attention_weights) < head_groups:
             attention_weights.append(weights)  # the forward's calls, one per head group, come first
@@ -234,7 +272,8 @@ def tiled_hf_moe_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tens
 
 
 def tiled_hf_layer_training_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *args, tile_tokens: int,
-                                    router_logits: bool = False, attention_weights: bool = False, **kwargs):
+                                    router_logits: bool = False, attention_weights: bool = False,
+                                    head_groups: Optional[int] = None, **kwargs):
     """layer(hidden_states, *args, **kwargs) in training, sequence-tiled, run the way transformers'
     GradientCheckpointingLayer runs the layer's own forward: with layer.gradient_checkpointing on,
     under layer._gradient_checkpointing_func (SCO under apply_moepeak; the tiled block is then
@@ -253,7 +292,7 @@ def tiled_hf_layer_training_forward(layer: torch.nn.Module, hidden_states: torch
     with_logits = router_logits and isinstance(getattr(layer.mlp, "gate", None), torch.nn.Module)
     weights = [] if attention_weights else None
     run = functools.partial(tiled_hf_moe_layer_forward, layer, tile_tokens=tile_tokens,
-                            return_router_logits=with_logits, attention_weights=weights)
+                            return_router_logits=with_logits, attention_weights=weights, head_groups=head_groups)
     if getattr(layer, "gradient_checkpointing", False) and "__call__" not in vars(GradientCheckpointingLayer):
         kwargs = dict(kwargs)
         if kwargs.get("use_cache"):
@@ -286,7 +325,7 @@ class _WithoutGradient(torch.autograd.Function):
                            "no gradient path; a loss on them needs the untiled layer (tile_tokens=None)")
 
 
-def patch_tiled_layers(model, tile_tokens, report):
+def patch_tiled_layers(model, tile_tokens, report, head_groups: Optional[int] = None):
     if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 1:
         raise ValueError(f"moepeak.hf: tile_tokens must be a positive integer or None, got {tile_tokens!r}")
     layers = [m for m in model.modules() if type(m).__name__ in TILED_LAYERS]
@@ -307,7 +346,7 @@ def patch_tiled_layers(model, tile_tokens, report):
             first = None if logits_out is None else len(logits_out)
             y, logits, maps = tiled_hf_layer_training_forward(
                 _layer, hidden_states, *args, tile_tokens=tile_tokens, router_logits=logits_out is not None,
-                attention_weights=maps_out is not None, **kwargs)
+                attention_weights=maps_out is not None, head_groups=head_groups, **kwargs)
             if logits_out is not None:
                 # transformers' hook on the router recorded one graph-less entry per tile (none in
                 # a dense layer); the layer's one entry is the full-length logits with their graph
