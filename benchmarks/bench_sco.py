@@ -32,7 +32,7 @@ import torch.utils.checkpoint as tuc
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from _common import append_results  # noqa: E402
 import moepeak  # noqa: E402
-from moepeak.sco import SCOConfig  # noqa: E402
+from moepeak.sco import SCOConfig, SCOOffloader, sizes  # noqa: E402
 from tests.refs import SCOBlock  # noqa: E402
 
 GiB = float(1 << 30)
@@ -76,7 +76,7 @@ def step(blocks, x, g, arm, cfg):
                 h = tuc.checkpoint(b, h, use_reentrant=False)
     elif arm == "sco":
         for i, b in enumerate(blocks):
-            h = moepeak.sco_checkpoint(b, h, sco_config=cfg, sco_keep_on_gpu=i == len(blocks) - 1)
+            h = moepeak.sco_checkpoint(b, h, sco_offloader=cfg, sco_keep_on_gpu=i == len(blocks) - 1)
     else:
         raise ValueError(arm)
     h.backward(g)
@@ -87,7 +87,8 @@ def run_arm(blocks, T, H, arm, warmup, iters):
     L = len(blocks)
     cfg = None
     if arm == "sco":  # exact arena: L-1 boundaries (the last stays on the GPU)
-        cfg = SCOConfig(max_in_flight=2, prefetch=1, arena_bytes=max(1, L - 1) * T * H * 2 + 4096)
+        arena = sizes.arena_bytes(L, 1, sizes.boundary_bytes(T, H, 2))
+        cfg = SCOOffloader(SCOConfig(max_in_flight=2, prefetch=1, keep_last=1, arena_bytes=arena))
     res = {"status": "ok", "peak_gib": float("nan"), "ms": []}
     x = g = None
     caught = []

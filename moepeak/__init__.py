@@ -20,8 +20,8 @@ from __future__ import annotations
 from .version import __version__
 
 __all__ = sorted(["StreamAdamW", "linear_cross_entropy", "RingDTPLinearCrossEntropy", "check_labels",
-                  "sco_checkpoint", "apply_sco", "SCOConfig", "PipelinedLLEPMoE", "llep_moe", "get_transport",
-                  "rms_norm"]) + ["__version__"]
+                  "sco_checkpoint", "apply_sco", "SCOConfig", "SCOOffloader", "PipelinedLLEPMoE", "llep_moe",
+                  "get_transport", "rms_norm"]) + ["__version__"]
 
 
 def __getattr__(name):
@@ -30,7 +30,7 @@ def __getattr__(name):
         from . import llep as home
     elif name in ("linear_cross_entropy", "RingDTPLinearCrossEntropy", "check_labels"):
         from . import ring_dtp as home
-    elif name in ("sco_checkpoint", "apply_sco", "SCOConfig"):
+    elif name in ("sco_checkpoint", "apply_sco", "SCOConfig", "SCOOffloader"):
         from . import sco as home
     elif name == "StreamAdamW":
         from . import stream_adamw as home

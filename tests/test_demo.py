@@ -173,7 +173,7 @@ def test_interrupt_in_process_frees_sco_arena(device, monkeypatch):
 
     def use_sco(self):
         orig_use(self)
-        made.append(self.sco_config)
+        made.append(self.sco)
 
     def batch(self, *a, **k):
         n[0] += 1

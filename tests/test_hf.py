@@ -259,13 +259,14 @@ def test_no_target_token_is_transformers_nan(case, ce_mode):
 def test_sco_keep_last_keeps_the_last_layers_inputs(keep_last):
     model = build("qwen3_moe")
     cfg = moepeak.SCOConfig(keep_last=keep_last)
-    apply_moepeak(model, experts=False, loss=False, sco_config=cfg)
+    report = apply_moepeak(model, experts=False, loss=False, sco_config=cfg)
+    assert report.sco_config is cfg and report.sco.config is cfg
     layers = [m for m in model.modules() if isinstance(m, transformers.modeling_layers.GradientCheckpointingLayer)]
     kept = [m._gradient_checkpointing_func.keywords.get("sco_keep_on_gpu", False) for m in layers]
     assert kept == [False] * (len(layers) - keep_last) + [True] * keep_last
     ids, labels = batches(steps=1)[0]
     model(input_ids=ids, labels=labels).loss.backward()
-    st = cfg.stats()
+    st = report.sco.stats()
     assert st["kept"] == keep_last and st["offloads"] == len(layers) - keep_last
 
 
@@ -286,7 +287,7 @@ def test_gradient_checkpointing_enable_installs_sco():
     assert funcs() == [moepeak.sco_checkpoint] * len(layers)
     out = model(input_ids=batches(steps=1)[0][0], labels=batches(steps=1)[0][1])
     out.loss.backward()
-    assert report.sco_config.stats()["offloads"] >= len(layers) - 1
+    assert report.sco.stats()["offloads"] >= len(layers) - 1
 
 
 def test_each_part_can_be_turned_off():

@@ -77,14 +77,26 @@ def test_sco_arena_refuses_before_pinning_cuda(monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     monkeypatch.setattr(host_memory, "available_bytes", lambda pinned: 1 << 20)
-    cfg = moepeak.SCOConfig(arena_bytes=1 << 30)
-    with sco_extension(_CountingExt(moepeak._C)) as ext:
+    sco = moepeak.SCOOffloader(moepeak.SCOConfig(arena_bytes=1 << 30))
+    with sco_extension(sco, _CountingExt(moepeak._C)) as ext:
         with pytest.raises(MemoryError, match=r"moepeak: SCO arena chunk: needs 1.00 GiB of page-locked memory.*"
                                               r"shorten the sequence"):
-            cfg.engine("cuda")
+            sco.engine("cuda")
     assert not ext.calls  # nothing pinned, no event created
     monkeypatch.undo()
-    assert cfg.engine("cuda").stats()["arena_bytes"] == 1 << 30  # with the room, the same config pins it
+    assert sco.engine("cuda").stats()["arena_bytes"] == 1 << 30  # with the room, the same offloader pins it
+    sco.free()
+
+
+def test_sco_spill_staging_refuses_before_pinning(monkeypatch):
+    """The disk tier's pinned staging slot is checked against the host RAM left before it is
+    page-locked (the check comes first, so this runs without a GPU)."""
+    from moepeak.core.spill import HostBuffer
+
+    monkeypatch.setattr(host_memory, "available_bytes", lambda pinned: 1 << 20)
+    with pytest.raises(MemoryError, match=r"moepeak: SCO spill staging slot: needs 1.00 GiB of page-locked memory"
+                                          r".*spill_slots"):
+        HostBuffer(1 << 30, pinned=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

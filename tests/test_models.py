@@ -130,7 +130,7 @@ def test_sco_keep_last_is_exact_and_keeps_the_last_blocks(keep):
         m = MoELM(cfg.replace(sco_keep_last=n), seed=1)
         loss = m(ids, ids.roll(-1, 1))
         loss.backward()
-        st = m.sco_config.stats("cpu")
+        st = m.sco.stats("cpu")
         assert st["kept"] == min(n, 3) and st["offloads"] == 3 - min(n, 3) and st["live"] == 0
         out.append((loss.detach(), {k: p.grad for k, p in m.named_parameters()}))
         m.close()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import moepeak
-from moepeak.sco import SCOConfig
+from moepeak.sco import SCOConfig, SCOOffloader
 from tests.refs import SCOBlock, sco_stack_forward
 
 H, B, T = 16, 2, 8
@@ -19,9 +19,9 @@ def _stack(n, dropout=0.0, device="cpu", dtype=torch.float32, h=H, attention=Tru
     return torch.nn.ModuleList([SCOBlock(h, dropout=dropout, attention=attention) for _ in range(n)]).to(device, dtype)
 
 
-def _sco_forward(blocks, x, cfg, keep_last=False, **kw):
+def _sco_forward(blocks, x, sco, keep_last=False, **kw):
     for i, b in enumerate(blocks):
-        x = moepeak.sco_checkpoint(b, x, sco_config=cfg, sco_keep_on_gpu=keep_last and i == len(blocks) - 1, **kw)
+        x = moepeak.sco_checkpoint(b, x, sco_offloader=sco, sco_keep_on_gpu=keep_last and i == len(blocks) - 1, **kw)
     return x
 
 
@@ -33,10 +33,10 @@ def _assert_grads_equal(ma, mb, xa=None, xb=None):
         assert torch.equal(xa.grad, xb.grad), f"x.grad max diff {(xa.grad - xb.grad).abs().max().item()}"
 
 
-def _compare(n=3, dropout=0.0, device="cpu", dtype=torch.float32, keep_last=False, cfg=None, x_grad=True, t=T, h=H):
+def _compare(n=3, dropout=0.0, device="cpu", dtype=torch.float32, keep_last=False, sco=None, x_grad=True, t=T, h=H):
     ref = _stack(n, dropout, device, dtype, h=h)
     ours = copy.deepcopy(ref)
-    cfg = cfg or SCOConfig()
+    sco = sco or SCOOffloader()
     x = torch.randn(B, t, h, device=device, dtype=dtype)
     xa = x.clone().requires_grad_(x_grad)
     xb = x.clone().requires_grad_(x_grad)
@@ -44,11 +44,11 @@ def _compare(n=3, dropout=0.0, device="cpu", dtype=torch.float32, keep_last=Fals
     ya = sco_stack_forward(ref, xa, "torch", scale=0.5)
     ya.float().square().sum().backward()
     torch.manual_seed(123)
-    yb = _sco_forward(ours, xb, cfg, keep_last=keep_last, scale=0.5)
+    yb = _sco_forward(ours, xb, sco, keep_last=keep_last, scale=0.5)
     assert torch.equal(ya, yb)
     yb.float().square().sum().backward()
     _assert_grads_equal(ref, ours, xa if x_grad else None, xb if x_grad else None)
-    return cfg
+    return sco
 
 
 # ---------------------------------------------------------------------------
@@ -57,8 +57,8 @@ def _compare(n=3, dropout=0.0, device="cpu", dtype=torch.float32, keep_last=Fals
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("x_grad", [True, False])
 def test_grads_bitwise_vs_torch_checkpoint(dtype, x_grad):
-    cfg = _compare(n=3, dtype=dtype, x_grad=x_grad, t=7)  # odd T
-    st = cfg.stats("cpu")
+    sco = _compare(n=3, dtype=dtype, x_grad=x_grad, t=7)  # odd T
+    st = sco.stats("cpu")
     assert st["live"] == 0 and st["gpu_held"] == 0
 
 
@@ -76,11 +76,11 @@ def test_dropout_rng_preserved():
 
 def test_one_offload_per_block_slots_and_order():
     n = 4
-    cfg = SCOConfig(prefetch=1)
+    sco = SCOOffloader(SCOConfig(prefetch=1))
     blocks = _stack(n)
     x = torch.randn(B, T, H, requires_grad=True)
-    y = _sco_forward(blocks, x, cfg)
-    st = cfg.stats("cpu")
+    y = _sco_forward(blocks, x, sco)
+    st = sco.stats("cpu")
     nbytes = B * T * H * 4
     assert st["offloads"] == n and st["offloaded_bytes"] == n * nbytes  # exactly one tensor per block
     offs = [e for e in st["log"] if e[0] == "offload"]
@@ -89,22 +89,22 @@ def test_one_offload_per_block_slots_and_order():
     assert len(set(slots)) == n  # each block its own slot
     assert st["live"] == n
     y.sum().backward()
-    st = cfg.stats("cpu")
+    st = sco.stats("cpu")
     order = [(e[0], e[1]) for e in st["log"] if e[0] != "offload"]
     # backward: block 3 loads on demand, then each reload prefetches the block before it
     assert order == [("load", 3), ("reload", 3), ("prefetch", 2), ("reload", 2), ("prefetch", 1),
                      ("reload", 1), ("prefetch", 0), ("reload", 0)]
     assert st["live"] == 0 and st["reloads"] == n
     # next iteration reuses the same slots
-    y = _sco_forward(blocks, x, cfg)
-    assert [e[2] for e in cfg.stats("cpu")["log"] if e[0] == "offload"] == slots
+    y = _sco_forward(blocks, x, sco)
+    assert [e[2] for e in sco.stats("cpu")["log"] if e[0] == "offload"] == slots
     y.sum().backward()
 
 
 def test_keep_last_and_prefetch_depth():
-    cfg = SCOConfig(prefetch=2)
-    _compare(n=4, keep_last=True, cfg=cfg)
-    st = cfg.stats("cpu")
+    sco = SCOOffloader(SCOConfig(prefetch=2))
+    _compare(n=4, keep_last=True, sco=sco)
+    st = sco.stats("cpu")
     assert st["kept"] == 1 and st["offloads"] == 3
     pre = [e[1] for e in st["log"] if e[0] == "prefetch"]
     assert pre == [2, 1, 0]  # reload of 3 (kept) prefetches 2, 1; reload of 2 prefetches 0
@@ -114,30 +114,30 @@ def test_gradient_accumulation_own_slots():
     n = 3
     ref = _stack(n, dropout=0.2)
     ours = copy.deepcopy(ref)
-    cfg = SCOConfig()
+    sco = SCOOffloader()
     xs = [torch.randn(B, T, H) for _ in range(2)]
     torch.manual_seed(7)
     la = sum(sco_stack_forward(ref, x.clone().requires_grad_(), "torch").square().sum() for x in xs)
     la.backward()
     torch.manual_seed(7)
-    lb = sum(_sco_forward(ours, x.clone().requires_grad_(), cfg).square().sum() for x in xs)
-    st = cfg.stats("cpu")
+    lb = sum(_sco_forward(ours, x.clone().requires_grad_(), sco).square().sum() for x in xs)
+    st = sco.stats("cpu")
     assert st["live"] == 2 * n
     assert len({e[2] for e in st["log"] if e[0] == "offload"}) == 2 * n  # each forward its own slots
     lb.backward()
     _assert_grads_equal(ref, ours)
-    assert cfg.stats("cpu")["live"] == 0
+    assert sco.stats("cpu")["live"] == 0
 
 
 def test_autocast_state_replayed():
     ref = _stack(2)
     ours = copy.deepcopy(ref)
-    cfg = SCOConfig()
+    sco = SCOOffloader()
     x = torch.randn(B, T, H)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ya = sco_stack_forward(ref, xa, "torch")
-        yb = _sco_forward(ours, xb, cfg)
+        yb = _sco_forward(ours, xb, sco)
     assert torch.equal(ya, yb)
     ya.float().square().sum().backward()  # backward outside autocast: recompute must re-enter it
     yb.float().square().sum().backward()
@@ -159,15 +159,15 @@ def test_tuple_output_and_kwargs_and_nontensor_args():
     x = torch.randn(B, T, H)
     mask = torch.rand(B, T, 1)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    cfg = SCOConfig()
+    sco = SCOOffloader()
     a, sa = torch.utils.checkpoint.checkpoint(fn2, xa, mask, 3, bias=0.5, use_reentrant=False)
-    b, sb = moepeak.sco_checkpoint(fn, xb, mask, 3, bias=0.5, sco_config=cfg)
+    b, sb = moepeak.sco_checkpoint(fn, xb, mask, 3, bias=0.5, sco_offloader=sco)
     assert torch.equal(a, b) and torch.equal(sa, sb)
     (a.square().sum() + sa.sum()).backward()
     (b.square().sum() + sb.sum()).backward()
     assert torch.equal(xa.grad, xb.grad)
     assert torch.equal(lin.weight.grad, lin2.weight.grad)
-    assert cfg.stats("cpu")["offloads"] == 1  # only x (the first tensor arg), not mask
+    assert sco.stats("cpu")["offloads"] == 1  # only x (the first tensor arg), not mask
 
 
 def test_apply_sco_module_class_eval_and_no_grad():
@@ -190,6 +190,8 @@ def test_apply_sco_module_class_eval_and_no_grad():
     assert list(ours.state_dict()) == keys
     with pytest.raises(ValueError, match="already applied"):
         moepeak.apply_sco(ours, blocks=ours.layers, config=cfg)
+    sco = moepeak.sco.offloader_of(ours)  # the runtime apply_sco made for cfg
+    assert sco.config is cfg and moepeak.sco.offloader_of(ours.layers[0]) is sco
     for blk in ref.layers:
         fwd = blk.forward
         blk.forward = lambda x, _f=fwd: torch.utils.checkpoint.checkpoint(_f, x, use_reentrant=False)
@@ -199,7 +201,7 @@ def test_apply_sco_module_class_eval_and_no_grad():
     torch.manual_seed(3)
     ours(x).square().sum().backward()
     _assert_grads_equal(ref, ours)
-    st = cfg.stats("cpu")
+    st = sco.stats("cpu")
     assert st["offloads"] == 2 and st["kept"] == 1 and st["live"] == 0
     # eval and no_grad: no offload, same numbers as the plain model
     ours.eval()
@@ -208,7 +210,7 @@ def test_apply_sco_module_class_eval_and_no_grad():
     ours.train()
     with torch.no_grad():
         ours(x)
-    st2 = cfg.stats("cpu")
+    st2 = sco.stats("cpu")
     assert st2["offloads"] == 2 and st2["kept"] == 1
 
 
@@ -219,8 +221,8 @@ def test_apply_sco_keep_last_counts_blocks(keep_last, kept):
     torch.manual_seed(0)
     ref = torch.nn.Sequential(*[SCOBlock(H) for _ in range(4)])
     ours = copy.deepcopy(ref)
-    cfg = SCOConfig(keep_last=keep_last)
-    moepeak.apply_sco(ours, blocks=list(ours), config=cfg)
+    sco = SCOOffloader(SCOConfig(keep_last=keep_last))
+    moepeak.apply_sco(ours, blocks=list(ours), offloader=sco)
     for blk in ref:
         fwd = blk.forward
         blk.forward = lambda x, _f=fwd: torch.utils.checkpoint.checkpoint(_f, x, use_reentrant=False)
@@ -228,7 +230,7 @@ def test_apply_sco_keep_last_counts_blocks(keep_last, kept):
     ref(x).square().sum().backward()
     ours(x).square().sum().backward()
     _assert_grads_equal(ref, ours)
-    st = cfg.stats("cpu")
+    st = sco.stats("cpu")
     assert st["kept"] == kept and st["offloads"] == 4 - kept and st["live"] == 0
 
 
@@ -239,17 +241,17 @@ def test_keep_last_must_be_a_count(bad):
 
 
 def test_arena_too_small_cannot_grow():
-    cfg = SCOConfig(arena_bytes=B * T * H * 4 * 2, grow=False)
+    sco = SCOOffloader(SCOConfig(arena_bytes=B * T * H * 4 * 2, grow=False))
     blocks = _stack(3)
     x = torch.randn(B, T, H, requires_grad=True)
     with pytest.raises(RuntimeError, match="arena too small and cannot grow"):
-        _sco_forward(blocks, x, cfg)
+        _sco_forward(blocks, x, sco)
     import gc
     gc.collect()
-    assert cfg.stats("cpu")["live"] == 0  # the two offloaded slots went with their graphs
-    cfg2 = SCOConfig(max_arena_bytes=1000, grow_bytes=1 << 20)
+    assert sco.stats("cpu")["live"] == 0  # the two offloaded slots went with their graphs
+    sco2 = SCOOffloader(SCOConfig(max_arena_bytes=1000, grow_bytes=1 << 20))
     with pytest.raises(RuntimeError, match="arena too small"):
-        _sco_forward(blocks, x, cfg2)
+        _sco_forward(blocks, x, sco2)
 
 
 def _both(fn_ours, fn_ref, n=2, attention=True, seed=0):
@@ -269,7 +271,7 @@ def _torch_forward(blocks, x):
 
 
 def test_second_backward_with_retain_graph_matches_torch():
-    cfg = SCOConfig()
+    sco = SCOOffloader()
 
     def run(fwd):
         def f(blocks, x):
@@ -278,15 +280,15 @@ def test_second_backward_with_retain_graph_matches_torch():
             y.backward()  # accumulates, as for torch's checkpoint
         return f
 
-    ref, ours, xa, xb, _, _ = _both(run(lambda b, x: _sco_forward(b, x, cfg)), run(_torch_forward))
+    ref, ours, xa, xb, _, _ = _both(run(lambda b, x: _sco_forward(b, x, sco)), run(_torch_forward))
     _assert_grads_equal(ref, ours, xa, xb)
-    assert cfg.stats("cpu")["live"] == 0
+    assert sco.stats("cpu")["live"] == 0
 
 
 def test_create_graph_gradient_penalty_matches_torch():
     # A gradient penalty: the second-order term flows through the recomputed
     # activations exactly as through torch's checkpoint.
-    cfg = SCOConfig()
+    sco = SCOOffloader()
 
     def run(fwd):
         def f(blocks, x):
@@ -296,7 +298,7 @@ def test_create_graph_gradient_penalty_matches_torch():
             (y + gx.square().sum()).backward()
         return f
 
-    ref, ours, xa, xb, _, _ = _both(run(lambda b, x: _sco_forward(b, x, cfg)), run(_torch_forward),
+    ref, ours, xa, xb, _, _ = _both(run(lambda b, x: _sco_forward(b, x, sco)), run(_torch_forward),
                                     attention=False)
     _assert_grads_equal(ref, ours, xa, xb)
 
@@ -315,10 +317,62 @@ def test_inplace_change_of_a_saved_argument_raises(checkpoint):
     if checkpoint == "torch":
         y = torch.utils.checkpoint.checkpoint(_scaled, x, w, use_reentrant=False)
     else:
-        y = moepeak.sco_checkpoint(_scaled, x, w, sco_config=SCOConfig())
+        y = moepeak.sco_checkpoint(_scaled, x, w, sco_offloader=SCOOffloader())
     w.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.backward()
+
+
+def _ck(checkpoint, tier, tmp_path):
+    """checkpoint(fn, x): torch's, or SCO with the boundary on the given tier."""
+    if checkpoint == "torch":
+        return lambda fn, x: torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False)
+    spill = dict(spill_dir=str(tmp_path), host_budget_bytes=0) if tier == "disk" else {}
+    sco = SCOOffloader(SCOConfig(**spill))
+    return lambda fn, x: moepeak.sco_checkpoint(fn, x, sco_offloader=sco, sco_keep_on_gpu=tier == "device")
+
+
+@pytest.mark.parametrize("checkpoint, tier", [("torch", None), ("sco", "host"), ("sco", "device"), ("sco", "disk")])
+@pytest.mark.parametrize("x_grad", [True, False])
+def test_inplace_change_of_the_boundary_raises(checkpoint, tier, x_grad, tmp_path):
+    # The block's input modified in place after its forward: torch's checkpoint raises at
+    # backward; SCO must too, on every tier, never recompute from the new values.
+    torch.manual_seed(0)
+    blk = SCOBlock(H)
+    x0 = torch.randn(B, T, H, requires_grad=x_grad)
+    x = x0 * 1 if x_grad else x0  # a non-leaf when it needs grad (a leaf refuses in-place ops)
+    y = _ck(checkpoint, tier, tmp_path)(blk, x)
+    with torch.no_grad():
+        x.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.square().sum().backward()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_inplace_change_of_the_base_of_a_dropped_boundary(tier, tmp_path):
+    # The boundary is a view of a larger tensor; the caller drops the view and changes the
+    # base in place (a view keeps its base alive, not the other way round). On CPU's host
+    # tier the engine holds the boundary itself (its version counter is the base's): the
+    # error is raised. On the disk tier the engine holds only a copy and a weak reference,
+    # so it cannot see the change once the view is gone (torch's checkpoint, holding the
+    # view, would raise); the recompute uses the forward's bytes, so the gradients are those
+    # of the unchanged input, never of the new values.
+    torch.manual_seed(0)
+    blk = SCOBlock(H)
+    ref = copy.deepcopy(blk)
+    base = torch.randn(B + 1, T, H)
+    x0 = base[:B].clone()
+    x = base[:B]  # a contiguous view of base
+    y = _ck("sco", tier, tmp_path)(blk, x)
+    del x
+    base.add_(1.0)
+    if tier == "host":
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.square().sum().backward()
+        return
+    y.square().sum().backward()
+    torch.utils.checkpoint.checkpoint(ref, x0, use_reentrant=False).square().sum().backward()
+    _assert_grads_equal(ref, blk)
 
 
 def test_saved_argument_unchanged_gives_torch_gradient():
@@ -327,12 +381,12 @@ def test_saved_argument_unchanged_gives_torch_gradient():
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     torch.utils.checkpoint.checkpoint(_scaled, xa, w, use_reentrant=False).backward()
     ga, w.grad = w.grad, None
-    moepeak.sco_checkpoint(_scaled, xb, w, sco_config=SCOConfig()).backward()
+    moepeak.sco_checkpoint(_scaled, xb, w, sco_offloader=SCOOffloader()).backward()
     assert torch.equal(xa.grad, xb.grad) and torch.equal(ga, w.grad)
 
 
 def test_tensors_passed_only_by_keyword():
-    cfg = SCOConfig()
+    sco = SCOOffloader()
 
     def fn(*, x, w):
         return (x.sin() * w).sum()
@@ -341,23 +395,23 @@ def test_tensors_passed_only_by_keyword():
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     wa, wb = w0.clone().requires_grad_(), w0.clone().requires_grad_()
     ya = torch.utils.checkpoint.checkpoint(fn, x=xa, w=wa, use_reentrant=False)
-    yb = moepeak.sco_checkpoint(fn, x=xb, w=wb, sco_config=cfg)
+    yb = moepeak.sco_checkpoint(fn, x=xb, w=wb, sco_offloader=sco)
     assert torch.equal(ya, yb)
     ya.backward()
     yb.backward()
     assert torch.equal(xa.grad, xb.grad) and torch.equal(wa.grad, wb.grad)
-    assert cfg.stats("cpu")["offloads"] == 1  # the first tensor keyword argument was the boundary
+    assert sco.stats("cpu")["offloads"] == 1  # the first tensor keyword argument was the boundary
 
 
 def test_graph_dropped_without_backward_frees_slots():
-    cfg = SCOConfig()
+    sco = SCOOffloader()
     blocks = _stack(3)
-    y = _sco_forward(blocks, torch.randn(B, T, H, requires_grad=True), cfg)
-    assert cfg.stats("cpu")["live"] == 3
+    y = _sco_forward(blocks, torch.randn(B, T, H, requires_grad=True), sco)
+    assert sco.stats("cpu")["live"] == 3
     del y
     import gc
     gc.collect()
-    st = cfg.stats("cpu")
+    st = sco.stats("cpu")
     assert st["live"] == 0 and st["discarded"] == 3
 
 
@@ -379,22 +433,22 @@ def test_replay_stops_after_last_saved_tensor():
     x = torch.randn(B, T, H)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     sco_stack_forward(ref, xa, "torch").square().sum().backward()
-    _sco_forward(ours, xb, SCOConfig()).square().sum().backward()
+    _sco_forward(ours, xb, SCOOffloader()).square().sum().backward()
     _assert_grads_equal(ref, ours, xa, xb)
     assert cb == ca, (ca, cb)
     assert cb == {"up": 2 * n, "down": n}  # up: forward + replay; down: forward only
 
 
 def test_stats_counters_and_devices():
-    cfg = SCOConfig()
-    st = cfg.stats()  # no engine yet: every counter present and zero, none created
-    assert st["offloads"] == 0 and st["kept"] == 0 and st["live"] == 0 and not cfg.devices()
-    _compare(n=2, cfg=cfg)
-    assert cfg.stats()["offloads"] == 2 and cfg.stats("cpu") == cfg.stats()
-    assert cfg.stats("meta")["offloads"] == 0  # a device this config never ran on
-    cfg.engine("meta")
+    sco = SCOOffloader()
+    st = sco.stats()  # no engine yet: every counter present and zero, none created
+    assert st["offloads"] == 0 and st["kept"] == 0 and st["live"] == 0 and not sco.devices()
+    _compare(n=2, sco=sco)
+    assert sco.stats()["offloads"] == 2 and sco.stats("cpu") == sco.stats()
+    assert sco.stats("meta")["offloads"] == 0  # a device this offloader never ran on
+    sco.engine("meta")
     with pytest.raises(ValueError, match="ambiguous"):
-        cfg.stats()
+        sco.stats()
 
 
 def test_bad_arguments():
@@ -406,8 +460,12 @@ def test_bad_arguments():
         moepeak.sco_checkpoint(lambda k: k, 3)
     with pytest.raises(ValueError, match="use_reentrant=False"):
         moepeak.sco_checkpoint(lambda k: k, torch.ones(1), use_reentrant=True)
-    with pytest.raises(TypeError, match="sco_config"):
-        moepeak.sco_checkpoint(lambda k: k, torch.ones(1, requires_grad=True), sco_config=3)
+    with pytest.raises(TypeError, match="sco_offloader must be a moepeak.SCOOffloader, got int"):
+        moepeak.sco_checkpoint(lambda k: k, torch.ones(1, requires_grad=True), sco_offloader=3)
+    with pytest.raises(TypeError, match=r"takes sco_offloader=moepeak.SCOOffloader\(config\)"):
+        moepeak.sco_checkpoint(lambda k: k, torch.ones(1, requires_grad=True), sco_config=SCOConfig())
+    with pytest.raises(TypeError, match="config must be a moepeak.SCOConfig, got dict"):
+        SCOOffloader({"keep_last": 2})
     with pytest.raises(ValueError, match="bytes"):
         torch.ops.moepeak.sco_offload(torch.ones(4), torch.empty(3, dtype=torch.uint8))
 
@@ -429,16 +487,16 @@ def _fsdp_rank(rank, world, _unused):
     torch.manual_seed(0)
     ref = torch.nn.Sequential(*[SCOBlock(H, dropout=0.1) for _ in range(3)])
     sco_first, fsdp_first = copy.deepcopy(ref), copy.deepcopy(ref)
-    cfgs = [SCOConfig(), SCOConfig()]
+    scos = [SCOOffloader(), SCOOffloader()]
     for blk in ref:
         fwd = blk.forward
         blk.forward = lambda x, _f=fwd: torch.utils.checkpoint.checkpoint(_f, x, use_reentrant=False)
-    moepeak.apply_sco(sco_first, blocks=list(sco_first), config=cfgs[0])  # apply_sco, then fully_shard
+    moepeak.apply_sco(sco_first, blocks=list(sco_first), offloader=scos[0])  # apply_sco, then fully_shard
     for m in (ref, sco_first, fsdp_first):
         for blk in m:
             fully_shard(blk)
         fully_shard(m)
-    moepeak.apply_sco(fsdp_first, blocks=list(fsdp_first), config=cfgs[1])  # fully_shard, then apply_sco
+    moepeak.apply_sco(fsdp_first, blocks=list(fsdp_first), offloader=scos[1])  # fully_shard, then apply_sco
     x = torch.randn(B, T, H, generator=torch.Generator().manual_seed(1 + rank))
     for step in range(2):
         for m in (ref, sco_first, fsdp_first):
@@ -450,9 +508,9 @@ def _fsdp_rank(rank, world, _unused):
     # fully_shard's default mesh is on the accelerator when one is present: it
     # moves the blocks (and their inputs) there, so SCO ran on that device.
     dev = next(sco_first.parameters()).to_local().device
-    for cfg in cfgs:
-        assert cfg.devices() == [dev if dev.type == "cpu" else torch.device("cuda", dev.index)]
-        st = cfg.stats()  # the one engine used, whatever its device
+    for sco in scos:
+        assert sco.devices() == [dev if dev.type == "cpu" else torch.device("cuda", dev.index)]
+        st = sco.stats()  # the one engine used, whatever its device
         assert st["live"] == 0 and st["offloads"] == 4 and st["kept"] == 2  # keep_last: 2 offloads + 1 kept per step
 
 
@@ -479,12 +537,12 @@ def test_cuda_grads_bitwise(dtype, keep_last):
     # SDPA's flash / mem-efficient backward accumulate dQ with atomics (not
     # bitwise run to run, with or without checkpointing): compare on the math backend.
     with _math_sdpa():
-        cfg = _compare(n=4, dropout=0.1, device="cuda", dtype=dtype, keep_last=keep_last, t=257, h=64)
-        st = cfg.stats("cuda")
+        sco = _compare(n=4, dropout=0.1, device="cuda", dtype=dtype, keep_last=keep_last, t=257, h=64)
+        st = sco.stats("cuda")
     assert st["offloads"] == 4 - keep_last and st["live"] == 0 and st["gpu_held"] == 0
     assert st["arena_bytes"] > 0
-    cfg.free()
-    assert cfg.stats("cuda")["arena_bytes"] == 0
+    sco.free()
+    assert sco.stats("cuda")["arena_bytes"] == 0
 
 
 @pytest.mark.cuda
@@ -493,12 +551,12 @@ def test_cuda_delayed_side_streams_still_exact(w):
     # The copy and load streams sleep ~tens of ms before each copy: a missing
     # event (compute reading a reload early, or x freed before its D2H) gives
     # wrong gradients here.
-    cfg = SCOConfig(max_in_flight=w, prefetch=2)
-    cfg.engine("cuda").delay_cycles = 50_000_000
+    sco = SCOOffloader(SCOConfig(max_in_flight=w, prefetch=2))
+    sco.engine("cuda").delay_cycles = 50_000_000
     for it in range(2):  # second iteration: slot reuse after the previous loads
         with _math_sdpa():
-            _compare(n=5, dropout=0.1, device="cuda", dtype=torch.bfloat16, cfg=cfg, t=1024, h=256)
-    st = cfg.stats("cuda")
+            _compare(n=5, dropout=0.1, device="cuda", dtype=torch.bfloat16, sco=sco, t=1024, h=256)
+    st = sco.stats("cuda")
     assert st["max_in_flight"] <= w and st["live"] == 0
     assert st["compute_waits"] >= 1  # the copies were slow: W was enforced by compute waiting
     torch.cuda.synchronize()
@@ -511,19 +569,19 @@ def test_cuda_peak_flat_in_depth():
 
     def peak(n, mode):
         blocks = _stack(n, device="cuda", dtype=torch.bfloat16, h=h, attention=False)
-        cfg = SCOConfig(max_in_flight=1, prefetch=1)
+        sco = SCOOffloader(SCOConfig(max_in_flight=1, prefetch=1))
         x = torch.randn(1, t, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         for _ in range(2):  # second step: arena allocated, allocator warm
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            y = _sco_forward(blocks, x, cfg) if mode == "sco" else sco_stack_forward(blocks, x, "torch")
+            y = _sco_forward(blocks, x, sco) if mode == "sco" else sco_stack_forward(blocks, x, "torch")
             y.float().sum().backward()
             torch.cuda.synchronize()
             p = torch.cuda.max_memory_allocated() - base
             for q in list(blocks.parameters()) + [x]:  # grads stay allocated: part of the base
                 q.grad.zero_()
-        cfg.free()
+        sco.free()
         return p
 
     s4, s16 = peak(4, "sco"), peak(16, "sco")
@@ -535,7 +593,7 @@ def test_cuda_peak_flat_in_depth():
 
 
 class _CountingC:
-    """Stands in for moepeak._C inside moepeak.sco.engine: counts every call by name."""
+    """Stands in for moepeak._C in an offloader's engines: counts every call by name."""
 
     def __init__(self, real):
         self._real, self.calls = real, {}
@@ -559,12 +617,12 @@ def test_cuda_steady_state_never_blocks_the_host(monkeypatch):
     from moepeak.testing import sco_extension
 
     blocks = _stack(6, device="cuda", dtype=torch.bfloat16, h=256, attention=False)
-    cfg = SCOConfig(max_in_flight=2, prefetch=1)
+    sco = SCOOffloader(SCOConfig(max_in_flight=2, prefetch=1))
     x = torch.randn(2, 512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    _sco_forward(blocks, x, cfg, keep_last=True).float().sum().backward()  # warm-up: arena, events
+    _sco_forward(blocks, x, sco, keep_last=True).float().sum().backward()  # warm-up: arena, events
     torch.cuda.synchronize()
-    before = dict(cfg.stats("cuda"))
-    with sco_extension(_CountingC(moepeak._C)) as fake:
+    before = dict(sco.stats("cuda"))
+    with sco_extension(sco, _CountingC(moepeak._C)) as fake:
         torch_syncs = []
         for mod, name in ((torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"),
                           (torch.cuda.Event, "synchronize"), (torch.Tensor, "item")):
@@ -572,10 +630,10 @@ def test_cuda_steady_state_never_blocks_the_host(monkeypatch):
             monkeypatch.setattr(mod, name,
                                 lambda *a, _o=orig, _n=name, **k: (torch_syncs.append(_n), _o(*a, **k))[1])
         for _ in range(2):
-            _sco_forward(blocks, x, cfg, keep_last=True).float().sum().backward()
+            _sco_forward(blocks, x, sco, keep_last=True).float().sum().backward()
         monkeypatch.undo()
     torch.cuda.synchronize()
-    after = cfg.stats("cuda")
+    after = sco.stats("cuda")
     assert not torch_syncs, torch_syncs
     blocking = {k: v for k, v in fake.calls.items()
                 if k in ("event_synchronize", "stream_synchronize", "device_synchronize", "sco_arena_alloc",
@@ -588,18 +646,18 @@ def test_cuda_steady_state_never_blocks_the_host(monkeypatch):
 
 _CTX_SCRIPT = r"""
 import warnings, torch, moepeak
-from moepeak.sco import SCOConfig
+from moepeak.sco import SCOConfig, SCOOffloader
 from tests.refs import SCOBlock
 warnings.simplefilter("always")
 with torch.device("cuda"):
     blocks = [SCOBlock(256, attention=False).to(torch.bfloat16) for _ in range(3)]
 x = torch.randn(1, 512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-cfg = SCOConfig()
+sco = SCOOffloader()
 with warnings.catch_warnings(record=True) as caught:
     for keep in (True, False):  # backward starting at a kept block / at an offloaded one
         h = x
         for i, b in enumerate(blocks):
-            h = moepeak.sco_checkpoint(b, h, sco_config=cfg, sco_keep_on_gpu=keep and i == 2)
+            h = moepeak.sco_checkpoint(b, h, sco_offloader=sco, sco_keep_on_gpu=keep and i == 2)
         h.backward(torch.ones_like(h))
 torch.cuda.synchronize()
 print("WARNINGS:", [str(w.message) for w in caught if "CUDA context" in str(w.message)])
@@ -625,10 +683,10 @@ def test_cuda_backward_thread_has_a_context_before_cublas():
 
 @pytest.mark.cuda
 def test_cuda_pinned_allocation_failure_is_clear():
-    cfg = SCOConfig(arena_bytes=1 << 50, grow=False)
+    sco = SCOOffloader(SCOConfig(arena_bytes=1 << 50, grow=False))
     blocks = _stack(1, device="cuda")
     with pytest.raises(MemoryError, match="pinned host memory"):
-        _sco_forward(blocks, torch.randn(B, T, H, device="cuda", requires_grad=True), cfg)
+        _sco_forward(blocks, torch.randn(B, T, H, device="cuda", requires_grad=True), sco)
 
 
 @pytest.mark.cuda

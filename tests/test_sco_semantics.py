@@ -9,7 +9,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import moepeak
-from moepeak.sco import SCOConfig
+from moepeak.sco import SCOConfig, SCOOffloader, offloader_of
 from tests.refs import SCOBlock
 
 H, B, T = 16, 2, 8
@@ -36,7 +36,7 @@ def _torch_ck(fn, *args):
 
 
 def _sco_ck(fn, *args):
-    return moepeak.sco_checkpoint(fn, *args, sco_config=SCOConfig())
+    return moepeak.sco_checkpoint(fn, *args, sco_offloader=SCOOffloader())
 
 
 @pytest.mark.parametrize("ck", [_torch_ck, _sco_ck], ids=["torch", "sco"])
@@ -56,7 +56,7 @@ def test_boundary_without_grad_is_the_same_object_on_cpu(keep):
     # place on CPU: the replay hands backward that object, as torch's checkpoint does.
     b = torch.tensor(2.0)
     c = torch.tensor(3.0, requires_grad=True)
-    for ck in (_torch_ck, lambda f, *a: moepeak.sco_checkpoint(f, *a, sco_config=SCOConfig(),
+    for ck in (_torch_ck, lambda f, *a: moepeak.sco_checkpoint(f, *a, sco_offloader=SCOOffloader(),
                                                                sco_keep_on_gpu=keep)):
         _SaveSecond.seen = None
         ck(lambda y, x: _SaveSecond.apply(x, y), b, c).backward()
@@ -105,7 +105,7 @@ def _changing_fn(second_call):
 ], ids=["shape", "dtype", "count"])
 def test_recompute_mismatch_says_what_differs(second_call, message):
     x = torch.randn(4, requires_grad=True)
-    y = moepeak.sco_checkpoint(_changing_fn(second_call), x, sco_config=SCOConfig())
+    y = moepeak.sco_checkpoint(_changing_fn(second_call), x, sco_offloader=SCOOffloader())
     with pytest.raises(RuntimeError, match=message):
         y.backward()
 
@@ -152,12 +152,11 @@ def test_torch_compile_of_apply_sco_model_matches_eager_bitwise():
     x = torch.randn(B, T, H)
     ref = _grads(_torch_checkpointed(_Model()), x)
     eager = moepeak.apply_sco(_Model(), blocks=SCOBlock, config=SCOConfig())
-    compiled_cfg = SCOConfig()
-    compiled = torch.compile(moepeak.apply_sco(_Model(), blocks=SCOBlock, config=compiled_cfg),
-                             backend="aot_eager")
+    model = moepeak.apply_sco(_Model(), blocks=SCOBlock, config=SCOConfig())
+    compiled = torch.compile(model, backend="aot_eager")
     _assert_bitwise(_grads(eager, x), ref)
     _assert_bitwise(_grads(compiled, x), ref)
-    st = compiled_cfg.stats("cpu")  # the blocks really ran under SCO
+    st = offloader_of(model).stats("cpu")  # the blocks really ran under SCO
     assert st["offloads"] == 2 and st["kept"] == 2 and st["live"] == 0
 
 
@@ -198,9 +197,10 @@ def test_cuda_saved_tensor_identity_kept_and_offloaded_boundary():
     c = torch.randn(3, device="cuda", requires_grad=True)
     for keep in (False, True):
         _SaveSecond.seen = None
-        moepeak.sco_checkpoint(_SaveSecond.apply, c, b, sco_config=SCOConfig(), sco_keep_on_gpu=keep).sum().backward()
+        moepeak.sco_checkpoint(_SaveSecond.apply, c, b, sco_offloader=SCOOffloader(),
+                               sco_keep_on_gpu=keep).sum().backward()
         assert _SaveSecond.seen is b
         _SaveSecond.seen = None
-        moepeak.sco_checkpoint(lambda y, x: _SaveSecond.apply(x, y), b, c, sco_config=SCOConfig(),
+        moepeak.sco_checkpoint(lambda y, x: _SaveSecond.apply(x, y), b, c, sco_offloader=SCOOffloader(),
                                sco_keep_on_gpu=keep).sum().backward()
         assert (_SaveSecond.seen is b) == keep and torch.equal(_SaveSecond.seen, b)

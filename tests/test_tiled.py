@@ -119,8 +119,8 @@ def test_checkpoint_composition_replays_nothing_but_the_boundary(ckpt):
     if ckpt == "torch":
         y = torch_ckpt.checkpoint(fn, xg, use_reentrant=False)
     elif ckpt == "sco":
-        cfg = moepeak.SCOConfig()
-        y = moepeak.sco_checkpoint(fn, xg, sco_config=cfg)
+        cfg = moepeak.SCOOffloader()
+        y = moepeak.sco_checkpoint(fn, xg, sco_offloader=cfg)
     else:
         y = fn(xg)
     got = [y.detach()] + list(_grads(blk, xg, y, gy))
@@ -381,7 +381,6 @@ def _prefetch_order(device, nkv):
     """Two tiled blocks under sco_checkpoint; the order of the engine's loads and of each core
     head group's backward (marked where dq is born) during backward."""
     import moepeak
-    from moepeak.sco import engine as sco_engine
     events = []
 
     class Mark(torch.autograd.Function):
@@ -406,11 +405,11 @@ def _prefetch_order(device, nkv):
             return s.attn_core(Mark.apply(q, (len(calls) - 1) % nkv), k, v)
         return tiled_block(t, dataclasses.replace(s, attn_core=core), 8)
 
-    cfg = moepeak.SCOConfig(keep_last=False)
+    cfg = moepeak.SCOOffloader(moepeak.SCOConfig(keep_last=False))
     x = torch.randn(1, 20, 32, device=device, requires_grad=True)
     y = x
     for blk in blocks:
-        y = moepeak.sco_checkpoint(functools.partial(fn, blk), y, sco_config=cfg)
+        y = moepeak.sco_checkpoint(functools.partial(fn, blk), y, sco_offloader=cfg)
     engine = cfg.engine(device)
     real_load = engine._load
     engine._load = lambda rec: (events.append(("load", rec.seq)), real_load(rec))[1]

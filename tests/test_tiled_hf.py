@@ -333,8 +333,8 @@ def test_layer_input_without_grad_replays_only_the_boundary(ckpt):
         spec = hf_moe_layer_spec(layer, t, position_embeddings=pe)
         post = spec.post_attn
         return tiled_block(t, dataclasses.replace(spec, post_attn=lambda *a: posts.append(1) or post(*a)), 5)
-    cfg = moepeak.SCOConfig()
-    run = {"sco": functools.partial(moepeak.sco_checkpoint, tiled, sco_config=cfg),
+    cfg = moepeak.SCOOffloader()
+    run = {"sco": functools.partial(moepeak.sco_checkpoint, tiled, sco_offloader=cfg),
            "torch": functools.partial(torch_ckpt.checkpoint, tiled, use_reentrant=False), "none": tiled}[ckpt]
     assert not x.requires_grad
     got = torch.autograd.grad((run(x) * gy).sum(), params)

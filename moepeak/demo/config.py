@@ -11,6 +11,9 @@ from typing import Dict, Optional
 
 import torch
 
+from ..sco import KEEP_LAST_DEMO
+from ..sco import sizes as sco_sizes
+
 MOE_CHOICES = ("llep", "dense")
 HEAD_CHOICES = ("ring_dtp", "plain")
 CKPT_CHOICES = ("sco", "torch", "none")
@@ -82,7 +85,7 @@ class MoEConfig:
     tile_tokens: Optional[int] = None
     # checkpoint "sco": the last n blocks keep their input on the GPU (SCOConfig.keep_last):
     # GPU memory traded for host RAM, which every GPU of a host shares.
-    sco_keep_last: int = 0
+    sco_keep_last: int = KEEP_LAST_DEMO  # every block offloaded: the demo's measured setting (moepeak.sco)
     # RMSNorms through moepeak.norms.rms_norm (the same forward, a backward without fp32 [T, H]
     # tensors): the final one with head "ring_dtp", the blocks' with checkpoint "sco";
     # False: autograd through the eager norms.
@@ -160,10 +163,10 @@ class MoEConfig:
 
 
 def sco_arena_bytes(cfg: MoEConfig, seq_len: int, batch: int, dtype: torch.dtype) -> int:
-    """Pinned bytes SCO needs: one boundary [B, T, H] per block but the last sco_keep_last
-    (T: this rank's tokens)."""
-    return max(cfg.layers - cfg.sco_keep_last, 0) * batch * seq_len * cfg.hidden * \
-        torch.empty((), dtype=dtype).element_size()
+    """Pinned bytes SCO's arena takes: one slot of a boundary [B, T, H] per block but the last
+    sco_keep_last (T: this rank's tokens; moepeak.sco.sizes.arena_bytes)."""
+    boundary = sco_sizes.boundary_bytes(batch * seq_len, cfg.hidden, torch.empty((), dtype=dtype).element_size())
+    return sco_sizes.arena_bytes(cfg.layers, cfg.sco_keep_last, boundary)
 
 
 def param_count(cfg: MoEConfig) -> int:

@@ -254,24 +254,25 @@ class MoELM(nn.Module):
         if self.cp:
             for blk in self.layers:
                 blk.attn.cp = (group, self.world, self.rank)
-        self._ckpt, self.sco_config = None, None
+        self._ckpt, self.sco_config, self.sco = None, None, None
         if cfg.checkpoint == "sco":
             self.use_sco()
         self.reset_parameters(seed)
 
     def use_sco(self):
-        """Make SCO this model's checkpoint schedule, with its own SCO config
-        (self.sco_config; its pinned arena is freed by close()). Idempotent."""
+        """Make SCO this model's checkpoint schedule, with its own SCO config (self.sco_config)
+        and runtime (self.sco: its stats(); its pinned arena is freed by close()). Idempotent."""
         if self._ckpt is None:
             self._ckpt = component("checkpoint")
-            from ..sco import SCOConfig
+            from ..sco import SCOConfig, SCOOffloader
             self.sco_config = SCOConfig(keep_last=self.cfg.sco_keep_last)
+            self.sco = SCOOffloader(self.sco_config)
             self._sco_kept = set(self.sco_config.kept_blocks(self.layers))
 
     def close(self):
         """Free the pinned SCO arena now (it would otherwise live until exit)."""
-        if self.sco_config is not None:
-            self.sco_config.free()
+        if self.sco is not None:
+            self.sco.free()
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0):
@@ -310,7 +311,7 @@ class MoELM(nn.Module):
         if not torch.is_grad_enabled() or self.cfg.checkpoint == "none":
             return blk(x)
         if self.cfg.checkpoint == "sco":
-            return self._ckpt(blk, x, sco_config=self.sco_config, sco_keep_on_gpu=blk in self._sco_kept)
+            return self._ckpt(blk, x, sco_offloader=self.sco, sco_keep_on_gpu=blk in self._sco_kept)
         if self.cfg.tile_tokens is not None:
             return blk(x)
         return torch_ckpt.checkpoint(blk, x, use_reentrant=False)

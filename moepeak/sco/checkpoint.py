@@ -5,9 +5,10 @@ its input (the hidden state, x_k: [.., T, H] x dtype), alive from the block's
 forward until its backward, so L blocks hold L·T·H·b bytes on the GPU. SCO
 moves exactly that tensor (never weights, never tensors saved outside
 checkpointed blocks) into a slot of a pinned host arena and brings it back
-just before the block recomputes. This module is the user's API (SCOConfig,
-sco_checkpoint, apply_sco; exported by moepeak.sco) and the checkpoint mechanics; the
-arena, streams and events are the engine in moepeak/sco/engine.py.
+just before the block recomputes (or, with the disk tier, writes the earliest ones to a
+spill file). This module is sco_checkpoint (exported by moepeak.sco) and the checkpoint
+mechanics; where a boundary waits and how it moves is the engine's
+(moepeak/sco/engine.py), held by an SCOOffloader (moepeak/sco/offloader.py).
 
 Checkpoint mechanics. torch's non-reentrant checkpoint keeps the block's
 boundary input in its recompute closure, so the GPU input would stay alive
@@ -46,105 +47,18 @@ from __future__ import annotations
 
 import uuid
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.utils.checkpoint as _tuc
 
 from .engine import SCOEngine
+from .offloader import SCOOffloader, default_offloader
 
 try:  # the autograd engine's saved tensor (version-checked on unpack), as torch's checkpoint uses
     from torch._C._autograd import _make_saved_tensor
 except ImportError:  # older torch: hold the argument by reference and check its version ourselves
     _make_saved_tensor = None
-
-
-@dataclass
-class SCOConfig:
-    """Knobs of the SCO schedule; also owns the engines (arena, streams, events).
-
-    max_in_flight (W): D2H copies in flight before compute waits on the oldest.
-    prefetch: boundaries loaded ahead in backward (block k-1 .. k-prefetch).
-    keep_last: how many of the last blocks keep their input on the GPU under
-        apply_sco (True = 1, False = 0). The last block's input is needed first in
-        backward, so offloading it only costs a round trip; more trade GPU memory
-        (one [T, H] each) for host RAM and PCIe traffic, the last ones first since
-        their inputs come back first.
-    arena_bytes: pinned bytes reserved at first use (0: grow on demand).
-    grow_bytes: smallest chunk added when the arena must grow.
-    max_arena_bytes: cap on the arena (None: no cap; with grow=False the cap is
-        arena_bytes). Needing more raises instead of keeping data on the GPU.
-    """
-
-    max_in_flight: int = 2
-    prefetch: int = 1
-    keep_last: int = 1
-    arena_bytes: int = 0
-    grow: bool = True
-    grow_bytes: int = 1 << 30
-    max_arena_bytes: Optional[int] = None
-    _engines: Dict[Any, SCOEngine] = field(default_factory=dict, repr=False, compare=False)
-
-    def __post_init__(self):
-        for name in ("max_in_flight", "prefetch"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < (1 if name == "max_in_flight" else 0):
-                lo = 1 if name == "max_in_flight" else 0
-                raise ValueError(f"moepeak: SCOConfig.{name} must be an int >= {lo}, got {v!r}")
-        if not isinstance(self.keep_last, int) or self.keep_last < 0:
-            raise ValueError(f"moepeak: SCOConfig.keep_last must be a bool or an int >= 0, got {self.keep_last!r}")
-        for name in ("arena_bytes", "grow_bytes"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 0:
-                raise ValueError(f"moepeak: SCOConfig.{name} must be an int >= 0, got {v!r}")
-        if self.max_arena_bytes is not None and (not isinstance(self.max_arena_bytes, int) or self.max_arena_bytes < 0):
-            raise ValueError(f"moepeak: SCOConfig.max_arena_bytes must be None or an int >= 0, got {self.max_arena_bytes!r}")
-        if not self.grow and self.arena_bytes == 0:
-            raise ValueError("moepeak: SCOConfig(grow=False) needs arena_bytes > 0 (the fixed arena size)")
-
-    def kept_blocks(self, blocks) -> list:
-        """The blocks (in forward order) whose input stays on the GPU: the last keep_last."""
-        blocks = list(blocks)
-        return blocks[max(len(blocks) - int(self.keep_last), 0):]
-
-    def engine(self, device) -> SCOEngine:
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        eng = self._engines.get(device)
-        if eng is None:
-            eng = self._engines[device] = SCOEngine(self, device)
-        return eng
-
-    def stats(self, device=None) -> dict:
-        """Counters and schedule log of the engine of `device`. device=None: the
-        one engine this config has used (blocks moved by FSDP2 / .to() land on
-        whatever device their inputs are on; None avoids guessing it)."""
-        if device is None:
-            if len(self._engines) > 1:
-                raise ValueError(f"moepeak: SCOConfig.stats(device=None) is ambiguous: engines on "
-                                 f"{sorted(str(d) for d in self._engines)}; pass the device")
-            if not self._engines:
-                return SCOEngine.empty_stats()
-            return next(iter(self._engines.values())).stats()
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        eng = self._engines.get(device)
-        return eng.stats() if eng is not None else SCOEngine.empty_stats()
-
-    def devices(self) -> list:
-        """The devices this config has an engine on (one engine is made per device at first use)."""
-        return list(self._engines)
-
-    def free(self) -> None:
-        """Free every engine's pinned arena (raises if boundaries are still live)."""
-        for eng in self._engines.values():
-            eng.free()
-
-
-_DEFAULT = SCOConfig()
 
 
 def _autocast_state(device_type: str):
@@ -339,7 +253,7 @@ class _autocast_ctx:
 # eager replay in backward does not save.
 @torch.compiler.disable
 def sco_checkpoint(fn, *args, use_reentrant: Optional[bool] = None, preserve_rng_state: bool = True,
-                   sco_config: Optional[SCOConfig] = None, sco_keep_on_gpu: bool = False, **kwargs):
+                   sco_offloader: Optional[SCOOffloader] = None, sco_keep_on_gpu: bool = False, **kwargs):
     """torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs),
     with the block's boundary input (its first tensor positional argument, the
     hidden state, or, when no positional argument is a tensor, its first
@@ -349,7 +263,9 @@ def sco_checkpoint(fn, *args, use_reentrant: Optional[bool] = None, preserve_rng
     Other tensor positional arguments are kept as autograd saved tensors, as
     torch does (an in-place change before backward raises); keyword arguments
     are held by reference. Under torch.no_grad() fn just runs (nothing saved,
-    nothing offloaded). sco_keep_on_gpu=True keeps the input on the GPU (the
+    nothing offloaded). sco_offloader: the SCOOffloader whose arena (and spill
+    file) holds the boundary and whose stats() count it (None: default_offloader(),
+    SCOConfig's defaults). sco_keep_on_gpu=True keeps the input on the GPU (the
     last block). backward(retain_graph=True) followed by a second backward and
     create_graph=True work as with torch's checkpoint. Gradients are bitwise
     those of torch's non-reentrant checkpoint on the same fn, and backward gets
@@ -359,6 +275,9 @@ def sco_checkpoint(fn, *args, use_reentrant: Optional[bool] = None, preserve_rng
     Under torch.compile the call is a graph break: fn runs eagerly (a compiled
     fn passed in stays compiled, in the forward and in the replay).
     """
+    if "sco_config" in kwargs:
+        raise TypeError("moepeak: sco_checkpoint takes sco_offloader=moepeak.SCOOffloader(config), the runtime "
+                        "that holds the arena and the statistics, not sco_config= (a config holds neither)")
     if use_reentrant:
         raise ValueError("moepeak: sco_checkpoint implements use_reentrant=False semantics only")
     if not callable(fn):
@@ -374,17 +293,13 @@ def sco_checkpoint(fn, *args, use_reentrant: Optional[bool] = None, preserve_rng
     x = args[where] if isinstance(where, int) else kwargs[where]
     if x.layout != torch.strided:
         raise TypeError(f"moepeak: sco_checkpoint boundary input must be a dense tensor, got layout {x.layout}")
-    cfg = sco_config if sco_config is not None else _DEFAULT
-    if not isinstance(cfg, SCOConfig):
-        raise TypeError(f"moepeak: sco_config must be an SCOConfig, got {type(cfg).__name__}")
-    engine = cfg.engine(x.device)
+    offloader = sco_offloader if sco_offloader is not None else default_offloader()
+    if not isinstance(offloader, SCOOffloader):
+        raise TypeError(f"moepeak: sco_offloader must be a moepeak.SCOOffloader, got {type(offloader).__name__}")
+    engine = offloader.engine(x.device)
     frame = _Frame(fn, args, kwargs, where, engine, preserve_rng_state, x)
-    # x itself when it needs no grad: on CPU, or kept on the GPU, the replay then sees that very
-    # object (torch's identity); a detached alias otherwise, so the engine holds no graph.
-    # Raises (arena full) before fn runs.
-    rec = engine.offload(x.detach() if x.requires_grad else x, keep=sco_keep_on_gpu)
-    rec.requires_grad = x.requires_grad
-    frame.rec = rec
+    frame.rec = engine.offload(x, keep=sco_keep_on_gpu)  # raises (arena full, disk full) before fn runs
+    rec = frame.rec
     try:
         with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack):
             out = fn(*args, **kwargs)
@@ -401,52 +316,3 @@ def _discard_quietly(engine, rec):
         engine.discard(rec)
     except Exception:  # interpreter shutdown: CUDA may be gone already
         pass
-
-
-def apply_sco(model: torch.nn.Module, blocks, config: Optional[SCOConfig] = None):
-    """Checkpoint-and-offload each decoder block of `model` (in place).
-
-    blocks: a list/tuple of submodules of model, an nn.ModuleList of them, or a
-    module class (all submodules of that class, in registration order); a
-    block that is not a submodule of model raises. Each block's forward is
-    wrapped so that in training with grad enabled it runs under
-    sco_checkpoint; in eval or under no_grad it runs as is (no offload). The
-    module tree and state_dict keys are unchanged, so fully_shard (FSDP2) can
-    be applied to the blocks before or after. Returns model.
-    """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"moepeak: apply_sco model must be an nn.Module, got {type(model).__name__}")
-    single = isinstance(blocks, torch.nn.Module) and not isinstance(blocks, torch.nn.ModuleList)
-    if isinstance(blocks, type):
-        mods = [m for m in model.modules() if isinstance(m, blocks)]
-    elif single:
-        mods = [blocks]
-    else:
-        mods = list(blocks)
-    if not mods:
-        raise ValueError(f"moepeak: apply_sco found no blocks matching {blocks!r}")
-    in_model = {id(m) for m in model.modules()}
-    for i, m in enumerate(mods):
-        if not isinstance(m, torch.nn.Module):
-            raise TypeError(f"moepeak: apply_sco blocks must be nn.Modules, got {type(m).__name__}")
-        if id(m) not in in_model:  # wrapping it would leave every forward of model unchanged
-            which = "blocks" if single else f"blocks[{i}]"
-            raise ValueError(f"moepeak: apply_sco {which} ({type(m).__name__}) is not a submodule of model "
-                             f"({type(model).__name__}): pass model's own blocks (e.g. model.layers)")
-        if getattr(m, "_moepeak_sco", None) is not None:
-            raise ValueError(f"moepeak: apply_sco already applied to block {type(m).__name__}")
-    cfg = config if config is not None else _DEFAULT
-    kept = set(cfg.kept_blocks(mods))
-    for m in mods:
-        keep = m in kept
-        orig = m.forward
-
-        def forward(*a, _orig=orig, _keep=keep, _ref=weakref.ref(m), **k):
-            mod = _ref()
-            if mod is None or not mod.training or not torch.is_grad_enabled():
-                return _orig(*a, **k)
-            return sco_checkpoint(_orig, *a, sco_config=cfg, sco_keep_on_gpu=_keep, **k)
-
-        m.forward = forward
-        m._moepeak_sco = cfg
-    return model

@@ -1,270 +1,141 @@
-"""The SCO engine: the pinned host arena, the copy and load streams, the
-events, and the two byte-copy ops (moepeak::sco_offload, moepeak::sco_reload).
-moepeak/sco/checkpoint.py decides *which* tensor is a boundary and *when* it is needed;
-this module moves it.
+"""The SCO engine of one device: where each boundary waits (its tier), the copy and load
+streams, the events. moepeak/sco/checkpoint.py decides *which* tensor is a boundary and
+*when* it is needed; this module moves it. The arena is moepeak/sco/arena.py, the disk
+tier moepeak/sco/disk.py, the copy ops moepeak/sco/ops.py.
 
-Schedule (one engine per device and SCOConfig; compute = torch's current stream):
-  forward block k:  copy stream waits on compute (event), D2H x_k -> slot k,
-                    records copy_ev[k]; x_k is referenced until copy_ev[k] is
-                    known complete (polled) or compute waits on it; with more
-                    than W copies in flight compute waits on copy_ev[k-W] and
-                    drops x_{k-W} (its memory is reused only by later compute work).
-  backward block k: (first reload) if x_k was not prefetched, load it now;
-                    compute waits on load_ev[k]; then prefetch x_{k-1..k-depth}
-                    on the load stream into torch.empty buffers allocated on
-                    compute (load waits on compute and on copy_ev); inside a
-                    DeferredPrefetch the prefetch waits for its start().
-  next iteration:   slots are handed out by a bump pointer that rewinds when no
-                    boundary is live; the first copy after a rewind waits on
-                    the load stream's last event (a slot is never overwritten
-                    before its previous H2D read it).
+Tiers (placement at each boundary's forward; the boundary needed first in backward stays
+closest): "device" (sco_keep_on_gpu: the last keep_last blocks), "host" (an arena slot),
+"disk" (the spill file, SCOConfig.spill_dir). With the disk tier on, a boundary goes to the
+host when it and the boundaries expected after it in this step fit host_budget_bytes, else
+to disk: the newest that fit stay in host RAM, the earliest go to disk. Expected after it:
+as many as the previous step offloaded (the first step: the offloader's blocks_per_step,
+which apply_sco sets; unknown: none, so the first step fills the host first).
+
+Schedule (compute = torch's current stream):
+  forward block k:  copy stream waits on compute (event), D2H x_k -> its slot (arena or
+                    staging), records copy_ev[k]; x_k is referenced until copy_ev[k] is
+                    known complete (polled) or compute waits on it; with more than W
+                    copies in flight compute waits on copy_ev[k-W] and drops x_{k-W}.
+  backward block k: (first reload) if x_k was not prefetched, load it now; compute waits
+                    on load_ev[k]; then prefetch x_{k-1..k-depth} on the load stream into
+                    torch.empty buffers allocated on compute (load waits on compute and on
+                    copy_ev); inside a DeferredPrefetch the prefetch waits for its start().
+  next iteration:   arena slots are handed out by a bump pointer that rewinds when no
+                    boundary is live; the first copy after a rewind waits on the load
+                    stream's last event (a slot is never overwritten before its previous
+                    H2D read it).
 GPU working set ~ (kept + recomputing + prefetch depth + W) boundaries, flat in L.
-Never blocks the host between free() calls: no event/stream synchronize, no
-pinned allocation once the arena is sized, events come from a pool (the GPU
-test counts these calls). Every CUDA entry point runs under _bound(), which
-binds the device's primary context for both cudarts on the calling thread
-(autograd's device thread included).
-On CPU tensors the same slot bookkeeping runs with nothing to copy.
+The host and device tiers never block the host between free() calls: no event/stream
+synchronize, no pinned allocation once the arena is sized, events come from a pool (the
+GPU test counts these calls); the disk tier waits for its own I/O (disk.py). Every CUDA
+entry point runs under bound(), which binds the device's primary context for both cudarts
+on the calling thread (autograd's device thread included). On CPU tensors the same
+bookkeeping runs; a host-tier boundary is the caller's tensor itself.
 
-Arena layout: chunks of pinned bytes (uint8 [nbytes] each); a slot is
-(chunk index, byte offset), offsets aligned to _ALIGN bytes.
+In-place changes: a boundary modified in place after its block's forward is refused at
+backward with torch's "modified by an inplace operation" error, as torch's checkpoint does,
+whenever the engine can see it: on the host (CPU) and device tiers it holds an alias sharing
+the tensor's version counter; on the others it keeps a weak reference to the caller's
+tensor, so the change is seen while that tensor is alive. Once it is freed (and no alias of
+it is held here) a change through another view cannot be seen; the recompute then uses the
+bytes copied at the forward, the forward's values, so the gradients stay those of the
+forward.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
-import threading
+import weakref
 from typing import List
 
 import torch
 
-from .. import _C
 from ..core.ext import current_stream_handle, require_cuda_build
-from ..core.host_memory import check_room
+from .arena import Arena
+from .deferral import open_deferral
+from .disk import DiskTier
+from .ops import sco_offload, sco_reload
+from .sizes import slot_bytes
+
+COUNTERS = ("offloads", "offloaded_bytes", "kept", "reloads", "prefetches", "compute_waits", "max_in_flight",
+            "discarded", "arena_chunks", "events_created", "max_host_bytes", "spilled", "spilled_bytes",
+            "spill_reads", "spill_read_bytes", "staging_allocs", "spill_errors")
 
 
+class Boundary:
+    """One block input held by the engine. tier: device | host | disk; state: kept |
+    offloaded | loading | loaded | consumed."""
 
-def use_extension(ext) -> object:
-    """Testing hook (moepeak.testing.sco_extension): the engine makes its extension calls
-    on ext in place of moepeak._C from now on; returns the one it used before."""
-    global _C
-    previous, _C = _C, ext
-    return previous
+    __slots__ = ("seq", "shape", "dtype", "device", "requires_grad", "nbytes", "tier", "slot", "state", "gpu",
+                 "cpu", "buf", "copy_ev", "load_ev", "version", "held", "watch", "spill_offset", "stage")
 
-
-_ALIGN = 512  # slot alignment in the arena (bytes): keeps every slot DMA-friendly
-
-_DEFERRAL = threading.local()  # .open: the DeferredPrefetch collecting on this thread, or None
-
-
-class DeferredPrefetch:
-    """Holds back the prefetch that a reload starts, from `collect()` until `start()`.
-
-    A reload normally enqueues the previous boundaries' H2D at once, so the prefetched
-    buffers are allocated while the reloaded block's backward runs. A caller whose
-    backward peaks soon after its boundary is reloaded (the sequence-tiled block: its
-    attention core's backward) opens this around the reload and starts the prefetch once
-    that peak has passed, so the prefetched boundary is not part of it. Reloads on this
-    thread inside collect() queue their prefetch; start() issues the queue (once; later
-    calls do nothing). A prefetch never started is not lost: the next reload loads that
-    boundary itself (the same bytes, only not overlapped)."""
-
-    __slots__ = ("queue", "_outer")
-
-    def __init__(self):
-        self.queue: list = []  # (engine, seq of the reloaded boundary)
-
-    @contextlib.contextmanager
-    def collect(self):
-        self._outer = getattr(_DEFERRAL, "open", None)
-        _DEFERRAL.open = self
-        try:
-            yield self
-        finally:
-            _DEFERRAL.open = self._outer
-
-    def start(self) -> None:
-        queue, self.queue = self.queue, []
-        for engine, seq in queue:
-            with engine._bound() if engine.is_cuda else contextlib.nullcontext():
-                engine._prefetch_before(seq)
-
-# ---------------------------------------------------------------------------
-# Ops. Both copy raw bytes of a contiguous tensor; host is a uint8 [nbytes]
-# CPU view of an arena slot. CUDA: async on torch's current stream (the caller
-# orders it with events). CPU: a plain copy. They mutate their destination,
-# and torch refuses register_autograd for mutating ops: gradients flow through
-# sco_checkpoint's recompute, never through these copies.
-# ---------------------------------------------------------------------------
-def _check_pair(src_name, src, dst_name, dst):
-    for n, t in ((src_name, src), (dst_name, dst)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"moepeak: {n} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_contiguous():
-            raise ValueError(f"moepeak: {n} must be contiguous, got strides {t.stride()}")
-    nb_s = src.numel() * src.element_size()
-    nb_d = dst.numel() * dst.element_size()
-    if nb_s != nb_d:
-        raise ValueError(f"moepeak: {src_name} has {nb_s} bytes but {dst_name} has {nb_d}")
-    return nb_s
-
-
-def _copy_bytes(op: str, src: torch.Tensor, dst: torch.Tensor, dev: torch.device, nbytes: int,
-                host: torch.Tensor) -> None:
-    """The body of both ops: `host` must be CPU; a CUDA side copies async on the
-    current stream (moepeak's copy engine), a CPU pair copies bytes in place."""
-    if host.device.type != "cpu":
-        raise ValueError(f"moepeak: host must be a CPU tensor, got {host.device}")
-    if dev.type == "cuda":
-        require_cuda_build(op)
-        _C.sco_copy(dst.data_ptr(), src.data_ptr(), nbytes, current_stream_handle(dev), 0, 0)
-    elif nbytes:
-        dst.view(-1).view(torch.uint8).copy_(src.reshape(-1).view(torch.uint8))
-
-
-@torch.library.custom_op("moepeak::sco_offload", mutates_args=("host",))
-def sco_offload(x: torch.Tensor, host: torch.Tensor) -> None:
-    """Copy x's bytes into host (CPU, pinned for CUDA x), async on the current stream."""
-    _copy_bytes("sco_offload", src=x, dst=host, dev=x.device, nbytes=_check_pair("x", x, "host", host), host=host)
-
-
-@sco_offload.register_fake
-def _(x, host):
-    return None
-
-
-@torch.library.custom_op("moepeak::sco_reload", mutates_args=("out",))
-def sco_reload(host: torch.Tensor, out: torch.Tensor) -> None:
-    """Copy host's bytes into out (a tensor of the boundary's shape), async on the current stream."""
-    _copy_bytes("sco_reload", src=host, dst=out, dev=out.device, nbytes=_check_pair("host", host, "out", out),
-                host=host)
-
-
-@sco_reload.register_fake
-def _(host, out):
-    return None
-
-
-
-class _Arena:
-    """Pinned host chunks (CUDA) or virtual offsets (CPU), handed out by a bump
-    pointer that rewinds when no slot is live. Slot = (chunk index, offset)."""
-
-    def __init__(self, cfg, pinned: bool, counts: collections.Counter):
-        self.cfg, self.pinned, self.counts = cfg, pinned, counts
-        self.chunks: List[list] = []  # [ptr, nbytes, ctypes buffer, uint8 tensor view]
-        self.cur, self.off = 0, 0
-        self.cap = cfg.max_arena_bytes if cfg.grow else cfg.arena_bytes
-        if cfg.arena_bytes:
-            self._add_chunk(cfg.arena_bytes)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c[1] for c in self.chunks)
-
-    def _add_chunk(self, n: int) -> None:
-        if self.pinned:
-            check_room(n, "moepeak: SCO arena chunk", "each checkpoint boundary held by SCO takes tokens x hidden "
-                       "x element bytes of it per block: shorten the sequence, split it over more ranks, or "
-                       "checkpoint fewer blocks with SCO", pinned=True)
-            ptr = _C.sco_arena_alloc(n)  # MemoryError naming the size on failure
-            buf = (ctypes.c_uint8 * n).from_address(ptr)
-            view = torch.frombuffer(buf, dtype=torch.uint8)
-        else:
-            ptr, buf, view = 0, None, None
-        self.chunks.append([ptr, n, buf, view])
-        self.counts["arena_chunks"] += 1  # cudaHostAlloc: slow, blocking; never in steady state
-
-    def rewind(self) -> None:
-        self.cur, self.off = 0, 0
-
-    def take(self, nbytes: int):
-        need = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-        while self.cur < len(self.chunks):
-            if self.off + need <= self.chunks[self.cur][1]:
-                slot = (self.cur, self.off)
-                self.off += need
-                return slot
-            self.cur, self.off = self.cur + 1, 0
-        grow = max(need, self.cfg.grow_bytes if self.cfg.grow else 0)
-        if not self.cfg.grow or (self.cap is not None and self.nbytes + grow > self.cap):
-            if self.cap is not None and self.cfg.grow and self.nbytes + need <= self.cap:
-                grow = need  # fits when growing by exactly what is needed
-            else:
-                raise RuntimeError(
-                    f"moepeak: SCO arena too small and cannot grow: a boundary of {nbytes} bytes does not fit "
-                    f"(arena {self.nbytes} bytes in use this iteration, cap "
-                    f"{self.cap if self.cap is not None else 'none'}, grow={self.cfg.grow}); raise "
-                    "SCOConfig.arena_bytes / max_arena_bytes. Nothing was kept on the GPU instead."
-                )
-        self._add_chunk(grow)
-        self.cur, self.off = len(self.chunks) - 1, need
-        return (self.cur, 0)
-
-    def view(self, slot, nbytes: int) -> torch.Tensor:
-        c, off = slot
-        return self.chunks[c][3][off:off + nbytes]
-
-    def free(self) -> None:
-        while self.chunks:
-            ptr = self.chunks.pop()[0]
-            if ptr:
-                _C.sco_arena_free(ptr)
-        self.rewind()
-
-
-class _Boundary:
-    """One block input held by the engine. state: kept | offloaded | loading | loaded | consumed."""
-
-    __slots__ = ("seq", "shape", "dtype", "device", "requires_grad", "nbytes", "slot",
-                 "state", "gpu", "cpu", "buf", "copy_ev", "load_ev")
-
-    def __init__(self, seq, x):
+    def __init__(self, seq: int, x: torch.Tensor):
         self.seq, self.shape, self.dtype, self.device = seq, x.shape, x.dtype, x.device
         self.requires_grad = x.requires_grad
         self.nbytes = x.numel() * x.element_size()
-        self.slot = None
+        self.tier = self.slot = self.stage = None
         self.state = "new"
         self.gpu = self.cpu = self.buf = None
         self.copy_ev = self.load_ev = 0
+        self.spill_offset = 0
+        self.version = x._version
+        self.held = None  # an alias sharing x's version counter, while the engine holds one
+        self.watch = weakref.ref(x)
 
+    @property
+    def live(self) -> bool:
+        return self.state != "consumed"
 
-_COUNTERS = ("offloads", "offloaded_bytes", "kept", "reloads", "prefetches", "compute_waits",
-             "max_in_flight", "discarded", "arena_chunks", "events_created")
+    def check_version(self) -> None:
+        """Raise torch's error if the boundary was modified in place since its forward."""
+        t = self.held if self.held is not None else self.watch()
+        if t is not None and t._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{t.type()} {list(self.shape)}], the input (boundary) of a block under sco_checkpoint, is at "
+                f"version {t._version}; expected version {self.version} instead. Hint: do not modify a block's "
+                "input in place before its backward (torch.utils.checkpoint refuses this too).")
 
 
 class SCOEngine:
-    """The arena, streams and events of one SCOConfig on one device."""
+    """The arena, streams, events and spill file of one SCOOffloader on one device.
+    ext: moepeak._C, or a stand-in with its functions (moepeak.testing.sco_extension)."""
 
-    def __init__(self, cfg, device: torch.device):
-        self.cfg, self.device = cfg, device
+    def __init__(self, cfg, device: torch.device, ext, blocks_per_step=None):
+        self.cfg, self.device, self.ext = cfg, device, ext
         self.is_cuda = device.type == "cuda"
-        self.counts = collections.Counter({k: 0 for k in _COUNTERS})
+        self.counts = collections.Counter({k: 0 for k in COUNTERS})
         self.events: List[int] = []  # pool of idle events (moepeak runtime handles)
         if self.is_cuda:
             require_cuda_build("sco_checkpoint")
-            with self._bound():
+            with self.bound():
                 # the arena first: a host that cannot hold it refuses before any event exists
-                self.arena = _Arena(cfg, pinned=True, counts=self.counts)  # arena_bytes allocated now
+                self.arena = Arena(cfg, pinned=True, counts=self.counts, ext=ext)  # arena_bytes allocated now
                 self.copy_stream = torch.cuda.Stream(device)
                 self.load_stream = torch.cuda.Stream(device)
-                self.ready_ev = self._event()  # re-recorded on compute before each side-stream use
-                self.load_tail_ev = self._event()  # last event on the load stream
+                self.ready_ev = self.event()  # re-recorded on compute before each side-stream use
+                self.load_tail_ev = self.event()  # last event on the load stream
         else:
-            self.arena = _Arena(cfg, pinned=False, counts=self.counts)
-        self.live: "collections.OrderedDict[int, _Boundary]" = collections.OrderedDict()
-        self.inflight: "collections.deque[_Boundary]" = collections.deque()
+            self.arena = Arena(cfg, pinned=False, counts=self.counts, ext=ext)
+        self.disk = DiskTier(self) if cfg.spills else None
+        self.live: "collections.OrderedDict[int, Boundary]" = collections.OrderedDict()
+        self.inflight: "collections.deque[Boundary]" = collections.deque()
         self.seq = 0
+        self.step_offloads = 0  # boundaries sent off the device in this step (host or disk)
+        self.expected = blocks_per_step or 0  # how many the previous step sent (the placement's forecast)
         self.loads_pending_rewind = False
         self.log: List[tuple] = []  # (what, seq, ...) for schedule tests; cleared on rewind
+        self.placement: List[tuple] = []  # (seq, tier) of this step's boundaries
         # Test knob: GPU cycles of torch.cuda._sleep enqueued on the side stream
         # before every copy, so a missing event shows up as wrong numbers.
         self.delay_cycles = 0
 
+    def set_extension(self, ext) -> None:
+        self.ext = self.arena.ext = ext
+
     # -- helpers ------------------------------------------------------------
     @contextlib.contextmanager
-    def _bound(self):
+    def bound(self):
         """Make this engine's device current for torch's cudart *and* moepeak's
         own (statically linked) cudart on the calling thread, restoring torch's
         device on exit. Each runtime keeps its own per-thread current device,
@@ -272,28 +143,31 @@ class SCOEngine:
         context may be bound yet: torch's guard skips cudaSetDevice when its
         device already matches, so nothing would bind the primary context
         before a cuBLAS call. cudaSetDevice through moepeak binds it (CUDA >= 12),
-        which also keeps event_create on the right device."""
+        which also keeps event_create on the right device. A no-op on CPU."""
+        if not self.is_cuda:
+            yield
+            return
         with torch.cuda.device(self.device):
-            _C.set_device(self.device.index)
+            self.ext.set_device(self.device.index)
             yield
 
-    def _event(self) -> int:
+    def event(self) -> int:
         """An event from the pool (events are reused: none are created in steady state)."""
         if self.events:
             return self.events.pop()
         self.counts["events_created"] += 1
-        return _C.event_create()  # callers hold _bound()
+        return self.ext.event_create()  # callers hold bound()
 
-    def _compute(self) -> int:
+    def compute(self) -> int:
         return current_stream_handle(self.device)
 
-    def _drop_gpu(self, rec: _Boundary, wait: bool) -> None:
+    def _drop_gpu(self, rec: Boundary, wait: bool) -> None:
         """Drop rec's reference to its GPU input. wait=True: compute waits on the
         copy first (so a later compute allocation reusing it comes after the copy)."""
         if rec.gpu is None:
             return
         if wait:
-            _C.stream_wait_event(self._compute(), rec.copy_ev)
+            self.ext.stream_wait_event(self.compute(), rec.copy_ev)
         rec.gpu = None
         try:
             self.inflight.remove(rec)
@@ -301,104 +175,151 @@ class SCOEngine:
             pass
 
     def _poll(self) -> None:
-        while self.inflight and _C.event_query(self.inflight[0].copy_ev):
+        while self.inflight and self.ext.event_query(self.inflight[0].copy_ev):
             self.inflight.popleft().gpu = None
 
-    # -- forward ------------------------------------------------------------
-    def offload(self, x: torch.Tensor, keep: bool) -> _Boundary:
-        """Block forward starts: x goes to a slot (or stays, keep=True)."""
-        with self._bound() if self.is_cuda else contextlib.nullcontext():
-            return self._offload(x, keep)
-
-    def _offload(self, x: torch.Tensor, keep: bool) -> _Boundary:
-        rec = _Boundary(self.seq, x)
-        self.seq += 1
-        if not self.live:  # a new iteration: every slot is free again
-            self.arena.rewind()
-            self.log.clear()
-            self.loads_pending_rewind = self.is_cuda
-        if keep:
-            rec.state, rec.gpu = "kept", x
-            self.counts["kept"] += 1
-            self.live[rec.seq] = rec
-            self.log.append(("keep", rec.seq))
-            return rec
-        rec.slot = self.arena.take(rec.nbytes)  # raises before anything is enqueued
-        if self.is_cuda:
-            self._offload_cuda(rec, x)
-        else:
-            rec.cpu = x  # already in host memory: nothing to copy
-        rec.state = "offloaded"
-        self.counts["offloads"] += 1
-        self.counts["offloaded_bytes"] += rec.nbytes
-        self.counts["max_in_flight"] = max(self.counts["max_in_flight"], len(self.inflight))
-        self.live[rec.seq] = rec
-        self.log.append(("offload", rec.seq, rec.slot))
-        return rec
-
-    def _offload_cuda(self, rec: _Boundary, x: torch.Tensor) -> None:
-        """Enqueue x's D2H into rec's slot; never blocks the host. x stays
-        referenced (rec.gpu) until its copy is known complete: _poll sees the
-        event done, or compute was made to wait on it (W rule / reload)."""
+    # -- copies (CUDA) ------------------------------------------------------
+    def copy_out(self, rec: Boundary, x: torch.Tensor, host: torch.Tensor) -> None:
+        """Enqueue x's D2H into `host` on the copy stream; never blocks the host. x stays
+        referenced (rec.gpu) until its copy is known complete: _poll sees the event done,
+        or compute was made to wait on it (W rule / reload)."""
         self._poll()
         xc = x.contiguous()
-        host = self.arena.view(rec.slot, rec.nbytes)
-        rec.copy_ev = self._event()
+        rec.copy_ev = self.event()
         cs = self.copy_stream.cuda_stream
-        _C.event_record(self.ready_ev, self._compute())
-        _C.stream_wait_event(cs, self.ready_ev)  # x is produced
+        self.ext.event_record(self.ready_ev, self.compute())
+        self.ext.stream_wait_event(cs, self.ready_ev)  # x is produced
         if self.loads_pending_rewind:  # slots were last read by the previous iteration's loads
-            _C.stream_wait_event(cs, self.load_tail_ev)
+            self.ext.stream_wait_event(cs, self.load_tail_ev)
             self.loads_pending_rewind = False
         with torch.cuda.stream(self.copy_stream):
             if self.delay_cycles:
                 torch.cuda._sleep(self.delay_cycles)
-            torch.ops.moepeak.sco_offload(xc, host)
-        _C.event_record(rec.copy_ev, cs)
+            sco_offload(xc, host)
+        self.ext.event_record(rec.copy_ev, cs)
         rec.gpu = xc  # alive until copy_ev completes
         self.inflight.append(rec)
         while len(self.inflight) > self.cfg.max_in_flight:
             self._drop_gpu(self.inflight[0], wait=True)
             self.counts["compute_waits"] += 1
 
-    # -- backward -----------------------------------------------------------
-    def _load(self, rec: _Boundary) -> None:
-        """Start bringing rec back (H2D on the load stream, or nothing on CPU)."""
+    def copy_in(self, rec: Boundary, host: torch.Tensor, after_ev: int) -> None:
+        """Enqueue the H2D of `host` into a fresh device buffer (rec.buf, allocated on
+        compute) on the load stream, after compute's work so far and after after_ev (the
+        copy that filled host); records rec.load_ev."""
+        buf = torch.empty(rec.shape, dtype=rec.dtype, device=self.device)  # on compute
+        rec.load_ev = self.event()
+        ls = self.load_stream.cuda_stream
+        self.ext.event_record(self.ready_ev, self.compute())
+        self.ext.stream_wait_event(ls, self.ready_ev)  # buf's previous users are done
+        if after_ev:
+            self.ext.stream_wait_event(ls, after_ev)
+        with torch.cuda.stream(self.load_stream):
+            if self.delay_cycles:
+                torch.cuda._sleep(self.delay_cycles)
+            sco_reload(host, buf)
+        self.ext.event_record(rec.load_ev, ls)
+        self.ext.event_record(self.load_tail_ev, ls)
+        rec.buf = buf
+
+    # -- forward ------------------------------------------------------------
+    def offload(self, x: torch.Tensor, keep: bool) -> Boundary:
+        """Block forward starts: x goes to its tier (or stays, keep=True). Raises (arena full,
+        no room on disk, an earlier spill write failed) before anything of x is enqueued."""
+        with self.bound():
+            return self._offload(x, keep)
+
+    def _new_step(self) -> None:
+        """No boundary is live: a new step starts, every slot is free again."""
+        if self.step_offloads:
+            self.expected = self.step_offloads
+        self.step_offloads = 0
+        if self.disk is not None:
+            self.disk.rewind()
+        self.arena.rewind()
+        self.log.clear()
+        self.placement.clear()
+        self.loads_pending_rewind = self.is_cuda
+
+    def _place(self, nbytes: int) -> str:
+        """host or disk (see the module docstring)."""
+        if self.disk is None:
+            return "host"
+        after = max(self.expected - self.step_offloads - 1, 0)
+        room = self.cfg.host_budget_bytes - self.arena.used
+        return "host" if self.arena.fits(nbytes) and slot_bytes(nbytes) * (1 + after) <= room else "disk"
+
+    def _offload(self, x: torch.Tensor, keep: bool) -> Boundary:
+        if self.disk is not None:
+            self.disk.pump(raise_errors=True)  # a failed spill write is reported before anything new
+        if not self.live:
+            self._new_step()
+        # x itself when it needs no grad (on CPU, or kept, the replay sees that very object:
+        # torch's identity); a detached alias otherwise, so the engine holds no graph.
+        xd = x.detach() if x.requires_grad else x
+        rec = Boundary(self.seq, x)
+        if keep:
+            rec.tier, rec.state, rec.gpu, rec.held = "device", "kept", xd, xd
+            self.counts["kept"] += 1
+            self.log.append(("keep", rec.seq))
+        else:
+            rec.tier = self._place(rec.nbytes)
+            if rec.tier == "host":
+                self._offload_host(rec, xd)
+            else:
+                self.disk.offload(rec, xd)  # raises (no room on disk) before anything is enqueued
+            rec.state = "offloaded"
+            self.step_offloads += 1
+            self.counts["offloads"] += 1
+            self.counts["offloaded_bytes"] += rec.nbytes
+            self.counts["max_in_flight"] = max(self.counts["max_in_flight"], len(self.inflight))
+        self.seq += 1
+        self.live[rec.seq] = rec
+        self.placement.append((rec.seq, rec.tier))
+        return rec
+
+    def _offload_host(self, rec: Boundary, x: torch.Tensor) -> None:
+        rec.slot = self.arena.take(rec.nbytes)  # raises before anything is enqueued
+        self.counts["max_host_bytes"] = max(self.counts["max_host_bytes"], self.arena.used)
         if self.is_cuda:
-            buf = torch.empty(rec.shape, dtype=rec.dtype, device=self.device)  # on compute
-            rec.load_ev = self._event()
-            ls = self.load_stream.cuda_stream
-            _C.event_record(self.ready_ev, self._compute())
-            _C.stream_wait_event(ls, self.ready_ev)  # buf's previous users are done
-            _C.stream_wait_event(ls, rec.copy_ev)  # the D2H landed in the slot
-            with torch.cuda.stream(self.load_stream):
-                if self.delay_cycles:
-                    torch.cuda._sleep(self.delay_cycles)
-                torch.ops.moepeak.sco_reload(self.arena.view(rec.slot, rec.nbytes), buf)
-            _C.event_record(rec.load_ev, ls)
-            _C.event_record(self.load_tail_ev, ls)
-            rec.buf = buf
+            self.copy_out(rec, x, self.arena.view(rec.slot, rec.nbytes))
+        else:
+            rec.cpu = rec.held = x  # already in host memory: nothing to copy
+        self.log.append(("offload", rec.seq, rec.slot))
+
+    # -- backward -----------------------------------------------------------
+    def _load(self, rec: Boundary) -> bool:
+        """Start bringing rec back (H2D on the load stream, a disk read, or nothing on CPU);
+        False when the disk tier has no staging slot free for it now."""
+        if rec.tier == "disk":
+            return self.disk.load(rec)
+        if self.is_cuda:
+            self.copy_in(rec, self.arena.view(rec.slot, rec.nbytes), rec.copy_ev)  # after the D2H landed
             rec.state = "loading"
         else:
             rec.buf, rec.cpu = rec.cpu, None
             rec.state = "loaded"
+        return True
 
-    def reload(self, rec: _Boundary) -> torch.Tensor:
+    def reload(self, rec: Boundary) -> torch.Tensor:
         """Block rec.seq's backward starts (before its recompute is enqueued):
         return its input, then enqueue the prefetch of the previous ones, so
-        their H2D overlaps this block's recompute and backward. Compute waits
+        their loads overlap this block's recompute and backward. Compute waits
         only on rec's own load event, right before rec's replay."""
-        with self._bound() if self.is_cuda else contextlib.nullcontext():
+        with self.bound():
             return self._reload(rec)
 
-    def _reload(self, rec: _Boundary) -> torch.Tensor:
+    def _reload(self, rec: Boundary) -> torch.Tensor:
         if rec.state == "consumed":
             raise RuntimeError(
                 "moepeak: SCO boundary already consumed: backward through an offloaded checkpoint "
                 "boundary a second time (retain_graph=True / double backward) is not supported"
             )
+        rec.check_version()
         if self.is_cuda:
             self._poll()
+        if self.disk is not None:
+            self.disk.pump(raise_errors=False)
         if rec.state == "kept":
             x, rec.gpu = rec.gpu, None
             self.log.append(("reload", rec.seq, "kept"))
@@ -406,74 +327,92 @@ class SCOEngine:
             if rec.state == "offloaded":
                 self._load(rec)
                 self.log.append(("load", rec.seq))
+            if rec.tier == "disk":
+                self.disk.finish(rec)  # its read done and its bytes on their way to rec.buf
             if self.is_cuda:
-                _C.stream_wait_event(self._compute(), rec.load_ev)
+                self.ext.stream_wait_event(self.compute(), rec.load_ev)
                 self._drop_gpu(rec, wait=False)  # compute is now after load, which is after the copy
             x, rec.buf = rec.buf, None
             self.counts["reloads"] += 1
             self.log.append(("reload", rec.seq))
         self._release(rec)
-        deferral = getattr(_DEFERRAL, "open", None)
+        deferral = open_deferral()
         if deferral is not None:
             deferral.queue.append((self, rec.seq))
         else:
             self._prefetch_before(rec.seq)
         return x
 
+    def prefetch_before(self, seq: int) -> None:
+        """Start the prefetch a reload of boundary `seq` would have (DeferredPrefetch.start)."""
+        with self.bound():
+            self._prefetch_before(seq)
+
     def _prefetch_before(self, seq: int) -> None:
-        """Load the `prefetch` most recent live boundaries before seq still on the host."""
+        """Load the `prefetch` most recent live boundaries before seq still offloaded."""
         todo = [r for r in reversed(self.live.values()) if r.seq < seq and r.state == "offloaded"]
         for r in todo[: self.cfg.prefetch]:
-            self._load(r)
-            self.counts["prefetches"] += 1
-            self.log.append(("prefetch", r.seq))
+            if self._load(r):
+                self.counts["prefetches"] += 1
+                self.log.append(("prefetch", r.seq))
 
-    def _release(self, rec: _Boundary) -> None:
+    def _release(self, rec: Boundary) -> None:
         for ev in (rec.copy_ev, rec.load_ev):
             if ev:
                 self.events.append(ev)
         rec.copy_ev = rec.load_ev = 0
         rec.state = "consumed"
+        rec.held = None
         self.live.pop(rec.seq, None)
+        if self.disk is not None and rec.tier == "disk":
+            self.disk.forget(rec)
 
-    def discard(self, rec: _Boundary) -> None:
+    def discard(self, rec: Boundary) -> None:
         """The block's graph died without a backward (or fn raised): free its slot safely."""
         if rec.state == "consumed":
             return
         if self.is_cuda:
-            with self._bound():
+            with self.bound():
                 if rec.gpu is not None and rec.copy_ev:
                     self._drop_gpu(rec, wait=True)
                 if rec.buf is not None and rec.load_ev:
-                    _C.stream_wait_event(self._compute(), rec.load_ev)
+                    self.ext.stream_wait_event(self.compute(), rec.load_ev)
         rec.gpu = rec.buf = rec.cpu = None
         self._release(rec)
         self.counts["discarded"] += 1
 
+    # -- statistics and teardown -------------------------------------------
     @staticmethod
     def empty_stats() -> dict:
         """stats() of an engine that has seen nothing (every counter present, 0)."""
-        d = {k: 0 for k in _COUNTERS}
-        d.update(live=0, gpu_held=0, arena_bytes=0, log=[])
+        d = {k: 0 for k in COUNTERS}
+        d.update(live=0, gpu_held=0, arena_bytes=0, host_bytes=0, staging_bytes=0, spill_file_bytes=0,
+                 spill_direct=None, log=[], placement=[])
         return d
 
     def stats(self) -> dict:
+        """Counters since the engine was made; live, gpu_held, host_bytes (arena bytes this
+        step), arena_bytes (pinned), the disk tier's staging_bytes, spill_file_bytes and
+        spill_direct (None before the file exists); log and placement ((seq, tier) per
+        boundary) of the current or last step."""
         d = dict(self.counts)
         held = {id(r) for r in self.live.values() if r.gpu is not None or r.buf is not None}
         held |= {id(r) for r in self.inflight if r.gpu is not None}  # discarded but copy not yet seen done
-        d.update(live=len(self.live), gpu_held=len(held), arena_bytes=self.arena.nbytes, log=list(self.log))
+        d.update(live=len(self.live), gpu_held=len(held), arena_bytes=self.arena.nbytes, host_bytes=self.arena.used,
+                 log=list(self.log), placement=list(self.placement))
+        d.update(self.disk.stats() if self.disk is not None else
+                 dict(staging_bytes=0, spill_file_bytes=0, spill_direct=None))
         return d
 
     def free(self) -> None:
         if self.live:
             raise RuntimeError(f"moepeak: SCO arena cannot be freed: {len(self.live)} boundaries are still live")
-        if self.is_cuda:  # explicit teardown: the one place SCO blocks the host
-            with self._bound():
+        with self.bound():
+            if self.is_cuda:  # explicit teardown: the one place SCO blocks the host
                 torch.cuda.current_stream(self.device).synchronize()
                 self.copy_stream.synchronize()
                 self.load_stream.synchronize()
                 self.inflight.clear()
-                self.arena.free()
-        else:
+            if self.disk is not None:
+                self.disk.close()
             self.arena.free()
-

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torchtitan.distributed.activation_checkpoint import ActivationCheckpointing
 
-from ..sco import SCOConfig, apply_sco
+from ..sco import SCOConfig, SCOOffloader, apply_sco
 from .tiled import tile_block
 
 
@@ -21,12 +21,12 @@ class SCOActivationCheckpointing(ActivationCheckpointing):
 
     @dataclass(kw_only=True, slots=True)
     class Config(ActivationCheckpointing.Config):
-        max_in_flight: int = 2
-        prefetch: int = 1
-        keep_last: int = 1
+        max_in_flight: int = SCOConfig.max_in_flight
+        prefetch: int = SCOConfig.prefetch
+        keep_last: int = SCOConfig.keep_last
         """How many of the last blocks keep their input on the GPU (SCOConfig.keep_last)."""
-        arena_bytes: int = 0
-        max_arena_bytes: Optional[int] = None
+        arena_bytes: int = SCOConfig.arena_bytes
+        max_arena_bytes: Optional[int] = SCOConfig.max_arena_bytes
         tile_tokens: Optional[int] = None
         """Tokens per sequence tile of the position-wise parts (None: untiled).
         Blocks with GQAttention or deepseek_v3's latent Attention, and torchtitan's
@@ -44,6 +44,7 @@ class SCOActivationCheckpointing(ActivationCheckpointing):
         self.sco_config = SCOConfig(max_in_flight=config.max_in_flight, prefetch=config.prefetch,
                                     keep_last=config.keep_last, arena_bytes=config.arena_bytes,
                                     max_arena_bytes=config.max_arena_bytes)
+        self.sco = SCOOffloader(self.sco_config)  # the runtime: arena, streams, stats
 
     def apply(self, model: torch.nn.Module) -> None:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
@@ -51,7 +52,7 @@ class SCOActivationCheckpointing(ActivationCheckpointing):
         if self.tile_tokens is not None:
             for i, block in enumerate(blocks):
                 tile_block(block, i, self.tile_tokens)
-        apply_sco(model, blocks, self.sco_config)
+        apply_sco(model, blocks, offloader=self.sco)
         for block in blocks:
             # torchtitan's MoE load-balancing hook halves the token counts of
             # blocks marked as non-reentrant checkpointed (the recompute counts
