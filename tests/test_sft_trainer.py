@@ -17,8 +17,6 @@ is pre-tokenized and the tokenizer is built here.
   (docs/design.md's tolerance rule), with a loss slack of 1e-4, far below what a missing
   document mask costs (the first batch's loss moves by 3e-3 to 9e-3 without it).
 """
-import copy
-
 import pytest
 import torch
 
