@@ -262,12 +262,18 @@ def test_sco_keep_last_keeps_the_last_layers_inputs(keep_last):
     report = apply_moepeak(model, experts=False, loss=False, sco_config=cfg)
     assert report.sco_config is cfg and report.sco.config is cfg
     layers = [m for m in model.modules() if isinstance(m, transformers.modeling_layers.GradientCheckpointingLayer)]
-    kept = [m._gradient_checkpointing_func.keywords.get("sco_keep_on_gpu", False) for m in layers]
+    kept = [report.sco.keeps(m._gradient_checkpointing_func.keywords["sco_block_from_end"]) for m in layers]
     assert kept == [False] * (len(layers) - keep_last) + [True] * keep_last
     ids, labels = batches(steps=1)[0]
     model(input_ids=ids, labels=labels).loss.backward()
     st = report.sco.stats()
     assert st["kept"] == keep_last and st["offloads"] == len(layers) - keep_last
+    # the automatic placement moves the line between steps (SCOOffloader.reconfigure)
+    other = len(layers) - keep_last
+    report.sco.reconfigure(keep_last=other)
+    model(input_ids=ids, labels=labels).loss.backward()
+    st2 = report.sco.stats()
+    assert st2["kept"] - st["kept"] == other and st2["offloads"] - st["offloads"] == len(layers) - other
 
 
 def test_gradient_checkpointing_enable_installs_sco():
@@ -280,7 +286,7 @@ def test_gradient_checkpointing_enable_installs_sco():
 
     assert all(m.gradient_checkpointing for m in layers)
     assert funcs() == [moepeak.sco_checkpoint] * len(layers)
-    assert layers[-1]._gradient_checkpointing_func.keywords["sco_keep_on_gpu"] is True
+    assert report.sco.keeps(layers[-1]._gradient_checkpointing_func.keywords["sco_block_from_end"])
     model.gradient_checkpointing_disable()
     assert not any(m.gradient_checkpointing for m in layers)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}, offload=True)

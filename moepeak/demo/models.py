@@ -267,7 +267,8 @@ class MoELM(nn.Module):
             from ..sco import SCOConfig, SCOOffloader
             self.sco_config = SCOConfig(keep_last=self.cfg.sco_keep_last)
             self.sco = SCOOffloader(self.sco_config)
-            self._sco_kept = set(self.sco_config.kept_blocks(self.layers))
+            self.sco.num_blocks = len(self.layers)  # self.sco.reconfigure(keep_last=...) moves the kept ones
+            self._sco_from_end = {id(b): len(self.layers) - 1 - i for i, b in enumerate(self.layers)}
 
     def close(self):
         """Free the pinned SCO arena now (it would otherwise live until exit)."""
@@ -311,7 +312,7 @@ class MoELM(nn.Module):
         if not torch.is_grad_enabled() or self.cfg.checkpoint == "none":
             return blk(x)
         if self.cfg.checkpoint == "sco":
-            return self._ckpt(blk, x, sco_offloader=self.sco, sco_keep_on_gpu=blk in self._sco_kept)
+            return self._ckpt(blk, x, sco_offloader=self.sco, sco_block_from_end=self._sco_from_end[id(blk)])
         if self.cfg.tile_tokens is not None:
             return blk(x)
         return torch_ckpt.checkpoint(blk, x, use_reentrant=False)

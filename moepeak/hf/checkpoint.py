@@ -29,12 +29,12 @@ def patch_checkpoint(model, options, report):
         class_set(self, enable=True, gradient_checkpointing_func=functools.partial(sco_checkpoint, sco_offloader=sco),
                   every_n_layers=every_n_layers)
         layers = [m for m in self.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
-        kept = cfg.kept_blocks(layers)
-        sco.blocks_per_step = len(layers) - len(kept)
-        for layer in kept:
-            # the blocks whose backward runs first keep their input on the device
+        sco.num_blocks = len(layers)
+        for i, layer in enumerate(layers):
+            # the last sco.config.keep_last layers (their backward runs first) keep their input on the
+            # device; sco.reconfigure(keep_last=...) between steps moves that line
             layer._gradient_checkpointing_func = functools.partial(sco_checkpoint, sco_offloader=sco,
-                                                                   sco_keep_on_gpu=True)
+                                                                   sco_block_from_end=len(layers) - 1 - i)
 
     model._set_gradient_checkpointing = types.MethodType(_set_gradient_checkpointing, model)
     enable_checkpointing(model)

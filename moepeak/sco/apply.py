@@ -58,7 +58,8 @@ def apply_sco(model: torch.nn.Module, blocks, config: Optional[SCOConfig] = None
     block that is not a submodule of model raises. Each block's forward is
     wrapped so that in training with grad enabled it runs under
     sco_checkpoint; in eval or under no_grad it runs as is (no offload). The
-    last config.keep_last blocks keep their input on the GPU. config: an
+    last keep_last blocks keep their input on the GPU (the offloader's current
+    config: SCOOffloader.reconfigure(keep_last=...) between steps moves the line). config: an
     SCOConfig (None: the defaults), run by a new SCOOffloader; or offloader: the
     SCOOffloader to run them (one shared with other calls). offloader_of(model)
     returns it. The module tree and state_dict keys are unchanged, so
@@ -68,16 +69,15 @@ def apply_sco(model: torch.nn.Module, blocks, config: Optional[SCOConfig] = None
         raise TypeError(f"moepeak: apply_sco model must be an nn.Module, got {type(model).__name__}")
     mods = _blocks_of(model, blocks)
     runner = _offloader(config, offloader)
-    kept = set(runner.kept_blocks(mods))
-    runner.blocks_per_step = len(mods) - len(kept)  # the placement's forecast for the first step
-    for m in mods:
+    runner.num_blocks = len(mods)  # keep_last counts from the last of them; the disk tier's forecast
+    for i, m in enumerate(mods):
         orig = m.forward
 
-        def forward(*a, _orig=orig, _keep=m in kept, _ref=weakref.ref(m), **k):
+        def forward(*a, _orig=orig, _from_end=len(mods) - 1 - i, _ref=weakref.ref(m), **k):
             mod = _ref()
             if mod is None or not mod.training or not torch.is_grad_enabled():
                 return _orig(*a, **k)
-            return sco_checkpoint(_orig, *a, sco_offloader=runner, sco_keep_on_gpu=_keep, **k)
+            return sco_checkpoint(_orig, *a, sco_offloader=runner, sco_block_from_end=_from_end, **k)
 
         m.forward = forward
         m._moepeak_sco = runner

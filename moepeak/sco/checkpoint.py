@@ -253,7 +253,8 @@ class _autocast_ctx:
 # eager replay in backward does not save.
 @torch.compiler.disable
 def sco_checkpoint(fn, *args, use_reentrant: Optional[bool] = None, preserve_rng_state: bool = True,
-                   sco_offloader: Optional[SCOOffloader] = None, sco_keep_on_gpu: bool = False, **kwargs):
+                   sco_offloader: Optional[SCOOffloader] = None, sco_keep_on_gpu: bool = False,
+                   sco_block_from_end: Optional[int] = None, **kwargs):
     """torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs),
     with the block's boundary input (its first tensor positional argument, the
     hidden state, or, when no positional argument is a tensor, its first
@@ -266,7 +267,9 @@ def sco_checkpoint(fn, *args, use_reentrant: Optional[bool] = None, preserve_rng
     nothing offloaded). sco_offloader: the SCOOffloader whose arena (and spill
     file) holds the boundary and whose stats() count it (None: default_offloader(),
     SCOConfig's defaults). sco_keep_on_gpu=True keeps the input on the GPU (the
-    last block). backward(retain_graph=True) followed by a second backward and
+    last block); or sco_block_from_end=n (0: the last block) leaves it to the
+    offloader's current keep_last (SCOOffloader.keeps(n), which follows
+    SCOOffloader.reconfigure between steps). backward(retain_graph=True) followed by a second backward and
     create_graph=True work as with torch's checkpoint. Gradients are bitwise
     those of torch's non-reentrant checkpoint on the same fn, and backward gets
     the saved tensors torch's would: one that requires grad detached, any other
@@ -296,6 +299,13 @@ def sco_checkpoint(fn, *args, use_reentrant: Optional[bool] = None, preserve_rng
     offloader = sco_offloader if sco_offloader is not None else default_offloader()
     if not isinstance(offloader, SCOOffloader):
         raise TypeError(f"moepeak: sco_offloader must be a moepeak.SCOOffloader, got {type(offloader).__name__}")
+    if sco_block_from_end is not None:
+        if isinstance(sco_block_from_end, bool) or not isinstance(sco_block_from_end, int) or sco_block_from_end < 0:
+            raise ValueError(f"moepeak: sco_block_from_end must be an int >= 0 (0: the last block), got "
+                             f"{sco_block_from_end!r}")
+        if sco_keep_on_gpu:
+            raise ValueError("moepeak: sco_checkpoint takes sco_keep_on_gpu or sco_block_from_end, not both")
+        sco_keep_on_gpu = offloader.keeps(sco_block_from_end)
     engine = offloader.engine(x.device)
     frame = _Frame(fn, args, kwargs, where, engine, preserve_rng_state, x)
     frame.rec = engine.offload(x, keep=sco_keep_on_gpu)  # raises (arena full, disk full) before fn runs

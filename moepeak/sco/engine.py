@@ -8,8 +8,9 @@ closest): "device" (sco_keep_on_gpu: the last keep_last blocks), "host" (an aren
 "disk" (the spill file, SCOConfig.spill_dir). With the disk tier on, a boundary goes to the
 host when it and the boundaries expected after it in this step fit host_budget_bytes, else
 to disk: the newest that fit stay in host RAM, the earliest go to disk. Expected after it:
-as many as the previous step offloaded (the first step: the offloader's blocks_per_step,
-which apply_sco sets; unknown: none, so the first step fills the host first).
+as many as the previous step offloaded (the first step, or the one after a reconfigure: the
+offloader's blocks_per_step, from the num_blocks apply_sco and moepeak.hf set; unknown:
+none, so the first step fills the host first).
 
 Schedule (compute = torch's current stream):
   forward block k:  copy stream waits on compute (event), D2H x_k -> its slot (arena or
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import weakref
 from typing import List
 
@@ -408,11 +410,31 @@ class SCOEngine:
         if self.live:
             raise RuntimeError(f"moepeak: SCO arena cannot be freed: {len(self.live)} boundaries are still live")
         with self.bound():
-            if self.is_cuda:  # explicit teardown: the one place SCO blocks the host
-                torch.cuda.current_stream(self.device).synchronize()
-                self.copy_stream.synchronize()
-                self.load_stream.synchronize()
-                self.inflight.clear()
-            if self.disk is not None:
-                self.disk.close()
-            self.arena.free()
+            self._release_resources()
+
+    def _release_resources(self) -> None:
+        """Free the arena and close the disk tier (no boundary live; caller holds bound())."""
+        if self.is_cuda:  # explicit teardown: the one place SCO blocks the host
+            torch.cuda.current_stream(self.device).synchronize()
+            self.copy_stream.synchronize()
+            self.load_stream.synchronize()
+            self.inflight.clear()
+        if self.disk is not None:
+            self.disk.close()
+        self.arena.free()
+
+    def reconfigure(self, cfg, blocks_per_step) -> None:
+        """Run to cfg from the next boundary on (no boundary live: SCOOffloader.reconfigure
+        checks). Only max_in_flight, prefetch and keep_last changed: nothing else to do; any
+        other field: the arena and the disk tier are released and made anew to cfg."""
+        soft = ("max_in_flight", "prefetch", "keep_last")
+        if dataclasses.replace(cfg, **{f: getattr(self.cfg, f) for f in soft}) != self.cfg:
+            with self.bound():
+                self._release_resources()
+                self.cfg = cfg
+                self.arena = Arena(cfg, pinned=self.is_cuda, counts=self.counts, ext=self.ext)
+                self.disk = DiskTier(self) if cfg.spills else None
+        self.cfg = self.arena.cfg = cfg
+        if blocks_per_step is not None:
+            self.expected = blocks_per_step  # the next step's forecast, for the disk tier's placement
+        self.step_offloads = 0

@@ -9,6 +9,7 @@ sco_checkpoint without one uses the process's default offloader (default_offload
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Optional
 
 import torch
@@ -28,11 +29,13 @@ def _canonical(device) -> torch.device:
 class SCOOffloader:
     """SCO's runtime for one config: engines per device, their statistics, free().
 
-    config: an SCOConfig (None: the defaults). extension: moepeak._C (None), or a stand-in
-    with its functions that the engines call instead (tests count the calls through one:
-    moepeak.testing.sco_extension). blocks_per_step: how many boundaries one step sends off
-    the device (apply_sco sets it from its blocks): with the disk tier on, the first step
-    already places the earliest on disk (later steps count for themselves)."""
+    config: an SCOConfig (None: the defaults); reconfigure() replaces it between steps.
+    extension: moepeak._C (None), or a stand-in with its functions that the engines call
+    instead (tests count the calls through one: moepeak.testing.sco_extension).
+    num_blocks: how many blocks run under this offloader per forward (apply_sco and
+    moepeak.hf set it; None: unknown). With it, the blocks passed sco_block_from_end= keep
+    their input on the GPU by the current config's keep_last (keeps()), and the disk tier
+    places the earliest boundaries on disk from the first step on (blocks_per_step)."""
 
     def __init__(self, config: Optional[SCOConfig] = None, *, extension=None):
         config = SCOConfig() if config is None else config
@@ -40,15 +43,63 @@ class SCOOffloader:
             raise TypeError(f"moepeak: SCOOffloader config must be a moepeak.SCOConfig, got {type(config).__name__}")
         self.config = config
         self.extension = _C if extension is None else extension
-        self.blocks_per_step: Optional[int] = None
+        self.num_blocks: Optional[int] = None
         self._engines: Dict[torch.device, SCOEngine] = {}
 
     def __repr__(self):
         return f"SCOOffloader({self.config!r}, devices={[str(d) for d in self._engines]})"
 
+    @property
+    def blocks_per_step(self) -> Optional[int]:
+        """Boundaries one forward of num_blocks sends off the GPU (None: num_blocks unknown)."""
+        if self.num_blocks is None:
+            return None
+        return self.num_blocks - min(self.config.keep_last, self.num_blocks)
+
+    def keeps(self, from_end: int) -> bool:
+        """Whether the block `from_end` places before the last (0: the last) keeps its input on
+        the GPU under the current config: from_end < keep_last."""
+        return from_end < self.config.keep_last
+
     def kept_blocks(self, blocks) -> list:
         """The blocks (in forward order) whose input stays on the GPU: the config's last keep_last."""
         return self.config.kept_blocks(blocks)
+
+    @property
+    def idle(self) -> bool:
+        """No boundary is live on any engine (between steps): reconfigure() may run."""
+        return not any(eng.live for eng in self._engines.values())
+
+    def reconfigure(self, config: Optional[SCOConfig] = None, **fields) -> SCOConfig:
+        """Replace the config between steps; returns the new one. Either a whole SCOConfig or
+        some of its fields, e.g. reconfigure(keep_last=2), reconfigure(spill_dir="/nvme",
+        host_budget_bytes=64 << 30), reconfigure(spill_dir=None, host_budget_bytes=None)
+        (disk tier off); checked as SCOConfig checks them, before anything changes. The
+        automatic placement (moepeak.plan) calls it when the step's tokens change.
+
+        Takes effect at the next boundary: blocks run with sco_block_from_end= (apply_sco,
+        moepeak.hf) follow the new keep_last; a change of max_in_flight, prefetch or keep_last
+        only is free; any other field frees each engine's arena, staging slots and spill file
+        (made again, to the new config, at their next use; the counters carry on). Raises
+        RuntimeError while boundaries are live (between a forward and its backward)."""
+        if config is None:
+            unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(SCOConfig)})
+            if unknown:
+                raise TypeError(f"moepeak: SCOOffloader.reconfigure: SCOConfig has no field {', '.join(unknown)}")
+            config = dataclasses.replace(self.config, **fields)
+        elif fields:
+            raise TypeError("moepeak: SCOOffloader.reconfigure takes a config or fields, not both")
+        if not isinstance(config, SCOConfig):
+            raise TypeError(f"moepeak: SCOOffloader.reconfigure config must be a moepeak.SCOConfig, got "
+                            f"{type(config).__name__}")
+        busy = {str(d): len(eng.live) for d, eng in self._engines.items() if eng.live}
+        if busy:
+            raise RuntimeError(f"moepeak: SCOOffloader.reconfigure between steps only: boundaries are still live "
+                               f"({busy}); call it before a forward or after its backward")
+        self.config = config
+        for eng in self._engines.values():
+            eng.reconfigure(config, self.blocks_per_step)
+        return config
 
     def engine(self, device) -> SCOEngine:
         """The engine of `device` (made at its first use)."""
