@@ -28,10 +28,11 @@ Arms at P = 1 (same inputs, same process):
                  to fp32 (74.6 GiB at 256k). Named grouped_mm before issue 38; its rows
                  (arm "grouped_mm" in llep.csv) are superseded by the arms above
   moepeak_1chunk moepeak.llep_moe with chunk_rows = T*K (one chunk: unchunked)
-  pipelined      moepeak.llep_moe with the default chunk budget (and the default
-                 1536 MiB activation cache: backward skips the first chunks' recompute;
-                 one chunk with h cached whole where that peaks no higher than
-                 grouped_mm, llep.sizes.one_chunk_fits: 16k tokens at E = 128)
+  pipelined      moepeak.llep_moe with the default options: one chunk with h cached whole
+                 where that peaks no higher than permute + grouped_mm
+                 (llep.sizes.one_chunk_fits: 16k and 64k tokens at E = 128), else the
+                 chunk budget with as many chunks' h cached as the room below that
+                 layer's peak holds (llep.sizes.default_save_budget_mb: all 32 at 256k)
   pipelined_nocache  the same with save_budget_mb=0 (every chunk recomputed)
   pipelined_hf_layout    pipelined on grouped_mm_hf's weights (gate_up_proj and down_proj
                  through transpose(1, 2), as apply_moepeak passes them) and its bf16 weights

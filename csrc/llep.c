@@ -8,6 +8,10 @@
  *   gather  out[i, :] = src[idx[i] / div, :] (row copy). With div = K it
  *           gathers a chunk's send rows straight from x [T, H], so the
  *           T*K*H expanded copy never exists; with div = 1 it permutes rows;
+ *   gather_scaled  out[i, :] = src[idx[i] / div, :] * scale[i] (fp32 scale;
+ *           one fp32 product rounded once to the rows' dtype, as torch's
+ *           bf16 x fp32 broadcast multiply rounds it): backward's w*dy rows
+ *           gathered and scaled in one pass;
  *   combine acc[idx[i] / div, :] += w[idx[i]] * y[i, :] in fp32 (w optional).
  *           The CPU version gives each thread a column range over all rows,
  *           so there are no races and the sum order is the row order.
@@ -61,6 +65,39 @@ static void gather_range(void *c, int64_t b, int64_t e, int w) {
   const gather_ctx *g = (const gather_ctx *)c;
   for (int64_t i = b; i < e; i++)
     memcpy(g->out + i * g->row_bytes, g->src + (g->idx[i] / g->div) * g->row_bytes, (size_t)g->row_bytes);
+}
+
+typedef struct {
+  const void *src;
+  const int64_t *idx;
+  const float *scale;
+  int64_t div, N;
+  int dtype;
+  void *out;
+} gather_scaled_ctx;
+
+/* Rows [b, e): each element one fp32 product, rounded once (mp_half.h: RNE). */
+static void gather_scaled_range(void *c, int64_t b, int64_t e, int w) {
+  (void)w;
+  const gather_scaled_ctx *g = (const gather_scaled_ctx *)c;
+  const int64_t N = g->N;
+  for (int64_t i = b; i < e; i++) {
+    const int64_t r = (g->idx[i] / g->div) * N, o = i * N;
+    const float wt = g->scale[i];
+    if (g->dtype == MP_LLEP_F32) {
+      const float *s = (const float *)g->src + r;
+      float *d = (float *)g->out + o;
+      for (int64_t h = 0; h < N; h++) d[h] = s[h] * wt;
+    } else if (g->dtype == MP_LLEP_BF16) {
+      const uint16_t *s = (const uint16_t *)g->src + r;
+      uint16_t *d = (uint16_t *)g->out + o;
+      for (int64_t h = 0; h < N; h++) d[h] = f32_to_bf16(bf16_to_f32(s[h]) * wt);
+    } else {
+      const uint16_t *s = (const uint16_t *)g->src + r;
+      uint16_t *d = (uint16_t *)g->out + o;
+      for (int64_t h = 0; h < N; h++) d[h] = f32_to_f16(f16_to_f32(s[h]) * wt);
+    }
+  }
 }
 
 typedef struct {
@@ -225,7 +262,7 @@ static PyObject *py_llep_chunk_layout(PyObject *self, PyObject *args) {
     return NULL;
   if (mp_check_ptr(fn, "A", A, (long long)E * P * P) || mp_check_ptr(fn, "S", S, (long long)P * P) ||
       mp_check_ptr(fn, "send_start", ss, P) || mp_check_ptr(fn, "send_len", sl, P) ||
-      mp_check_ptr(fn, "recv_len", rl, P) || mp_check_ptr(fn, "perm", perm, cap) || mp_check_ptr(fn, "ecount", ec, E))
+      mp_check_ptr(fn, "recv_len", rl, P) || mp_check_ptr(fn, "perm", perm, 0) /* 0: no permutation */ || mp_check_ptr(fn, "ecount", ec, E))
     return NULL;
   /* S [P, P]: every S >= 0 with S * n in int64 (the slice bounds S * j / n)
    * and each row's sum in int64 (the send list's offsets); A [E, P, P]: every
@@ -400,6 +437,39 @@ static PyObject *py_llep_gather(PyObject *self, PyObject *args) {
   return mp_py_parallel_for(rows, 64, gather_range, &g);
 }
 
+static PyObject *py_llep_gather_scaled(PyObject *self, PyObject *args) {
+  (void)self;
+  unsigned long long src, idx, scale, out, stream;
+  long long rows, div, N;
+  int dtype, cuda;
+  if (!PyArg_ParseTuple(args, "KKKLLLiKpK", &src, &idx, &scale, &rows, &div, &N, &dtype, &out, &cuda, &stream))
+    return NULL;
+  if (dtype < MP_LLEP_F32 || dtype > MP_LLEP_F16 || div < 1 || N < 0 || rows < 0) {
+    PyErr_SetString(PyExc_ValueError, "moepeak: llep gather_scaled needs dtype code 0..2, div >= 1, rows, N >= 0");
+    return NULL;
+  }
+  const char *fn = "llep_gather_scaled";
+  if (mp_check_extent(fn, "out's bytes (rows x N x 4)", rows, N, 4, NULL) || mp_check_ptr(fn, "idx", idx, rows) ||
+      mp_check_ptr(fn, "scale", scale, rows) || mp_check_ptr(fn, "src", src, N ? rows : 0) ||
+      mp_check_ptr(fn, "out", out, N ? rows : 0))
+    return NULL;
+  if (!cuda && llep_check_row_index(fn, (const int64_t *)P_(idx), rows, div, N)) return NULL;
+  if (cuda) {
+#if MP_WITH_CUDA
+    return mp_return_none(mp_llep_gather_scaled_cuda(P_(src), (const int64_t *)P_(idx), (const float *)P_(scale),
+                                                     rows, div, N, dtype, P_(out), (uintptr_t)stream));
+#else
+    return mp_raise_no_cuda("llep gather_scaled");
+#endif
+  }
+  gather_scaled_ctx g = {P_(src), (const int64_t *)P_(idx), (const float *)P_(scale), div, N, dtype, P_(out)};
+  return mp_py_parallel_for(rows, 16, gather_scaled_range, &g);
+}
+
+/* llep_swiglu_fwd / llep_swiglu_bwd: their bindings are in llep_swiglu.c. */
+PyObject *mp_llep_py_swiglu_fwd(PyObject *self, PyObject *args);
+PyObject *mp_llep_py_swiglu_bwd(PyObject *self, PyObject *args);
+
 static PyObject *py_llep_combine(PyObject *self, PyObject *args) {
   (void)self;
   unsigned long long acc, y, idx, w, stream;
@@ -460,12 +530,18 @@ PyMethodDef mp_llep_methods[] = {
      "llep_plan(load, P, E, alpha, min_tokens, lam, Q, A, S) -> spilled (int64 pointers; see csrc/llep.h)"},
     {"llep_num_chunks", py_llep_num_chunks, METH_VARARGS, "llep_num_chunks(S, P, C) -> n"},
     {"llep_chunk_layout", py_llep_chunk_layout, METH_VARARGS,
-     "llep_chunk_layout(A, S, P, E, r, n, j, send_start, send_len, recv_len, perm, perm_cap, ecount) -> rows"},
+     "llep_chunk_layout(A, S, P, E, r, n, j, send_start, send_len, recv_len, perm_or_0, perm_cap, ecount) -> rows"},
     {"llep_count", py_llep_count, METH_VARARGS, "llep_count(ids, n, E, cnt, is_cuda, stream)"},
     {"llep_route_cpu", py_llep_route_cpu, METH_VARARGS, "llep_route_cpu(ids, n, E, P, Ar, cum, blk, out)"},
     {"llep_route_cuda", py_llep_route_cuda, METH_VARARGS,
      "llep_route_cuda(sorted_pos, sorted_ids, n, E, P, tables, out, stream)"},
     {"llep_gather", py_llep_gather, METH_VARARGS, "llep_gather(src, idx, rows, div, row_bytes, out, is_cuda, stream)"},
+    {"llep_gather_scaled", py_llep_gather_scaled, METH_VARARGS,
+     "llep_gather_scaled(src, idx, scale, rows, div, N, dtype, out, is_cuda, stream): see csrc/llep.h"},
+    {"llep_swiglu_fwd", mp_llep_py_swiglu_fwd, METH_VARARGS,
+     "llep_swiglu_fwd(h, ldh, a, s_or_0, rows, I, dtype, is_cuda, stream): see csrc/llep.h"},
+    {"llep_swiglu_bwd", mp_llep_py_swiglu_bwd, METH_VARARGS,
+     "llep_swiglu_bwd(h, ldh, da, s, dh, ldd, rows, I, dtype, is_cuda, stream): see csrc/llep.h"},
     {"llep_combine", py_llep_combine, METH_VARARGS,
      "llep_combine(acc, y, dtype, idx, w_or_0, rows, div, H, is_cuda, stream)"},
     {"llep_down_bwd", py_llep_down_bwd, METH_VARARGS,

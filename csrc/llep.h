@@ -39,9 +39,10 @@ void mp_llep_slice(int64_t Ssd, int64_t n, int64_t j, int64_t *lo, int64_t *hi);
  *     send_index[send_start[d] : +send_len[d]] (send list is dst-major);
  *   recv_len [P]: rows arriving from src s (receive buffer is src-major);
  *   perm [rows]: grouped position g takes receive row perm[g]; grouped order
- *     is expert-ascending, then src-ascending;
+ *     is expert-ascending, then src-ascending (NULL: not written; one rank
+ *     needs none, its receive rows are its send rows);
  *   ecount [E]: grouped rows of expert e in this chunk;
- *   *rows: total received rows (<= P*q <= C). */
+ *   *rows: total received rows (<= P*q <= C; more than perm_cap is refused). */
 mp_status mp_llep_chunk_layout(const int64_t *A, const int64_t *S, int P, int E, int r, int64_t n, int64_t j,
                                int64_t *send_start, int64_t *send_len, int64_t *recv_len, int64_t *perm,
                                int64_t perm_cap, int64_t *ecount, int64_t *rows);
@@ -56,6 +57,31 @@ void mp_llep_count_cpu(const int64_t *ids, int64_t n, int E, int64_t *cnt);
 mp_status mp_llep_route_cpu(const int64_t *ids, int64_t n, int E, int P, const int64_t *Ar, const int64_t *cum,
                             const int64_t *blk, int64_t *out);
 
+
+/* Scaled row gather: out[i, h] = src[idx[i] / div, h] * scale[i] for i < rows,
+ * h < N; src, out of one float dtype (MP_LLEP_*), scale fp32. Each element is
+ * the fp32 product of the element (widened) and scale[i], rounded once to
+ * nearest even: the value torch's `rows * scale[:, None]` (bf16/fp16 rows,
+ * fp32 scale, stored in the rows' dtype) gives. The CPU version is in llep.c. */
+
+/* SwiGLU over rows of h = [gate | up] (llep_swiglu.c: the arithmetic, torch's op
+ * for op; cuda/llep.cu: the same on the GPU). h [rows, ldh] (gate columns [0, I),
+ * up [I, 2I)); a, s, da [rows, I] contiguous; dh [rows, ldd] (may be h itself).
+ *   fwd: s = rnd(silu(g)) (stored when s != NULL), a = rnd(s * u);
+ *   bwd: dh's up half = rnd(da * s), its gate half = silu'(g) applied to
+ *        rnd(da * u) as aten silu_backward does. */
+typedef struct {
+  const void *h;
+  int64_t ldh;
+  void *a, *s;      /* fwd outputs (s optional); bwd: s read */
+  const void *da;   /* bwd */
+  void *dh;         /* bwd */
+  int64_t ldd, rows, I;
+  int dtype;
+} mp_llep_swiglu_args;
+/* Rows [b, e) of the CPU passes (mp_python.h's parallel-for ranges; ctx: the args). */
+void mp_llep_swiglu_fwd_range(void *args, int64_t b, int64_t e, int worker);
+void mp_llep_swiglu_bwd_range(void *args, int64_t b, int64_t e, int worker);
 
 /* Down projection's backward epilogue, one pass over a chunk's rows r < rows.
  * In: D [rows, I] = (wp * dy) W_down^T (GEMM output), a [rows, I] = silu(gate)
@@ -75,6 +101,10 @@ mp_status mp_llep_route_cuda(const int64_t *sorted_pos, const int64_t *sorted_id
                              int64_t *out, uintptr_t stream);
 mp_status mp_llep_gather_cuda(const void *src, const int64_t *idx, int64_t rows, int64_t div, int64_t row_bytes,
                               void *out, uintptr_t stream);
+mp_status mp_llep_gather_scaled_cuda(const void *src, const int64_t *idx, const float *scale, int64_t rows,
+                                     int64_t div, int64_t N, int dtype, void *out, uintptr_t stream);
+mp_status mp_llep_swiglu_fwd_cuda(const mp_llep_swiglu_args *args, uintptr_t stream);
+mp_status mp_llep_swiglu_bwd_cuda(const mp_llep_swiglu_args *args, uintptr_t stream);
 mp_status mp_llep_combine_cuda(float *acc, const void *y, int dtype, const int64_t *idx, const float *w,
                                int64_t rows, int64_t div, int64_t H, uintptr_t stream);
 mp_status mp_llep_down_bwd_cuda(void *D, void *a, int dtype, const float *w, const float *wp, float *dwr,

@@ -240,7 +240,8 @@ mp_status mp_llep_chunk_layout(const int64_t *A, const int64_t *S, int P, int E,
     ecount[e] = 0;
     for (int s = 0; s < P; s++) {
       const int64_t c = cnt[(int64_t)s * E + e];
-      for (int64_t i = 0; i < c; i++) perm[g++] = rstart[(int64_t)s * E + e] + i;
+      if (perm)
+        for (int64_t i = 0; i < c; i++) perm[g++] = rstart[(int64_t)s * E + e] + i;
       ecount[e] += c;
     }
   }

@@ -118,6 +118,12 @@ def test_chunk_layout_matches_reference():
                 assert (lay.send_start, lay.send_len, lay.recv_len, lay.perm.tolist(), lay.ecount) == \
                     (ss, sl, rl, perm, ec)
                 assert lay.rows <= C and sum(lay.send_len) <= C
+                bare = lp.chunk_layout(plan, r, n, j, C, with_perm=False)  # everything but the permutation
+                assert bare.perm is None
+                assert (bare.send_start, bare.send_len, bare.recv_len, bare.ecount, bare.rows) == \
+                    (ss, sl, rl, ec, lay.rows)
+                if P == 1:  # one rank: the grouped order is the receive order, no permutation needed
+                    assert perm == list(range(lay.rows))
                 total_recv += lay.rows
             assert total_recv == int(plan.S[:, r].sum())
 

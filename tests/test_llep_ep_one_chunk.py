@@ -3,7 +3,7 @@ gloo ranks: standard EP's single dispatch / grouped GEMMs / combine.
 
 Every path against the dense fp64 reference (tests/refs.py), forward and
 every gradient, balanced and 95:4 routing: h and grouped x kept (the lean
-backward, dh over h; the generic backward for split gate/up weights and
+backward, dh over h, fused or split gate/up weights; the generic backward
 for GPT-OSS with biases), nothing kept (save_budget_mb=0: x re-sent, h
 recomputed), forward only (no grad), T = 0 on some ranks, Hugging Face's
 transposed weight views.
@@ -160,9 +160,9 @@ def _paths(rank, P, group):
         fwd, bwd, _ = _swiglu_case(rank, P, group, frac, 4, save_budget_mb=0, **kw)  # nothing kept
         assert fwd["one_chunk_ep"] and fwd["cached_chunks"] == 0
         _check_bytes(P, fwd, bwd, False, False)
-        fwd, bwd, _ = _swiglu_case(rank, P, group, frac, 5, split=True, **kw)        # kept, generic backward
+        fwd, bwd, _ = _swiglu_case(rank, P, group, frac, 5, split=True, **kw)        # kept, lean backward
         assert fwd["one_chunk_ep"]
-        _check_bytes(P, fwd, bwd, True, False, split=True)
+        _check_bytes(P, fwd, bwd, True, True, split=True)
         fwd, _, _ = _swiglu_case(rank, P, group, frac, 6, grad=False, **kw)          # forward only
         assert fwd["one_chunk_ep"] and fwd["cached_chunks"] == 0
         _check_bytes(P, fwd, {}, False, False)

@@ -4,14 +4,15 @@ formula against permute + grouped_mm's at issue 26's 16k shape (no allocation)."
 import pytest
 import torch
 
-from moepeak.llep import LLEPStats, llep_moe
+from moepeak.llep import LLEPOptions, LLEPStats, llep_moe
+from moepeak.llep.launch import Shapes, size_launch
 from moepeak.llep.sizes import (capped_save_bytes, grouped_mm_peak_bytes, one_chunk_fits, one_chunk_peak_bytes,
-                                working_set_bound, workspace_bytes)
+                                slot_elems, working_set_bound, workspace_bytes)
 
 GIB = 2 ** 30
 
 
-def _grads(T, K, E, H, I, dtype, **kw):
+def _grads(T, K, E, H, I, dtype, split=False, **kw):
     g = torch.Generator().manual_seed(T * 7 + K)
     x = torch.randn(T, H, generator=g).to(dtype).requires_grad_()
     ids = torch.rand(T, E, generator=g).topk(K, 1).indices
@@ -21,21 +22,25 @@ def _grads(T, K, E, H, I, dtype, **kw):
     wd = (torch.randn(E, I, H, generator=g) * I ** -0.5).to(dtype).requires_grad_()
     gy = torch.randn(T, H, generator=g).to(dtype)
     stats = LLEPStats()
-    y = llep_moe(x, ids, tw, wgu, wd, stats=stats, **kw)
+    gate_up = (wgu[..., :I], wgu[..., I:]) if split else wgu  # split: torchtitan's w1/w3 form (views)
+    y = llep_moe(x, ids, tw, gate_up, wd, stats=stats, **kw)
     y.backward(gy)
     st = {**stats.forward, **stats.backward}
     return [y.detach()] + [t.grad for t in (x, tw, wgu, wd)], st
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,K,E", [(37, 4, 64), (64, 4, 32), (5, 6, 24)])
-def test_one_chunk_cached_equals_recompute_bitwise(T, K, E, dtype):
+def test_one_chunk_cached_equals_recompute_bitwise(T, K, E, dtype, split):
+    """The lean path (fused or split gate/up weights) against the recompute path."""
     H, I = 16, 16  # E large against T*K: the weight gradients dominate both peaks, as at 16k
-    assert one_chunk_fits(T, K, E, H, I, T * K, torch.empty((), dtype=dtype).element_size(), 1 << 20)
-    lean, st = _grads(T, K, E, H, I, dtype, chunk_rows=T * K, save_budget_mb=1)
+    b = torch.empty((), dtype=dtype).element_size()
+    assert one_chunk_fits(T, K, E, H, I, T * K, b, 1 << 20, split=split)
+    lean, st = _grads(T, K, E, H, I, dtype, split, chunk_rows=T * K, save_budget_mb=1)
     assert st["n_chunks"] == 1 and st["cached_chunks"] == 1
     assert st["recomputed_chunks"] == 0 and st["lean_one_chunk"]
-    ref, st0 = _grads(T, K, E, H, I, dtype, chunk_rows=T * K, save_budget_mb=0)
+    ref, st0 = _grads(T, K, E, H, I, dtype, split, chunk_rows=T * K, save_budget_mb=0)
     assert st0["recomputed_chunks"] == 1 and not st0["lean_one_chunk"]
     for a, b in zip(lean, ref):
         assert torch.equal(a, b)
@@ -75,6 +80,30 @@ def test_issue26_16k_shape_one_chunk_within_grouped_mm_peak():
     assert not one_chunk_fits(T, K, E, H, I, C, b, 0)
 
 
+@pytest.mark.parametrize("T,split", [(16384, False), (65536, False), (262144, False), (16384, True),
+                                     (65536, True), (262144, True)])
+def test_default_launch_at_issue38_points_peaks_within_grouped_mm(T, split):
+    """save_budget_mb=None on one rank: the cache takes what keeps the layer's peak at or
+    under permute + grouped_mm's (sizes.default_save_budget_mb). At E = 128, K = 4,
+    H = I = 2880, bf16: 16k and 64k run one chunk with h cached whole (no recompute),
+    256k caches all 32 chunks; each launch's peak, from llep.sizes, is at most
+    grouped_mm_peak_bytes (the lower of the fair grouped arms' peaks)."""
+    K, E, H, I, b = 4, 128, 2880, 2880, 2
+    launch = size_launch(LLEPOptions(), Shapes(P=1, T=T, K=K, E_local=E, H=H, I=I, dtype=torch.bfloat16, grad=True,
+                                               split=split))
+    C, slots = launch.options.chunk_rows, launch.save_slots
+    gmm = grouped_mm_peak_bytes(T, K, E, H, I, b)
+    if C == T * K:  # the lean one-chunk path
+        assert T <= 65536 and slots == 1
+        assert one_chunk_peak_bytes(T, K, E, H, I, b, split=split) <= gmm
+    else:
+        n = -(-T * K // C)
+        assert T == 262144 and C == 32768 and slots == n == 32  # every chunk's h cached: no recompute
+        cache = slots * b * slot_elems(C, I)
+        bwd = workspace_bytes(C, H, I, 1, b, True, split=split)
+        assert b * E * 3 * H * I + cache + bwd + 4 * T * H <= gmm  # dW + cache + working set + fp32 dx
+
+
 def test_default_chunking_picks_one_chunk_when_it_fits():
     # E large against T*K: the weight gradients dominate both peaks, as at 16k
     T, K, E, H, I = 48, 2, 64, 8, 8
@@ -97,3 +126,19 @@ def test_opcheck_lean_backward_op():
     _, cache, load, send_index = llep_dispatch(*args, 1)
     torch.library.opcheck(llep_dispatch_backward_lean_, (gy,) + args + (cache, None, None, None, "swiglu", load,
                                                                          send_index))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_lean_matches_fused_lean(dtype):
+    """Split gate/up weights on the lean path give the fused path's values: the same
+    GEMM columns, rows and roundings (bitwise in fp32 here; bf16 within one rounding
+    of the per-expert GEMMs' summation order)."""
+    T, K, E, H, I = 37, 4, 64, 16, 16
+    b = torch.empty((), dtype=dtype).element_size()
+    assert all(one_chunk_fits(T, K, E, H, I, T * K, b, 1 << 20, split=sp) for sp in (False, True))
+    fused, st = _grads(T, K, E, H, I, dtype, False, save_budget_mb=1)
+    split, st2 = _grads(T, K, E, H, I, dtype, True, save_budget_mb=1)
+    assert st["lean_one_chunk"] and st2["lean_one_chunk"]
+    for a, b in zip(split, fused):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6,
+                                   atol=1e-2 if dtype == torch.bfloat16 else 1e-6)

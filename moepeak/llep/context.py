@@ -258,7 +258,7 @@ class Ctx:
         lay = self.layouts.get(j)
         if lay is None:
             cap = self.recv_rows if self.one_chunk else self.C
-            lay = lp.chunk_layout(self.plan, self.r, self.n, j, cap)
+            lay = lp.chunk_layout(self.plan, self.r, self.n, j, cap, with_perm=self.P > 1)  # P = 1: grouped already
             self.stats["max_rows"] = max(int(self.stats["max_rows"]), lay.rows, sum(lay.send_len))
             self.layouts = {j: lay}  # keep one: layouts are cheap to recompute
         return lay

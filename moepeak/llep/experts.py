@@ -15,7 +15,7 @@ step's rows); the GEMMs are moepeak/llep/gemm.py.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -34,12 +34,24 @@ TINY_W = 2.0 ** -24
 class Bufs:
     """The buffers one call's expert compute uses for up to `rows` grouped
     rows (default: the chunk budget C); None where a path does not need one.
-    with_h=False: h lives elsewhere (an activation-cache view)."""
+    with_h=False: h lives elsewhere (an activation-cache view), not counted.
+    h_in_cache: every chunk's h goes to its cache slot, so h [C, 2I] is only
+    counted (it stands for the GEMM outputs copied into the slot), never
+    allocated: the working set stays what sizes.workspace_bytes says, an
+    upper bound."""
 
-    def __init__(self, ctx: Ctx, ws, gmm: bool, backward: bool, rows: Optional[int] = None, with_h: bool = True):
+    def __init__(self, ctx: Ctx, ws, gmm: bool, backward: bool, rows: Optional[int] = None, with_h: bool = True,
+                 h_in_cache: bool = False):
         C = ctx.C if rows is None else rows
         H, I, dt = ctx.H, ctx.I, ctx.x.dtype
-        gate_up_out = ws.alloc if ctx.split else (lambda shape, dtype: ws.gemm_out(shape, dtype, gmm))
+        if h_in_cache:
+            def gate_up_out(shape, dtype):
+                return ws.gemm_out(shape, dtype, True)
+        elif ctx.split:  # two GEMMs write the halves of one allocated h
+            gate_up_out = ws.alloc
+        else:
+            def gate_up_out(shape, dtype):
+                return ws.gemm_out(shape, dtype, gmm)
         self.h = gate_up_out((C, 2 * I), dt) if with_h else None
         self.a = ws.alloc((C, I), dt)
         self.s = ws.alloc((C, I), dt) if backward or ctx.activation == "gpt_oss" else None
@@ -55,6 +67,20 @@ class Bufs:
 
     def scratch(self, rows, N, dtype):
         return self.scr.view(dtype)[:rows * N].view(rows, N)
+
+
+class DyRows(NamedTuple):
+    """A chunk's grouped dy rows not yet gathered: row i is src[idx[i] // div]; `out`
+    [>= rows, H] takes them where they are needed unscaled (fp16, biases). Otherwise
+    rows_backward gathers them straight into w*dy (plan.gather_rows with a scale):
+    one pass instead of a gather and a mixed-dtype multiply."""
+    src: torch.Tensor
+    idx: torch.Tensor
+    div: int
+    out: torch.Tensor
+
+    def gather(self, out=None, scale=None) -> torch.Tensor:
+        return lp.gather_rows(self.src, self.idx, self.div, self.out if out is None else out, scale=scale)
 
 
 class Grads:
@@ -132,17 +158,10 @@ def act(ctx: Ctx, hh, buf, rows: int):
     in buf.s (backward uses it) when buf.s exists. gpt_oss, in Hugging Face's
     order of ops: g = gate.clamp(max=7); glu = g * sigmoid(g * 1.702);
     a = (up.clamp(-7, 7) + 1) * glu."""
-    gate, up = gate_views(ctx, hh)
     a = buf.a[:rows]
-    if ctx.activation == "swiglu":
-        if buf.s is None:
-            torch.ops.aten.silu.out(gate, out=a)
-            a.mul_(up)
-        else:
-            s = buf.s[:rows]
-            torch.ops.aten.silu.out(gate, out=s)
-            torch.mul(s, up, out=a)
-        return a
+    if ctx.activation == "swiglu":  # silu then mul, one pass (plan.swiglu_fwd)
+        return lp.swiglu_fwd(hh, a, None if buf.s is None else buf.s[:rows])
+    gate, up = gate_views(ctx, hh)
     s = buf.s[:rows]
     torch.clamp(gate, max=GPT_OSS_LIMIT, out=s)                      # g
     torch.mul(s, GPT_OSS_ALPHA, out=a)
@@ -159,14 +178,10 @@ def act_bwd(ctx: Ctx, hh, dda, buf: Bufs, rows: int):
     overwritten); swiglu reads buf.s = silu(gate) left by act. The
     gradients through clamp are zero outside the clamp range (bounds
     included in it), as torch's."""
+    if ctx.activation == "swiglu":  # d up = da * silu(gate), d gate through silu of da * up: one pass
+        return lp.swiglu_bwd(hh, dda, buf.s[:rows], buf.dh[:rows])
     gate, up = gate_views(ctx, hh)
     dgate, dup = gate_views(ctx, buf.dh[:rows])
-    if ctx.activation == "swiglu":
-        s = buf.s[:rows]
-        torch.mul(dda, s, out=dup)                                   # d up = da * silu(gate)
-        torch.mul(dda, up, out=s)                                    # d silu(gate) = da * up
-        torch.ops.aten.silu_backward.grad_input(s, gate, grad_input=dgate)
-        return buf.dh[:rows]
     s, a, t, mask = buf.s[:rows], buf.a[:rows], buf.t[:rows], buf.mask[:rows]
     lim, alpha = GPT_OSS_LIMIT, GPT_OSS_ALPHA
     torch.clamp(gate, max=lim, out=s)                                # g
@@ -222,8 +237,9 @@ def segment_sum(buf: Bufs, src, ratio, rti, dst):
 
 
 def rows_backward(ctx: Ctx, buf: Bufs, g: Grads, xg, gg, wg, ecount, hcached=None):
-    """Backward of the grouped rows xg [rows, H] (x), gg [rows, H] (dy),
-    wg [rows] fp32 (pick weights): returns the dx rows [rows, H] and leaves
+    """Backward of the grouped rows xg [rows, H] (x), gg [rows, H] (dy; or a
+    DyRows that says where to gather them from), wg [rows] fp32 (pick
+    weights): returns the dx rows [rows, H] and leaves
     d(pick weight) in buf.dwr[:rows]; weight and bias gradients are summed
     into g. h = x W_gate_up (+ bias) is recomputed, or taken from hcached
     [>= rows, 2I] (what forward left there: the same values; only read).
@@ -241,6 +257,9 @@ def rows_backward(ctx: Ctx, buf: Bufs, g: Grads, xg, gg, wg, ecount, hcached=Non
     comes from a recomputed o (one GEMM more)."""
     I, dt = ctx.I, ctx.x.dtype
     rows = xg.shape[0]
+    dy_src = gg if isinstance(gg, DyRows) else None
+    if dy_src is not None:  # gathered unscaled only where the unscaled rows are used
+        gg = dy_src.gather() if dt == torch.float16 or ctx.has_bias else None
     grp = gemm.Groups(ctx, ecount)
     hh = gate_up(ctx, xg, grp, buf, None) if hcached is None else hcached[:rows]
     a = act(ctx, hh, buf, rows)
@@ -257,7 +276,10 @@ def rows_backward(ctx: Ctx, buf: Bufs, g: Grads, xg, gg, wg, ecount, hcached=Non
         ratio = None
     else:
         w1.copy_(wg).masked_fill_(~(wg.abs() >= TINY_W) | torch.isinf(wg), 1.0)  # wp: w, or 1
-        torch.mul(gg, w1.unsqueeze(1), out=do)                       # d(expert output) = wp * dy
+        if gg is None:
+            dy_src.gather(do, scale=w1)                              # d(expert output) = wp * dy, one pass
+        else:
+            torch.mul(gg, w1.unsqueeze(1), out=do)                   # d(expert output) = wp * dy
         dda = gemm.mm(ctx, do, grp, 1, True, buf.da)                 # [rows, I]: (wp dy) W_down^T
         lp.down_bwd(dda, a, wg, w1, dwr)                             # d(weight); tiny-w rows rescaled
         ratio = torch.div(wg, w1, out=w1) if ctx.has_bias else None  # w / wp: 1 but on replaced rows
@@ -286,9 +308,10 @@ def rows_backward(ctx: Ctx, buf: Bufs, g: Grads, xg, gg, wg, ecount, hcached=Non
 
 
 def lean_ok_static(activation: str, split: bool, bias: bool, dtype: torch.dtype) -> bool:
-    """lean_rows_backward applies: swiglu on fused gate/up weights (not
-    split), no biases, not fp16."""
-    return activation == "swiglu" and not split and not bias and dtype != torch.float16
+    """lean_rows_backward applies: swiglu, no biases, not fp16 (gate/up
+    weights fused or split)."""
+    del split  # both forms: h [rows, 2I] = [gate | up] either way
+    return activation == "swiglu" and not bias and dtype != torch.float16
 
 
 def lean_ok(ctx: Ctx) -> bool:
@@ -307,9 +330,10 @@ def lean_rows_backward(ctx: Ctx, hh, make_do, wg, ecount, g: Grads, held, on_dx,
     """rows_backward for a whole step with h cached (lean_ok configs): each
     buffer is allocated at its first use and dropped after its last, as
     permute + grouped_mm's autograd does, and dh [rows, 2I] is written over
-    h (hh [rows, 2I], a view of the op's mutable cache). make_do() returns
-    the grouped dy rows [rows, H] (owned here: they become wp*dy in place
-    and are dropped after their last use); wg [rows] fp32 the pick weights;
+    h (hh [rows, 2I], a view of the op's mutable cache). make_do(wp) returns
+    the grouped dy rows scaled by wp [rows] fp32, [rows, H] (owned here:
+    dropped after their last use; plan.gather_rows with a scale makes them
+    in one pass, the values of torch's wp * dy); wg [rows] fp32 the pick weights;
     on_dx(dx rows [rows, H]) consumes the dx rows before they are dropped;
     xg_rows() returns the grouped x rows [rows, H] for dW_gate_up (called
     last). held (workspace.Held) accounts for every buffer allocated
@@ -318,13 +342,13 @@ def lean_rows_backward(ctx: Ctx, hh, make_do, wg, ecount, g: Grads, held, on_dx,
     d(pick weight) [rows] fp32 (counted in held).
     Buffers (rows x ., x dtype unless said): w1, dwr [rows] fp32; do
     [rows, H]; a, s, da [rows, I] (a then reused for d silu(gate)); dx rows
-    [rows, H]; whatever xg_rows() allocates."""
+    [rows, H] (split gate/up weights: two, the second added into the first);
+    whatever xg_rows() allocates."""
     x, rows, I = ctx.x, hh.shape[0], ctx.I
     grp = gemm.Groups(ctx, ecount)
     w1 = held.new((rows,), torch.float32)
     w1.copy_(wg).masked_fill_(~(wg.abs() >= TINY_W) | torch.isinf(wg), 1.0)  # wp: w, or 1
-    do = make_do()
-    torch.mul(do, w1.unsqueeze(1), out=do)                           # d(expert output) = wp * dy
+    do = make_do(w1)                                                 # d(expert output) = wp * dy
     rb = _RowBufs(held.new((rows, I), x.dtype), held.new((rows, I), x.dtype))
     a = act(ctx, hh, rb, rows)
     dda = held.gemm(gemm.mm(ctx, do, grp, 1, True, None))           # [rows, I]: (wp dy) W_down^T
@@ -336,19 +360,34 @@ def lean_rows_backward(ctx: Ctx, hh, make_do, wg, ecount, g: Grads, held, on_dx,
         gemm.dw_accumulate(ctx, a, do, grp, 1, g.dW, g.dWb)
     held.drop(do)
     do = a = None
-    gate, up = gate_views(ctx, hh)                                   # dh over h, in place:
-    torch.mul(dda, up, out=rb.a)                                     # d silu(gate) = da * up
-    torch.mul(dda, rb.s, out=up)                                     # d up = da * silu(gate)
-    torch.ops.aten.silu_backward.grad_input(rb.a, gate, grad_input=gate)
+    lp.swiglu_bwd(hh, dda, rb.s, hh)                                 # dh over h, in place (act_bwd's values)
     held.drop(rb.a, rb.s, dda)
     rb = dda = None
-    dxr = held.gemm(gemm.mm(ctx, hh, grp, 0, True, None))            # dx rows [rows, H]
+    dxr = _lean_dx(ctx, hh, grp, held)
     on_dx(dxr)
     held.drop(dxr)
     dxr = None
     if g.need_dw:
-        gemm.dw_accumulate(ctx, xg_rows(), hh, grp, 0, g.dW, g.dWb)
+        xg = xg_rows()
+        if ctx.split:
+            gemm.dw_accumulate(ctx, xg, hh[:, :I], grp, 0, g.dW, g.dWb)
+            gemm.dw_accumulate(ctx, xg, hh[:, I:], grp, 2, g.dW, g.dWb)
+        else:
+            gemm.dw_accumulate(ctx, xg, hh, grp, 0, g.dW, g.dWb)
     return dwr
+
+
+def _lean_dx(ctx: Ctx, dh, grp, held):
+    """dx rows [rows, H] = dh W_gate_up^T (split: dh_gate W_gate^T + dh_up W_up^T,
+    summed as rows_backward sums them), counted in held."""
+    I = ctx.I
+    if not ctx.split:
+        return held.gemm(gemm.mm(ctx, dh, grp, 0, True, None))
+    dxr = held.gemm(gemm.mm(ctx, dh[:, :I], grp, 0, True, None))
+    up = held.gemm(gemm.mm(ctx, dh[:, I:], grp, 2, True, None))
+    dxr.add_(up)
+    held.drop(up)
+    return dxr
 
 
 def zero_untouched(ctx: Ctx, g: Grads):

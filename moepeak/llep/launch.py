@@ -99,7 +99,7 @@ def _lean_one_chunk(options: LLEPOptions, s: Shapes, C: int, budget: int) -> boo
     (sizes.one_chunk_fits): with chunk_rows=None, or an explicit one that covers T*K."""
     return (s.grad and s.P == 1 and (options.chunk_rows is None or s.T * s.K <= C)
             and lean_ok_static(s.activation, s.split, s.bias, s.dtype)
-            and one_chunk_fits(s.T, s.K, s.E_local, s.H, s.I, C, s.elem_bytes, budget))
+            and one_chunk_fits(s.T, s.K, s.E_local, s.H, s.I, C, s.elem_bytes, budget, split=s.split))
 
 
 def _with_rows(options: LLEPOptions, C: int) -> LLEPOptions:

@@ -138,7 +138,9 @@ def llep_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     save_budget_mb: bytes (MiB) fixed at launch for an activation cache: the
     first chunks whose [C, 2I] forward intermediates fit are kept for
     backward, which recomputes only the others (0: recompute all; no cache
-    when no gradient is needed; None: sizes.default_save_budget_mb). At P > 1
+    when no gradient is needed; None: sizes.default_save_budget_mb: on one
+    rank no budget of its own, so the cache takes what keeps the layer's
+    peak at or under permute + grouped GEMM's for the same T). At P > 1
     the one-chunk step keeps h and its grouped x rows whole for backward
     unless save_budget_mb=0 (counted within the bound,
     sizes.one_chunk_ep_rows). The cache is also capped so that it and the

@@ -55,8 +55,8 @@ def backward_local_lean(ctx: Ctx, gy, g: Grads, hcache, dx, dtw) -> None:
     wg = held.new((rows,), torch.float32)
     torch.index_select(ctx.wflat, 0, idx, out=wg)
     dwr = lean_rows_backward(
-        ctx, hcache[:rows], lambda: lp.gather_rows(gy, idx, K, held.new((rows, H), x.dtype)), wg, lay.ecount, g,
-        held, lambda dxr: lp.combine_rows(dx, dxr, idx, None, K),
+        ctx, hcache[:rows], lambda wp: lp.gather_rows(gy, idx, K, held.new((rows, H), x.dtype), scale=wp), wg,
+        lay.ecount, g, held, lambda dxr: lp.combine_rows(dx, dxr, idx, None, K),
         lambda: lp.gather_rows(x, idx, K, held.new((rows, H), x.dtype)))
     dtw.index_copy_(0, idx, dwr)
     ctx.stats.update(workspace_bytes_bwd=held.peak, lean_one_chunk=True)
@@ -163,9 +163,9 @@ def backward_ep(ctx: Ctx, gy, g: Grads, cache, kept: bool, overwrite: bool):
     lean = kept and overwrite and lean_ok(ctx)
     dxb = None
     if lean:
-        def grouped_dy():
+        def grouped_dy(wp):
             nonlocal rg
-            out = lp.gather_rows(rg, perm, 1, held.new((R, H), dt))
+            out = lp.gather_rows(rg, perm, 1, held.new((R, H), dt), scale=wp)
             held.drop(rg)
             rg = None
             return out

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -67,22 +67,26 @@ class ChunkLayout:
     send_start: List[int]  # [P] start of this chunk's rows for dst d in the send list
     send_len: List[int]    # [P]
     recv_len: List[int]    # [P] rows arriving from src s (receive buffer is src-major)
-    perm: torch.Tensor     # [rows] int64 CPU: grouped position -> receive row
+    perm: Optional[torch.Tensor]  # [rows] int64 CPU: grouped position -> receive row (None: not made)
     ecount: List[int]      # [E] grouped rows per expert (expert-ascending)
     rows: int
 
 
-def chunk_layout(plan: Plan, rank: int, n: int, j: int, chunk_rows: int) -> ChunkLayout:
+def chunk_layout(plan: Plan, rank: int, n: int, j: int, chunk_rows: int, with_perm: bool = True) -> ChunkLayout:
+    """Chunk j's layout on `rank` (csrc/llep.h); with_perm=False skips the
+    permutation (one rank: its receive rows are its send rows, already grouped),
+    O(rows) host work and memory less."""
     E, P = plan.Q.shape
     ss = torch.empty(P, dtype=torch.int64)
     sl = torch.empty(P, dtype=torch.int64)
     rl = torch.empty(P, dtype=torch.int64)
-    perm = torch.empty(chunk_rows, dtype=torch.int64)
+    perm = torch.empty(chunk_rows if with_perm else 0, dtype=torch.int64)
     ec = torch.empty(E, dtype=torch.int64)
     rows = _C.llep_chunk_layout(plan.A.data_ptr(), plan.S.data_ptr(), P, E, int(rank), int(n), int(j),
-                                ss.data_ptr(), sl.data_ptr(), rl.data_ptr(), perm.data_ptr(), int(chunk_rows),
-                                ec.data_ptr())
-    return ChunkLayout(ss.tolist(), sl.tolist(), rl.tolist(), perm[:rows], ec.tolist(), int(rows))
+                                ss.data_ptr(), sl.data_ptr(), rl.data_ptr(), perm.data_ptr() if with_perm else 0,
+                                int(chunk_rows), ec.data_ptr())
+    return ChunkLayout(ss.tolist(), sl.tolist(), rl.tolist(), perm[:rows] if with_perm else None, ec.tolist(),
+                       int(rows))
 
 
 def config_fingerprint(**fields) -> List[int]:
@@ -140,12 +144,27 @@ def route(ids_flat: torch.Tensor, E: int, plan: Plan, rank: int, local_cnt: torc
     return out
 
 
-def gather_rows(src: torch.Tensor, idx: torch.Tensor, div: int, out: torch.Tensor) -> torch.Tensor:
-    """out[i] = src[idx[i] // div] for i < len(idx); src [R, W], out [>= len, W]."""
+def gather_rows(src: torch.Tensor, idx: torch.Tensor, div: int, out: torch.Tensor, scale=None) -> torch.Tensor:
+    """out[i] = src[idx[i] // div] for i < len(idx); src [R, W], out [>= len, W]
+    (contiguous rows). With scale (fp32 [>= len], contiguous): out[i] =
+    src[idx[i] // div] * scale[i], each element one fp32 product rounded once
+    to src's dtype (the value torch's `rows * scale[:, None]` stores in the
+    rows' dtype): backward's w*dy rows gathered and scaled in one pass."""
     rows = idx.numel()
-    if rows:
+    if scale is not None:
+        check_tensor("src", src, dtypes=tuple(DTYPE_CODE), ndim=2, contiguous=True)
+        check_tensor("out", out, dtypes=(src.dtype,), ndim=2, device=src.device, contiguous=True)
+        check_tensor("scale", scale, dtypes=(torch.float32,), ndim=1, device=src.device, contiguous=True)
+        if out.shape[0] < rows or out.shape[1] != src.shape[1]:
+            raise ValueError(f"moepeak: out must be [>= {rows}, {src.shape[1]}], got {tuple(out.shape)}")
+        if scale.numel() < rows:
+            raise ValueError(f"moepeak: scale must hold a weight per gathered row (>= {rows}), got {scale.numel()}")
+    if rows and scale is None:
         _C.llep_gather(src.data_ptr(), idx.data_ptr(), rows, int(div), src.shape[1] * src.element_size(),
                        out.data_ptr(), _is_cuda(src), current_stream_handle(src.device))
+    elif rows:
+        _C.llep_gather_scaled(src.data_ptr(), idx.data_ptr(), scale.data_ptr(), rows, int(div), src.shape[1],
+                              DTYPE_CODE[src.dtype], out.data_ptr(), _is_cuda(src), current_stream_handle(src.device))
     return out[:rows]
 
 
@@ -176,5 +195,48 @@ def down_bwd(D: torch.Tensor, a: torch.Tensor, w: torch.Tensor, wp: torch.Tensor
                          dwr.data_ptr(), rows, D.shape[1], _is_cuda(D), current_stream_handle(D.device))
 
 
+def _check_swiglu_rows(h: torch.Tensor, rows: int, I: int, names) -> None:
+    """h [rows, 2I] with unit column stride; the named [rows, I] tensors contiguous, of h's
+    dtype and device."""
+    check_tensor("h", h, dtypes=tuple(DTYPE_CODE), ndim=2)
+    if tuple(h.shape) != (rows, 2 * I) or (rows > 1 and h.stride(0) < 2 * I) or (I and h.stride(1) != 1):
+        raise ValueError(f"moepeak: h must be [rows={rows}, 2I={2 * I}] with unit column stride, got "
+                         f"{tuple(h.shape)} strides {h.stride()}")
+    for name, t in names:
+        check_tensor(name, t, dtypes=(h.dtype,), ndim=2, device=h.device, contiguous=True)
+        if tuple(t.shape) != (rows, I):
+            raise ValueError(f"moepeak: {name} must be [rows={rows}, I={I}], got {tuple(t.shape)}")
+
+
+def swiglu_fwd(h: torch.Tensor, a: torch.Tensor, s=None) -> torch.Tensor:
+    """SwiGLU on h = [gate | up] rows (csrc/llep.h): a [rows, I] = rnd(s * up) with
+    s = rnd(silu(gate)) (also stored in s [rows, I] when given); the values of
+    torch.ops.aten.silu then mul, one kernel. h [rows, 2I] (unit column stride,
+    any row stride); a, s contiguous, h's dtype. Returns a."""
+    rows, I = a.shape
+    _check_swiglu_rows(h, rows, I, [("a", a)] + ([("s", s)] if s is not None else []))
+    if rows and I:
+        _C.llep_swiglu_fwd(h.data_ptr(), h.stride(0) if rows > 1 else 2 * I, a.data_ptr(),
+                           0 if s is None else s.data_ptr(), rows, I, DTYPE_CODE[a.dtype], _is_cuda(a),
+                           current_stream_handle(a.device))
+    return a
+
+
+def swiglu_bwd(h: torch.Tensor, da: torch.Tensor, s: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
+    """dh [rows, 2I] (h's layout; may be h itself) from da [rows, I], h and
+    s = rnd(silu(gate)) [rows, I]: d up = rnd(da * s), d gate = aten
+    silu_backward(rnd(da * up), gate), one kernel. Returns dh."""
+    rows, I = da.shape
+    _check_swiglu_rows(h, rows, I, [("da", da), ("s", s)])
+    _check_swiglu_rows(dh, rows, I, [])
+    if dh.dtype != h.dtype or dh.device != h.device:
+        raise TypeError(f"moepeak: dh must match h's dtype and device, got {dh.dtype} on {dh.device}")
+    if rows and I:
+        _C.llep_swiglu_bwd(h.data_ptr(), h.stride(0) if rows > 1 else 2 * I, da.data_ptr(), s.data_ptr(),
+                           dh.data_ptr(), dh.stride(0) if rows > 1 else 2 * I, rows, I, DTYPE_CODE[h.dtype],
+                           _is_cuda(h), current_stream_handle(h.device))
+    return dh
+
+
 __all__ = ["Plan", "llep_plan", "num_chunks", "ChunkLayout", "chunk_layout", "config_fingerprint",
-           "count", "route", "gather_rows", "combine_rows", "down_bwd"]
+           "count", "route", "gather_rows", "combine_rows", "down_bwd", "swiglu_fwd", "swiglu_bwd"]

@@ -27,7 +27,7 @@ from . import gemm
 from . import one_chunk as one
 from . import plan as lp
 from .context import Ctx
-from .experts import Bufs, Grads, experts_fwd, finish, lean_ok, rows_backward
+from .experts import Bufs, DyRows, Grads, experts_fwd, finish, lean_ok, rows_backward
 from .workspace import Workspace
 
 
@@ -42,7 +42,8 @@ def forward(ctx: Ctx, cache: Optional[torch.Tensor] = None, keep: bool = False) 
                       cache_bytes=cache.numel() * cache.element_size() if cache is not None else 0)
     acc = torch.zeros(ctx.T, H, dtype=torch.float32, device=x.device)
     ws = Workspace(x.device)
-    buf = Bufs(ctx, ws, gemm.grouped_ok(ctx), backward=False)
+    all_cached = cache is not None and cache.shape[0] >= ctx.n  # every chunk's h goes to its slot
+    buf = Bufs(ctx, ws, gemm.grouped_ok(ctx), backward=False, h_in_cache=all_cached)
     if P == 1:
         xr = ws.alloc((C, H), x.dtype)
         ws.frozen = True
@@ -166,9 +167,9 @@ def backward(ctx: Ctx, gy: torch.Tensor, need_dw: bool = True, cache: Optional[t
             idx = ctx.send_idx(lay, None)
             rows = idx.numel()
             xg = lp.gather_rows(x, idx, K, xr)
-            gg = lp.gather_rows(gy, idx, K, gr)
             torch.index_select(ctx.wflat, 0, idx, out=wr[:rows])
-            dxr = rows_backward(ctx, buf, g, xg, gg, wr[:rows], lay.ecount, _slot_views(ctx, cache, j))
+            dy = DyRows(gy, idx, K, gr)  # gathered inside, scaled by the pick weights where it can
+            dxr = rows_backward(ctx, buf, g, xg, dy, wr[:rows], lay.ecount, _slot_views(ctx, cache, j))
             lp.combine_rows(dx, dxr, idx, None, K)
             dxr = None
             dtw.index_copy_(0, idx, buf.dwr[:rows])

@@ -63,19 +63,31 @@ def default_chunk_rows(P: int) -> int:
     return 32768 if P == 1 else max(16384, P)
 
 
-# Activation-cache budget (save_budget_mb=None picks it from the group size):
-# on one rank it keeps the peak bounded while caching every chunk of short
-# inputs; on several ranks no cache beyond the room the single-buffered
-# dispatch leaves within the chunk budget's bound (ep_cache_room),
-# so the cache never raises the peak bound there.
-DEFAULT_SAVE_BUDGET_MB = 1536
+# Activation-cache budget (save_budget_mb=None picks it from the group size).
+# One rank: no budget of its own (a size no device has stands for it), so the
+# caps that keep the layer's peak at or under permute + grouped_mm's for the same
+# T decide: one chunk with its whole h cached where one_chunk_peak_bytes <=
+# grouped_mm_peak_bytes (one_chunk_fits; its working-set bound holds trivially),
+# else the chunked schedule caches as many chunks' h as capped_save_bytes' room
+# holds (cache + backward working set + fp32 dx <= grouped_mm's activations, and
+# both hold the weight gradients). So the cache grows with T as grouped_mm's saved
+# activations do, below them. Worked once, E = 128, K = 4, H = I = 2880, bf16:
+# 16k one chunk (peak 7.16 GiB vs 7.34); 64k one chunk (11.12 vs 11.56); 256k 32
+# chunks all cached (11.25 GiB of cache in 17.75 of room: peak <= 28.43 GiB,
+# grouped_mm's). save_budget_mb=1536 is the fixed budget of issues 6 and 26 (peak
+# under 14 GiB at 256k, 28 of 32 chunks recomputed there).
+# Several ranks: no cache beyond the room the single-buffered dispatch leaves
+# within the chunk budget's bound (ep_cache_room), so the cache never raises
+# the peak bound there.
+NO_FIXED_BUDGET_MB = 1 << 40
 
 
 def default_save_budget_mb(P: int) -> int:
     """The activation-cache budget (MiB) save_budget_mb=None picks for P
-    ranks beyond the chunk budget's own room (ep_cache_room at
-    P > 1, which the bound b*C*(16H + 7I) already holds)."""
-    return DEFAULT_SAVE_BUDGET_MB if P == 1 else 0
+    ranks: NO_FIXED_BUDGET_MB on one rank (the grouped_mm caps decide, see
+    above); beyond the chunk budget's own room (ep_cache_room at P > 1,
+    which the bound b*C*(16H + 7I) already holds) nothing on several."""
+    return NO_FIXED_BUDGET_MB if P == 1 else 0
 
 
 def slot_elems(C: int, I: int) -> int:
@@ -164,13 +176,14 @@ def capped_save_bytes(budget_bytes: int, T: int, K: int, C: int, H: int, I: int,
     keywords. Worked once: T = 64k, K = 4, H = I = 2880, bf16, C = 32768:
     grouped_mm holds 256k x 11520 x 2 B = 5.6 GiB, the P = 1 backward working
     set is 32768 x 31680 x 2 B + 384 KiB = 1.93 GiB and the accumulator 0.7
-    GiB, so the 1536 MiB default stands; at T = 16k it holds 1.41 GiB, less
-    than the working set: no cache (one_chunk_fits covers that length)."""
+    GiB: 2.99 GiB of room, all 8 slots (2.81 GiB) fit; at T = 16k it holds
+    1.41 GiB, less than the working set: no cache (one_chunk_fits covers
+    that length)."""
     room = b * T * K * (2 * H + 2 * I) - workspace_bytes(C, H, I, P, b, True, **options) - 4 * T * H
     return max(0, min(int(budget_bytes), room))
 
 
-def one_chunk_peak_bytes(T: int, K: int, E: int, H: int, I: int, b: int) -> int:
+def one_chunk_peak_bytes(T: int, K: int, E: int, H: int, I: int, b: int, split: bool = False) -> int:
     """Peak above inputs and weights of the one-chunk P = 1 schedule
     (sched's lean path: R = T*K rows, h cached, buffers held from first
     to last use, dh written over the cached h), counted as
@@ -178,8 +191,11 @@ def one_chunk_peak_bytes(T: int, K: int, E: int, H: int, I: int, b: int) -> int:
     4*T*H throughout, plus the largest of
       forward:  b*R*max(H + 3I, 2H + I)   (gathered x, a and h's GEMM output
                                            before its copy into the cache;
-                                           gathered x, a and o)
+                                           gathered x, a and o; split gate/up
+                                           weights: [R, I] GEMM outputs)
       backward: dW_down + b*R*(H + 3I)    (w*dy, a, silu(gate), da)
+                dW_down + b*R*2H          (split only: the dx rows of the
+                                           gate and of the up GEMM)
                 dW_down + dW_gate_up + b*R*H  (gathered x for dW_gate_up)
                 dW_down + dW_gate_up + b*T*H  (the dx copy)
     and 12*R bytes of fp32 row vectors. Worked once: T = 16k, K = 4, E =
@@ -189,22 +205,28 @@ def one_chunk_peak_bytes(T: int, K: int, E: int, H: int, I: int, b: int) -> int:
     dwd, dwgu = b * E * I * H, b * E * H * 2 * I
     fwd = b * R * max(H + 3 * I, 2 * H + I)
     bwd = max(dwd + b * R * (H + 3 * I), dwd + dwgu + b * R * H, dwd + dwgu + b * T * H)
+    if split:
+        bwd = max(bwd, dwd + 2 * b * R * H)
     return b * R * 2 * I + 4 * T * H + 12 * R + max(fwd, bwd)
 
 
-def one_chunk_fits(T: int, K: int, E: int, H: int, I: int, C: int, b: int, budget_bytes: int) -> bool:
+def one_chunk_fits(T: int, K: int, E: int, H: int, I: int, C: int, b: int, budget_bytes: int,
+                   split: bool = False) -> bool:
     """On one rank, whether T*K rows run as one chunk with the whole h cached
     (no recompute): the cache b*T*K*2I fits budget_bytes, the peak
     (one_chunk_peak_bytes) is no larger than grouped_mm's, and what it holds
     besides the weight gradients and the accumulator stays within the
-    chunked schedule's bound (working_set_bound at chunk size C)."""
+    chunked schedule's bound (working_set_bound at chunk size C; with
+    save_budget_mb=None, default_save_budget_mb, that bound does not bind:
+    the peak test decides). split: gate/up weights apart."""
     R = T * K
     if R <= 0 or b * R * 2 * I > budget_bytes:
         return False
-    if one_chunk_peak_bytes(T, K, E, H, I, b) > grouped_mm_peak_bytes(T, K, E, H, I, b):
+    if one_chunk_peak_bytes(T, K, E, H, I, b, split) > grouped_mm_peak_bytes(T, K, E, H, I, b):
         return False
-    held = b * R * 2 * I + 12 * R + b * R * max(2 * H + I, H + 3 * I)  # cache + largest phase's buffers
-    return held <= working_set_bound(C, H, I, 1, b, True, budget_bytes)
+    phases = max(2 * H + I, H + 3 * I, 2 * H if split else 0)
+    held = b * R * 2 * I + 12 * R + b * R * phases  # cache + largest phase's buffers
+    return held <= working_set_bound(C, H, I, 1, b, True, budget_bytes, split=split)
 
 
 def working_set_bound(C: int, H: int, I: int, P: int, b: int, backward: bool, save_budget_bytes: int,
@@ -256,7 +278,8 @@ def one_chunk_ep_bytes(R: int, N: int, H: int, I: int, b: int, backward: bool, *
     if keep and lean:
         rows_bwd = max(2 * RH + perms + 8 * R,                                # rg, do; wg, w1
                        RH + 3 * RI + perms + 12 * R,                          # do, a, s, da; wg, w1, dwr
-                       RH + perms + 12 * R)                                   # ungrouped dx; wg, dwr, dwb
+                       (2 if split else 1) * RH + perms + 12 * R)             # dx rows (split: 2), then
+                                                                              # ungrouped dx; wg, dwr, dwb
     else:
         before = (RH if keep else 2 * RH) + perms + 4 * R                     # dy (+ x) grouped, perms, wg
         bufs = (b * R * (2 * H + 5 * I) + 8 * R + (0 if keep else 2 * RI)
