@@ -19,19 +19,16 @@
  * pinned slots are allocated once per plan and never grow. No GPU memory is
  * allocated: copies go straight between the torch tensors and pinned slots.
  *
- * Plan buffers (built once in Python, moepeak/stream_adamw/op.py):
- *   segs:  [nseg, 5] int64 (param index, first element, n, gslot byte offset,
- *          pslot byte offset); a segment is a piece of one parameter.
+ * The row buffers are the structs of mp_abi.h (Python: moepeak/core/abi.py).
+ * Plan buffers (built once in Python, moepeak/stream_adamw/buckets.py):
+ *   segs:  [nseg, 5] int64, mp_adamw_segment_row: a piece of one parameter.
  *   bucket_seg: [nb + 1] int64, bucket b holds segments bucket_seg[b] ..
  *          bucket_seg[b+1]-1.
  * Per-step buffers:
- *   ptrs:  [nparam, 9] int64 (master, exp_avg, exp_avg_sq, grad, param or
- *          low-precision copy, numel, grad dtype, param dtype, max_exp_avg_sq
- *          or 0 = no amsgrad); grad 0 = skip
- *          (the plan covers every CUDA param of the optimizer, so a param
- *          without a grad this step keeps its bucket slot but moves nothing).
- *   hyper: [nparam, 7] double (lr, beta1, beta2, eps, weight_decay, step,
- *          maximize 0/1).
+ *   ptrs:  [nparam, 9] int64, mp_adamw_param_row; grad 0 = skip (the plan
+ *          covers every CUDA param of the optimizer, so a param without a grad
+ *          this step keeps its bucket slot but moves nothing).
+ *   hyper: [nparam, 7] double, mp_adamw_hyper_row.
  *   torch_threads, torch_vlen: emulate torch's chunking (adamw_kernels.c) so
  *          the fp32 results are bitwise those of torch's fused CPU AdamW run
  *          with that many threads; torch_vlen 0 = plain vector formula.
@@ -48,8 +45,6 @@
 #include "adamw_kernels.h"
 #include "mp_python.h"
 
-#define PTR_COLS 9
-#define HYP_COLS 7
 /* Bounds every binding checks before touching memory, chosen so that no
  * product or sum of checked values below can overflow int64:
  * numel and offsets < 2^48 elements (1 PiB of fp32), bytes < 2^52. */
@@ -57,8 +52,6 @@
 #define MAX_BYTES ((int64_t)1 << 52)
 #define MAX_TORCH_THREADS 4096
 #define MAX_TORCH_VLEN 64
-
-static int dt_size(int dt) { return dt == MP_DT_F32 ? 4 : 2; }
 
 /* The optional state arguments of adamw_cpu / adamw_plan_step. */
 typedef struct {
@@ -71,7 +64,7 @@ typedef struct {
 /* Check the state arguments for n rows (fn: the binding's name for messages).
  * Returns 0 and sets ValueError/TypeError naming the argument on bad input. */
 static int parse_state_args(const char *fn, state_args *a, Py_ssize_t n) {
-  if (a->sdt != MP_DT_F32 && a->sdt != MP_DT_BF16) {
+  if (a->sdt != MP_DTYPE_F32 && a->sdt != MP_DTYPE_BF16) {
     PyErr_Format(PyExc_ValueError, "moepeak._C.%s: state_dtype must be 0 (fp32) or 1 (bf16), got %d", fn, a->sdt);
     return 0;
   }
@@ -112,11 +105,12 @@ static uint64_t row_seed(const state_args *a, Py_ssize_t i) {
  * Python error on a malformed buffer. */
 static int parse_step(const char *fn, Py_buffer *ptrs, Py_buffer *hyper, int tthreads, int tvlen, state_args *sa,
                       Py_ssize_t *nparam, mp_adamw_coef **coef) {
-  Py_ssize_t n = ptrs->len / (Py_ssize_t)(PTR_COLS * sizeof(int64_t));
-  if (ptrs->len != n * (Py_ssize_t)(PTR_COLS * sizeof(int64_t)) ||
-      hyper->len != n * (Py_ssize_t)(HYP_COLS * sizeof(double))) {
+  Py_ssize_t n = ptrs->len / (Py_ssize_t)sizeof(mp_adamw_param_row);
+  if (ptrs->len != n * (Py_ssize_t)sizeof(mp_adamw_param_row) ||
+      hyper->len != n * (Py_ssize_t)sizeof(mp_adamw_hyper_row)) {
     PyErr_Format(PyExc_ValueError, "moepeak: adamw ptrs must be [n, %d] int64 and hyper [n, %d] float64 "
-                 "(got %zd and %zd bytes)", PTR_COLS, HYP_COLS, ptrs->len, hyper->len);
+                 "(got %zd and %zd bytes)", (int)(sizeof(mp_adamw_param_row) / 8),
+                 (int)(sizeof(mp_adamw_hyper_row) / 8), ptrs->len, hyper->len);
     return 0;
   }
   if (tthreads < 1 || tthreads > MAX_TORCH_THREADS || tvlen < 0 || tvlen > MAX_TORCH_VLEN) {
@@ -125,39 +119,40 @@ static int parse_step(const char *fn, Py_buffer *ptrs, Py_buffer *hyper, int tth
     return 0;
   }
   if (!parse_state_args(fn, sa, n)) return 0;
-  const int64_t *P = (const int64_t *)ptrs->buf;
-  const double *H = (const double *)hyper->buf;
+  const mp_adamw_param_row *rows = (const mp_adamw_param_row *)ptrs->buf;
+  const mp_adamw_hyper_row *hypers = (const mp_adamw_hyper_row *)hyper->buf;
   *coef = (mp_adamw_coef *)malloc(sizeof(mp_adamw_coef) * (size_t)(n > 0 ? n : 1));
   if (!*coef) {
     PyErr_NoMemory();
     return 0;
   }
   for (Py_ssize_t i = 0; i < n; i++) {
-    const int64_t *r = P + i * PTR_COLS;
+    const mp_adamw_param_row *r = &rows[i];
     /* numel in [0, MAX_NUMEL), dtype codes in range, and a row with a grad
      * and elements names its master, exp_avg and exp_avg_sq */
-    if (r[5] < 0 || r[5] >= MAX_NUMEL || r[6] < 0 || r[6] > 2 || r[7] < 0 || r[7] > 2 ||
-        (r[3] != 0 && r[5] > 0 && (r[0] == 0 || r[1] == 0 || r[2] == 0))) {
+    if (r->numel < 0 || r->numel >= MAX_NUMEL || !mp_dtype_valid(r->grad_dtype) || !mp_dtype_valid(r->param_dtype) ||
+        (r->grad != 0 && r->numel > 0 && (r->master == 0 || r->exp_avg == 0 || r->exp_avg_sq == 0))) {
       free(*coef);
       *coef = NULL;
       PyErr_Format(PyExc_ValueError, "moepeak: adamw ptrs row %zd is malformed (numel %lld must be in [0, 2^48), "
-                   "dtype codes %lld, %lld in [0, 2], master/exp_avg/exp_avg_sq non-null)", i, (long long)r[5],
-                   (long long)r[6], (long long)r[7]);
+                   "dtype codes %lld, %lld in [0, 2], master/exp_avg/exp_avg_sq non-null)", i, (long long)r->numel,
+                   (long long)r->grad_dtype, (long long)r->param_dtype);
       return 0;
     }
     /* the state tensors a row with a grad reads are aligned to their dtype (ASan/UBSan-clean loads) */
-    const int ss = dt_size(sa->sdt);
-    if (r[3] != 0 && r[5] > 0 && (r[1] % ss != 0 || r[2] % ss != 0 || r[8] % ss != 0)) {
+    const int64_t ss = (int64_t)mp_dtype_bytes(sa->sdt);
+    if (r->grad != 0 && r->numel > 0 &&
+        (r->exp_avg % ss != 0 || r->exp_avg_sq % ss != 0 || r->max_exp_avg_sq % ss != 0)) {
       free(*coef);
       *coef = NULL;
       PyErr_Format(PyExc_ValueError, "moepeak._C.%s: ptrs row %zd: exp_avg, exp_avg_sq and max_exp_avg_sq must be "
-                   "aligned to their dtype's %d bytes (state_dtype %d)", fn, i, ss, sa->sdt);
+                   "aligned to their dtype's %d bytes (state_dtype %d)", fn, i, (int)ss, sa->sdt);
       return 0;
     }
-    const double *h = H + i * HYP_COLS;
-    mp_adamw_coef_init(&(*coef)[i], h[0], h[1], h[2], h[3], h[4], h[5], h[6] != 0.0);
-    mp_adamw_coef_set_tails(&(*coef)[i], r[5], tthreads, tvlen);
-    mp_adamw_coef_set_rounding(&(*coef)[i], row_seed(sa, i), h[5]);
+    const mp_adamw_hyper_row *h = &hypers[i];
+    mp_adamw_coef_init(&(*coef)[i], h->lr, h->beta1, h->beta2, h->eps, h->weight_decay, h->step, h->maximize != 0.0);
+    mp_adamw_coef_set_tails(&(*coef)[i], r->numel, tthreads, tvlen);
+    mp_adamw_coef_set_rounding(&(*coef)[i], row_seed(sa, i), h->step);
   }
   *nparam = n;
   return 1;
@@ -185,7 +180,7 @@ static PyObject *py_adamw_cpu(PyObject *self, PyObject *args, PyObject *kwargs) 
                            NULL};
   Py_buffer ptrs = {0}, hyper = {0};
   int isa = 0, threads = 0, tthreads = 1, tvlen = 0;
-  state_args sa = {MP_DT_F32, NULL, {0}, 0};
+  state_args sa = {MP_DTYPE_F32, NULL, {0}, 0};
   mp_adamw_coef *coef = NULL;
   mp_adamw_seg *segs = NULL;
   PyObject *ret = NULL;
@@ -201,20 +196,20 @@ static PyObject *py_adamw_cpu(PyObject *self, PyObject *args, PyObject *kwargs) 
     goto fail;
   }
   int ns = 0;
-  const int64_t *P = (const int64_t *)ptrs.buf;
+  const mp_adamw_param_row *rows = (const mp_adamw_param_row *)ptrs.buf;
   for (Py_ssize_t i = 0; i < n; i++) {
-    const int64_t *r = P + i * PTR_COLS;
-    if (r[3] == 0 || r[5] == 0) continue; /* no grad / empty */
-    mp_adamw_seg s = {.p = (float *)(intptr_t)r[0],
-                      .m = (void *)(intptr_t)r[1],
-                      .v = (void *)(intptr_t)r[2],
-                      .vmax = (void *)(intptr_t)r[8],
-                      .g = (const void *)(intptr_t)r[3],
-                      .lp = (void *)(intptr_t)r[4],
-                      .n = r[5],
+    const mp_adamw_param_row *r = &rows[i];
+    if (r->grad == 0 || r->numel == 0) continue; /* no grad / empty */
+    mp_adamw_seg s = {.p = (float *)(intptr_t)r->master,
+                      .m = (void *)(intptr_t)r->exp_avg,
+                      .v = (void *)(intptr_t)r->exp_avg_sq,
+                      .vmax = (void *)(intptr_t)r->max_exp_avg_sq,
+                      .g = (const void *)(intptr_t)r->grad,
+                      .lp = (void *)(intptr_t)r->param_lowp,
+                      .n = r->numel,
                       .base = 0,
-                      .gdt = (int)r[6],
-                      .ldt = (int)r[7],
+                      .gdt = (int)r->grad_dtype,
+                      .ldt = (int)r->param_dtype,
                       .coef = &coef[i],
                       .lp_stream = 0,
                       .sdt = sa.sdt};
@@ -241,7 +236,7 @@ fail:
 typedef struct {
   int64_t nseg, nb, nparam, gslots, pslots;
   int host;            /* 1: memcpy + no events (CPU tensors); 0: CUDA */
-  int64_t *segs;       /* [nseg, 5] */
+  mp_adamw_segment_row *segs; /* [nseg] */
   int64_t *bucket_seg; /* [nb + 1] */
   int64_t max_bucket_segs;
   size_t gslot_bytes, pslot_bytes;
@@ -374,11 +369,11 @@ static PyObject *py_adamw_plan_create(PyObject *self, PyObject *args) {
     return mp_raise_no_cuda("StreamAdamW on CUDA parameters");
   }
 #endif
-  int64_t nseg = segs.len / (Py_ssize_t)(5 * sizeof(int64_t));
+  int64_t nseg = segs.len / (Py_ssize_t)sizeof(mp_adamw_segment_row);
   int64_t nb = bseg.len / (Py_ssize_t)sizeof(int64_t) - 1;
-  if (segs.len != nseg * 5 * (Py_ssize_t)sizeof(int64_t) || nb < 1 || gslots < 2 || gslots > 64 || pslots < 1 ||
-      pslots > 64 || gbytes <= 0 || gbytes >= MAX_BYTES || pbytes <= 0 || pbytes >= MAX_BYTES || nparam < 1 ||
-      nparam >= MAX_NUMEL) {
+  if (segs.len != nseg * (Py_ssize_t)sizeof(mp_adamw_segment_row) || nb < 1 || gslots < 2 || gslots > 64 ||
+      pslots < 1 || pslots > 64 || gbytes <= 0 || gbytes >= MAX_BYTES || pbytes <= 0 || pbytes >= MAX_BYTES ||
+      nparam < 1 || nparam >= MAX_NUMEL) {
     PyErr_SetString(PyExc_ValueError, "moepeak: adamw_plan_create: malformed plan");
     goto fail;
   }
@@ -392,7 +387,7 @@ static PyObject *py_adamw_plan_create(PyObject *self, PyObject *args) {
   p->pslots = pslots;
   p->gslot_bytes = (size_t)gbytes;
   p->pslot_bytes = (size_t)pbytes;
-  p->segs = (int64_t *)malloc((size_t)segs.len);
+  p->segs = (mp_adamw_segment_row *)malloc((size_t)segs.len);
   p->bucket_seg = (int64_t *)malloc((size_t)bseg.len);
   p->gslot = (char **)calloc((size_t)gslots, sizeof(char *));
   p->pslot = (char **)calloc((size_t)pslots, sizeof(char *));
@@ -411,10 +406,11 @@ static PyObject *py_adamw_plan_create(PyObject *self, PyObject *args) {
     if (k1 - k0 > p->max_bucket_segs) p->max_bucket_segs = k1 - k0;
   }
   for (int64_t k = 0; k < nseg; k++) {
-    const int64_t *r = p->segs + 5 * k;
-    /* every field bounded: r[1] + r[2] and r[3] + 4 * r[2] cannot overflow */
-    if (r[0] < 0 || r[0] >= nparam || r[1] < 0 || r[1] >= MAX_NUMEL || r[2] <= 0 || r[2] >= MAX_NUMEL ||
-        r[3] < 0 || r[3] >= gbytes || r[4] < 0 || r[4] >= pbytes) {
+    const mp_adamw_segment_row *s = &p->segs[k];
+    /* every field bounded: first + numel and grad_slot_offset + 4 * numel cannot overflow */
+    if (s->param < 0 || s->param >= nparam || s->first < 0 || s->first >= MAX_NUMEL || s->numel <= 0 ||
+        s->numel >= MAX_NUMEL || s->grad_slot_offset < 0 || s->grad_slot_offset >= gbytes ||
+        s->param_slot_offset < 0 || s->param_slot_offset >= pbytes) {
       PyErr_Format(PyExc_ValueError, "moepeak: adamw_plan_create: segment %lld malformed", (long long)k);
       goto fail;
     }
@@ -438,14 +434,15 @@ done:
 }
 
 /* D2H of bucket b's grads into gslot[slot], then gev[slot] recorded. */
-static mp_status issue_d2h(adamw_plan *p, const int64_t *P, int64_t b, int64_t slot) {
+static mp_status issue_d2h(adamw_plan *p, const mp_adamw_param_row *rows, int64_t b, int64_t slot) {
   mp_status st = MP_OK;
   for (int64_t k = p->bucket_seg[b]; k < p->bucket_seg[b + 1]; k++) {
-    const int64_t *s = p->segs + 5 * k, *r = P + s[0] * PTR_COLS;
-    if (r[3] == 0) continue;
-    size_t es = (size_t)dt_size((int)r[6]);
-    MP_TRY(st, pl_copy(p, p->gslot[slot] + s[3], (const char *)(intptr_t)r[3] + (size_t)s[1] * es,
-                                  (size_t)s[2] * es, p->d2h));
+    const mp_adamw_segment_row *s = &p->segs[k];
+    const mp_adamw_param_row *r = &rows[s->param];
+    if (r->grad == 0) continue;
+    size_t es = mp_dtype_bytes(r->grad_dtype);
+    MP_TRY(st, pl_copy(p, p->gslot[slot] + s->grad_slot_offset, (const char *)(intptr_t)r->grad + (size_t)s->first * es,
+                       (size_t)s->numel * es, p->d2h));
   }
   MP_TRY(st, pl_record(p, p->gev[slot], p->d2h));
 fail:
@@ -460,56 +457,58 @@ fail:
  * their meaning across calls: pev[s] is the last H2D that read pslot[s]. */
 /* Element `first` of a state tensor of dtype sdt at address `ptr` (0: NULL). */
 static void *state_at(int64_t ptr, int64_t first, int sdt) {
-  return ptr ? (char *)(intptr_t)ptr + (size_t)first * (size_t)dt_size(sdt) : NULL;
+  return ptr ? (char *)(intptr_t)ptr + (size_t)first * mp_dtype_bytes(sdt) : NULL;
 }
 
-static mp_status run_pipeline(adamw_plan *p, const int64_t *P, const mp_adamw_coef *coef, uintptr_t cur, int isa,
-                              int threads, int sdt, int64_t *active) {
+static mp_status run_pipeline(adamw_plan *p, const mp_adamw_param_row *rows, const mp_adamw_coef *coef,
+                              uintptr_t cur, int isa, int threads, int sdt, int64_t *active) {
   mp_status st = MP_OK;
   int64_t nb = 0;
   for (int64_t b = 0; b < p->nb; b++) {
     int any = 0;
-    for (int64_t k = p->bucket_seg[b]; k < p->bucket_seg[b + 1] && !any; k++) any = P[p->segs[5 * k] * PTR_COLS + 3] != 0;
+    for (int64_t k = p->bucket_seg[b]; k < p->bucket_seg[b + 1] && !any; k++) any = rows[p->segs[k].param].grad != 0;
     if (any) active[nb++] = b;
   }
   if (nb == 0) return MP_OK;
   MP_TRY(st, pl_record(p, p->ev_start, cur));
   MP_TRY(st, pl_wait(p, p->d2h, p->ev_start));
   MP_TRY(st, pl_wait(p, p->h2d, p->ev_start));
-  for (int64_t j = 0; j < nb && j < p->gslots; j++) MP_TRY(st, issue_d2h(p, P, active[j], j % p->gslots));
+  for (int64_t j = 0; j < nb && j < p->gslots; j++) MP_TRY(st, issue_d2h(p, rows, active[j], j % p->gslots));
   for (int64_t j = 0; j < nb; j++) {
     int64_t b = active[j], gs = j % p->gslots, ps = j % p->pslots;
     MP_TRY(st, pl_sync(p, p->gev[gs])); /* grads of bucket b are in gslot[gs] */
     MP_TRY(st, pl_sync(p, p->pev[ps])); /* pslot[ps] no longer read by an H2D */
     int ns = 0;
     for (int64_t k = p->bucket_seg[b]; k < p->bucket_seg[b + 1]; k++) {
-      const int64_t *s = p->segs + 5 * k, *r = P + s[0] * PTR_COLS;
-      if (r[3] == 0) continue;
-      mp_adamw_seg w = {.p = (float *)(intptr_t)r[0] + s[1],
-                        .m = state_at(r[1], s[1], sdt),
-                        .v = state_at(r[2], s[1], sdt),
-                        .vmax = state_at(r[8], s[1], sdt),
-                        .g = p->gslot[gs] + s[3],
-                        .lp = p->pslot[ps] + s[4],
-                        .n = s[2],
-                        .base = s[1],
-                        .gdt = (int)r[6],
-                        .ldt = (int)r[7],
-                        .coef = &coef[s[0]],
+      const mp_adamw_segment_row *s = &p->segs[k];
+      const mp_adamw_param_row *r = &rows[s->param];
+      if (r->grad == 0) continue;
+      mp_adamw_seg w = {.p = (float *)(intptr_t)r->master + s->first,
+                        .m = state_at(r->exp_avg, s->first, sdt),
+                        .v = state_at(r->exp_avg_sq, s->first, sdt),
+                        .vmax = state_at(r->max_exp_avg_sq, s->first, sdt),
+                        .g = p->gslot[gs] + s->grad_slot_offset,
+                        .lp = p->pslot[ps] + s->param_slot_offset,
+                        .n = s->numel,
+                        .base = s->first,
+                        .gdt = (int)r->grad_dtype,
+                        .ldt = (int)r->param_dtype,
+                        .coef = &coef[s->param],
                         .lp_stream = 1 /* lp: a pinned slot */,
                         .sdt = sdt};
       p->work[ns++] = w;
     }
     MP_TRY(st, mp_adamw_run(p->work, ns, isa, threads));
     for (int64_t k = p->bucket_seg[b]; k < p->bucket_seg[b + 1]; k++) {
-      const int64_t *s = p->segs + 5 * k, *r = P + s[0] * PTR_COLS;
-      if (r[3] == 0) continue;
-      size_t es = (size_t)dt_size((int)r[7]);
-      MP_TRY(st, pl_copy(p, (char *)(intptr_t)r[4] + (size_t)s[1] * es, p->pslot[ps] + s[4],
-                                    (size_t)s[2] * es, p->h2d));
+      const mp_adamw_segment_row *s = &p->segs[k];
+      const mp_adamw_param_row *r = &rows[s->param];
+      if (r->grad == 0) continue;
+      size_t es = mp_dtype_bytes(r->param_dtype);
+      MP_TRY(st, pl_copy(p, (char *)(intptr_t)r->param_lowp + (size_t)s->first * es,
+                         p->pslot[ps] + s->param_slot_offset, (size_t)s->numel * es, p->h2d));
     }
     MP_TRY(st, pl_record(p, p->pev[ps], p->h2d));
-    if (j + p->gslots < nb) MP_TRY(st, issue_d2h(p, P, active[j + p->gslots], gs)); /* gslot[gs] is free again */
+    if (j + p->gslots < nb) MP_TRY(st, issue_d2h(p, rows, active[j + p->gslots], gs)); /* gslot[gs] is free again */
   }
   MP_TRY(st, pl_wait(p, cur, p->pev[(nb - 1) % p->pslots]));
 fail:
@@ -526,7 +525,7 @@ static PyObject *py_adamw_plan_step(PyObject *self, PyObject *args, PyObject *kw
   Py_buffer ptrs = {0}, hyper = {0};
   unsigned long long cur;
   int isa, threads, tthreads, tvlen;
-  state_args sa = {MP_DT_F32, NULL, {0}, 0};
+  state_args sa = {MP_DTYPE_F32, NULL, {0}, 0};
   mp_adamw_coef *coef = NULL;
   int64_t *active = NULL;
   PyObject *ret = NULL;
@@ -544,14 +543,15 @@ static PyObject *py_adamw_plan_step(PyObject *self, PyObject *args, PyObject *kw
     goto fail;
   }
   /* Every segment must lie inside its parameter and its slots. */
-  const int64_t *P = (const int64_t *)ptrs.buf;
+  const mp_adamw_param_row *rows = (const mp_adamw_param_row *)ptrs.buf;
   for (int64_t k = 0; k < p->nseg; k++) {
-    const int64_t *s = p->segs + 5 * k, *r = P + s[0] * PTR_COLS;
-    if (r[3] == 0) continue; /* no grad this step: skipped, never touched */
-    /* overflow-safe: s[1], s[2], r[5] < 2^48 and s[3], s[4] < 2^52 (checked at creation / in parse_step) */
-    if (s[2] > r[5] || s[1] > r[5] - s[2] || r[4] == 0 ||
-        s[2] * dt_size((int)r[6]) > (int64_t)p->gslot_bytes - s[3] ||
-        s[2] * dt_size((int)r[7]) > (int64_t)p->pslot_bytes - s[4]) {
+    const mp_adamw_segment_row *s = &p->segs[k];
+    const mp_adamw_param_row *r = &rows[s->param];
+    if (r->grad == 0) continue; /* no grad this step: skipped, never touched */
+    /* overflow-safe: first, numel < 2^48 and the slot offsets < 2^52 (checked at creation / in parse_step) */
+    if (s->numel > r->numel || s->first > r->numel - s->numel || r->param_lowp == 0 ||
+        s->numel * (int64_t)mp_dtype_bytes(r->grad_dtype) > (int64_t)p->gslot_bytes - s->grad_slot_offset ||
+        s->numel * (int64_t)mp_dtype_bytes(r->param_dtype) > (int64_t)p->pslot_bytes - s->param_slot_offset) {
       PyErr_Format(PyExc_ValueError, "moepeak: adamw_plan_step: segment %lld does not fit its param or slot "
                    "(the plan was built for other shapes or dtypes, or the param pointer is null)", (long long)k);
       goto fail;
@@ -563,7 +563,7 @@ static PyObject *py_adamw_plan_step(PyObject *self, PyObject *args, PyObject *kw
     goto fail;
   }
   mp_status st;
-  MP_CALL_NOGIL(st, run_pipeline(p, (const int64_t *)ptrs.buf, coef, (uintptr_t)cur, isa, threads, sa.sdt, active));
+  MP_CALL_NOGIL(st, run_pipeline(p, rows, coef, (uintptr_t)cur, isa, threads, sa.sdt, active));
   ret = Py_None;
   Py_INCREF(ret);
 fail:

@@ -176,16 +176,16 @@ static inline int is_torch_tail(const mp_adamw_coef *c, int64_t i) {
 
 static inline float load_grad(const void *g, int dt, int64_t i) {
   switch (dt) {
-    case MP_DT_BF16: return bf16_to_f32(((const uint16_t *)g)[i]);
-    case MP_DT_F16: return f16_to_f32(((const uint16_t *)g)[i]);
+    case MP_DTYPE_BF16: return bf16_to_f32(((const uint16_t *)g)[i]);
+    case MP_DTYPE_F16: return f16_to_f32(((const uint16_t *)g)[i]);
     default: return ((const float *)g)[i];
   }
 }
 
 static inline void store_lp(void *lp, int dt, int64_t i, float x) {
   switch (dt) {
-    case MP_DT_BF16: ((uint16_t *)lp)[i] = f32_to_bf16(x); break;
-    case MP_DT_F16: ((uint16_t *)lp)[i] = f32_to_f16(x); break;
+    case MP_DTYPE_BF16: ((uint16_t *)lp)[i] = f32_to_bf16(x); break;
+    case MP_DTYPE_F16: ((uint16_t *)lp)[i] = f32_to_f16(x); break;
     default: ((float *)lp)[i] = x; break;
   }
 }
@@ -205,7 +205,7 @@ static inline float amsgrad_max_vec(float vm, float v) {
  * rounding on the elements is_torch_tail() names. */
 static void adamw_scalar(const mp_adamw_seg *s, int64_t b, int64_t e, int emulate) {
   const mp_adamw_coef *c = s->coef;
-  const int bf16 = s->sdt == MP_DT_BF16;
+  const int bf16 = s->sdt == MP_DTYPE_BF16;
   uint64_t hi = UINT64_MAX; /* high word of the element index the keys are for (none yet) */
   sr_keys keys = {0, 0};
   for (int64_t i = b; i < e; i++) {
@@ -252,16 +252,16 @@ static void adamw_scalar(const mp_adamw_seg *s, int64_t b, int64_t e, int emulat
 #define MP_T_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 MP_T_AVX2 static inline __m256 avx2_load_grad(const void *g, int dt, int64_t i) {
-  if (dt == MP_DT_BF16) {
+  if (dt == MP_DTYPE_BF16) {
     __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)g + i));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
-  if (dt == MP_DT_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)g + i)));
+  if (dt == MP_DTYPE_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)g + i)));
   return _mm256_loadu_ps((const float *)g + i);
 }
 
 MP_T_AVX2 static inline void avx2_store_lp(void *lp, int dt, int64_t i, __m256 x, int nt) {
-  if (dt == MP_DT_BF16) {
+  if (dt == MP_DTYPE_BF16) {
     __m256i u = _mm256_castps_si256(x);
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
@@ -273,7 +273,7 @@ MP_T_AVX2 static inline void avx2_store_lp(void *lp, int dt, int64_t i, __m256 x
       _mm_stream_si128((__m128i *)((uint16_t *)lp + i), packed);
     else
       _mm_storeu_si128((__m128i *)((uint16_t *)lp + i), packed);
-  } else if (dt == MP_DT_F16) {
+  } else if (dt == MP_DTYPE_F16) {
     __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
     if (nt)
       _mm_stream_si128((__m128i *)((uint16_t *)lp + i), h);
@@ -291,7 +291,7 @@ MP_T_AVX2 static inline void avx2_store_lp(void *lp, int dt, int64_t i, __m256 x
  * The loop steps by whole vectors, so alignment at b holds at every i. */
 static inline int lp_stream_ok(const mp_adamw_seg *s, int64_t b, int lanes) {
   if (!s->lp || !s->lp_stream) return 0;
-  size_t es = s->ldt == MP_DT_F32 ? 4 : 2;
+  size_t es = s->ldt == MP_DTYPE_F32 ? 4 : 2;
   return ((uintptr_t)((const char *)s->lp + (size_t)b * es) % (es * (size_t)lanes)) == 0;
 }
 
@@ -375,7 +375,7 @@ MP_T_AVX2 static inline __attribute__((always_inline)) void adamw_avx2_body(cons
 }
 
 MP_T_AVX2 static void adamw_avx2(const mp_adamw_seg *s, int64_t b, int64_t e) {
-  if (s->sdt == MP_DT_BF16)
+  if (s->sdt == MP_DTYPE_BF16)
     adamw_avx2_body(s, b, e, 1);
   else
     adamw_avx2_body(s, b, e, 0);
@@ -385,16 +385,16 @@ MP_T_AVX2 static void adamw_avx2(const mp_adamw_seg *s, int64_t b, int64_t e) {
 #define MP_T_AVX512 __attribute__((target("avx512f")))
 
 MP_T_AVX512 static inline __m512 avx512_load_grad(const void *g, int dt, int64_t i) {
-  if (dt == MP_DT_BF16) {
+  if (dt == MP_DTYPE_BF16) {
     __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)g + i));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
-  if (dt == MP_DT_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)g + i)));
+  if (dt == MP_DTYPE_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)g + i)));
   return _mm512_loadu_ps((const float *)g + i);
 }
 
 MP_T_AVX512 static inline void avx512_store_lp(void *lp, int dt, int64_t i, __m512 x, int nt) {
-  if (dt == MP_DT_BF16) {
+  if (dt == MP_DTYPE_BF16) {
     __m512i u = _mm512_castps_si512(x);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
@@ -405,7 +405,7 @@ MP_T_AVX512 static inline void avx512_store_lp(void *lp, int dt, int64_t i, __m5
       _mm256_stream_si256((__m256i *)((uint16_t *)lp + i), h);
     else
       _mm256_storeu_si256((__m256i *)((uint16_t *)lp + i), h);
-  } else if (dt == MP_DT_F16) {
+  } else if (dt == MP_DTYPE_F16) {
     __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
     if (nt)
       _mm256_stream_si256((__m256i *)((uint16_t *)lp + i), h);
@@ -493,7 +493,7 @@ MP_T_AVX512 static inline __attribute__((always_inline)) void adamw_avx512_body(
 }
 
 MP_T_AVX512 static void adamw_avx512(const mp_adamw_seg *s, int64_t b, int64_t e) {
-  if (s->sdt == MP_DT_BF16)
+  if (s->sdt == MP_DTYPE_BF16)
     adamw_avx512_body(s, b, e, 1);
   else
     adamw_avx512_body(s, b, e, 0);
@@ -564,7 +564,7 @@ mp_status mp_adamw_run(const mp_adamw_seg *segs, int nseg, int isa, int nthreads
   if (nseg <= 0) return MP_OK;
   if (isa < 0 || isa > mp_cpu_best_isa()) MP_FAIL(st, MP_ERR_INVALID, "adamw: isa %d not supported by this CPU", isa);
   for (int k = 0; k < nseg; k++)
-    if (segs[k].sdt != MP_DT_F32 && segs[k].sdt != MP_DT_BF16)
+    if (segs[k].sdt != MP_DTYPE_F32 && segs[k].sdt != MP_DTYPE_BF16)
       MP_FAIL(st, MP_ERR_INVALID, "adamw: state dtype code %d of segment %d is not 0 (fp32) or 1 (bf16)",
               segs[k].sdt, k);
   if (nseg >= 64) {

@@ -2,8 +2,8 @@
  * shared by the binding and the bucket pipeline (adamw.c).
  *
  * Optimizer state dtype (mp_adamw_seg.sdt): exp_avg m, exp_avg_sq v and
- * amsgrad's max_exp_avg_sq vm are fp32 (MP_DT_F32, 12 B/param with the fp32
- * master) or bf16 (MP_DT_BF16, 8 B/param). bf16 state is widened to fp32,
+ * amsgrad's max_exp_avg_sq vm are fp32 (MP_DTYPE_F32, 12 B/param with the fp32
+ * master) or bf16 (MP_DTYPE_BF16, 8 B/param). bf16 state is widened to fp32,
  * updated by exactly the fp32 arithmetic below (the denominator and the new p
  * use the fp32 m, v, vm before rounding), and stored back with stochastic
  * rounding (SR):
@@ -47,10 +47,6 @@
 
 #include "moepeak.h"
 
-/* dtype codes of gradients, low-precision parameter copies and optimizer state
- * (state: F32 or BF16 only) */
-enum { MP_DT_F32 = 0, MP_DT_BF16 = 1, MP_DT_F16 = 2 };
-
 /* The per-step scalars of one parameter, cast to float as torch does. */
 typedef struct {
   float wd_scale;      /* f(1 - lr*wd) */
@@ -82,9 +78,9 @@ void mp_adamw_coef_set_rounding(mp_adamw_coef *c, uint64_t seed, double step);
 
 /* One contiguous run of n elements updated with one coefficient set.
  *   p       : [n] fp32 master, updated in place
- *   m, v    : [n] of sdt (MP_DT_F32 or MP_DT_BF16), updated in place
+ *   m, v    : [n] of sdt (MP_DTYPE_F32 or MP_DTYPE_BF16), updated in place
  *   vmax    : [n] of sdt, max_exp_avg_sq (amsgrad), updated in place; NULL: no amsgrad
- *   g       : [n] of gdt (MP_DT_*), read only
+ *   g       : [n] of gdt (MP_DTYPE_*), read only
  *   lp      : [n] of ldt, written with the rounded new p; NULL for none
  *   coef    : the parameter's scalars (shared by all its segments) */
 typedef struct {
@@ -102,7 +98,7 @@ typedef struct {
    * read-for-ownership of each line: 2 of the ~32 B/param of DRAM traffic of
    * an offloaded step. 0 (default) for params the CPU may read again. */
   int lp_stream;
-  int sdt; /* dtype of m, v, vmax: MP_DT_F32 or MP_DT_BF16 */
+  int sdt; /* dtype of m, v, vmax: MP_DTYPE_F32 or MP_DTYPE_BF16 */
 } mp_adamw_seg;
 
 /* Update every segment, split over the thread pool (nthreads <= 0: default).

@@ -143,10 +143,10 @@ void mp_ce_scale_range(void *ctx, int64_t begin, int64_t end, int worker) {
   (void)worker;
   const ce_scale_args *a = (const ce_scale_args *)ctx;
   const float g = a->g;
-  if (a->dtype == CE_F32) {
+  if (a->dtype == MP_DTYPE_F32) {
     float *p = (float *)a->t;
     for (int64_t i = begin; i < end; ++i) p[i] *= g;
-  } else if (a->dtype == CE_BF16) {
+  } else if (a->dtype == MP_DTYPE_BF16) {
     uint16_t *p = (uint16_t *)a->t;
     for (int64_t i = begin; i < end; ++i) p[i] = f32_to_bf16(bf16_to_f32(p[i]) * g);
   } else {
@@ -194,7 +194,7 @@ static int64_t ce_lower_bound(const int64_t *a, int64_t n, int64_t key) {
 void mp_ce_dw_finish_range(void *ctx, int64_t begin, int64_t end, int worker) {
   (void)worker;
   const ce_dw_finish_args *a = (const ce_dw_finish_args *)ctx;
-  const size_t esz = a->dtype == CE_F32 ? 4 : 2;
+  const size_t esz = a->dtype == MP_DTYPE_F32 ? 4 : 2;
   float acc[CE_FINISH_TILE];
   for (int64_t r = begin; r < end; ++r) {
     const int64_t v = a->v0 + r;
@@ -228,7 +228,7 @@ void mp_ce_dw_finish_range(void *ctx, int64_t begin, int64_t end, int worker) {
 void mp_ce_dx_finish_range(void *ctx, int64_t begin, int64_t end, int worker) {
   (void)worker;
   const ce_dx_finish_args *a = (const ce_dx_finish_args *)ctx;
-  const size_t esz = a->dtype == CE_F32 ? 4 : 2;
+  const size_t esz = a->dtype == MP_DTYPE_F32 ? 4 : 2;
   for (int64_t t = begin; t < end; ++t) {
     const int64_t r = a->labels[t] - a->v0;
     if (r < 0 || r >= a->nv) continue;

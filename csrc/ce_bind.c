@@ -82,7 +82,7 @@ static PyObject *py_ce_fold(PyObject *self, PyObject *args) {
   if (ce_check_sizes("ce_fold", &a, cuda) || ce_check_rows("ce_fold", t, "m", m, "s", s, "zy", zy) ||
       ce_check_rows("ce_fold", t, "zsum", zsum, "sx", sx, "zsum", zsum))
     return NULL;
-  if (z_dtype < 0 || z_dtype > 2 || (!cuda && z_dtype != 0)) {
+  if (!mp_dtype_valid(z_dtype) || (!cuda && z_dtype != MP_DTYPE_F32)) {
     PyErr_Format(PyExc_ValueError, "moepeak._C.ce_fold: z_dtype must be 0 (fp32) on CPU, 0..2 on CUDA, got %d",
                  z_dtype);
     return NULL;
@@ -138,13 +138,13 @@ static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
                mp_check_extent(fn, "part's bytes (gmax x ldp x 4)", gmax, ldp, 4, NULL) ||
                mp_check_ptr(fn, "cs", cs, v)))
     return NULL;
-  if (n_classes < 1 || (g_stride != 0 && g_stride != 1) || out_dtype < 0 || out_dtype > 2) {
+  if (n_classes < 1 || (g_stride != 0 && g_stride != 1) || !mp_dtype_valid(out_dtype)) {
     PyErr_Format(PyExc_ValueError, "moepeak._C.ce_grad: need n_classes >= 1 (got %lld), g_stride 0 or 1 "
                  "(got %lld), out_dtype 0..2 (got %d)", n_classes, g_stride, out_dtype);
     return NULL;
   }
-  if (z_dtype < 0 || z_dtype > 2 || (!cuda && z_dtype != 0) ||
-      (z_dtype != 0 && (out_dtype != z_dtype || out != z || ldo != ldz))) {
+  if (!mp_dtype_valid(z_dtype) || (!cuda && z_dtype != MP_DTYPE_F32) ||
+      (z_dtype != MP_DTYPE_F32 && (out_dtype != z_dtype || out != z || ldo != ldz))) {
     PyErr_Format(PyExc_ValueError, "moepeak._C.ce_grad: z_dtype %d: low-precision logits (1, 2; CUDA only) "
                  "need out_dtype == z_dtype and dZ in place (out == z, ldo == ldz)", z_dtype);
     return NULL;
@@ -157,15 +157,16 @@ static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
   if (t == 0) Py_RETURN_NONE;
   if (cuda) {
 #if MP_WITH_CUDA
-    if (out_dtype != 0 && ldo < v) {
+    if (out_dtype != MP_DTYPE_F32 && ldo < v) {
       PyErr_Format(PyExc_ValueError, "moepeak._C.ce_grad: ldo=%lld < v=%lld", ldo, v);
       return NULL;
     }
     if (part)
       return mp_return_none(
           mp_ce_grad_colsum_cuda(a.z, z_dtype, ldz, t, v, v0, v_valid, a.labels, ignore, a.softcap, a.mrow, a.ls,
-              a.q, a.g, g_stride, a.eps, n_classes, a.zloss, out_dtype == 0 ? (void *)a.z : (void *)(uintptr_t)out,
-              out_dtype == 0 ? ldz : ldo, out_dtype, (float *)(uintptr_t)part, ldp, gmax, (float *)(uintptr_t)cs,
+              a.q, a.g, g_stride, a.eps, n_classes, a.zloss,
+              out_dtype == MP_DTYPE_F32 ? (void *)a.z : (void *)(uintptr_t)out, out_dtype == MP_DTYPE_F32 ? ldz : ldo,
+              out_dtype, (float *)(uintptr_t)part, ldp, gmax, (float *)(uintptr_t)cs,
               first, (float *)(uintptr_t)tc, (uintptr_t)stream));
     else
       return mp_return_none(
@@ -175,7 +176,7 @@ static PyObject *py_ce_grad(PyObject *self, PyObject *args) {
     return mp_raise_no_cuda("ce_grad");
 #endif
   } else {
-    if (out_dtype != 0 || out != z) {
+    if (out_dtype != MP_DTYPE_F32 || out != z) {
       PyErr_SetString(PyExc_ValueError, "moepeak._C.ce_grad: on CPU the gradient is written in place (fp32)");
       return NULL;
     }
@@ -196,7 +197,7 @@ static PyObject *py_ce_scale(PyObject *self, PyObject *args) {
   long long n;
   int dtype, cuda;
   if (!PyArg_ParseTuple(args, "KiLKpK:ce_scale", &t, &dtype, &n, &g, &cuda, &stream)) return NULL;
-  if (dtype < CE_F32 || dtype > CE_F16 || n < 0) {
+  if (!mp_dtype_valid(dtype) || n < 0) {
     PyErr_Format(PyExc_ValueError, "moepeak._C.ce_scale: need dtype 0..2 (got %d) and n >= 0 (got %lld)", dtype, n);
     return NULL;
   }
@@ -232,7 +233,7 @@ static PyObject *py_ce_dw_finish(PyObject *self, PyObject *args) {
   if (!PyArg_ParseTuple(args, "KiLLLKLLKKKLKKKpK:ce_dw_finish", &dw, &dtype, &ldw, &v0, &nv, &x, &ldx, &h, &sy,
                         &perm, &tc, &t, &cs, &mu, &flags, &cuda, &stream))
     return NULL;
-  if (dtype < CE_F32 || dtype > CE_F16 || t < 0 || nv < 0 || h < 0 || ldw < h || ldx < h || (!cs) != (!mu)) {
+  if (!mp_dtype_valid(dtype) || t < 0 || nv < 0 || h < 0 || ldw < h || ldx < h || (!cs) != (!mu)) {
     PyErr_Format(PyExc_ValueError, "moepeak._C.ce_dw_finish: need dtype 0..2, t, nv, h >= 0, ldw >= h, ldx >= h, "
                  "cs and mu both set or both 0 (got dtype=%d t=%lld nv=%lld h=%lld ldw=%lld ldx=%lld cs=%s mu=%s)",
                  dtype, t, nv, h, ldw, ldx, cs ? "set" : "0", mu ? "set" : "0");
@@ -244,7 +245,7 @@ static PyObject *py_ce_dw_finish(PyObject *self, PyObject *args) {
     return NULL;
   }
   const char *fn = "ce_dw_finish";
-  const long long esz = dtype == CE_F32 ? 4 : 2;
+  const long long esz = dtype == MP_DTYPE_F32 ? 4 : 2;
   if (mp_check_min(fn, "v0", v0, 0) || mp_check_sum(fn, "v0 + nv", v0, nv) ||
       mp_check_extent(fn, "dw's bytes (nv x ldw x size)", nv, ldw, esz, NULL) ||
       mp_check_extent(fn, "x's bytes (t x ldx x size)", t, ldx, esz, NULL) ||
@@ -287,13 +288,13 @@ static PyObject *py_ce_sub_row(PyObject *self, PyObject *args) {
   int dtype, cuda;
   if (!PyArg_ParseTuple(args, "KLKLKLLipK:ce_sub_row", &out, &ldo, &x, &ldx, &mu, &n, &h, &dtype, &cuda, &stream))
     return NULL;
-  if (dtype < CE_F32 || dtype > CE_F16 || n < 0 || h < 0 || ldo < h || ldx < h) {
+  if (!mp_dtype_valid(dtype) || n < 0 || h < 0 || ldo < h || ldx < h) {
     PyErr_Format(PyExc_ValueError, "moepeak._C.ce_sub_row: need dtype 0..2, n, h >= 0, ldo >= h, ldx >= h (got "
                  "dtype=%d n=%lld h=%lld ldo=%lld ldx=%lld)", dtype, n, h, ldo, ldx);
     return NULL;
   }
   const char *fn = "ce_sub_row";
-  const long long esz = dtype == CE_F32 ? 4 : 2;
+  const long long esz = dtype == MP_DTYPE_F32 ? 4 : 2;
   if (mp_check_extent(fn, "out's bytes (n x ldo x size)", n, ldo, esz, NULL) ||
       mp_check_extent(fn, "x's bytes (n x ldx x size)", n, ldx, esz, NULL) ||
       mp_check_ptr(fn, "out", out, h ? n : 0) || mp_check_ptr(fn, "x", x, h ? n : 0) ||
@@ -327,13 +328,13 @@ static PyObject *py_ce_dx_finish(PyObject *self, PyObject *args) {
   if (!PyArg_ParseTuple(args, "KiLKLLLLKKLpK:ce_dx_finish", &dx, &dtype, &ldx, &w, &ldw, &v0, &nv, &h, &labels,
                         &tc, &t, &cuda, &stream))
     return NULL;
-  if (dtype < CE_F32 || dtype > CE_F16 || t < 0 || nv < 0 || h < 0 || ldx < h || ldw < h) {
+  if (!mp_dtype_valid(dtype) || t < 0 || nv < 0 || h < 0 || ldx < h || ldw < h) {
     PyErr_Format(PyExc_ValueError, "moepeak._C.ce_dx_finish: need dtype 0..2, t, nv, h >= 0, ldx >= h, ldw >= h "
                  "(got dtype=%d t=%lld nv=%lld h=%lld ldx=%lld ldw=%lld)", dtype, t, nv, h, ldx, ldw);
     return NULL;
   }
   const char *fn = "ce_dx_finish";
-  const long long esz = dtype == CE_F32 ? 4 : 2;
+  const long long esz = dtype == MP_DTYPE_F32 ? 4 : 2;
   if (mp_check_min(fn, "v0", v0, 0) || mp_check_sum(fn, "v0 + nv", v0, nv) ||
       mp_check_extent(fn, "dx's bytes (t x ldx x size)", t, ldx, esz, NULL) ||
       mp_check_extent(fn, "w's bytes (nv x ldw x size)", nv, ldw, esz, NULL) ||

@@ -24,8 +24,6 @@ typedef struct {
   int64_t n_classes;
 } ce_args;
 
-enum { CE_F32 = 0, CE_BF16 = 1, CE_F16 = 2 }; /* the z_dtype / out_dtype codes */
-
 typedef struct {
   void *t;
   int dtype;

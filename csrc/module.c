@@ -88,7 +88,7 @@ fail:
 
 static int mp_exec(PyObject *m) {
   PyMethodDef *tables[] = {mp_core_methods, mp_adamw_methods,     mp_ce_methods,   mp_sco_methods,
-                           mp_llep_methods, mp_transport_methods, mp_spill_methods};
+                           mp_llep_methods, mp_transport_methods, mp_spill_methods, mp_abi_methods};
   for (size_t i = 0; i < sizeof tables / sizeof tables[0]; i++)
     if (PyModule_AddFunctions(m, tables[i]) < 0) return -1;
   if (PyModule_AddIntConstant(m, "has_cuda", MP_WITH_CUDA) < 0) return -1;

@@ -17,6 +17,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "mp_abi.h" /* dtype codes and row layouts shared with Python */
+
 #ifdef __cplusplus
 extern "C" {
 #endif

@@ -7,6 +7,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "mp_abi.h"
+
 /* fp32 <-> its bit pattern (memcpy: no aliasing rules broken, compiled to a move). */
 static inline uint32_t mp_f32_bits(float f) {
   uint32_t u;
@@ -53,17 +55,17 @@ static inline uint16_t f32_to_f16(float f) {
   return sign | (uint16_t)((r - 0x38000000u) >> 13);
 }
 
-/* Element i of a buffer of dtype code 0 (fp32), 1 (bf16) or 2 (fp16), as fp32; and the store
- * with one rounding. The codes are the kernels' dtype codes (ce_cpu.h CE_*, llep.h MP_LLEP_*). */
+/* Element i of a buffer of dtype `code` (mp_dtype of mp_abi.h: fp32, bf16 or fp16), as fp32;
+ * and the store with one rounding. */
 static inline float mp_ld_el(const void *p, int code, int64_t i) {
-  if (code == 0) return ((const float *)p)[i];
-  if (code == 1) return bf16_to_f32(((const uint16_t *)p)[i]);
+  if (code == MP_DTYPE_F32) return ((const float *)p)[i];
+  if (code == MP_DTYPE_BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
   return f16_to_f32(((const uint16_t *)p)[i]);
 }
 
 static inline void mp_st_el(void *p, int code, int64_t i, float v) {
-  if (code == 0) ((float *)p)[i] = v;
-  else if (code == 1) ((uint16_t *)p)[i] = f32_to_bf16(v);
+  if (code == MP_DTYPE_F32) ((float *)p)[i] = v;
+  else if (code == MP_DTYPE_BF16) ((uint16_t *)p)[i] = f32_to_bf16(v);
   else ((uint16_t *)p)[i] = f32_to_f16(v);
 }
 

@@ -14,14 +14,7 @@ typedef struct mp_ncclComm *ncclComm_t;
 typedef struct { char internal[MP_NCCL_UNIQUE_ID_BYTES]; } ncclUniqueId;
 typedef int ncclResult_t; /* ncclSuccess = 0, ncclInProgress = 7 */
 enum { ncclSuccess = 0, ncclInProgress = 7 };
-/* ncclDataType_t: the codes the bindings accept (MP_DT_* == NCCL's values). */
-enum {
-  MP_DT_INT8 = 0, MP_DT_UINT8 = 1, MP_DT_INT32 = 2, MP_DT_UINT32 = 3, MP_DT_INT64 = 4,
-  MP_DT_UINT64 = 5, MP_DT_FLOAT16 = 6, MP_DT_FLOAT32 = 7, MP_DT_FLOAT64 = 8, MP_DT_BFLOAT16 = 9,
-  MP_DT_COUNT = 10
-};
-/* ncclRedOp_t: sum, prod, max, min (avg exists but is not offered). */
-enum { MP_OP_SUM = 0, MP_OP_PROD = 1, MP_OP_MAX = 2, MP_OP_MIN = 3, MP_OP_COUNT = 4 };
+/* ncclDataType_t and ncclRedOp_t: mp_nccl_dtype and mp_nccl_op of mp_abi.h (NCCL's values). */
 
 /* ---- the loaded library -------------------------------------------------- */
 typedef struct {

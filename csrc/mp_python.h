@@ -63,5 +63,6 @@ extern PyMethodDef mp_sco_methods[];       /* sco.c: selective checkpoint offloa
 extern PyMethodDef mp_llep_methods[];      /* llep.c: PipelinedLLEP planner + permutation */
 extern PyMethodDef mp_transport_methods[]; /* nccl.c: NCCL transport */
 extern PyMethodDef mp_spill_methods[];     /* spill_bind.c: the disk tier's spill file */
+extern PyMethodDef mp_abi_methods[];       /* abi.c: mp_abi.h's codes and row layouts (abi_info) */
 
 #endif

@@ -30,8 +30,8 @@
 #include "mp_nccl.h"
 
 mp_nccl_lib mp_nccl;
-/* Element size of each ncclDataType_t code (MP_DT_*). */
-static const size_t mp_dt_size[MP_DT_COUNT] = {1, 1, 4, 4, 8, 8, 2, 4, 8, 2};
+/* Element size of each ncclDataType_t code (mp_nccl_dtype, mp_abi.h). */
+static const size_t mp_dt_size[MP_NCCL_DTYPE_COUNT] = {1, 1, 4, 4, 8, 8, 2, 4, 8, 2};
 
 static mp_status mp_nccl_resolve(void *lib, const char *how) {
   mp_status st = MP_OK;

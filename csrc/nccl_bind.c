@@ -76,9 +76,9 @@ static int mp_arg_ptr(PyObject *o, const char *name, uint64_t count, uintptr_t *
 }
 
 static int mp_arg_dtype(int dt) {
-  if (dt < 0 || dt >= MP_DT_COUNT) {
+  if (dt < 0 || dt >= MP_NCCL_DTYPE_COUNT) {
     PyErr_Format(PyExc_ValueError, "moepeak: dtype code must be an NCCL data type in [0, %d), got %d",
-                 MP_DT_COUNT, dt);
+                 MP_NCCL_DTYPE_COUNT, dt);
     return -1;
   }
   return 0;
@@ -387,8 +387,9 @@ static PyObject *py_nccl_all_reduce(PyObject *self, PyObject *args) {
   uint64_t count;
   uintptr_t sptr, rptr, stream;
   if (mp_arg_collective(h, spo, rpo, co, dt, so, &c, &count, &sptr, &rptr, &stream) < 0) return NULL;
-  if (op < 0 || op >= MP_OP_COUNT) {
-    PyErr_Format(PyExc_ValueError, "moepeak: op code must be in [0, %d) (sum, prod, max, min), got %d", MP_OP_COUNT, op);
+  if (op < 0 || op >= MP_NCCL_OP_COUNT) {
+    PyErr_Format(PyExc_ValueError, "moepeak: op code must be in [0, %d) (sum, prod, max, min), got %d",
+                 MP_NCCL_OP_COUNT, op);
     return NULL;
   }
   mp_status st;

@@ -46,9 +46,9 @@ extern "C" mp_status mp_ce_scale_cuda(void *p, int dtype, int64_t n, const float
   cudaStream_t sm = MP_STREAM(stream);
   if (n <= 0) return MP_OK;
   switch (dtype) {
-    case 0: launch_scale<float>(p, n, g, sm); break;
-    case 1: launch_scale<__nv_bfloat16>(p, n, g, sm); break;
-    case 2: launch_scale<__half>(p, n, g, sm); break;
+    case MP_DTYPE_F32: launch_scale<float>(p, n, g, sm); break;
+    case MP_DTYPE_BF16: launch_scale<__nv_bfloat16>(p, n, g, sm); break;
+    case MP_DTYPE_F16: launch_scale<__half>(p, n, g, sm); break;
     default: MP_FAIL(st, MP_ERR_INVALID, "ce_scale: dtype must be 0, 1 or 2, got %d", dtype);
   }
   MP_CUDA_CHECK_LAUNCH(st);
@@ -110,9 +110,9 @@ extern "C" mp_status mp_ce_sub_row_cuda(void *out, int64_t ldo, const void *x, i
                              int dtype, uintptr_t stream) {
   mp_status st = MP_OK;
   cudaStream_t sm = MP_STREAM(stream);
-  const int64_t vec = dtype == 0 ? 4 : 8;
+  const int64_t vec = dtype == MP_DTYPE_F32 ? 4 : 8;
   if (n <= 0 || h <= 0) return MP_OK;
-  if (dtype < 0 || dtype > 2) MP_FAIL(st, MP_ERR_INVALID, "ce_sub_row: dtype must be 0, 1 or 2, got %d", dtype);
+  if (!mp_dtype_valid(dtype)) MP_FAIL(st, MP_ERR_INVALID, "ce_sub_row: dtype must be 0, 1 or 2, got %d", dtype);
   if (h % vec || ldx % vec || ldo % vec || (((uintptr_t)out | (uintptr_t)x | (uintptr_t)mu) & 15u))
     MP_FAIL(st, MP_ERR_INVALID, "ce_sub_row: h, ldx, ldo must be multiples of %lld and the pointers 16-byte aligned",
             (long long)vec);
@@ -121,11 +121,11 @@ extern "C" mp_status mp_ce_sub_row_cuda(void *out, int64_t ldo, const void *x, i
     const int64_t blocks = (n * hv + per_block - 1) / per_block;
     const unsigned grid = (unsigned)(blocks < kScaleGrid ? blocks : kScaleGrid);
     switch (dtype) {
-      case 0:
+      case MP_DTYPE_F32:
         ce_sub_row_kernel<float><<<grid, kSubThreads, 0, sm>>>((float *)out, ldo, (const float *)x, ldx,
                                                                (const float *)mu, n, hv);
         break;
-      case 1:
+      case MP_DTYPE_BF16:
         ce_sub_row_kernel<__nv_bfloat16><<<grid, kSubThreads, 0, sm>>>(
             (__nv_bfloat16 *)out, ldo, (const __nv_bfloat16 *)x, ldx, (const __nv_bfloat16 *)mu, n, hv);
         break;
@@ -497,14 +497,14 @@ extern "C" mp_status mp_ce_dw_finish_cuda(void *dw, int dtype, int64_t ldw, int6
   {
     if (t > INT_MAX) MP_FAIL(st, MP_ERR_INVALID, "ce_dw_finish: t = %lld tokens, at most %d", (long long)t, INT_MAX);
     switch (dtype) {
-      case 0:
+      case MP_DTYPE_F32:
         launch_dw_finish<float>((float *)dw, ldw, v0, nv, (const float *)x, ldx, h, sy, perm, tcs, t, cs, mu, flags, sm);
         break;
-      case 1:
+      case MP_DTYPE_BF16:
         launch_dw_finish<__nv_bfloat16>((__nv_bfloat16 *)dw, ldw, v0, nv, (const __nv_bfloat16 *)x, ldx, h, sy, perm,
                                         tcs, t, cs, mu, flags, sm);
         break;
-      case 2:
+      case MP_DTYPE_F16:
         launch_dw_finish<__half>((__half *)dw, ldw, v0, nv, (const __half *)x, ldx, h, sy, perm, tcs, t, cs, mu, flags,
                                  sm);
         break;
@@ -549,15 +549,15 @@ extern "C" mp_status mp_ce_dx_finish_cuda(void *dx, int dtype, int64_t ldx, cons
   {
     const unsigned grid = grid_for(t);
     switch (dtype) {
-      case 0:
+      case MP_DTYPE_F32:
         ce_dx_finish_kernel<float><<<grid, kFinishThreads, 0, sm>>>((float *)dx, ldx, (const float *)w, ldw, v0, nv,
                                                                    h, labels, tc, t);
         break;
-      case 1:
+      case MP_DTYPE_BF16:
         ce_dx_finish_kernel<__nv_bfloat16><<<grid, kFinishThreads, 0, sm>>>(
             (__nv_bfloat16 *)dx, ldx, (const __nv_bfloat16 *)w, ldw, v0, nv, h, labels, tc, t);
         break;
-      case 2:
+      case MP_DTYPE_F16:
         ce_dx_finish_kernel<__half><<<grid, kFinishThreads, 0, sm>>>((__half *)dx, ldx, (const __half *)w, ldw, v0,
                                                                     nv, h, labels, tc, t);
         break;

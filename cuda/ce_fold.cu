@@ -160,10 +160,15 @@ extern "C" mp_status mp_ce_fold_cuda(const void *z, int z_dtype, int64_t ldz, in
     const int nv = valid_cols(v, v0, v_valid);
     cudaStream_t sm = MP_STREAM(stream);
     switch (z_dtype) {
-      case 0: launch_fold<float>(z, ldz, t, nv, v0, labels, ignore_index, softcap, m, s, zy, zsum, sx, sm); break;
-      case 1: launch_fold<__nv_bfloat16>(z, ldz, t, nv, v0, labels, ignore_index, softcap, m, s, zy, zsum, sx, sm);
-              break;
-      case 2: launch_fold<__half>(z, ldz, t, nv, v0, labels, ignore_index, softcap, m, s, zy, zsum, sx, sm); break;
+      case MP_DTYPE_F32:
+        launch_fold<float>(z, ldz, t, nv, v0, labels, ignore_index, softcap, m, s, zy, zsum, sx, sm);
+        break;
+      case MP_DTYPE_BF16:
+        launch_fold<__nv_bfloat16>(z, ldz, t, nv, v0, labels, ignore_index, softcap, m, s, zy, zsum, sx, sm);
+        break;
+      case MP_DTYPE_F16:
+        launch_fold<__half>(z, ldz, t, nv, v0, labels, ignore_index, softcap, m, s, zy, zsum, sx, sm);
+        break;
       default: MP_FAIL(st, MP_ERR_INVALID, "ce_fold: z_dtype must be 0, 1 or 2, got %d", z_dtype);
     }
   }

@@ -9,14 +9,21 @@ namespace {
 // =============================================================================
 // Gradient
 // =============================================================================
-// Per-row constants: d = g*(coef*p - uni) off target, g*((eps + 2 zl lse) p - (1-eps) q - uni)
-// at the target, p = 2^(log2e (x - m) - log2e ls) = exp((x - m) - ls).
+// Per-row constants of dZ = g (softmax - onehot) with label smoothing eps, z-loss zl and softcap:
+// with p = exp((x - m) - ls) = 2^(log2e (x - m) - log2(s)), lse = m + ls,
+//   off target: d = g coef p - g uni,                   coef = 1 + 2 zl lse
+//   at target:  d = g ((eps + 2 zl lse) p - (1-eps) q - uni).
 struct GradRow {
-  float mi, lsL, c;  // m, rn(ls * log2e), softcap
-  float cg, ug;      // g * coef, g * uni
-  float gi, ya, yb;  // target: g * (yb * p + ya), ya = -(1-eps) q - uni, yb = eps + 2 zl lse
-  int jy;            // target column in this block, -1 if none
-  int live;          // 0: an ignored or zero-weight row (dZ = 0, nothing read); the fields above unset
+  float row_max;       // m: the row's max logit
+  float log2_sum;      // rn(ls * log2e): log2 of the row's sum of exp(x - m)
+  float softcap;       // c of the softcap c tanh(x / c) (used only by the capped kernels)
+  float off_scale;     // g * coef: off target, d = off_scale * p - off_shift
+  float off_shift;     // g * uni
+  float grad_out;      // g: the row's upstream gradient
+  float target_shift;  // -(1-eps) q - uni: at the target, d = grad_out * (target_scale * p + target_shift)
+  float target_scale;  // eps + 2 zl lse
+  int target_col;      // the target's column in this block, -1 if none
+  int live;            // 0: an ignored or zero-weight row (dZ = 0, nothing read); the fields above unset
 };
 
 // Row i's constants (both gradient kernels).
@@ -30,16 +37,16 @@ __device__ __forceinline__ GradRow grad_row(int64_t i, int nv, int64_t v0, const
   const float gi = g[i * g_stride];
   r.live = !(y == ignore_index || gi == 0.f);
   if (!r.live) return r;
-  r.mi = mrow[i];
-  const float lsi = ls[i], L = r.mi + lsi;
-  r.lsL = __fmul_rn(lsi, kLog2e);
-  r.c = c;
-  r.cg = gi * (1.f + 2.f * zloss * L);
-  r.ug = gi * uni;
-  r.gi = gi;
-  r.ya = -(1.f - eps) * q[i] - uni;
-  r.yb = eps + 2.f * zloss * L;
-  r.jy = (y >= v0 && y < v0 + nv) ? (int)(y - v0) : -1;
+  r.row_max = mrow[i];
+  const float lsi = ls[i], lse = r.row_max + lsi;
+  r.log2_sum = __fmul_rn(lsi, kLog2e);
+  r.softcap = c;
+  r.off_scale = gi * (1.f + 2.f * zloss * lse);
+  r.off_shift = gi * uni;
+  r.grad_out = gi;
+  r.target_shift = -(1.f - eps) * q[i] - uni;
+  r.target_scale = eps + 2.f * zloss * lse;
+  r.target_col = (y >= v0 && y < v0 + nv) ? (int)(y - v0) : -1;
   return r;
 }
 
@@ -47,12 +54,12 @@ template <bool kCap>
 __device__ __forceinline__ float grad_one(float x, const GradRow &r, bool target) {
   float dcap = 1.f;
   if (kCap) {
-    const float th = tanhf(x / r.c);
-    x = r.c * th;
+    const float th = tanhf(x / r.softcap);
+    x = r.softcap * th;
     dcap = 1.f - th * th;
   }
-  const float p = ex2_ftz(fmaf(x - r.mi, kLog2e, -r.lsL));  // x - m is exact-ish; x - lse would lose ulp(lse)
-  const float d = target ? r.gi * fmaf(r.yb, p, r.ya) : fmaf(r.cg, p, -r.ug);
+  const float p = ex2_ftz(fmaf(x - r.row_max, kLog2e, -r.log2_sum));  // x - m is exact-ish; x - lse would lose ulp(lse)
+  const float d = target ? r.grad_out * fmaf(r.target_scale, p, r.target_shift) : fmaf(r.off_scale, p, -r.off_shift);
   return kCap ? d * dcap : d;
 }
 
@@ -114,17 +121,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       int h = head_cols(row, nc);
       if ((reinterpret_cast<uintptr_t>(orow + h) & (kOutBytes - 1)) != 0) h = nc;  // out misaligned: all scalar
       const int nvec = (nc - h) / N;
-      for (int j = tid; j < h; j += kThreads) orow[j] = from_f32<Out>(grad_one<kCap>(ld(row, j), r, j == r.jy));
+      for (int j = tid; j < h; j += kThreads) orow[j] = from_f32<Out>(grad_one<kCap>(ld(row, j), r, j == r.target_col));
       int vi = tid;
       for (; vi + (kUnroll - 1) * kThreads < nvec; vi += kUnroll * kThreads)
-        grad_vectors<In, Out, kCap, kUnroll>(row + h, orow + h, vi, r.jy - h, r);
+        grad_vectors<In, Out, kCap, kUnroll>(row + h, orow + h, vi, r.target_col - h, r);
       if (vi + kThreads < nvec) {  // the rest: at most 3 vectors per thread
-        grad_vectors<In, Out, kCap, 2>(row + h, orow + h, vi, r.jy - h, r);
+        grad_vectors<In, Out, kCap, 2>(row + h, orow + h, vi, r.target_col - h, r);
         vi += 2 * kThreads;
       }
-      if (vi < nvec) grad_vectors<In, Out, kCap, 1>(row + h, orow + h, vi, r.jy - h, r);
+      if (vi < nvec) grad_vectors<In, Out, kCap, 1>(row + h, orow + h, vi, r.target_col - h, r);
       for (int j = h + nvec * N + tid; j < nc; j += kThreads)
-        orow[j] = from_f32<Out>(grad_one<kCap>(ld(row, j), r, j == r.jy));
+        orow[j] = from_f32<Out>(grad_one<kCap>(ld(row, j), r, j == r.target_col));
     }
     zero_cols(orow, nc, v);
   }
@@ -150,14 +157,16 @@ void launch_grad(const void *z, int64_t ldz, int64_t t, int v, int nv, int64_t v
 template <typename T>
 struct Tag { using type = T; };
 
+constexpr int dtype_pair(int z_dtype, int out_dtype) { return z_dtype * MP_DTYPE_COUNT + out_dtype; }
+
 template <typename F>
 bool with_grad_dtypes(int z_dtype, int out_dtype, F &&f) {
-  switch (z_dtype * 3 + out_dtype) {
-    case 0: f(Tag<float>{}, Tag<float>{}); return true;
-    case 1: f(Tag<float>{}, Tag<__nv_bfloat16>{}); return true;
-    case 2: f(Tag<float>{}, Tag<__half>{}); return true;
-    case 4: f(Tag<__nv_bfloat16>{}, Tag<__nv_bfloat16>{}); return true;
-    case 8: f(Tag<__half>{}, Tag<__half>{}); return true;
+  switch (dtype_pair(z_dtype, out_dtype)) {
+    case dtype_pair(MP_DTYPE_F32, MP_DTYPE_F32): f(Tag<float>{}, Tag<float>{}); return true;
+    case dtype_pair(MP_DTYPE_F32, MP_DTYPE_BF16): f(Tag<float>{}, Tag<__nv_bfloat16>{}); return true;
+    case dtype_pair(MP_DTYPE_F32, MP_DTYPE_F16): f(Tag<float>{}, Tag<__half>{}); return true;
+    case dtype_pair(MP_DTYPE_BF16, MP_DTYPE_BF16): f(Tag<__nv_bfloat16>{}, Tag<__nv_bfloat16>{}); return true;
+    case dtype_pair(MP_DTYPE_F16, MP_DTYPE_F16): f(Tag<__half>{}, Tag<__half>{}); return true;
     default: return false;
   }
 }
@@ -219,7 +228,7 @@ template <typename Out>
 __device__ __forceinline__ float stored(float d) { return to_f32(from_f32<Out>(d)); }
 
 // Does the row have a target element in this block (then exactly one thread sees it)?
-__device__ __forceinline__ bool has_target(const GradRow &r) { return r.live && r.jy >= 0; }
+__device__ __forceinline__ bool has_target(const GradRow &r) { return r.live && r.target_col >= 0; }
 
 // Rows i0 .. i0 + U - 1 (constants rows[0 .. U)) at this thread's full vector of columns col .. col + N - 1.
 // tc (optional): the label column taken out (see ce_grad_colsum_kernel).
@@ -239,7 +248,7 @@ __device__ __forceinline__ void slab_rows(const In *z, int64_t ldz, Out *out, in
       unpack_vec<In>(u[k], x);
 #pragma unroll
       for (int e = 0; e < N; ++e) d[e] = grad_one<kCap>(x[e], r, false);
-      const int off = r.jy - col;     // the target's place in this vector, if any
+      const int off = r.target_col - col;     // the target's place in this vector, if any
       if ((unsigned)off < (unsigned)N) {  // rare: the target's vector
 #pragma unroll
         for (int e = 0; e < N; ++e) d[e] = stored<Out>(e == off ? grad_one<kCap>(x[e], r, true) : d[e]);
@@ -312,9 +321,9 @@ __global__ void __launch_bounds__(kSlabThreads, kSlabMinBlocks)
           if (j >= v) break;
           float d = 0.f;  // padding columns [nv, v) and dead rows: 0
           if (r.live && j < nv) {
-            d = stored<Out>(grad_one<kCap>(ld(row, j), r, j == r.jy));
-            acc[e] += (j == r.jy) ? 0.f : d;
-            if (tc && j == r.jy) {
+            d = stored<Out>(grad_one<kCap>(ld(row, j), r, j == r.target_col));
+            acc[e] += (j == r.target_col) ? 0.f : d;
+            if (tc && j == r.target_col) {
               tc[i0 + k] = d;
               d = 0.f;
             }
@@ -421,14 +430,14 @@ extern "C" mp_status mp_ce_grad_colsum_cuda(const void *z, int z_dtype, int64_t 
   mp_status st = MP_OK;
   const float uni = eps / (float)n_classes;
   cudaStream_t sm = MP_STREAM(stream);
-  static const int kBytes[3] = {4, 2, 2};
   if (t <= 0) return MP_OK;
   if (v < 0 || v > INT_MAX) MP_FAIL(st, MP_ERR_INVALID, "ce_grad_colsum: v must be in [0, 2^31), got %lld", (long long)v);
-  if (z_dtype < 0 || z_dtype > 2 || out_dtype < 0 || out_dtype > 2)
+  if (!mp_dtype_valid(z_dtype) || !mp_dtype_valid(out_dtype))
     MP_FAIL(st, MP_ERR_INVALID, "ce_grad_colsum: dtype codes must be 0..2, got (%d, %d)", z_dtype, out_dtype);
   {
     const int nv = valid_cols(v, v0, v_valid);
-    const int64_t zb = kBytes[z_dtype], ob = kBytes[out_dtype], ovec = 16 / zb * ob;  // out's vector bytes
+    const int64_t zb = (int64_t)mp_dtype_bytes(z_dtype), ob = (int64_t)mp_dtype_bytes(out_dtype);
+    const int64_t ovec = 16 / zb * ob;  // out's vector bytes
     if (((uintptr_t)z & 15) || (ldz * zb) % 16 || ((uintptr_t)out % ovec) || (ldo * ob) % ovec)
       MP_FAIL(st, MP_ERR_INVALID, "ce_grad_colsum: needs 16-byte aligned logits rows (z %p, ldz %lld) and "
               "%lld-byte aligned dZ rows (out %p, ldo %lld)", z, (long long)ldz, (long long)ovec, out, (long long)ldo);

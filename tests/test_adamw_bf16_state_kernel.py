@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from moepeak import _C
+from moepeak.core.abi import ADAMW_HYPER_ROW, ADAMW_PARAM_ROW, ADAMW_SEGMENT_ROW, DTYPE_CODES
 from refs import adamw_fused_step_ref as torch_fused
 from refs import adamw_step_ref, sr_expected
 from refs import sr_mix64 as mix64
@@ -26,8 +27,7 @@ ISAS = [
     pytest.param(code, id=name, marks=pytest.mark.skipif(code > BEST, reason=f"this CPU lacks {name}"))
     for name, code in (("scalar", 0), ("avx2", 1), ("avx512", 2))
 ]
-F32, BF16 = 0, 1
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+F32, BF16 = DTYPE_CODES[torch.float32], DTYPE_CODES[torch.bfloat16]
 
 
 def bits(t):
@@ -51,14 +51,15 @@ def _addr(t):
 
 
 def row(p, m, v, g, vm=None, lp=None):
-    """One ptrs row (csrc/adamw.c): master, exp_avg, exp_avg_sq, grad, low-precision copy, numel,
-    grad dtype, copy dtype, max_exp_avg_sq."""
-    return [p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(), _addr(lp), p.numel(), DTYPE_CODES[g.dtype],
-            DTYPE_CODES[lp.dtype] if lp is not None else 0, _addr(vm)]
+    """One ptrs row (moepeak.core.abi.ADAMW_PARAM_ROW)."""
+    return ADAMW_PARAM_ROW.row(master=p.data_ptr(), exp_avg=m.data_ptr(), exp_avg_sq=v.data_ptr(), grad=g.data_ptr(),
+                               param_lowp=_addr(lp), numel=p.numel(), grad_dtype=DTYPE_CODES[g.dtype],
+                               param_dtype=DTYPE_CODES[lp.dtype] if lp is not None else 0, max_exp_avg_sq=_addr(vm))
 
 
 def hyper(step, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, wd=1e-2, maximize=False):
-    return [lr, betas[0], betas[1], eps, wd, float(step), float(maximize)]
+    return ADAMW_HYPER_ROW.row(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=wd, step=float(step),
+                               maximize=float(maximize))
 
 
 def run_rows(rows, hyps, isa=0, threads=1, tail=(1, 0), **kw):
@@ -299,13 +300,14 @@ def _host_plan_step(p, m, v, vm, g, lp, pieces, first_base, numel, hyp, state_dt
     bucket 0, the rest packed in bucket 1."""
     es = {0: 4, 1: 2}[state_dtype]
     shift = lambda t, size: t.data_ptr() - first_base * size  # noqa: E731
-    ptrs = [shift(p, 4), shift(m, es), shift(v, es), shift(g, 4), shift(lp, 4), numel, 0, 0,
-            shift(vm, es) if vm is not None else 0]
+    ptrs = ADAMW_PARAM_ROW.row(master=shift(p, 4), exp_avg=shift(m, es), exp_avg_sq=shift(v, es), grad=shift(g, 4),
+                               param_lowp=shift(lp, 4), numel=numel, grad_dtype=F32, param_dtype=F32,
+                               max_exp_avg_sq=shift(vm, es) if vm is not None else 0)
     segs, off = [], 0
     for k, (first, cnt) in enumerate(pieces):
         if k == 1:
             off = 0
-        segs += [0, first, cnt, off, off]
+        segs += ADAMW_SEGMENT_ROW.row(param=0, first=first, numel=cnt, grad_slot_offset=off, param_slot_offset=off)
         off += -(-cnt * 4 // 64) * 64
     slot = max(-(-cnt * 4 // 64) * 64 for _, cnt in pieces) * len(pieces)
     plan = _C.adamw_plan_create(array.array("q", segs), array.array("q", [0, 1, len(pieces)]), 1, slot, slot, 2, 1,

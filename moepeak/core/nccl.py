@@ -47,17 +47,17 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
+from .abi import NCCL_DTYPE_CODES, NCCL_OPS, dtype_name
 from .ext import HAS_CUDA_BUILD, check_tensor
 from .process_groups import group_info
 from .transport import Handle, Transport
 
-# ncclDataType_t codes (NCCL's public ABI; csrc/nccl.c checks the range).
-_NCCL_UINT8 = 1
-_REDUCE_DTYPES = {
-    torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4,
-    torch.float16: 6, torch.float32: 7, torch.float64: 8, torch.bfloat16: 9,
-}
-_REDUCE_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3}
+# ncclDataType_t codes (moepeak.core.abi): bytes for data movement, the tensor's own dtype
+# for all-reduce.
+_NCCL_UINT8 = NCCL_DTYPE_CODES["uint8"]
+_REDUCE_DTYPES = {dtype: NCCL_DTYPE_CODES[dtype_name(dtype)] for dtype in (
+    torch.int8, torch.uint8, torch.int32, torch.int64, torch.float16, torch.float32, torch.float64, torch.bfloat16)}
+_REDUCE_OPS = NCCL_OPS
 _NCCL_IN_PROGRESS = 7
 
 _LIVE: "weakref.WeakSet[NcclTransport]" = weakref.WeakSet()

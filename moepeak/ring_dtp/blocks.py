@@ -20,6 +20,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _C
+from ..core.abi import DTYPE_CODES
 from ..core.ext import check_tensor, current_stream_handle, require_cuda_build
 from . import gemm as G
 # Chunk sizes and auto's choice are torch-free integer arithmetic (shared with `moepeak plan`).
@@ -46,16 +47,12 @@ def new_state(t: int, device) -> Tuple[torch.Tensor, ...]:
     return m, z[0], z[1], z[2], z[3]  # m, s, zy, zsum, sx
 
 
-# The kernels' element-type code of each supported dtype (ce.c: 0 fp32, 1 bf16, 2 fp16).
-DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
 def fold(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ignore_index: int, softcap: float,
          m, s, zy, zsum, sx) -> None:
     """Fold the logits block z: [t, v] (global columns [v0, v0+v)) into the state rows."""
     t, v = z.shape
     cuda = z.device.type == "cuda"
-    _C.ce_fold(z.data_ptr(), DTYPE_CODE[z.dtype], z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index,
+    _C.ce_fold(z.data_ptr(), DTYPE_CODES[z.dtype], z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index,
                softcap, m.data_ptr(), s.data_ptr(), zy.data_ptr(), zsum.data_ptr(), sx.data_ptr(), cuda,
                current_stream_handle(z.device))
 
@@ -115,9 +112,9 @@ def grad_block(z: torch.Tensor, v0: int, v_valid: int, labels: torch.Tensor, ign
         dz = out if out is not None else torch.empty((t, v), dtype=dtype, device=z.device)
     else:                                  # fp32 dZ in place (cast to `dtype` after it)
         dz = z
-    _C.ce_grad(z.data_ptr(), DTYPE_CODE[z.dtype], z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index,
+    _C.ce_grad(z.data_ptr(), DTYPE_CODES[z.dtype], z.stride(0), t, v, v0, v_valid, labels.data_ptr(), ignore_index,
                softcap, m.data_ptr(), ls.data_ptr(), q.data_ptr(), g.data_ptr(), 0 if g.numel() == 1 else 1, eps,
-               n_classes, zloss, dz.data_ptr(), dz.stride(0), DTYPE_CODE[dz.dtype], cuda,
+               n_classes, zloss, dz.data_ptr(), dz.stride(0), DTYPE_CODES[dz.dtype], cuda,
                current_stream_handle(z.device), *extra)
     return dz if z.dtype != torch.float32 or dz.dtype == dtype else dz.to(dtype)
 
@@ -189,7 +186,7 @@ def finish_dw(dw: torch.Tensor, x: torch.Tensor, labels: torch.Tensor, tc: torch
     ignore_index included, are no row; without cs, rows no token is labelled with are
     untouched), x: [t, H], same dtype, rows contiguous; tc: [t] x fp32; cs: [nv] and mu: [H]
     x fp32, both or neither."""
-    check_tensor("dw", dw, dtypes=tuple(DTYPE_CODE), ndim=2, contiguous=True)
+    check_tensor("dw", dw, dtypes=tuple(DTYPE_CODES), ndim=2, contiguous=True)
     check_tensor("x", x, dtypes=(dw.dtype,), ndim=2, device=dw.device, contiguous=True)
     check_tensor("labels", labels, dtypes=(torch.int64,), ndim=1, device=dw.device)
     check_tensor("tc", tc, dtypes=(torch.float32,), ndim=1, device=dw.device)
@@ -209,7 +206,7 @@ def finish_dw(dw: torch.Tensor, x: torch.Tensor, labels: torch.Tensor, tc: torch
     cuda = dw.device.type == "cuda"
     # CUDA with the rank-1 term: which rows the label runs wrote (the others get cs[r] mu alone)
     flags = torch.zeros(dw.shape[0], dtype=torch.uint8, device=dw.device) if cuda and cs is not None else None
-    _C.ce_dw_finish(dw.data_ptr(), DTYPE_CODE[dw.dtype], dw.stride(0), v0, dw.shape[0], x.data_ptr(), x.stride(0),
+    _C.ce_dw_finish(dw.data_ptr(), DTYPE_CODES[dw.dtype], dw.stride(0), v0, dw.shape[0], x.data_ptr(), x.stride(0),
                     x.shape[1], sy.data_ptr(), perm.data_ptr(), tcs.data_ptr(), x.shape[0],
                     0 if cs is None else cs.data_ptr(), 0 if mu is None else mu.data_ptr(),
                     0 if flags is None else flags.data_ptr(), cuda, current_stream_handle(dw.device))
@@ -222,7 +219,7 @@ def sub_row(x: torch.Tensor, mu: torch.Tensor, out: torch.Tensor) -> torch.Tenso
     kernel moves 16-byte vectors, where torch's broadcast of mu does not (H200, T = 32k,
     H = 4096: torch.sub 0.43 ms over the 16 chunks); rows it cannot vectorise go to
     torch.sub. Returns out."""
-    check_tensor("x", x, dtypes=tuple(DTYPE_CODE), ndim=2)
+    check_tensor("x", x, dtypes=tuple(DTYPE_CODES), ndim=2)
     check_tensor("mu", mu, dtypes=(x.dtype,), ndim=1, device=x.device, contiguous=True)
     check_tensor("out", out, dtypes=(x.dtype,), ndim=2, device=x.device)
     if out.shape != x.shape or mu.shape[0] != x.shape[1] or x.stride(1) != 1 or out.stride(1) != 1:
@@ -235,7 +232,7 @@ def sub_row(x: torch.Tensor, mu: torch.Tensor, out: torch.Tensor) -> torch.Tenso
                  or (x.data_ptr() | out.data_ptr() | mu.data_ptr()) % 16):
         return torch.sub(x, mu, out=out)
     _C.ce_sub_row(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), mu.data_ptr(), x.shape[0], x.shape[1],
-                  DTYPE_CODE[x.dtype], cuda, current_stream_handle(x.device))
+                  DTYPE_CODES[x.dtype], cuda, current_stream_handle(x.device))
     return out
 
 
@@ -250,7 +247,7 @@ def finish_dx(dx: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, tc: torch
     (v0 .. v0 + nv - 1), in fp32 (fmaf) with one rounding per element; other rows untouched
     (csrc/ce.c, cuda/ce_finish.cu ce_dx_finish). dx: [t, H], w: [nv, H], same dtype, rows
     contiguous; labels: [t] int64; tc: [t] x fp32."""
-    check_tensor("dx", dx, dtypes=tuple(DTYPE_CODE), ndim=2, contiguous=True)
+    check_tensor("dx", dx, dtypes=tuple(DTYPE_CODES), ndim=2, contiguous=True)
     check_tensor("w", w, dtypes=(dx.dtype,), ndim=2, device=dx.device)
     check_tensor("labels", labels, dtypes=(torch.int64,), ndim=1, device=dx.device, contiguous=True)
     check_tensor("tc", tc, dtypes=(torch.float32,), ndim=1, device=dx.device, contiguous=True)
@@ -258,7 +255,7 @@ def finish_dx(dx: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, tc: torch
         raise ValueError(f"moepeak: finish_dx needs dx [t, H], w [nv, H] (rows contiguous), labels [t], tc [t]; "
                          f"got dx {tuple(dx.shape)}, w {tuple(w.shape)} stride {tuple(w.stride())}, labels "
                          f"{tuple(labels.shape)}, tc {tuple(tc.shape)}")
-    _C.ce_dx_finish(dx.data_ptr(), DTYPE_CODE[dx.dtype], dx.stride(0), w.data_ptr(), w.stride(0), v0, w.shape[0],
+    _C.ce_dx_finish(dx.data_ptr(), DTYPE_CODES[dx.dtype], dx.stride(0), w.data_ptr(), w.stride(0), v0, w.shape[0],
                     dx.shape[1], labels.data_ptr(), tc.data_ptr(), dx.shape[0], dx.device.type == "cuda",
                     current_stream_handle(dx.device))
 
@@ -350,7 +347,7 @@ def scale_(t: torch.Tensor, g: torch.Tensor) -> None:
     for t: contiguous fp32/bf16/fp16 and g: one fp32 element on t's device. g is read by the
     kernel (on CUDA: no host sync) and g == 1 (loss.backward()) does nothing; no temporary.
     Bumps t's autograd version like any in-place op."""
-    check_tensor("t", t, dtypes=tuple(DTYPE_CODE), contiguous=True)
+    check_tensor("t", t, dtypes=tuple(DTYPE_CODES), contiguous=True)
     check_tensor("g", g, dtypes=(torch.float32,), device=t.device)
     if g.numel() != 1:
         raise ValueError(f"moepeak: g must have exactly one element, got shape {tuple(g.shape)}")
@@ -360,5 +357,5 @@ def scale_(t: torch.Tensor, g: torch.Tensor) -> None:
     elif t.device.type != "cpu":
         raise ValueError(f"moepeak: scale_ supports cpu and cuda tensors, got {t.device}")
     if t.numel():
-        _C.ce_scale(t.data_ptr(), DTYPE_CODE[t.dtype], t.numel(), g.data_ptr(), cuda, current_stream_handle(t.device))
+        _C.ce_scale(t.data_ptr(), DTYPE_CODES[t.dtype], t.numel(), g.data_ptr(), cuda, current_stream_handle(t.device))
     torch.autograd.graph.increment_version(t)

@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from ..core.abi import DTYPE_CODES
 from ..core.process_groups import group_info
 from ..core.transport import Transport
 from ..core.transport_choice import get_transport, shared_nccl_transport
@@ -81,7 +82,7 @@ class Geometry:
         if tuple(agreed) != AGREED:
             raise ValueError(f"moepeak: agreed must name {AGREED}, got {tuple(agreed)}")
         Vr, H = w.shape
-        head = [0, Vr, T, H, B.DTYPE_CODE.get(w.dtype, -1)]
+        head = [0, Vr, T, H, DTYPE_CODES.get(w.dtype, -1)]
         codes = [_code(v) for v in agreed.values()]
         rows = _exchange(tr, head + [_NO_LABEL[0], _NO_LABEL[1]] + codes, w.device, labels, ignore_index)
         refused = [j for j, row in enumerate(rows) if row[0]]
@@ -97,7 +98,7 @@ class Geometry:
                              f"per rank: {per_rank}")
         if any(row[3:5] != rows[0][3:5] for row in rows):
             raise ValueError(f"moepeak: the vocab shards of the group must have one hidden size and dtype; "
-                             f"(H, dtype code {B.DTYPE_CODE}) per rank: {[tuple(row[3:5]) for row in rows]}")
+                             f"(H, dtype code {DTYPE_CODES}) per rank: {[tuple(row[3:5]) for row in rows]}")
         self.P, self.r = tr.world_size, tr.rank
         self.Vs = [row[1] for row in rows]
         self.Ts = [row[2] for row in rows]

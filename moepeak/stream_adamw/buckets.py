@@ -15,20 +15,20 @@ import weakref
 import torch
 
 from .. import _C
+from ..core.abi import ADAMW_SEGMENT_ROW, BYTES_OF_CODE
 from .sizes import bucket_elements, segment_bytes
 
 # id -> plan, for the op; each optimizer takes a fresh id from PLAN_IDS
 LIVE_PLANS: "weakref.WeakValueDictionary[int, BucketPlan]" = weakref.WeakValueDictionary()
 PLAN_IDS = itertools.count(1)
-_BYTES_OF_CODE = {0: 4, 1: 2, 2: 2}  # bytes per element of a dtype code (kernel.DTYPE_CODES)
 
 
 class BucketPlan:
     """Bucket layout of a fixed list of CUDA params and its C pipeline.
 
     key: (numels, grad dtype codes, param dtype codes), one entry per param.
-    segs: [nseg, 5] int64 (param index, first element, n, gslot byte offset,
-    pslot byte offset); bucket_seg: [nb + 1]. Worked example, bucket_mb = 64
+    segs: [nseg, 5] int64, rows of abi.ADAMW_SEGMENT_ROW (a piece of one param and its byte
+    offsets in the pinned grad / param slots); bucket_seg: [nb + 1]. Worked example, bucket_mb = 64
     (16 Mi fp32 elements per bucket), bf16 params of 40 Mi + 3 x 2 Mi
     elements: buckets = [16Mi of p0], [16Mi of p0], [8Mi of p0 + 3 x 2Mi],
     so nb = 3; gslot_bytes = pslot_bytes = 32 MiB; pinned = 3 x 32 + 2 x 32
@@ -38,8 +38,8 @@ class BucketPlan:
 
     def __init__(self, key, device, bucket_mb, grad_slots, param_slots, host=False):
         numels, gdts, ldts = key
-        segs, bucket_seg, gmax, pmax = self._layout(numels, [_BYTES_OF_CODE[c] for c in gdts],
-                                                    [_BYTES_OF_CODE[c] for c in ldts], bucket_elements(bucket_mb))
+        segs, bucket_seg, gmax, pmax = self._layout(numels, [BYTES_OF_CODE[c] for c in gdts],
+                                                    [BYTES_OF_CODE[c] for c in ldts], bucket_elements(bucket_mb))
         self.key = key
         self.nparam = len(numels)
         self.nbuckets = len(bucket_seg) - 1
@@ -62,17 +62,18 @@ class BucketPlan:
             off = 0
             while off < n:
                 take = min(n - off, per_bucket - cur)
-                segs += [i, off, take, goff, poff]
+                segs += ADAMW_SEGMENT_ROW.row(param=i, first=off, numel=take, grad_slot_offset=goff,
+                                              param_slot_offset=poff)
                 goff += segment_bytes(take, grad_bytes[i])
                 poff += segment_bytes(take, param_bytes[i])
                 gmax, pmax = max(gmax, goff), max(pmax, poff)
                 cur += take
                 off += take
                 if cur == per_bucket:
-                    bucket_seg.append(len(segs) // 5)
+                    bucket_seg.append(len(segs) // ADAMW_SEGMENT_ROW.width)
                     cur = goff = poff = 0
         if cur > 0:
-            bucket_seg.append(len(segs) // 5)
+            bucket_seg.append(len(segs) // ADAMW_SEGMENT_ROW.width)
         return segs, bucket_seg, gmax, pmax
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from ..core.abi import DTYPE_CODES
 from ..core.ext import HAS_CUDA_BUILD
-from .kernel import DTYPE_CODES
 
 
 def local_shard(t):

@@ -1,11 +1,10 @@
 """The CPU AdamW kernel's bindings (moepeak._C.adamw_cpu / adamw_plan_step, csrc/adamw.c):
-its row layouts, dtype codes, the per-call settings, and the model of torch's scalar-tail
+the per-call settings, the rows handed to the kernel, and the model of torch's scalar-tail
 rounding that makes its fp32 path bitwise torch.optim.AdamW(fused=True).
 
-Row layouts handed to moepeak._C:
-  ptrs:  [n, 9] int64 (master, exp_avg, exp_avg_sq, grad, low-precision param
-         or 0, numel, grad dtype code, param dtype code, max_exp_avg_sq or 0)
-  hyper: [n, 7] float64 (lr, beta1, beta2, eps, weight_decay, step, maximize)
+Buffers handed to moepeak._C (layouts and dtype codes: moepeak.core.abi, csrc/mp_abi.h):
+  ptrs:  [n, 9] int64, abi.ADAMW_PARAM_ROW (addresses; grad 0: no grad this step)
+  hyper: [n, 7] float64, abi.ADAMW_HYPER_ROW
   seeds: [n] int64, the stochastic-rounding seed of each row's bf16 state
 """
 from __future__ import annotations
@@ -18,9 +17,8 @@ from typing import List, NamedTuple
 import torch
 
 from .. import _C
+from ..core.abi import ADAMW_HYPER_ROW, ADAMW_PARAM_ROW, DTYPE_CODES
 
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-PTR_COLS, HYP_COLS = 9, 7  # the row widths of ptrs / hyper
 LOG = logging.getLogger("moepeak")
 
 
@@ -30,18 +28,13 @@ class KernelCall(NamedTuple):
     threads: int  # 0: the pool's default
     torch_threads: int  # the scalar-tail model (torch_tail_model)
     torch_vlen: int
-    state_dtype: int  # 0: fp32 exp_avg/exp_avg_sq/max_exp_avg_sq, 1: bf16 (stochastic rounding)
+    state_dtype: int  # abi.DTYPE_CODES of exp_avg/exp_avg_sq/max_exp_avg_sq: fp32, or bf16 (stochastic rounding)
 
     def keywords(self, seeds: List[int]) -> dict:
         """The state keywords of adamw_cpu / adamw_plan_step (none for fp32 state: its old call)."""
-        if self.state_dtype == 0:
+        if self.state_dtype == DTYPE_CODES[torch.float32]:
             return {}
         return dict(state_dtype=self.state_dtype, seed=array.array("q", seeds))
-
-
-def ptr_row(master, m, v, grad, lp, n, gdt, ldt, vmax=0) -> list:
-    """One ptrs row (addresses as ints)."""
-    return [master, m, v, grad, lp, n, gdt, ldt, vmax]
 
 
 def address_or_zero(t: torch.Tensor) -> int:
@@ -83,8 +76,11 @@ def _tail_model_for(threads: int):
     want = opt.state[ref]["exp_avg_sq"]
     for cand in [(1, 8), (1, 16), (threads, 8), (threads, 16)]:
         p, m, v = p0.clone(), m0.clone(), v0.clone()
-        row = ptr_row(p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(), 0, n, 0, 0)
-        run_cpu(row, [1e-2, 0.9, 0.999, 1e-8, 0.0, 3.0, 0.0], [0], KernelCall(0, 1, cand[0], cand[1], 0))
+        row = ADAMW_PARAM_ROW.row(master=p.data_ptr(), exp_avg=m.data_ptr(), exp_avg_sq=v.data_ptr(),
+                                  grad=g.data_ptr(), numel=n, grad_dtype=DTYPE_CODES[g.dtype])
+        hyper = ADAMW_HYPER_ROW.row(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=3.0,
+                                    maximize=0.0)
+        run_cpu(row, hyper, [0], KernelCall(0, 1, cand[0], cand[1], DTYPE_CODES[torch.float32]))
         if torch.equal(v, want) and torch.equal(p, ref.detach()):
             return cand
     LOG.warning("moepeak.StreamAdamW: no model of torch's scalar-tail rounding matches its fused CPU AdamW "

@@ -14,10 +14,10 @@ from typing import List, Optional
 import torch
 
 from .. import _C
+from ..core.abi import ADAMW_HYPER_ROW, ADAMW_PARAM_ROW, DTYPE_CODES
 from ..core.ext import require_cuda_build
 from .buckets import LIVE_PLANS, plan_for
-from .kernel import DTYPE_CODES, HYP_COLS, PTR_COLS, KernelCall, address_or_zero, ptr_row, run_cpu, run_plan
-from .kernel import torch_tail_model
+from .kernel import KernelCall, address_or_zero, run_cpu, run_plan, torch_tail_model
 from .options import STATE_DTYPE_CODES, StreamAdamWOptions
 
 _STATE_DTYPES = {code: dtype for dtype, code in STATE_DTYPE_CODES.items()}
@@ -135,10 +135,13 @@ def _rows(indices, lists, hypers, seeds, piped: bool):
     for i in indices:
         p, g = params[i], grads[i]
         lp = p.data_ptr() if piped else address_or_zero(p)
-        ptrs += ptr_row(masters[i].data_ptr(), exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr(), g.data_ptr(),
-                        lp, masters[i].numel(), DTYPE_CODES[g.dtype], DTYPE_CODES[p.dtype] if lp else 0,
-                        address_or_zero(vmaxs[i]))
-        hyper += [lrs[i], beta1s[i], beta2s[i], epss[i], weight_decays[i], steps[i], float(maximizes[i])]
+        ptrs += ADAMW_PARAM_ROW.row(master=masters[i].data_ptr(), exp_avg=exp_avgs[i].data_ptr(),
+                                    exp_avg_sq=exp_avg_sqs[i].data_ptr(), grad=g.data_ptr(), param_lowp=lp,
+                                    numel=masters[i].numel(), grad_dtype=DTYPE_CODES[g.dtype],
+                                    param_dtype=DTYPE_CODES[p.dtype] if lp else 0,
+                                    max_exp_avg_sq=address_or_zero(vmaxs[i]))
+        hyper += ADAMW_HYPER_ROW.row(lr=lrs[i], beta1=beta1s[i], beta2=beta2s[i], eps=epss[i],
+                                     weight_decay=weight_decays[i], step=steps[i], maximize=float(maximizes[i]))
         row_seeds.append(seeds[i])
     return ptrs, hyper, row_seeds
 
@@ -174,10 +177,11 @@ def _run_pipeline(indices, lists, hypers, seeds, call, plan_id, plan_index, shap
 
 def _place_rows(nparam, plan_index, ptrs, hyper, seeds):
     """Rows for every param of a plan: entry j's row at plan_index[j], the others all zero."""
-    full_p, full_h, full_s = [0] * (PTR_COLS * nparam), [0.0] * (HYP_COLS * nparam), [0] * nparam
+    pw, hw = ADAMW_PARAM_ROW.width, ADAMW_HYPER_ROW.width
+    full_p, full_h, full_s = [0] * (pw * nparam), [0.0] * (hw * nparam), [0] * nparam
     for j, row in enumerate(plan_index):
-        full_p[PTR_COLS * row:PTR_COLS * (row + 1)] = ptrs[PTR_COLS * j:PTR_COLS * (j + 1)]
-        full_h[HYP_COLS * row:HYP_COLS * (row + 1)] = hyper[HYP_COLS * j:HYP_COLS * (j + 1)]
+        full_p[pw * row:pw * (row + 1)] = ptrs[pw * j:pw * (j + 1)]
+        full_h[hw * row:hw * (row + 1)] = hyper[hw * j:hw * (j + 1)]
         full_s[row] = seeds[j]
     return full_p, full_h, full_s
 

@@ -12,10 +12,11 @@ import weakref
 import torch
 
 from .. import _C
+from ..core.abi import DTYPE_CODES
 from .buckets import PLAN_IDS, BucketPlan, register
 from .checks import check_hyper, collect, local_shard
 from .device import backward_tail, device_state_set, fused_update
-from .kernel import DTYPE_CODES, torch_tail_model
+from .kernel import torch_tail_model
 from .op import stream_adamw, stream_adamw_step
 from .options import StreamAdamWOptions
 from .overlap import BackwardOverlap, side_stream

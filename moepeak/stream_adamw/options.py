@@ -15,11 +15,12 @@ from typing import Optional, Tuple, Union
 import torch
 
 from .. import _C
+from ..core.abi import DTYPE_CODES
 
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
 # The optimizer-state dtypes the CPU kernel keeps exp_avg / exp_avg_sq / max_exp_avg_sq in,
-# by the kernel's state_dtype code (csrc/adamw_kernels.h); the master is fp32 either way.
-STATE_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# by the kernel's state_dtype code (moepeak.core.abi); the master is fp32 either way.
+STATE_DTYPE_CODES = {dtype: DTYPE_CODES[dtype] for dtype in (torch.float32, torch.bfloat16)}
 # Per-parameter rounding seeds are rounding_seed + the param's index, kept below 2^63 (they
 # travel as int64 through the op moepeak::stream_adamw).
 SEED_LIMIT = 1 << 63
