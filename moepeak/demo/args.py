@@ -12,13 +12,20 @@ import torch
 from .config import MoEConfig
 
 # Learning rate: linear warm-up over `warmup` steps to `lr`, then cosine decay to
-# --min-lr-ratio x lr at the last step. The GPU model (245 M params, 131072 tokens
-# a step) takes a peak of 6e-4 after 20 warm-up steps; a peak of 2e-3 stalls it
-# near 2.7 nats/byte with loss spikes.
+# --min-lr-ratio x lr at the last step. The GPU model (245 M params) takes a peak of
+# 6e-4 (at 131072 tokens a step, after 20 warm-up steps, the loss fell 7.7 -> 2.4 nats/byte
+# over 150 steps, most of it in the first 40; a peak of 2e-3 stalls it near 2.7 with spikes).
+#
+# The GPU run is sized to take 1-2 minutes on an H200: one sequence of 65536 tokens, 80
+# steps, then 20 plain-PyTorch steps. From benchmarks/RESULTS.md's demo rows (moepeak 145.7k
+# tokens/s at 32k and 85.9k at 131k, plain 130.1k and 81.7k), a step time a*T + b*T^2 gives
+# 0.55 s (moepeak) and 0.60 s (plain) at 64k: 44 s + 12 s of training, plus start-up, the
+# corpus and the peak probes (~20 s). Plain PyTorch's peak at 64k is ~50 GiB (26.0 at 32k,
+# 99.7 at 131k), Ring-DTP's vocabulary peak stays under 1 GiB: the peaks still show.
 DEFAULTS = {
     "cuda": dict(layers=4, hidden=1024, heads=8, kv_heads=2, experts=16, top_k=2, intermediate=512,
-                 vocab=65536, seq_len=131072, batch=1, steps=150, lr=6e-4, dtype="bfloat16",
-                 warmup=20, chunk_rows=None, compare_steps=40),
+                 vocab=65536, seq_len=65536, batch=1, steps=80, lr=6e-4, dtype="bfloat16",
+                 warmup=10, chunk_rows=None, compare_steps=20),
     "cpu": dict(layers=2, hidden=64, heads=4, kv_heads=2, experts=8, top_k=2, intermediate=64,
                 vocab=264, seq_len=256, batch=4, steps=120, lr=3e-3, dtype="float32",
                 # 2048 routed rows a step: chunks of 256 rows bound the dispatch working set
@@ -97,8 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--save", default=None, help="directory: torch.distributed.checkpoint at the end (default %(default)s: no save)")
     o.add_argument("--resume", default=None, help="directory written by --save: continue from it (default %(default)s: start afresh)")
     o.add_argument("--plot", default=None,
-                   help="PNG path: loss curves and peak table (needs matplotlib: pip install "
-                        "moepeak[plot]; default %(default)s: no plot)")
+                   help="PNG path: loss curves and peak table (needs matplotlib: pip install -e "
+                        "'.[plot]' in the moepeak checkout; default %(default)s: no plot)")
     o.add_argument("--no-peaks", action="store_true", help="skip the per-component peak measurement")
     o.add_argument("--log-every", type=int, default=None, help="progress line every N steps "
                    "(default %(default)s: steps/10; on a terminal the bar updates every step)")

@@ -11,6 +11,9 @@ from typing import Callable, Dict, List, Optional
 
 MiB = 2 ** 20
 SMOOTH_STEPS = 10  # the loss panel's trailing mean
+# One colour per arm in every panel (the loss curves and the peak bars); the difference
+# between the arms is neither, so it is drawn in grey.
+COLORS = {"moepeak": "tab:blue", "plain": "tab:orange", "difference": "0.35"}
 
 
 def plot_run(path: str, losses: List[float], start: int, plain: Dict, table: Optional[List[Dict]],
@@ -23,7 +26,8 @@ def plot_run(path: str, losses: List[float], start: int, plain: Dict, table: Opt
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        say("moepeak demo: matplotlib is not installed (pip install moepeak[plot]); skipping --plot")
+        say("moepeak demo: matplotlib is not installed (pip install -e \".[plot]\" in the moepeak checkout, "
+            "or pip install matplotlib); skipping --plot")
         return False
     plain_losses = plain.get("losses") or []
     mine = losses[start:start + len(plain_losses)]
@@ -33,15 +37,15 @@ def plot_run(path: str, losses: List[float], start: int, plain: Dict, table: Opt
     ax = dict(zip(panels, axes[0]))
 
     a = ax["loss"]
-    a.plot(range(1, len(losses) + 1), losses, lw=1.0, label="moepeak")
+    a.plot(range(1, len(losses) + 1), losses, lw=1.0, color=COLORS["moepeak"], label="moepeak")
     k = min(SMOOTH_STEPS, len(losses))
     if k > 1:  # each step sees other text: the trend is clearer as a trailing mean
         means = [sum(losses[i + 1 - k:i + 1]) / k for i in range(k - 1, len(losses))]
-        a.plot(range(k, len(losses) + 1), means, lw=2.2, color="tab:blue", alpha=0.45,
+        a.plot(range(k, len(losses) + 1), means, lw=2.2, color=COLORS["moepeak"], alpha=0.45,
                label=f"moepeak, mean of {k} steps")
     if plain_losses:
         xs = range(start + 1, start + len(plain_losses) + 1)
-        a.plot(xs, plain_losses, "--", lw=1.2, color="tab:orange",
+        a.plot(xs, plain_losses, "--", lw=1.2, color=COLORS["plain"],
                label=f"plain PyTorch ({len(plain_losses)} steps)")
     a.set_xlabel("step")
     a.set_ylabel("loss (nats/byte)")
@@ -56,9 +60,10 @@ def plot_run(path: str, losses: List[float], start: int, plain: Dict, table: Opt
         a = ax["difference"]
         xs = list(range(start + 1, start + len(diffs) + 1))
         if any(d > 0 for d in diffs):
-            a.semilogy([x for x, d in zip(xs, diffs) if d > 0], [d for d in diffs if d > 0], ".-", lw=0.8)
+            a.semilogy([x for x, d in zip(xs, diffs) if d > 0], [d for d in diffs if d > 0], ".-", lw=0.8,
+                       color=COLORS["difference"])
         else:  # identical curves: a log axis would draw nothing
-            a.plot(xs, diffs, ".-", lw=0.8)
+            a.plot(xs, diffs, ".-", lw=0.8, color=COLORS["difference"])
         a.set_xlabel("step")
         a.set_ylabel("|loss - plain PyTorch's loss|")
         a.set_title(f"difference (max {max(diffs):.2g})")
@@ -69,7 +74,8 @@ def plot_run(path: str, losses: List[float], start: int, plain: Dict, table: Opt
         num = lambda v: v / MiB if isinstance(v, (int, float)) else 0.0
         xs = range(len(names))
         for off, key, label in ((-0.2, "plain", "plain PyTorch"), (0.2, "moepeak", "moepeak")):
-            bars = a.bar([i + off for i in xs], [num(r[key]) for r in table], 0.4, label=label)
+            bars = a.bar([i + off for i in xs], [num(r[key]) for r in table], 0.4, label=label,
+                         color=COLORS[key])
             for bar, r in zip(bars, table):
                 if isinstance(r[key], str):  # "OOM": no bar to draw, say so
                     a.annotate(r[key], (bar.get_x() + bar.get_width() / 2, 0), ha="center",

@@ -158,6 +158,12 @@ class Progress:
             print(line, flush=True)
 
 
+def params_text(cfg) -> str:
+    """The model's parameter count as every line of the demo writes it (three significant
+    digits: "0.256 M params", "245 M params")."""
+    return f"{param_count(cfg) / 1e6:.3g} M params"
+
+
 def warmup_cosine(warmup: int, horizon: int, floor: float):
     """LR multiplier at global step s: linear warmup (s+1)/warmup over the first
     `warmup` steps, then cosine from 1 down to `floor` at step `horizon`, flat after.
@@ -344,7 +350,7 @@ def _run(a, res: Run, stop: StopRequest) -> Dict:
                tok_step=B * T if cp else B * T * world)  # tokens per optimizer step, all ranks
 
     say(f"moepeak {__version__} demo on {device} x{world}, torch {torch.__version__}")
-    say(f"model: {param_count(cfg) / 1e6:.1f} M params; L={cfg.layers} H={cfg.hidden} heads={cfg.heads}/"
+    say(f"model: {params_text(cfg)}; L={cfg.layers} H={cfg.hidden} heads={cfg.heads}/"
         f"{cfg.kv_heads} E={cfg.experts} K={cfg.top_k} I={cfg.intermediate} V={cfg.vocab_size} "
         f"{str(train['dtype']).replace('torch.', '')}")
     split = (f"step, context parallel over {world} ranks ({B} x {T // world} tokens per rank)" if cp
@@ -411,7 +417,7 @@ def _run(a, res: Run, stop: StopRequest) -> Dict:
         say(f"plain PyTorch: {plain['note']}")
 
     if a.plot and rank == 0:
-        title = (f"moepeak demo: {param_count(cfg) / 1e6:.3g} M params, {job.tok_step} tokens/step, "
+        title = (f"moepeak demo: {params_text(cfg)}, {job.tok_step} tokens/step, "
                  f"{str(train['dtype']).replace('torch.', '')}, {device.type} x{world}")
         plot_run(a.plot, losses, start, plain, table, title, say)
     return {"losses": losses, "start": start, "step_times": step_times, "peak": peak_seen, "cfg": cfg,
