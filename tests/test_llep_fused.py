@@ -160,3 +160,67 @@ def test_fused_kernels_cuda_bitwise_torch(dtype):
             if dtype != torch.float32:  # a last-bit fp32 difference rarely flips a bf16/fp16 rounding
                 assert (got != ref).float().mean().item() <= 1e-3, (dtype, rows, I)
         torch.cuda.synchronize()
+
+
+def _layer_grads(prob, dtype, split, **kw):
+    """llep_moe's y and gradients (x, topk_weights, w_gate_up, w_down) on prob's device;
+    split: w_gate_up passed as its (gate, up) column views, as moepeak.titan passes w1/w3."""
+    from moepeak.llep import LLEPStats, llep_moe
+    x, ids, tw, wgu, wd, gy = prob
+    I = wd.shape[1]
+    leaves = [x.to(dtype).requires_grad_(), tw.float().requires_grad_(), wgu.to(dtype).requires_grad_(),
+              wd.to(dtype).requires_grad_()]
+    gate_up = (leaves[2][..., :I], leaves[2][..., I:]) if split else leaves[2]
+    stats = LLEPStats()
+    y = llep_moe(leaves[0], ids, leaves[1], gate_up, leaves[3], stats=stats, **kw)
+    return (y.detach(),) + torch.autograd.grad(y, leaves, gy.to(dtype)), stats
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_default_budget_caches_every_chunk_equal_to_recompute(split):
+    """save_budget_mb=None on one rank: with many chunks the cache below permute +
+    grouped_mm's peak holds every chunk's h (forward writes h straight into its slot,
+    no working h buffer); the result is bitwise the recompute path's (save_budget_mb=0),
+    and that path matches the dense fp64 reference (fp32)."""
+    try:
+        from tests.test_llep import _dense_grads, _problem
+    except ImportError:
+        from test_llep import _dense_grads, _problem
+    prob = _problem(512, 32, 32, 8, 4, torch.float32, seed=11, frac=0.5)
+    got, st = _layer_grads(prob, torch.float32, split, chunk_rows=128)
+    assert st.forward["n_chunks"] == st.forward["cached_chunks"] == 16 and st.backward["recomputed_chunks"] == 0
+    ref, st0 = _layer_grads(prob, torch.float32, split, chunk_rows=128, save_budget_mb=0)
+    assert st0.backward["recomputed_chunks"] == 16
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    for a, b in zip(got, _dense_grads(*prob)):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("path", ["lean", "chunked"])
+def test_default_p1_paths_cuda_bf16_tolerance_rule(path, split):
+    """The default launch's two P = 1 paths on the GPU in bf16 with the fused kernels
+    (16-byte packs: H, I multiples of 8): the lean one-chunk step and the chunked one
+    with every chunk cached; each gradient within twice torch's own bf16 error against
+    fp64 (the tolerance rule)."""
+    try:
+        from tests.test_llep import _dense_grads, _problem
+    except ImportError:
+        from test_llep import _dense_grads, _problem
+    shape, kw = (((100, 32, 16, 64, 4), {}) if path == "lean" else ((4096, 256, 256, 16, 4), {"chunk_rows": 512}))
+    prob = tuple(t.to(dev) for t in _problem(*shape, torch.float32, seed=13, frac=0.95))
+    truth = _dense_grads(*prob)
+    torch_bf16 = _dense_grads(*[t.to(torch.bfloat16) if t.is_floating_point() else t for t in prob])
+    got, st = _layer_grads(prob, torch.bfloat16, split, **kw)
+    if path == "lean":
+        assert st.backward["lean_one_chunk"] and st.backward["recomputed_chunks"] == 0, st
+    else:
+        assert st.forward["n_chunks"] == st.forward["cached_chunks"] == 32, st
+        assert st.backward["recomputed_chunks"] == 0, st
+    for name, a, b, t in zip(("y", "dx", "dtopk_weights", "dw_gate_up", "dw_down"), got, torch_bf16, truth):
+        ea = (a.double() - t).abs().max().item()
+        eb = (b.double() - t).abs().max().item()
+        assert ea <= 2 * eb + 1e-4 * t.abs().max().item(), f"{name}: op err {ea:.3g} vs torch bf16 err {eb:.3g}"
