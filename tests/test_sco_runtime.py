@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import moepeak
-from moepeak.sco import SCOConfig, SCOOffloader
+from moepeak.sco import SCOConfig, SCOOffloader, sizes
 from tests.test_sco_spill import B, H, ONE, REPO, T, _model, _steps, _torch_checkpointed
 
 
@@ -128,7 +128,7 @@ def test_exception_mid_step_leaves_nothing_and_the_next_step_is_exact(tmp_path):
 
 KILLED_SCRIPT = """
 import os, signal, sys, torch, moepeak
-from moepeak.sco import SCOConfig, SCOOffloader
+from moepeak.sco import SCOConfig, SCOOffloader, sizes
 sco = SCOOffloader(SCOConfig(spill_dir=sys.argv[1], host_budget_bytes=0, keep_last=0))
 y = torch.randn(64, 1024, requires_grad=True)
 for _ in range(4):
@@ -150,3 +150,16 @@ def test_killed_mid_step_leaves_no_file(tmp_path):
                        timeout=300)
     assert p.returncode == -signal.SIGKILL and p.stdout.strip() == "spilled", (p.returncode, p.stderr[-2000:])
     assert os.listdir(spill_dir) == []
+
+
+@pytest.mark.parametrize("blocks, grow_bytes, cap, want", [(5, 2500, None, 3 * 2500), (4, 2500, None, 2 * 2500),
+                                                           (5, 2500, 6100, 2 * 2500 + 1024), (3, 512, None, 3 * 1024)])
+def test_arena_grown_bytes_is_what_the_arena_takes(blocks, grow_bytes, cap, want):
+    """sizes.arena_grown_bytes (the planner's formula for an arena grown on demand) against the
+    arena an offloader really grew over one step (CPU: the same chunk bookkeeping, unpinned)."""
+    assert sizes.arena_grown_bytes(blocks, ONE, grow_bytes, cap) == want
+    sco = SCOOffloader(SCOConfig(keep_last=0, grow_bytes=grow_bytes, max_arena_bytes=cap))
+    model = _model(blocks)
+    moepeak.apply_sco(model, list(model), offloader=sco)
+    _steps(model, steps=1)
+    assert sco.stats()["arena_bytes"] == want

@@ -23,7 +23,7 @@ SPILL_ALIGN = 4096  # bytes: the spill file's offsets and its staging buffers (O
 DEFAULTS = SCOConfig  # the defaults: DEFAULTS.max_in_flight, DEFAULTS.prefetch, DEFAULTS.keep_last
 
 __all__ = ["ARENA_ALIGN", "SPILL_ALIGN", "DEFAULTS", "KEEP_LAST", "KEEP_LAST_DEMO", "boundary_bytes",
-           "slot_bytes", "spill_extent", "offloaded_blocks", "tiers", "arena_bytes", "disk_bytes",
+           "slot_bytes", "spill_extent", "offloaded_blocks", "tiers", "arena_bytes", "arena_grown_bytes", "disk_bytes",
            "staging_bytes", "gpu_head_bytes", "gpu_block_bytes"]
 
 
@@ -64,6 +64,28 @@ def tiers(layers: int, keep_last: int, boundary: int, host_budget: Optional[int]
 def arena_bytes(layers: int, keep_last: int, boundary: int, host_budget: Optional[int] = None) -> int:
     """Pinned host bytes the boundaries take in the arena (one slot per host-tier boundary)."""
     return tiers(layers, keep_last, boundary, host_budget)["host"] * slot_bytes(boundary)
+
+
+def arena_grown_bytes(slots: int, boundary: int, grow_bytes: int = DEFAULTS.grow_bytes,
+                      cap: Optional[int] = None) -> int:
+    """Pinned bytes an arena that grows on demand (SCOConfig's default: arena_bytes=0,
+    grow=True) holds once it took `slots` boundaries of `boundary` bytes in one step: chunks
+    of max(slot, grow_bytes), each holding whole slots only (a slot never straddles two);
+    under a cap (SCOConfig.arena_cap) a chunk that would pass it shrinks to one slot, and the
+    slots that do not fit even so are not counted (SCO raises, or with the disk tier sends
+    them to disk). arena_bytes() is the same bytes for an arena sized for the step."""
+    slot = slot_bytes(boundary)
+    total, room = 0, 0  # room: slots still free in the newest chunk
+    for _ in range(slots):
+        if room == 0:
+            chunk = max(slot, grow_bytes)
+            if cap is not None and total + chunk > cap:
+                chunk = slot
+                if total + chunk > cap:
+                    break
+            total, room = total + chunk, chunk // slot
+        room -= 1
+    return total
 
 
 def disk_bytes(layers: int, keep_last: int, boundary: int, host_budget: Optional[int] = None) -> int:
