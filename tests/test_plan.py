@@ -3,6 +3,7 @@ longest context, bad input, and the model's formulas against bytes measured
 on CPU (the 15% GPU comparison is in benchmarks/bench_demo.py)."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import moepeak
 from moepeak import cli
 from moepeak import plan as P
 from moepeak.plan import chart as plan_chart
+from moepeak.plan import cli as plan_cli
 from moepeak.demo.config import MoEConfig
 from moepeak.demo.models import DenseMoE, MoELM, PlainLMHead
 from moepeak.demo.peaks import SavedBytes
@@ -129,8 +131,9 @@ def test_sco_keep_last_defaults_to_that_of_the_layers_code():
     for impl, default in (("demo", MoEConfig().sco_keep_last), ("hf", moepeak.SCOConfig().keep_last)):
         s = P.Setup(gpus=8, impl=impl)
         assert P.keep_last(s) == default
-        explicit = P.host_bytes(m, dataclasses.replace(s, sco_keep_last=0), 1 << 20)["sco_boundaries"]
-        assert P.host_bytes(m, s, 1 << 20)["sco_boundaries"] == explicit - default * one
+        explicit = P.host_bytes(m, dataclasses.replace(s, sco_keep_last=0), 1 << 20, sized_arena=True)
+        assert P.host_bytes(m, s, 1 << 20, sized_arena=True)["sco_boundaries"] == \
+            explicit["sco_boundaries"] - default * one
     assert cli.main(["plan", "--preset", "Qwen3-30B-A3B", "--impl", "hf", "--context", "1048576"]) == 0
 
 
@@ -147,28 +150,53 @@ def test_cli_host_ram_line(capsys):
             "--context", "2097152", "--tile-tokens", "8192"]
     assert cli.main(argv + ["--host-mem", "125"]) == 0
     out = capsys.readouterr().out  # bench_titan's model at 2M tokens: 128 GiB of boundaries alone
-    assert "SCO boundaries 128.00 + StreamAdamW state 23.84" in out and "does NOT fit in --host-mem 125 GiB" in out
-    assert cli.main(argv) == 0
+    assert "SCO boundaries 128.00 + StreamAdamW state 23.84" in out
+    assert "host RAM: 125.0 GiB, --host-mem 125, less its margin (8 GiB + 10%) = 104.5 GiB: does NOT fit" in out
+    assert "host RAM is short and there is no disk tier" in out  # the placement says why nothing fits
+    # without --host-mem: this machine's MemAvailable, named as such, with how to give another's
+    ram = P.Machine(gpu_bytes=141 * P.GiB, host_bytes=64 * P.GiB, host_from="MemAvailable of this machine (box)")
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(plan_cli, "machine_of", lambda a, gpus: ram)
+    try:
+        assert cli.main(argv) == 0
+    finally:
+        monkey.undo()
     out = capsys.readouterr().out
-    assert "per host of 1 GPU(s): 151.99 GiB" in out and "--host-mem" not in out
+    assert "per host of 1 GPU(s): 152.57 GiB" in out and "MemAvailable of this machine (box)" in out
+    assert "give its host RAM with --host-mem GIB" in out
 
 
 @pytest.mark.parametrize("argv, msg", [
     (["--layers", "4"], "give --preset or all of"),
-    (["--preset", "Mixtral-8x22B", "--heads", "5"], "kv_heads (8) must divide heads (5)"),
-    (["--preset", "Mixtral-8x22B", "--top-k", "9"], "top_k (9) must be <= experts (8)"),
-    (["--preset", "Qwen3-30B-A3B", "--gpus", "0"], "--gpus >= 1"),
-    (["--preset", "Qwen3-30B-A3B", "--gpus", "3"], "must be divisible by --gpus (3)"),
-    (["--preset", "Qwen3-30B-A3B", "--imbalance", "0.5"], "--imbalance >= 1"),
-    (["--preset", "Qwen3-30B-A3B", "--host-mem", "0"], "--host-mem > 0"),
-    (["--preset", "Qwen3-30B-A3B", "--sco-keep-last", "-1"], "--sco-keep-last >= 0"),
-    (["--preset", "Qwen3-30B-A3B", "--gpus-per-node", "0"], "--gpus-per-node >= 1"),
+    (["--preset", "Mixtral-8x22B", "--heads", "5"], "--kv-heads (8) must divide --heads (5)"),
+    (["--preset", "Mixtral-8x22B", "--top-k", "9"], "--top-k (9) must be <= --experts (8)"),
+    (["--preset", "Qwen3-30B-A3B", "--gpus", "0"], "--gpus must be >= 1, got 0"),
+    (["--preset", "Qwen3-30B-A3B", "--gpus", "3"], "--gpus (3) must divide the experts (128)"),
+    (["--preset", "Qwen3-30B-A3B", "--imbalance", "0.5"], "--imbalance must be >= 1"),
+    (["--preset", "Qwen3-30B-A3B", "--host-mem", "0"], "--host-mem must be > 0, got 0"),
+    (["--preset", "Qwen3-30B-A3B", "--sco-keep-last", "-1"], "--sco-keep-last must be >= 0, got -1"),
+    (["--preset", "Qwen3-30B-A3B", "--gpus-per-node", "0"], "--gpus-per-node must be >= 1, got 0"),
+    (["--preset", "Qwen3-30B-A3B", "--plot", "/no/such/dir/p.png"], "--plot '/no/such/dir/p.png': the directory"),
+    (["--preset", "Qwen3-30B-A3B", "--spill-dir", "/no/such/dir"], "--spill-dir '/no/such/dir' is not a directory"),
 ])
 def test_bad_input(argv, msg, capsys):
+    """One error line, prefixed once, naming only the bad flag (no traceback)."""
     with pytest.raises(SystemExit) as e:
         P.main(argv)
     assert e.value.code == 2
-    assert msg in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert msg in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("moepeak plan: error: ") and line.count("moepeak plan") == 1, line
+    if "--preset" not in msg:
+        flags = {f for f in re.findall(r"--[a-z-]+", line)}
+        assert flags == {f for f in re.findall(r"--[a-z-]+", msg)}, (flags, msg)
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        P.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("moepeak ")
 
 
 def test_plot_when_matplotlib(tmp_path):
@@ -309,6 +337,11 @@ def test_demo_final_norm_terms_match_live_bytes_on_cpu(T, H, lean):
         assert r["final_norm"] == 24 * H * T and r["head_act"] == T * (8 * H + 4 + 2 * H)
 
 
+# The measurements below ran PipelinedLLEP with the activation-cache budget it had then on one
+# GPU (save_budget_mb 1536); the plan is checked at that budget.
+MEASURED_LLEP_BUDGET_MB = 1536
+
+
 # MEASURED on an H200 (torch 2.11, CUDA 13.0) by benchmarks/bench_demo.py --quick (its rows are in
 # benchmarks/results/demo.csv): torch.cuda.max_memory_allocated over
 # the demo's default GPU model (L=4, H=1024, heads 8/2, E=16, K=2, I=512, V=65536, bf16, one
@@ -326,7 +359,8 @@ def test_plan_within_15_percent_of_h200_measurements(context, plan):
                      heads=8, kv_heads=2)
     # the demo's plain run: bf16 params + grads, torch AdamW's bf16 m, v (bench_demo's Setup)
     # measured before the demo's final norm was moepeak.norms.rms_norm: the eager one
-    s = P.Setup(gpus=1, act_bytes=2, imbalance=1.0, plain_opt_bytes=4.0, plain_fixed_bytes=4.0, lean_norm=False)
+    s = P.Setup(gpus=1, act_bytes=2, imbalance=1.0, plain_opt_bytes=4.0, plain_fixed_bytes=4.0, lean_norm=False,
+                llep_save_budget_mb=MEASURED_LLEP_BUDGET_MB)
     pred = P.peaks(m, s, context, plan)["total"] / P.GiB
     meas = MEASURED_H200_GIB[(context, plan)]
     print(f"{plan} @ {context}: plan {pred:.2f} GiB, measured {meas:.2f} GiB, ratio {pred / meas:.3f}")
@@ -344,7 +378,8 @@ MEASURED_TILED_MODEL_H200_GIB = {(16, 131072): 14.14, (16, 262144): 20.76, (2, 1
 def test_plan_within_15_percent_of_the_tiled_model(layers, context):
     m = P.ModelShape(layers=layers, hidden=2048, experts=16, top_k=4, intermediate=768, vocab=151936, heads=16,
                      kv_heads=4, head_dim=128)
-    r = P.peaks(m, P.Setup(gpus=1, act_bytes=2, tile_tokens=8192, lean_norm=False), context, "moepeak")
+    r = P.peaks(m, P.Setup(gpus=1, act_bytes=2, tile_tokens=8192, lean_norm=False,
+                             llep_save_budget_mb=MEASURED_LLEP_BUDGET_MB), context, "moepeak")
     pred, meas = r["total"] / P.GiB, MEASURED_TILED_MODEL_H200_GIB[(layers, context)]
     print(f"L={layers} @ {context}: plan {pred:.2f} GiB ({r['binding']}), measured {meas:.2f} GiB, "
           f"ratio {pred / meas:.3f}")
@@ -362,7 +397,7 @@ MEASURED_LEAN_MODEL_H200_GIB = {(16, 524288, None): 36.13, (16, 524288, 8192): 2
 def test_plan_within_15_percent_of_the_lean_model(layers, context, tile):
     m = P.ModelShape(layers=layers, hidden=2048, experts=16, top_k=4, intermediate=768, vocab=151936, heads=16,
                      kv_heads=4, head_dim=128)
-    r = P.peaks(m, P.Setup(gpus=1, act_bytes=2, tile_tokens=tile), context, "moepeak")
+    r = P.peaks(m, P.Setup(gpus=1, act_bytes=2, tile_tokens=tile, llep_save_budget_mb=MEASURED_LLEP_BUDGET_MB), context, "moepeak")
     pred, meas = r["total"] / P.GiB, MEASURED_LEAN_MODEL_H200_GIB[(layers, context, tile)]
     print(f"L={layers} @ {context} tile {tile}: plan {pred:.2f} GiB ({r['binding']}), measured {meas:.2f} GiB, "
           f"ratio {pred / meas:.3f}")
@@ -398,14 +433,16 @@ def test_ring_dtp_bytes_follow_the_ops_choice():
 # ---------------------------------------------- what a reader sees: help, legend, plot
 
 
-def test_help_shows_defaults_every_flag_and_the_row_legend():
+def test_help_shows_one_default_per_flag_and_points_to_the_legend():
     text = P.build_parser().format_help()
     flat = " ".join(text.split())  # argparse wraps lines at the terminal width
-    assert "(default: 131072)" in flat and "(default: 8)" in flat and "(default: 141.0)" in flat
-    for row in ("fixed", "block", "head_act", "total"):
-        assert f"\n  {row} " in text, row
+    assert "(default: 131072)" in flat and "(default: 8)" in flat and "(default: 141)" in flat
+    # one default per flag, never two
+    entries = text.split("options:")[1]
+    for block in re.split(r"\n  (?=-)", entries):
+        assert block.count("default") <= 1, block
+    assert "rows (GiB per GPU)" not in text and "--explain" in text  # the legend is behind --explain
     # every option has words of its own beside its default
-    entries = text.split("options:")[1].split("rows (GiB per GPU)")[0]
     for opt in ("--preset", "--layers", "--hidden", "--experts", "--top-k", "--intermediate", "--vocab",
                 "--heads", "--kv-heads", "--head-dim", "--context", "--gpus", "--gpu-mem",
                 "--imbalance", "--act-bytes", "--plot"):
@@ -418,7 +455,11 @@ def test_help_shows_defaults_every_flag_and_the_row_legend():
 def test_report_explains_its_rows(capsys):
     assert cli.main(["plan", "--preset", "Qwen3-30B-A3B"]) == 0
     out = capsys.readouterr().out
-    assert P.ROW_LEGEND in out
+    assert P.ROW_LEGEND not in out and "--explain" in out
+    assert cli.main(["plan", "--preset", "Qwen3-30B-A3B", "--explain"]) == 0
+    assert P.ROW_LEGEND in capsys.readouterr().out
+    assert cli.main(["plan", "--explain"]) == 0  # alone: only the legend
+    assert capsys.readouterr().out.strip() == P.ROW_LEGEND
 
 
 def test_plot_spec_title_limit_range_and_requested_context():
@@ -549,5 +590,6 @@ MEASURED_COMPOSED_H200_GIB = {(131072, 0.0): 15.409, (262144, 0.0): 22.316,
 def test_plan_within_15_percent_of_the_composed_step(context, tail):
     m = P.ModelShape(layers=16, hidden=2048, experts=16, top_k=4, intermediate=768, vocab=151936, heads=16,
                      kv_heads=4, head_dim=128)
-    pred = P.peaks(m, P.Setup(gpus=1, act_bytes=2, device_state_gib=tail), context, "moepeak")["total"] / P.GiB
+    pred = P.peaks(m, P.Setup(gpus=1, act_bytes=2, device_state_gib=tail,
+                                llep_save_budget_mb=MEASURED_LLEP_BUDGET_MB), context, "moepeak")["total"] / P.GiB
     assert 0.85 <= pred / MEASURED_COMPOSED_H200_GIB[(context, tail)] <= 1.15, (context, tail, pred)

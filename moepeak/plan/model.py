@@ -1,7 +1,7 @@
 """The model of `moepeak plan`: the four memory peaks per GPU, for plain FSDP2 (+
 activation checkpointing) and for moepeak, and the longest context that fits. Where a
-schedule states its sizes (moepeak.llep.sizes, moepeak.ring_dtp.sizes) the model calls
-them rather than restating them.
+schedule states its sizes (moepeak.llep.sizes, moepeak.ring_dtp.sizes, moepeak.sco.sizes,
+moepeak.stream_adamw.sizes) the model calls them rather than restating them.
 
 Notation (docs/design.md): T tokens per rank (= context / P: the sequence is split
 over the P ranks by context parallelism), H hidden, I expert intermediate,
@@ -34,9 +34,10 @@ three fp32 [c, H] chunk temporaries (c = min(norm chunk, T)): 'final_norm' = T*(
 fp32 x and the fp32 normalised rows ('head_act' = 8H + 4 + b*H) and its backward peaks at
 24H per token, as transformers' (checked on CPU, tests/test_plan.py).
 
-Host RAM (host_bytes, `--host-mem`): SCO's boundaries (L - keep)*T*H*b + StreamAdamW's 12*N/P
-(less a device tail) + its pinned slots, per GPU; every GPU of a host draws on the same RAM.
-`--sco-keep-last keep` moves those boundaries to the GPU's boundary terms (default: keep_last).
+Host RAM: moepeak/plan/host.py (every host allocation of the step, per GPU); where each
+tensor class goes when a machine's GPU, RAM and disk are given: moepeak/plan/placement.py.
+`--sco-keep-last keep` moves boundaries from host RAM to the GPU's boundary terms (default:
+keep_last).
 
 The step's peak is the larger of two phases:
   total = fixed + optimizer + max(boundaries_block + block + dispatch,
@@ -70,9 +71,10 @@ found by bisection on the total. Checked against H200 measurements in tests/test
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from ..ring_dtp import sizes as RS
+from ..sco import sizes as SCO
 from ..stream_adamw import StreamAdamWOptions
 from ..stream_adamw import sizes as SA
 
@@ -103,25 +105,38 @@ class ModelShape:
     def dqk(self) -> int:
         return self.qk_head_dim or self.d()
 
-    def validate(self):
+    def problems(self, flags: bool = False) -> List[str]:
+        """What is wrong with the shape, one sentence per bad field (flags=True: named as
+        `moepeak plan`'s flags, --kv-heads; else as the fields, kv_heads); [] if nothing."""
+        def name(f: str) -> str:
+            return "--" + f.replace("_", "-") if flags else f
         bad = []
         for f in ("layers", "hidden", "experts", "top_k", "intermediate", "vocab", "heads", "kv_heads"):
             v = getattr(self, f)
-            if not isinstance(v, int) or v < 1:
-                bad.append(f"{f} must be a positive integer, got {v!r}")
-        if not bad:
-            if self.qk_head_dim is not None and (not isinstance(self.qk_head_dim, int) or self.qk_head_dim < 1):
-                bad.append(f"qk_head_dim must be None or a positive integer, got {self.qk_head_dim!r}")
-            if self.head_dim is None and self.hidden % self.heads:
-                bad.append(f"heads ({self.heads}) must divide hidden ({self.hidden}) or give --head-dim")
-            if self.heads % self.kv_heads:
-                bad.append(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
-            if self.top_k > self.experts:
-                bad.append(f"top_k ({self.top_k}) must be <= experts ({self.experts})")
-            if self.dense_layers > self.layers:
-                bad.append(f"dense_layers ({self.dense_layers}) must be <= layers ({self.layers})")
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                bad.append(f"{name(f)} must be a positive integer, got {v!r}")
+        for f in ("head_dim", "qk_head_dim"):
+            v = getattr(self, f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                bad.append(f"{name(f)} must be a positive integer, got {v!r}")
         if bad:
-            raise ValueError("moepeak plan: " + "; ".join(bad))
+            return bad
+        if self.head_dim is None and self.hidden % self.heads:
+            bad.append(f"{name('heads')} ({self.heads}) must divide {name('hidden')} ({self.hidden}), "
+                       f"or give {name('head_dim')}")
+        if self.heads % self.kv_heads:
+            bad.append(f"{name('kv_heads')} ({self.kv_heads}) must divide {name('heads')} ({self.heads})")
+        if self.top_k > self.experts:
+            bad.append(f"{name('top_k')} ({self.top_k}) must be <= {name('experts')} ({self.experts})")
+        if self.dense_layers > self.layers:
+            bad.append(f"dense_layers ({self.dense_layers}) must be <= {name('layers')} ({self.layers})")
+        return bad
+
+    def validate(self) -> "ModelShape":
+        """self, or ValueError listing problems()."""
+        bad = self.problems()
+        if bad:
+            raise ValueError("moepeak.plan: ModelShape: " + "; ".join(bad))
         return self
 
     def attn_params(self) -> int:
@@ -180,8 +195,9 @@ class Setup:
     norm_chunk_tokens: Optional[int] = None  # its chunk (None: moepeak.norms.default_chunk_rows(H))
     bucket_mb: float = StreamAdamWOptions.bucket_mb  # StreamAdamW bucket (slots: pinned host memory, 0 GPU bytes)
     device_state_gib: float = 0.0  # StreamAdamW device_state budget (backward_tail): on the GPU
-    sco_in_flight: int = 2      # SCOConfig.max_in_flight (W): forward D2H copies still referenced
-    sco_prefetch: int = 1       # SCOConfig.prefetch: boundaries loaded ahead in backward
+    state_dtype_bytes: int = 4  # StreamAdamW state_dtype's element size: 4 float32, 2 bfloat16 (host state only)
+    sco_in_flight: int = SCO.DEFAULTS.max_in_flight  # SCOConfig.max_in_flight (W): forward D2H copies referenced
+    sco_prefetch: int = SCO.DEFAULTS.prefetch  # SCOConfig.prefetch: boundaries loaded ahead in backward
     sco_keep_last: Optional[int] = None  # SCOConfig.keep_last (None: the layers' code's default, keep_last)
     batch: int = 1
     # plain plan's bytes per parameter: FSDP2 mixed precision keeps fp32 master,
@@ -193,37 +209,19 @@ class Setup:
 
 def keep_last(s: Setup) -> int:
     """How many last blocks keep their input on the GPU: Setup.sco_keep_last, else the default
-    of whose code runs the layers (the demo model's MoEConfig.sco_keep_last is 0; apply_moepeak's
-    SCOConfig().keep_last is 1)."""
+    of whose code runs the layers (the demo model's MoEConfig.sco_keep_last, KEEP_LAST_DEMO;
+    apply_moepeak's SCOConfig().keep_last, KEEP_LAST)."""
     if s.sco_keep_last is not None:
         return s.sco_keep_last
-    return 1 if s.impl == "hf" else 0
+    return SCO.KEEP_LAST if s.impl == "hf" else SCO.KEEP_LAST_DEMO
 
 
 def ring_dtp_vocab_bytes(T: int, H: int, V: int, b: int, budget_mb: Optional[float] = None) -> float:
-    """Ring-DTP's own bytes at its peak, for the mode `auto` picks (ring_dtp.sizes, the
-    op's own sizing and choice):
-    fp32: fused (forward makes dX [T, H], kept to the backward, in [ct, V] blocks);
-    low precision within FUSED_MAX_CHUNKS token chunks: fused_lowp (one [ct, V] block
-    + dX); else vocab_outer while its fp32 [T, H] dX accumulator is <= 512 MiB (+ its
-    cast to dtype + the 256 MiB block workspace), vocab_outer_lowp beyond (dX in dtype,
-    an fp32 dW block [cv, H] (ring_dtp.sizes.lowp_dx_block_cols), the block workspace,
-    dX finish's fp32 [T] label terms); fused_lowp also the dW finish's and the centering's
-    small buffers (ring_dtp.sizes.fused_extra_bytes). All: 5 fp32 [T] fold rows + 3 fp32
-    [T] saved (m, ls, q). (dW [V, H] is the parameter's gradient: counted in 'fixed'.)
+    """Ring-DTP's own bytes at its peak on one device, for the schedule `auto` picks
+    (moepeak.ring_dtp.sizes.auto_peak_bytes: the op's own sizing and choice; its docstring
+    lists each schedule's buffers). dW [V, H] is the parameter's gradient: counted in 'fixed'.
     budget_mb overrides the fused workspaces (Setup.ring_workspace_mb)."""
-    rows = 32 * T
-    if b >= 4:
-        ws = budget_mb * 2 ** 20 if budget_mb else RS.DEFAULT_WORKSPACE_BYTES
-        return min(ws, T * V * 8) + 4 * T * H + rows
-    ct = RS.fused_chunk_tokens(V, b, int(budget_mb * 2 ** 20) if budget_mb else None, lowp_logits=True)
-    mode = RS.auto_lowp_schedule(True, T, H, V, b, ct)
-    if mode == "fused_lowp":
-        return min(ct, T) * V * b + b * T * H + rows + RS.fused_extra_bytes(T, H, V, b, ct)
-    if mode == "vocab_outer":
-        return RS.BLOCKED_WORKSPACE_BYTES + (4 + b) * T * H + rows
-    cv = min(V, RS.lowp_dx_block_cols(V, H))
-    return RS.BLOCKED_WORKSPACE_BYTES + 4 * cv * H + b * T * H + rows + 4 * T  # + dX finish's tc
+    return RS.auto_peak_bytes(T, H, V, b, int(budget_mb * 2 ** 20) if budget_mb else None)
 
 
 def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
@@ -234,9 +232,9 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
     tensor terms on CPU with autograd hooks and the totals against GPU measurements.
     """
     if plan not in ("plain", "moepeak"):
-        raise ValueError(f"moepeak plan: plan must be 'plain' or 'moepeak', got {plan!r}")
+        raise ValueError(f"moepeak.plan: plan must be 'plain' or 'moepeak', got {plan!r}")
     if s.impl not in IMPLS:
-        raise ValueError(f"moepeak plan: impl must be one of {IMPLS}, got {s.impl!r}")
+        raise ValueError(f"moepeak.plan: Setup.impl must be one of {IMPLS}, got {s.impl!r}")
     hf = s.impl == "hf"
     P, b = s.gpus, s.act_bytes
     T = s.batch * -(-context // P)
@@ -326,9 +324,9 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         # prefetch back until its attention core's backward peak has passed. Flat in L.
         # keep_last: those inputs never leave the GPU; all are live in the head phase, all but
         # the one being recomputed in the first block's backward (conservative: in full).
-        keep = min(L, keep_last(s))
-        bounds_head = (min(L - keep, s.sco_in_flight) + keep) * T * H * b
-        bounds_block = (min(L, 1 + (0 if s.tile_tokens else s.sco_prefetch)) + max(keep - 1, 0)) * T * H * b
+        boundary = SCO.boundary_bytes(T, H, b)
+        bounds_head = SCO.gpu_head_bytes(L, keep_last(s), s.sco_in_flight, boundary)
+        bounds_block = SCO.gpu_block_bytes(L, keep_last(s), s.sco_prefetch, bool(s.tile_tokens), boundary)
         out["boundaries"] = max(bounds_head, bounds_block)
         # StreamAdamW: fp32 master/m/v in host RAM, its bucket slots pinned host memory;
         # on the GPU only a device_state tail: at most the budget, at most all the state
@@ -350,7 +348,7 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
     return out
 
 
-def _largest_fitting_context(fits, limit: int = 1 << 26) -> int:
+def largest_fitting_context(fits, limit: int = 1 << 26) -> int:
     """Largest context (multiple of 1024, <= limit) for which fits(context) holds, fits being
     monotone (true up to some context, false beyond); 0 if it fails at 1024."""
     if not fits(1024):
@@ -364,22 +362,4 @@ def _largest_fitting_context(fits, limit: int = 1 << 26) -> int:
 
 def longest_context(m: ModelShape, s: Setup, plan: str, limit: int = 1 << 26) -> int:
     """Largest context (multiple of 1024, <= limit) whose predicted total fits; 0 if none."""
-    return _largest_fitting_context(lambda c: peaks(m, s, c, plan)["total"] <= s.gpu_mem_gib * GiB, limit)
-
-
-def host_bytes(m: ModelShape, s: Setup, context: int) -> Dict[str, float]:
-    """moepeak's host RAM per GPU (bytes): SCO's boundaries (every block's input but the kept
-    ones, (L - keep)*T*H*b), StreamAdamW's state (fp32 master, m, v: 12*N/P, less a device_state
-    tail) and its pinned bucket slots (3 grad + 2 param slots of half a bucket each)."""
-    T = s.batch * -(-context // s.gpus)
-    state = SA.state_bytes_per_param(s.act_bytes) * m.params() / s.gpus
-    out = {"sco_boundaries": max(m.layers - keep_last(s), 0) * T * m.hidden * s.act_bytes,
-           "optimizer_state": state - min(s.device_state_gib * GiB, state),
-           "pinned_slots": SA.pinned_staging_bytes(s.bucket_mb)}
-    out["total"] = sum(out.values())
-    return out
-
-
-def longest_host_context(m: ModelShape, s: Setup, host_gib: float, per_node: int) -> int:
-    """Largest context (multiple of 1024) whose host RAM, per_node GPUs to a host, fits host_gib."""
-    return _largest_fitting_context(lambda c: per_node * host_bytes(m, s, c)["total"] <= host_gib * GiB)
+    return largest_fitting_context(lambda c: peaks(m, s, c, plan)["total"] <= s.gpu_mem_gib * GiB, limit)

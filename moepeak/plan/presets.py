@@ -22,6 +22,9 @@ PRESETS: Dict[str, ModelShape] = {
                                vocab=201088, heads=64, kv_heads=8, head_dim=64),
     "Mixtral-8x22B": ModelShape(layers=56, hidden=6144, experts=8, top_k=2, intermediate=16384,
                                 vocab=32768, heads=48, kv_heads=8, head_dim=128),
+    # untied embedding and lm_head; q/k norms over the full width (OLMoE's qk_layernorm)
+    "OLMoE-1B-7B": ModelShape(layers=16, hidden=2048, experts=64, top_k=8, intermediate=1024,
+                              vocab=50304, heads=16, kv_heads=16, head_dim=128),
     # torchtitan 0.3.0's MoE flavors, "titan:<model>:<flavor>" (torchtitan.models.<model>'s
     # registry; tests/test_plan_presets.py checks each against the config it builds).
     # MLA (deepseek_v3) counts its attention weights in attn_params_per_layer; head_dim is
