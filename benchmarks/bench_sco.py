@@ -5,6 +5,8 @@
   ckpt      torch.utils.checkpoint(use_reentrant=False) per block
   ckpt_cpu  the same inside torch.autograd.graph.save_on_cpu(pin_memory=True)
   sco       moepeak.sco_checkpoint per block (last block's input kept on GPU)
+  sco_disk  the same with the disk tier: half the offloaded boundaries (the earliest) in a
+            spill file in --spill-dir (only with --spill-dir; a tmpfs there measures RAM, not disk)
 
 Peak = max_memory_allocated during timed steps minus the memory allocated
 before them (weights + their grads + input + output gradient), so it is the
@@ -15,6 +17,7 @@ Sizes worked once: boundary = T·H·2 B = 32768·4096·2 = 256 MiB at T = 32k
 
   python benchmarks/bench_sco.py --out benchmarks/results --quick   # T=32k, L in {8, 32}
   python benchmarks/bench_sco.py --out benchmarks/results --T 131072 --L 8 16 32 48
+  python benchmarks/bench_sco.py --quick --spill-dir /local/nvme   # adds the sco_disk arm
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ from moepeak.sco import SCOConfig, SCOOffloader, sizes  # noqa: E402
 from tests.refs import SCOBlock  # noqa: E402
 
 GiB = float(1 << 30)
-ARMS = ("none", "ckpt", "ckpt_cpu", "sco")
+ARMS = ("none", "ckpt", "ckpt_cpu", "sco", "sco_disk")
 
 
 def _host_empty_cache():
@@ -62,7 +65,7 @@ def make_stack(L, H, dtype):
         return torch.nn.ModuleList([SCOBlock(H, attention=False).to(dtype) for _ in range(L)])
 
 
-def step(blocks, x, g, arm, cfg):
+def step(blocks, x, g, arm, sco):
     h = x
     if arm == "none":
         for b in blocks:
@@ -74,21 +77,25 @@ def step(blocks, x, g, arm, cfg):
         with torch.autograd.graph.save_on_cpu(pin_memory=True):
             for b in blocks:
                 h = tuc.checkpoint(b, h, use_reentrant=False)
-    elif arm == "sco":
+    elif arm in ("sco", "sco_disk"):
         for i, b in enumerate(blocks):
-            h = moepeak.sco_checkpoint(b, h, sco_offloader=cfg, sco_keep_on_gpu=i == len(blocks) - 1)
+            h = moepeak.sco_checkpoint(b, h, sco_offloader=sco, sco_block_from_end=len(blocks) - 1 - i)
     else:
         raise ValueError(arm)
     h.backward(g)
 
 
-def run_arm(blocks, T, H, arm, warmup, iters):
+def run_arm(blocks, T, H, arm, warmup, iters, spill_dir=None):
     """Returns dict(status, peak_gib, step_ms list)."""
     L = len(blocks)
-    cfg = None
+    sco = None
+    boundary = sizes.boundary_bytes(T, H, 2)
     if arm == "sco":  # exact arena: L-1 boundaries (the last stays on the GPU)
-        arena = sizes.arena_bytes(L, 1, sizes.boundary_bytes(T, H, 2))
-        cfg = SCOOffloader(SCOConfig(max_in_flight=2, prefetch=1, keep_last=1, arena_bytes=arena))
+        arena = sizes.arena_bytes(L, 1, boundary)
+        sco = SCOOffloader(SCOConfig(max_in_flight=2, prefetch=1, keep_last=1, arena_bytes=arena))
+    elif arm == "sco_disk":  # host room for half the offloaded boundaries, the earliest on disk
+        budget = sizes.offloaded_blocks(L, 1) // 2 * sizes.slot_bytes(boundary)
+        sco = SCOOffloader(SCOConfig(keep_last=1, arena_bytes=budget, spill_dir=spill_dir, host_budget_bytes=budget))
     res = {"status": "ok", "peak_gib": float("nan"), "ms": []}
     x = g = None
     caught = []
@@ -99,28 +106,31 @@ def run_arm(blocks, T, H, arm, warmup, iters):
         x = torch.randn(1, T, H, device="cuda", dtype=torch.bfloat16)
         g = torch.randn(1, T, H, device="cuda", dtype=torch.bfloat16)
         for _ in range(warmup):  # also allocates grads and (sco) the arena
-            step(blocks, x, g, arm, cfg)
+            step(blocks, x, g, arm, sco)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        st0 = cfg.stats("cuda") if cfg is not None else None
+        st0 = sco.stats("cuda") if sco is not None else None
         for _ in range(iters):
             for p in blocks.parameters():
                 if p.grad is not None:
                     p.grad.zero_()
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
-            step(blocks, x, g, arm, cfg)
+            step(blocks, x, g, arm, sco)
             e1.record()
             e1.synchronize()
             res["ms"].append(e0.elapsed_time(e1))
         torch.cuda.synchronize()
         res["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / GiB
-        if cfg is not None:  # timed steps must not grow the pinned arena or create events
-            st1 = cfg.stats("cuda")
+        if sco is not None:  # timed steps must not grow the pinned arena or create events
+            st1 = sco.stats("cuda")
             grew = {k: st1[k] - st0[k] for k in ("arena_chunks", "events_created") if st1[k] != st0[k]}
             if grew:
                 print(f"  [{arm}] WARNING: timed steps allocated {grew}", file=sys.stderr)
+            if arm == "sco_disk":
+                print(f"  [{arm}] spilled {st1['spilled'] - st0['spilled']} boundaries, O_DIRECT "
+                      f"{st1['spill_direct']}", file=sys.stderr)
     except torch.cuda.OutOfMemoryError:
         res["status"] = "oom"
     except RuntimeError as e:  # e.g. torch's pinned host allocator: "CUDA error: out of memory"
@@ -128,6 +138,9 @@ def run_arm(blocks, T, H, arm, warmup, iters):
             raise
         res["status"] = "oom"
         print(f"  [{arm}] {str(e).splitlines()[0]}", file=sys.stderr)
+    except OSError as e:  # the spill directory: no room (ENOSPC) or an I/O error
+        res["status"] = "disk_error"
+        print(f"  [{arm}] {e}", file=sys.stderr)
     except MemoryError as e:  # pinned host arena
         res["status"] = "host_oom"
         print(f"  [{arm}] {e}", file=sys.stderr)
@@ -139,9 +152,9 @@ def run_arm(blocks, T, H, arm, warmup, iters):
         for p in blocks.parameters():
             p.grad = None
         gc.collect()
-        if cfg is not None:
+        if sco is not None:
             try:
-                cfg.free()
+                sco.free()
             except RuntimeError as e:
                 print(f"  [{arm}] arena not freed: {e}", file=sys.stderr)
         _cleanup()
@@ -177,7 +190,9 @@ def main():
     ap.add_argument("--T", type=int, nargs="+", default=[32768, 131072])
     ap.add_argument("--L", type=int, nargs="+", default=[8, 16, 32, 48])
     ap.add_argument("--H", type=int, default=4096)
-    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    ap.add_argument("--arms", nargs="+", default=None, choices=ARMS,
+                    help="default: every arm, sco_disk only with --spill-dir")
+    ap.add_argument("--spill-dir", default=None, help="a directory on a local disk for the sco_disk arm")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--reach", action="store_true",
@@ -187,6 +202,10 @@ def main():
         sys.exit("bench_sco needs a CUDA GPU")
     if a.quick:
         a.T, a.L = [32768], [8, 32]
+    if a.arms is None:
+        a.arms = [arm for arm in ARMS if arm != "sco_disk" or a.spill_dir]
+    if "sco_disk" in a.arms and not a.spill_dir:
+        ap.error("--arms sco_disk needs --spill-dir")
     if a.reach:
         return reach(a.T[0], a.H)
     gpu = torch.cuda.get_device_name()
@@ -204,7 +223,7 @@ def main():
                 continue
             ckpt_ms = None
             for arm in a.arms:
-                r = run_arm(blocks, T, a.H, arm, a.warmup, a.iters)
+                r = run_arm(blocks, T, a.H, arm, a.warmup, a.iters, a.spill_dir)
                 med = statistics.median(r["ms"]) if r["status"] == "ok" else float("nan")
                 lo = min(r["ms"]) if r["status"] == "ok" else float("nan")
                 hi = max(r["ms"]) if r["status"] == "ok" else float("nan")

@@ -45,6 +45,7 @@ torch.utils.checkpoint(use_reentrant=False)); FSDP2 composes the same way.
 """
 from __future__ import annotations
 
+import logging
 import uuid
 import weakref
 from typing import Dict, Optional
@@ -59,6 +60,9 @@ try:  # the autograd engine's saved tensor (version-checked on unpack), as torch
     from torch._C._autograd import _make_saved_tensor
 except ImportError:  # older torch: hold the argument by reference and check its version ourselves
     _make_saved_tensor = None
+    logging.getLogger("moepeak").warning(
+        "moepeak: this torch has no torch._C._autograd._make_saved_tensor: sco_checkpoint holds its tensor "
+        "arguments by reference and checks their version counters itself")
 
 
 def _autocast_state(device_type: str):
