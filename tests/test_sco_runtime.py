@@ -163,3 +163,16 @@ def test_arena_grown_bytes_is_what_the_arena_takes(blocks, grow_bytes, cap, want
     moepeak.apply_sco(model, list(model), offloader=sco)
     _steps(model, steps=1)
     assert sco.stats()["arena_bytes"] == want
+
+
+def test_disk_tier_gradients_are_plain_autograds(tmp_path):
+    """Boundaries on disk (the two earliest), in host RAM and kept: the gradients of two steps
+    equal, bitwise, those of the same model run without any checkpointing (same dropout masks); one
+    staging slot, so the earliest boundary comes back from the file itself."""
+    sco = SCOOffloader(SCOConfig(spill_dir=str(tmp_path), host_budget_bytes=ONE, keep_last=1, spill_slots=1))
+    model = _model(4)
+    moepeak.apply_sco(model, list(model), offloader=sco)
+    _assert_exact(_steps(model), _steps(_model(4)))
+    assert _tiers(sco) == ["disk"] * 2 + ["host", "device"] and sco.stats()["spill_reads"] >= 1
+    sco.free()
+    assert os.listdir(tmp_path) == []
