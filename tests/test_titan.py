@@ -19,6 +19,7 @@ SCO and StreamAdamW alone must be bitwise equal to the stock run.
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -408,7 +409,19 @@ def test_sco_keep_last(init_state, keep_last):
     cfg = cfgs[0]
     assert len(cfgs) == 2 and all(c is cfg for c in cfgs)
     st = cfg.stats("cpu")
-    assert cfg.keep_last == keep_last and st["kept"] == keep_last and st["offloads"] == 2 - keep_last
+    assert cfg.config.keep_last == keep_last and st["kept"] == keep_last and st["offloads"] == 2 - keep_last
+
+
+def test_sco_disk_tier(init_state, tmp_path):
+    """{"spill_dir": d, "host_budget_bytes": 0}: the offloaded block's input goes to the spill
+    file (the job has 2 blocks; the last keeps its input), the step matches the host run's."""
+    want = Run(["sco"], init_state).step(*batches()[0])
+    run = Run([("sco", {"spill_dir": str(tmp_path), "host_budget_bytes": 0})], init_state)
+    got = run.step(*batches()[0])
+    sco = next(m._moepeak_sco for m in run.model.modules() if getattr(m, "_moepeak_sco", None) is not None)
+    assert [t for _, t in sco.stats("cpu")["placement"]] == ["disk", "device"]
+    assert_step_close(want, got, 0, 0)
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,10 @@ class SCOActivationCheckpointing(ActivationCheckpointing):
         """How many of the last blocks keep their input on the GPU (SCOConfig.keep_last)."""
         arena_bytes: int = SCOConfig.arena_bytes
         max_arena_bytes: Optional[int] = SCOConfig.max_arena_bytes
+        spill_dir: Optional[str] = SCOConfig.spill_dir
+        """The disk tier (SCOConfig.spill_dir): with host_budget_bytes, the earliest boundaries
+        beyond that many pinned host bytes go to an anonymous spill file in this directory."""
+        host_budget_bytes: Optional[int] = SCOConfig.host_budget_bytes
         tile_tokens: Optional[int] = None
         """Tokens per sequence tile of the position-wise parts (None: untiled).
         Blocks with GQAttention or deepseek_v3's latent Attention, and torchtitan's
@@ -43,7 +47,8 @@ class SCOActivationCheckpointing(ActivationCheckpointing):
         self.tile_tokens = tile
         self.sco_config = SCOConfig(max_in_flight=config.max_in_flight, prefetch=config.prefetch,
                                     keep_last=config.keep_last, arena_bytes=config.arena_bytes,
-                                    max_arena_bytes=config.max_arena_bytes)
+                                    max_arena_bytes=config.max_arena_bytes, spill_dir=config.spill_dir,
+                                    host_budget_bytes=config.host_budget_bytes)
         self.sco = SCOOffloader(self.sco_config)  # the runtime: arena, streams, stats
 
     def apply(self, model: torch.nn.Module) -> None:
