@@ -84,11 +84,11 @@ static void gather_scaled_range(void *c, int64_t b, int64_t e, int w) {
   for (int64_t i = b; i < e; i++) {
     const int64_t r = (g->idx[i] / g->div) * N, o = i * N;
     const float wt = g->scale[i];
-    if (g->dtype == MP_LLEP_F32) {
+    if (g->dtype == MP_DTYPE_F32) {
       const float *s = (const float *)g->src + r;
       float *d = (float *)g->out + o;
       for (int64_t h = 0; h < N; h++) d[h] = s[h] * wt;
-    } else if (g->dtype == MP_LLEP_BF16) {
+    } else if (g->dtype == MP_DTYPE_BF16) {
       const uint16_t *s = (const uint16_t *)g->src + r;
       uint16_t *d = (uint16_t *)g->out + o;
       for (int64_t h = 0; h < N; h++) d[h] = f32_to_bf16(bf16_to_f32(s[h]) * wt);
@@ -117,10 +117,10 @@ static void combine_range(void *c, int64_t b, int64_t e, int wk) {
     const int64_t id = k->idx[i];
     const float wt = k->w ? k->w[id] : 1.0f;
     float *dst = k->acc + (id / k->div) * k->H;
-    if (k->dtype == MP_LLEP_F32) {
+    if (k->dtype == MP_DTYPE_F32) {
       const float *y = (const float *)k->y + i * k->H;
       for (int64_t h = b; h < e; h++) dst[h] += wt * y[h];
-    } else if (k->dtype == MP_LLEP_BF16) {
+    } else if (k->dtype == MP_DTYPE_BF16) {
       const uint16_t *y = (const uint16_t *)k->y + i * k->H;
       for (int64_t h = b; h < e; h++) dst[h] += wt * bf16_to_f32(y[h]);
     } else {
@@ -444,7 +444,7 @@ static PyObject *py_llep_gather_scaled(PyObject *self, PyObject *args) {
   int dtype, cuda;
   if (!PyArg_ParseTuple(args, "KKKLLLiKpK", &src, &idx, &scale, &rows, &div, &N, &dtype, &out, &cuda, &stream))
     return NULL;
-  if (dtype < MP_LLEP_F32 || dtype > MP_LLEP_F16 || div < 1 || N < 0 || rows < 0) {
+  if (!mp_dtype_valid(dtype) || div < 1 || N < 0 || rows < 0) {
     PyErr_SetString(PyExc_ValueError, "moepeak: llep gather_scaled needs dtype code 0..2, div >= 1, rows, N >= 0");
     return NULL;
   }
@@ -477,7 +477,7 @@ static PyObject *py_llep_combine(PyObject *self, PyObject *args) {
   long long rows, div, H;
   if (!PyArg_ParseTuple(args, "KKiKKLLLpK", &acc, &y, &dtype, &idx, &w, &rows, &div, &H, &cuda, &stream))
     return NULL;
-  if (dtype < MP_LLEP_F32 || dtype > MP_LLEP_F16 || div < 1 || H < 0 || rows < 0) {
+  if (!mp_dtype_valid(dtype) || div < 1 || H < 0 || rows < 0) {
     PyErr_SetString(PyExc_ValueError, "moepeak: llep combine needs dtype code 0..2, div >= 1, rows, H >= 0");
     return NULL;
   }
@@ -504,7 +504,7 @@ static PyObject *py_llep_down_bwd(PyObject *self, PyObject *args) {
   int dtype, cuda;
   long long rows, I;
   if (!PyArg_ParseTuple(args, "KKiKKKLLpK", &D, &a, &dtype, &w, &wp, &dwr, &rows, &I, &cuda, &stream)) return NULL;
-  if (dtype < MP_LLEP_F32 || dtype > MP_LLEP_F16 || rows < 0 || I < 0) {
+  if (!mp_dtype_valid(dtype) || rows < 0 || I < 0) {
     PyErr_SetString(PyExc_ValueError, "moepeak: llep down_bwd needs dtype code 0..2, rows >= 0, I >= 0");
     return NULL;
   }

@@ -9,9 +9,6 @@
 extern "C" {
 #endif
 
-/* dtype codes shared by the CPU and CUDA kernels */
-enum { MP_LLEP_F32 = 0, MP_LLEP_BF16 = 1, MP_LLEP_F16 = 2 };
-
 /* ---- planner (llep_plan.c) ------------------------------------------------
  * load [P, E]: rows rank s routes to expert e. Expert e is owned by rank
  * e / (E / P). Outputs:

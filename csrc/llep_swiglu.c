@@ -38,9 +38,9 @@ static inline uint16_t bf16_rne(float f) {
 
 /* Row r's elements as fp32 (n of them, from dtype code dt) and back with one rounding. */
 static inline void load_row(const void *p, int dt, int64_t off, int64_t n, float *dst) {
-  if (dt == MP_LLEP_F32) {
+  if (dt == MP_DTYPE_F32) {
     memcpy(dst, (const float *)p + off, (size_t)n * sizeof(float));
-  } else if (dt == MP_LLEP_BF16) {
+  } else if (dt == MP_DTYPE_BF16) {
     const uint16_t *q = (const uint16_t *)p + off;
     for (int64_t j = 0; j < n; j++) dst[j] = bf16_to_f32(q[j]);
   } else {
@@ -50,9 +50,9 @@ static inline void load_row(const void *p, int dt, int64_t off, int64_t n, float
 }
 
 static inline void store_row(void *p, int dt, int64_t off, int64_t n, const float *src) {
-  if (dt == MP_LLEP_F32) {
+  if (dt == MP_DTYPE_F32) {
     memcpy((float *)p + off, src, (size_t)n * sizeof(float));
-  } else if (dt == MP_LLEP_BF16) {
+  } else if (dt == MP_DTYPE_BF16) {
     uint16_t *q = (uint16_t *)p + off;
     for (int64_t j = 0; j < n; j++) q[j] = bf16_rne(src[j]);
   } else {
@@ -63,8 +63,8 @@ static inline void store_row(void *p, int dt, int64_t off, int64_t n, const floa
 
 /* v rounded once to dtype code dt, as fp32 */
 static inline float rnd(int dt, float v) {
-  if (dt == MP_LLEP_F32) return v;
-  if (dt == MP_LLEP_BF16) return bf16_to_f32(bf16_rne(v));
+  if (dt == MP_DTYPE_F32) return v;
+  if (dt == MP_DTYPE_BF16) return bf16_to_f32(bf16_rne(v));
   return f16_to_f32(f32_to_f16(v));
 }
 
@@ -115,7 +115,7 @@ void mp_llep_swiglu_bwd_range(void *c, int64_t b, int64_t e, int w) {
 /* ---- bindings ------------------------------------------------------------ */
 /* The SwiGLU passes' shape checks (llep.h): ldh, ldd >= 2I; pointers of the extents used. */
 static int llep_check_swiglu(const char *fn, const mp_llep_swiglu_args *k, int bwd) {
-  if (k->dtype < MP_LLEP_F32 || k->dtype > MP_LLEP_F16 || k->rows < 0 || k->I < 0 || k->ldh < 2 * k->I ||
+  if (!mp_dtype_valid(k->dtype) || k->rows < 0 || k->I < 0 || k->ldh < 2 * k->I ||
       (bwd && k->ldd < 2 * k->I)) {
     PyErr_Format(PyExc_ValueError, "moepeak: %s needs dtype code 0..2, rows, I >= 0, ldh (and ldd) >= 2I", fn);
     return -1;

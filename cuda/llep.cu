@@ -211,13 +211,13 @@ mp_status swiglu_cuda(const mp_llep_swiglu_args *k, bool bwd, uintptr_t stream) 
   cudaStream_t cs = MP_STREAM(stream);
   if (k->rows <= 0 || k->I <= 0) return MP_OK;
   switch (k->dtype) {
-    case MP_LLEP_F32:
+    case MP_DTYPE_F32:
       launch_swiglu<float>(k, bwd, cs);
       break;
-    case MP_LLEP_BF16:
+    case MP_DTYPE_BF16:
       launch_swiglu<__nv_bfloat16>(k, bwd, cs);
       break;
-    case MP_LLEP_F16:
+    case MP_DTYPE_F16:
       launch_swiglu<__half>(k, bwd, cs);
       break;
     default:
@@ -320,13 +320,13 @@ mp_status mp_llep_gather_scaled_cuda(const void *src, const int64_t *idx, const 
   cudaStream_t cs = MP_STREAM(stream);
   if (rows <= 0 || N <= 0) return MP_OK;
   switch (dtype) {
-    case MP_LLEP_F32:
+    case MP_DTYPE_F32:
       launch_gather_scaled<float>(src, idx, scale, rows, div, N, out, cs);
       break;
-    case MP_LLEP_BF16:
+    case MP_DTYPE_BF16:
       launch_gather_scaled<__nv_bfloat16>(src, idx, scale, rows, div, N, out, cs);
       break;
-    case MP_LLEP_F16:
+    case MP_DTYPE_F16:
       launch_gather_scaled<__half>(src, idx, scale, rows, div, N, out, cs);
       break;
     default:
@@ -352,14 +352,14 @@ mp_status mp_llep_combine_cuda(float *acc, const void *y, int dtype, const int64
   const int nb = row_blocks(rows);
   if (rows <= 0 || H <= 0) return MP_OK;
   switch (dtype) {
-    case MP_LLEP_F32:
+    case MP_DTYPE_F32:
       combine_kernel<float><<<nb, kThreads, 0, cs>>>(acc, static_cast<const float *>(y), idx, w, rows, div, H);
       break;
-    case MP_LLEP_BF16:
+    case MP_DTYPE_BF16:
       combine_kernel<__nv_bfloat16><<<nb, kThreads, 0, cs>>>(acc, static_cast<const __nv_bfloat16 *>(y), idx, w,
                                                               rows, div, H);
       break;
-    case MP_LLEP_F16:
+    case MP_DTYPE_F16:
       combine_kernel<__half><<<nb, kThreads, 0, cs>>>(acc, static_cast<const __half *>(y), idx, w, rows, div, H);
       break;
     default:
@@ -377,15 +377,15 @@ mp_status mp_llep_down_bwd_cuda(void *D, void *a, int dtype, const float *w, con
   const int nb = row_blocks(rows);
   if (rows <= 0) return MP_OK;
   switch (dtype) {
-    case MP_LLEP_F32:
+    case MP_DTYPE_F32:
       down_bwd_kernel<float><<<nb, kThreads, 0, cs>>>(static_cast<float *>(D), static_cast<float *>(a), w, wp, dwr,
                                                        rows, I);
       break;
-    case MP_LLEP_BF16:
+    case MP_DTYPE_BF16:
       down_bwd_kernel<__nv_bfloat16><<<nb, kThreads, 0, cs>>>(static_cast<__nv_bfloat16 *>(D),
                                                                static_cast<__nv_bfloat16 *>(a), w, wp, dwr, rows, I);
       break;
-    case MP_LLEP_F16:
+    case MP_DTYPE_F16:
       down_bwd_kernel<__half><<<nb, kThreads, 0, cs>>>(static_cast<__half *>(D), static_cast<__half *>(a), w, wp,
                                                         dwr, rows, I);
       break;

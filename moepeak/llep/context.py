@@ -32,6 +32,7 @@ from typing import Dict
 
 import torch
 
+from ..core.abi import DTYPE_CODES
 from . import plan as lp
 from .options import LLEPOptions
 
@@ -139,7 +140,7 @@ class Ctx:
         cnt = lp.count(self.ids, self.E)
         fp = lp.config_fingerprint(E=self.E, K=self.K, H=self.H, I=self.I, C=self.C, m=o.min_tokens_per_gemm,
                                    alpha=float(o.alpha), lam=float(o.imbalance_threshold),
-                                   dtype=lp.DTYPE_CODE[x.dtype], cuda=int(x.is_cuda), split=int(self.split),
+                                   dtype=DTYPE_CODES[x.dtype], cuda=int(x.is_cuda), split=int(self.split),
                                    bias=int(self.has_bias), act=ACTIVATIONS.index(self.activation),
                                    one=self.one_chunk_rows, keep=int(self.keep_one_chunk))
         if tr is not None:

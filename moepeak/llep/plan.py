@@ -22,10 +22,8 @@ from typing import List, Optional
 import torch
 
 from .. import _C
+from ..core.abi import DTYPE_CODES  # the kernels' dtype codes (also part of the config fingerprint)
 from ..core.ext import check_tensor, current_stream_handle, require_cuda_build
-
-# dtype -> the code csrc/llep.c uses for it (also part of the config fingerprint)
-DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 # ---------------------------------------------------------------------------
@@ -152,7 +150,7 @@ def gather_rows(src: torch.Tensor, idx: torch.Tensor, div: int, out: torch.Tenso
     rows' dtype): backward's w*dy rows gathered and scaled in one pass."""
     rows = idx.numel()
     if scale is not None:
-        check_tensor("src", src, dtypes=tuple(DTYPE_CODE), ndim=2, contiguous=True)
+        check_tensor("src", src, dtypes=tuple(DTYPE_CODES), ndim=2, contiguous=True)
         check_tensor("out", out, dtypes=(src.dtype,), ndim=2, device=src.device, contiguous=True)
         check_tensor("scale", scale, dtypes=(torch.float32,), ndim=1, device=src.device, contiguous=True)
         if out.shape[0] < rows or out.shape[1] != src.shape[1]:
@@ -164,7 +162,7 @@ def gather_rows(src: torch.Tensor, idx: torch.Tensor, div: int, out: torch.Tenso
                        out.data_ptr(), _is_cuda(src), current_stream_handle(src.device))
     elif rows:
         _C.llep_gather_scaled(src.data_ptr(), idx.data_ptr(), scale.data_ptr(), rows, int(div), src.shape[1],
-                              DTYPE_CODE[src.dtype], out.data_ptr(), _is_cuda(src), current_stream_handle(src.device))
+                              DTYPE_CODES[src.dtype], out.data_ptr(), _is_cuda(src), current_stream_handle(src.device))
     return out[:rows]
 
 
@@ -172,7 +170,7 @@ def combine_rows(acc: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, w, div: 
     """acc[idx[i] // div] += w[idx[i]] * y[i] in fp32 (w None: weight 1)."""
     rows = idx.numel()
     if rows:
-        _C.llep_combine(acc.data_ptr(), y.data_ptr(), DTYPE_CODE[y.dtype], idx.data_ptr(),
+        _C.llep_combine(acc.data_ptr(), y.data_ptr(), DTYPE_CODES[y.dtype], idx.data_ptr(),
                         0 if w is None else w.data_ptr(), rows, int(div), acc.shape[1], _is_cuda(acc),
                         current_stream_handle(acc.device))
 
@@ -181,7 +179,7 @@ def down_bwd(D: torch.Tensor, a: torch.Tensor, w: torch.Tensor, wp: torch.Tensor
     """The down projection's backward epilogue over rows r (csrc/llep.h):
     dwr[r] = <D[r], a[r]> / wp[r]; D[r], a[r] *= w[r] / wp[r] in place.
     D, a [rows, I] (same float dtype, contiguous); w, wp, dwr [>= rows] fp32."""
-    check_tensor("D", D, dtypes=tuple(DTYPE_CODE), ndim=2, contiguous=True)
+    check_tensor("D", D, dtypes=tuple(DTYPE_CODES), ndim=2, contiguous=True)
     check_tensor("a", a, dtypes=(D.dtype,), ndim=2, device=D.device, contiguous=True)
     if a.shape != D.shape:
         raise ValueError(f"moepeak: a must have D's shape {tuple(D.shape)}, got {tuple(a.shape)}")
@@ -191,14 +189,14 @@ def down_bwd(D: torch.Tensor, a: torch.Tensor, w: torch.Tensor, wp: torch.Tensor
         if t.numel() < rows:
             raise ValueError(f"moepeak: {name} must hold at least rows={rows} elements, got {t.numel()}")
     if rows:
-        _C.llep_down_bwd(D.data_ptr(), a.data_ptr(), DTYPE_CODE[D.dtype], w.data_ptr(), wp.data_ptr(),
+        _C.llep_down_bwd(D.data_ptr(), a.data_ptr(), DTYPE_CODES[D.dtype], w.data_ptr(), wp.data_ptr(),
                          dwr.data_ptr(), rows, D.shape[1], _is_cuda(D), current_stream_handle(D.device))
 
 
 def _check_swiglu_rows(h: torch.Tensor, rows: int, I: int, names) -> None:
     """h [rows, 2I] with unit column stride; the named [rows, I] tensors contiguous, of h's
     dtype and device."""
-    check_tensor("h", h, dtypes=tuple(DTYPE_CODE), ndim=2)
+    check_tensor("h", h, dtypes=tuple(DTYPE_CODES), ndim=2)
     if tuple(h.shape) != (rows, 2 * I) or (rows > 1 and h.stride(0) < 2 * I) or (I and h.stride(1) != 1):
         raise ValueError(f"moepeak: h must be [rows={rows}, 2I={2 * I}] with unit column stride, got "
                          f"{tuple(h.shape)} strides {h.stride()}")
@@ -217,7 +215,7 @@ def swiglu_fwd(h: torch.Tensor, a: torch.Tensor, s=None) -> torch.Tensor:
     _check_swiglu_rows(h, rows, I, [("a", a)] + ([("s", s)] if s is not None else []))
     if rows and I:
         _C.llep_swiglu_fwd(h.data_ptr(), h.stride(0) if rows > 1 else 2 * I, a.data_ptr(),
-                           0 if s is None else s.data_ptr(), rows, I, DTYPE_CODE[a.dtype], _is_cuda(a),
+                           0 if s is None else s.data_ptr(), rows, I, DTYPE_CODES[a.dtype], _is_cuda(a),
                            current_stream_handle(a.device))
     return a
 
@@ -233,7 +231,7 @@ def swiglu_bwd(h: torch.Tensor, da: torch.Tensor, s: torch.Tensor, dh: torch.Ten
         raise TypeError(f"moepeak: dh must match h's dtype and device, got {dh.dtype} on {dh.device}")
     if rows and I:
         _C.llep_swiglu_bwd(h.data_ptr(), h.stride(0) if rows > 1 else 2 * I, da.data_ptr(), s.data_ptr(),
-                           dh.data_ptr(), dh.stride(0) if rows > 1 else 2 * I, rows, I, DTYPE_CODE[h.dtype],
+                           dh.data_ptr(), dh.stride(0) if rows > 1 else 2 * I, rows, I, DTYPE_CODES[h.dtype],
                            _is_cuda(h), current_stream_handle(h.device))
     return dh
 
