@@ -56,7 +56,7 @@ mp_status mp_llep_route_cpu(const int64_t *ids, int64_t n, int E, int P, const i
 
 
 /* Scaled row gather: out[i, h] = src[idx[i] / div, h] * scale[i] for i < rows,
- * h < N; src, out of one float dtype (MP_LLEP_*), scale fp32. Each element is
+ * h < N; src, out of one float dtype (mp_dtype, mp_abi.h), scale fp32. Each element is
  * the fp32 product of the element (widened) and scale[i], rounded once to
  * nearest even: the value torch's `rows * scale[:, None]` (bf16/fp16 rows,
  * fp32 scale, stored in the rows' dtype) gives. The CPU version is in llep.c. */
@@ -88,7 +88,7 @@ void mp_llep_swiglu_bwd_range(void *args, int64_t b, int64_t e, int worker);
  *   D[r] *= w[r] / wp[r], a[r] *= w[r] / wp[r]   (in place; rows with wp == w
  *                                                 are untouched: factor 1)
  * so that afterwards D = da = (w dy) W_down^T and a^T (wp dy) = the true
- * dW_down contribution, without recomputing o = a W_down. dtype: MP_LLEP_*. */
+ * dW_down contribution, without recomputing o = a W_down. dtype: an mp_dtype. */
 
 #if MP_WITH_CUDA
 /* ---- CUDA launchers (cuda/llep.cu) ------------------------------------- */

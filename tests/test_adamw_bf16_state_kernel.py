@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from moepeak import _C
-from moepeak.core.abi import ADAMW_HYPER_ROW, ADAMW_PARAM_ROW, ADAMW_SEGMENT_ROW, DTYPE_CODES
+from moepeak.core.abi import ADAMW_HYPER_ROW, ADAMW_PARAM_ROW, ADAMW_SEGMENT_ROW, BYTES_OF_CODE, DTYPE_CODES
 from refs import adamw_fused_step_ref as torch_fused
 from refs import adamw_step_ref, sr_expected
 from refs import sr_mix64 as mix64
@@ -298,7 +298,7 @@ def _host_plan_step(p, m, v, vm, g, lp, pieces, first_base, numel, hyp, state_dt
     elements whose elements first_base.. are the tensors given (addresses shifted back so the plan
     may name indices up to 2^32 and beyond): `pieces` (first, n) segments, the first alone in
     bucket 0, the rest packed in bucket 1."""
-    es = {0: 4, 1: 2}[state_dtype]
+    es = BYTES_OF_CODE[state_dtype]
     shift = lambda t, size: t.data_ptr() - first_base * size  # noqa: E731
     ptrs = ADAMW_PARAM_ROW.row(master=shift(p, 4), exp_avg=shift(m, es), exp_avg_sq=shift(v, es), grad=shift(g, 4),
                                param_lowp=shift(lp, 4), numel=numel, grad_dtype=F32, param_dtype=F32,
