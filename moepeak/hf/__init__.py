@@ -119,6 +119,7 @@ attention VARLEN_SDPA with register_varlen_sdpa. Everything else is internal to 
 """
 from .apply import apply_moepeak
 from .attention import VARLEN_SDPA, register_varlen_sdpa
+from .autoplace import place_model, placement_report
 from .expert_parallel import average_gradients, clip_grad_norm_, expert_slices
 from .experts import IMPLEMENTATION, SUPPORTED_LAYOUTS, ExpertsLayout, experts_layout, moepeak_experts_forward
 from .loss import LOSS_FAMILIES, causal_lm_loss
@@ -128,7 +129,8 @@ from .sequence import SequenceOptions, engine_sequence_group, sequence_aux_share
 from .tiled import TILED_LAYERS
 from .trainer import SequenceParallelTrainerMixin
 
-__all__ = ["apply_moepeak", "MoepeakReport", "ExpertsLayout", "SUPPORTED_LAYOUTS", "LOSS_FAMILIES", "LEAN_NORMS",
+__all__ = ["apply_moepeak", "place_model", "placement_report",
+           "MoepeakReport", "ExpertsLayout", "SUPPORTED_LAYOUTS", "LOSS_FAMILIES", "LEAN_NORMS",
            "TILED_LAYERS", "experts_layout", "causal_lm_loss", "moepeak_experts_forward", "IMPLEMENTATION",
            "expert_slices", "average_gradients", "clip_grad_norm_", "SequenceOptions", "SequenceParallelTrainerMixin",
            "sequence_aux_share", "engine_sequence_group", "VARLEN_SDPA", "register_varlen_sdpa"]

@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from ..llep import LLEPOptions
+from .autoplace import PLACEMENT_OPTIONS, install as install_placement
 from .checkpoint import patch_checkpoint
 from .experts import patch_experts
 from .loss import LOSS_OPTIONS, patch_loss
@@ -59,7 +60,9 @@ def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint:
     ce_mode, ce_chunk_tokens, ce_chunk_vocab, ce_ring (linear_cross_entropy's mode,
     chunk_tokens, chunk_vocab, and ring for a vocab-sharded head); for the lean final norm, norm_chunk_tokens
     (moepeak.norms.rms_norm's chunk_tokens); for checkpointing, sco_config (a
-    moepeak.SCOConfig).
+    moepeak.SCOConfig); for the automatic placement (moepeak/hf/autoplace.py: SCO's keep_last
+    and arena, tiles, from the GPU's free memory and the host's RAM at each longer step),
+    auto_placement (False: off), gpu_budget_gib and host_budget_gib (instead of the measured).
     lean_norm: with loss, the final norm runs moepeak.norms.rms_norm; with checkpoint, the decoder
     layers' norms too (see moepeak.hf's docstring).
     tile_tokens: sequence-tiled decoder layers (see moepeak.hf's docstring; None: off).
@@ -77,7 +80,7 @@ def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint:
     if getattr(model, "_moepeak_hf", None) is not None:
         raise RuntimeError(f"moepeak.hf: apply_moepeak was already applied to this {type(model).__name__} "
                            "instance; apply it once, to a fresh model")
-    known = EXPERTS_OPTIONS + tuple(LOSS_OPTIONS) + NORM_OPTIONS + CHECKPOINT_OPTIONS
+    known = EXPERTS_OPTIONS + tuple(LOSS_OPTIONS) + NORM_OPTIONS + CHECKPOINT_OPTIONS + PLACEMENT_OPTIONS
     unknown = sorted(set(options) - set(known))
     if unknown:
         raise TypeError(f"moepeak.hf: unknown option(s) {unknown}; expected some of {list(known)}")
@@ -109,6 +112,9 @@ def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint:
             patch_layer_norms(model, options, report)
     else:
         report.left_alone.append("checkpoint: turned off (checkpoint=False)")
+    # each training step placed on the GPU, host RAM (moepeak/hf/autoplace.py): explicit settings win
+    install_placement(model, report, options=options, sco_config=options.get("sco_config"), tile_tokens=tile_tokens,
+                      group=group, sequence_group=sequence_group, checkpoint=checkpoint and report.sco is not None)
     model._moepeak_hf = report
     return report
 

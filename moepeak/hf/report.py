@@ -16,9 +16,12 @@ class MoepeakReport:
     sco_config: object = None  # the moepeak.SCOConfig of the checkpoints
     sco: object = None  # the moepeak.SCOOffloader running them: its stats() and free()
     sequence: object = None  # the SequenceOptions under sequence parallelism (apply_moepeak(sequence_group=...))
+    placement: object = None  # the automatic placement (moepeak/hf/autoplace.py): where each step's tensors go
 
     def __str__(self):
         lines = [f"moepeak.hf.apply_moepeak({self.model}):"]
         lines += [f"  patched     {p}" for p in self.patched] or ["  patched     nothing"]
         lines += [f"  left alone  {p}" for p in self.left_alone]
+        if self.placement is not None:
+            lines += ["  " + line for line in self.placement.describe().splitlines()]
         return "\n".join(lines)

@@ -98,6 +98,7 @@ class ModelShape:
     dense_layers: int = 0                   # leading dense-MLP layers (DeepSeek-V3)
     dense_intermediate: int = 0
     tied_embeddings: bool = False
+    param_count: Optional[int] = None       # a model's own count (sum of numel): overrides params()' formula
 
     def d(self) -> int:
         return self.head_dim or self.hidden // self.heads
@@ -155,6 +156,8 @@ class ModelShape:
         return self.attn_params() + mlp + 2 * H
 
     def params(self) -> int:
+        if self.param_count is not None:
+            return self.param_count
         emb = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
         moe_layers = self.layers - self.dense_layers
         return emb + self.hidden + moe_layers * self.block_params(True) \
