@@ -35,7 +35,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension, setup

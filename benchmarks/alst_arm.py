@@ -20,7 +20,8 @@ PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) combine, and these arms use as
     does not change what any token computes;
   - the loss without full logits: arm "alst" uses DeepSpeed's TiledFusedLogitsLoss (lm_head
     + the model's loss_function per tile of ~1 GiB of fp32 logits, ArcticTraining's
-    fallback where Liger has no model; each tile weighted inside, see tiled_logits_loss); arm "alst_liger" uses Liger-Kernel's fused linear
+    fallback where Liger has no model; each tile weighted inside, see tiled_logits_loss);
+    arm "alst_liger" uses Liger-Kernel's fused linear
     cross-entropy, RMSNorm and RoPE as the recipes' `model.type: liger` does, SwiGLU left
     out as ArcticTraining does when tiled_mlp_compute is on (so the experts stay on
     transformers' grouped_mm in both arms).

@@ -320,7 +320,7 @@ def time_case(c: Case, args, device, flex: Flex):
                 torch.cuda.synchronize()
             row["first_call_s"] = round(time.perf_counter() - t0, 3)
     except RuntimeError as err:
-        del q, k, v, dout
+        q = k = v = dout = None  # free now (the timing closures still name them)
         _release(device)
         return dict(row, status="OOM" if is_oom(err) else _reason(err, caught))
     try:
@@ -339,7 +339,7 @@ def time_case(c: Case, args, device, flex: Flex):
         row["status"] = status
     except RuntimeError as err:
         row["status"] = "OOM" if is_oom(err) else f"error: {str(err).splitlines()[0][:100]}"
-    del q, k, v, dout, call
+    q = k = v = dout = call = None  # free now (the timing closures still name them)
     _release(device)
     return row
 
@@ -361,7 +361,7 @@ def accuracy_rows(args, device, models, backends, gqa_wanted, flex: Flex):
                            q_heads=hq, kv_heads=hkv, calls_per_layer=1)
                 bm = flex.mask(T) if b == "flex" else None
                 rows.append(dict(row, **_errors(attention_call(b, mode, hq // hkv, flex, bm), q, k, v, dout, ref)))
-        del q, k, v, dout, ref
+        q = k = v = dout = ref = None  # free now (the timing closures still name them)
         _release(device)
     if "flex" in backends:
         rows.append(docmask_row(args, device, flex))

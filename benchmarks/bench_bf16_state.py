@@ -137,7 +137,7 @@ def main(argv=None):
         print(f"{r['arm'] + ' vs ' + r['reference']:>16} {r['window']:>9} {r['loss_mean']:>8.4f} "
               f"{r['ref_loss_mean']:>8.4f} {r['mean_diff']:>+9.2e} {r['mean_abs_diff']:>8.2e} "
               f"{r['max_abs_diff']:>8.2e} {r['max_rel_diff']:>8.2e} {r['last_loss']:>7.4f} {r['ref_last_loss']:>8.4f}")
-    print(f"host state (moments + masters): " + ", ".join(f"{arm} {b} B" for arm, b in state.items()))
+    print("host state (moments + masters): " + ", ".join(f"{arm} {b} B" for arm, b in state.items()))
     print(f"wrote {p1} and {p2}")
     return rows
 

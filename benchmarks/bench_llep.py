@@ -504,11 +504,11 @@ def main():
                         print(f"{cname:22s} T={T:7d} {iname:8s} {arm:15s} {res['status']:6s} "
                               f"peak {res['peak_gib']:7.2f} GiB  {res['ms']:9.1f} ms "
                               f"({res['ms_min']:.1f}-{res['ms_max']:.1f})  {tps:12.0f} tok/s{path}", flush=True)
-                del x, tw, tw_act, gy, ids, fns
+                x = tw = tw_act = gy = ids = fns = None  # free now (the timing closures still name them)
                 if rank == 0 and args.out:  # per point, so a run cut short keeps what it measured
                     append_results(args.out, "llep", rows[flushed:], gpu=gpu)
                     flushed = len(rows)
-        del wgu, wd, mods
+        wgu = wd = mods = None  # free now (the timing closures still name them)
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()

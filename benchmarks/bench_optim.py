@@ -192,7 +192,7 @@ def cpu_kernels(total, threads, reps, bf16_state=False):
         out[name] = statistics.median(wall_times_s(opt.step, reps, warmup=1))
         del opt
         gc.collect()
-    del p
+    p = None  # free now (the timing closures still name them)
     gc.collect()
     return out
 

@@ -31,7 +31,8 @@ random init, one set of bf16 weights shared by all arms.
 A step is forward + backward from zero grads (no optimizer): --warmup untimed steps (flex
 attention compiles in the first; none for fp32_ref, whose time is not a result), then one
 timed step whose loss and gradients are compared. peak_gib = torch.cuda.max_memory_allocated
-during the timed step (weights and grads included); step_s = its wall time (synchronized). Errors: norm-wise relative error
+during the timed step (weights and grads included); step_s = its wall time (synchronized).
+Errors: norm-wise relative error
 (fp64) of the concatenated gradients of each group (embed, attention: q/k/v/o_proj,
 router: mlp.gate, experts, norms: every RMSNorm weight, lm_head), and of the loss; the row
 "moepeak/stock" holds moepeak's error / stock's for each. An OOM is a result, and so is
@@ -304,7 +305,7 @@ def run_arm(arm, dtype, args, shape, weights, inputs, lengths, spy, device):
             traceback.print_exc()
         del e
         spy.take()
-        del model
+        model = None  # free now (the timing closures still name them)
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -316,7 +317,7 @@ def run_arm(arm, dtype, args, shape, weights, inputs, lengths, spy, device):
         row["mask_ok"] = ok
         row["note"] = "; ".join(x for x in (detail, note) if x)
     grads = {n: p.grad.detach().to("cpu") for n, p in model.named_parameters() if p.grad is not None}
-    del model
+    model = None  # free now (the timing closures still name them)
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()

@@ -176,7 +176,7 @@ def measure(fn, T, H, V, iters):
     except Exception as e:  # a baseline failing is recorded, not fatal
         return f"error: {type(e).__name__}: {str(e)[:120]}", float("nan"), []
     finally:
-        del x, w, y
+        x = w = y = None  # free now (the timing closures still name them)
         torch.cuda.empty_cache()
 
 

@@ -51,7 +51,7 @@ def _check(x, weight, eps, chunk_tokens):
     H = x.shape[-1]
     if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (H,):
         raise ValueError(f"rms_norm: weight must be a tensor [H] = [{H}] (x's last dim), got "
-                         f"{tuple(getattr(weight, 'shape', ())) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+                         f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
     if not weight.is_floating_point():
         raise TypeError(f"rms_norm: weight must be floating point, got {weight.dtype}")
     if weight.device != x.device:

@@ -52,8 +52,8 @@ def test_plot_gives_each_arm_one_colour_in_every_panel(tmp_path, monkeypatch):
     rows = [{"peak": k, "moepeak": 1 << 20, "plain": 2 << 20} for k in ("dispatch", "vocab", "boundaries", "optimizer")]
     assert plot_run(str(tmp_path / "p.png"), [5.0, 4.0, 3.5], 0, plain, rows, "title", lambda *a: None)
     loss_ax, _, peaks_ax = figs[0].axes[:3]
-    colour = lambda artist: mcolors.to_hex(artist.get_color() if hasattr(artist, "get_color") else
-                                           artist.get_facecolor())
+    def colour(artist):
+        return mcolors.to_hex(artist.get_color() if hasattr(artist, "get_color") else artist.get_facecolor())
     lines = {line.get_label(): colour(line) for line in loss_ax.get_lines()}
     bars = {c.get_label(): {colour(p) for p in c.patches} for c in peaks_ax.containers}
     assert bars["moepeak"] == {lines["moepeak"]} and bars["plain PyTorch"] == {lines["plain PyTorch (3 steps)"]}

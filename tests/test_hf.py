@@ -404,7 +404,8 @@ def test_readme_example_runs(tmp_path):
 
 def test_bench_hf_tiny_runs(tmp_path):
     csv = tmp_path / "hf.csv"
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_hf.py"), "--tiny", "--arms", "hf,hf_offload,moepeak",
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_hf.py"), "--tiny",
+                          "--arms", "hf,hf_offload,moepeak",
                           "--csv", str(csv)], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": ROOT})
     assert res.returncode == 0, res.stdout + res.stderr

@@ -335,8 +335,9 @@ def trainer_ranks(r, P, out_dir):
         output_dir=out_dir, per_device_train_batch_size=1, max_steps=1, learning_rate=1.0,
         lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0, report_to=[], use_cpu=True,
         deepspeed=zero1, logging_steps=1, save_strategy="no",
-        parallelism_config=ParallelismConfig(sp_size=P, sp_backend="deepspeed", sp_handler=DeepSpeedSequenceParallelConfig(
-            sp_attn_implementation="sdpa")))
+        parallelism_config=ParallelismConfig(
+            sp_size=P, sp_backend="deepspeed",
+            sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa")))
     trainer = MoepeakTrainer(model=model, args=args, train_dataset=data, callbacks=[Capture()],
                              optimizers=(torch.optim.SGD(model.parameters(), lr=1.0), None))
     trainer.train()

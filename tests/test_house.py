@@ -464,7 +464,8 @@ def test_the_facade_names_are_the_subpackages_objects():
     import moepeak
     homes = [importlib.import_module(m) for m in MODULES
              if m.count(".") == 1 and not m.endswith("__main__") and m not in ("moepeak.testing", "moepeak.cli")]
-    assert "__version__" in moepeak.__all__ and moepeak.__version__ == importlib.import_module("moepeak.version").__version__
+    assert "__version__" in moepeak.__all__
+    assert moepeak.__version__ == importlib.import_module("moepeak.version").__version__
     for name in sorted(set(moepeak.__all__) - {"__version__"}):
         owners = [h for h in homes if name in getattr(h, "__all__", ())]
         assert len(owners) == 1, (name, [h.__name__ for h in owners])

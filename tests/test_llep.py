@@ -555,7 +555,8 @@ def test_hidden_size_mismatch_names_x_and_both_shapes():
 # opcheck
 # ---------------------------------------------------------------------------
 def test_opcheck():
-    x, ids, tw, wgu, wd, _ = [t.float() if t.is_floating_point() else t for t in _problem(11, 8, 4, 4, 2, torch.float32)]
+    problem = _problem(11, 8, 4, 4, 2, torch.float32)
+    x, ids, tw, wgu, wd, _ = [t.float() if t.is_floating_point() else t for t in problem]
     args = (x.requires_grad_(), ids, tw.requires_grad_(), wgu.requires_grad_(), wd.requires_grad_(), "", 6, 1.0,
             1024, 1.3)
     torch.library.opcheck(llep_dispatch, args)

@@ -363,7 +363,8 @@ def _dtensor_rank(rank, world):
         o.step()
     ours.step()
     for d, e in zip(dps, other):
-        assert torch.equal(d.to_local(), e.to_local()), (rank, (d.to_local() - e.to_local()).abs().max(), ours.state[d]["step"], o.state[e]["step"])
+        assert torch.equal(d.to_local(), e.to_local()), (rank, (d.to_local() - e.to_local()).abs().max(),
+                                                          ours.state[d]["step"], o.state[e]["step"])
 
 
 def test_dtensor_params_update_local_shards():

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.utils.checkpoint as torch_ckpt
 
-from moepeak.tiled import TiledBlock, TiledBlockSpec, tiled_block
+from moepeak.tiled import TiledBlock, tiled_block
 from moepeak.demo.tiled import demo_block_spec
 from tiled_blocks import LiveBytes, RefBlock, linear_causal_core
 
@@ -271,7 +271,8 @@ def _qwen3_layer(dtype, attn_impl, seed=0):
     layer = hf.Qwen3MoeDecoderLayer(cfg, layer_idx=0)
     with torch.no_grad():
         for name, p in layer.named_parameters():
-            p.copy_((1.0 + 0.3 * torch.randn(p.shape)) if "norm" in name else torch.randn(p.shape) * p.shape[-1] ** -0.5)
+            scale = p.shape[-1] ** -0.5
+            p.copy_((1.0 + 0.3 * torch.randn(p.shape)) if "norm" in name else torch.randn(p.shape) * scale)
     rope = hf.Qwen3MoeRotaryEmbedding(cfg)
     return layer.to(dtype), rope, cfg
 

@@ -224,8 +224,9 @@ def test_autocast_backward_recomputes_under_the_forward_autocast(checkpoint, til
     ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(3))
     calls = []
     for layer in tiled.model.layers:
-        layer.mlp.gate.register_forward_hook(
-            lambda m, args, out, i=layer.self_attn.layer_idx: calls.append((i, torch.is_grad_enabled(), out[0], out[2])))
+        def record(m, args, out, i=layer.self_attn.layer_idx):
+            calls.append((i, torch.is_grad_enabled(), out[0], out[2]))
+        layer.mlp.gate.register_forward_hook(record)
     want, got = _autocast_step(stock, ids), _autocast_step(tiled, ids)
     for i in range(len(tiled.model.layers)):
         forward = [c for c in calls if c[0] == i and not c[1]]  # tiles in order

@@ -19,7 +19,6 @@ which is "cuda" on a machine without an accelerator; the ranks set it to "cpu".
 """
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 

@@ -17,7 +17,8 @@
   7. dW's finish (B.finish_dw) at T = 32k, H = 4096, V = 151936, bf16: label terms only (uniform
      labels, Zipf labels, and Zipf's counts on shuffled ids) and with the centering's rank-1
      term (every row), against the bytes it moves.
-  python benchmarks/probe_gemm_paths.py [grouped] [streams] [blas] [center[=rounds]] [tunable[=rounds]] [finish] [rounding] [layout[=rounds]]
+  python benchmarks/probe_gemm_paths.py [grouped] [streams] [blas] [center[=rounds]] [tunable[=rounds]]
+      [finish] [rounding] [layout[=rounds]]
   (default: all but tunable)
 """
 import sys
@@ -280,12 +281,13 @@ def rounding():
                 c = c0.clone()
                 c.addmm_(a.t(), b)
                 differ = (c != once).float().mean().item() * 100
-                twice = (c != (c0.double() + torch.mm(a.t(), b).double()).to(torch.bfloat16)).float().mean().item() * 100
+                exact = (c0.double() + torch.mm(a.t(), b).double()).to(torch.bfloat16)
+                twice = (c != exact).float().mean().item() * 100
                 ms = t(lambda: c.addmm_(a.t(), b))            # (c is scratch from here on)
                 print(f"K={K} reduced-precision reduction {'allowed' if allow else 'off    '}: {differ:.3f}% of "
                       f"elements differ from one rounding of C + A^T B, {twice:.3f}% from rn(C + rn(A^T B)); "
                       f"{ms:.3f} ms ({2.0 * K * V * H / ms / 1e9:.0f} TFLOP/s)")
-            del a, b, c0, once, c
+            a = b = c0 = once = c = None  # free now (the timing closures still name them)
     finally:
         mm.allow_bf16_reduced_precision_reduction = keep
 
@@ -331,7 +333,8 @@ def layout(rounds=6):
     tp2 = t(lambda: torch.mm(a, a))
     for k, v in tot.items():
         v = sorted(v)
-        print(f"{k}: 16 chunks x 3 GEMMs, {rounds} rounds: median {v[len(v) // 2]:.1f} ms, min {v[0]:.1f}, max {v[-1]:.1f}")
+        print(f"{k}: 16 chunks x 3 GEMMs, {rounds} rounds: median {v[len(v) // 2]:.1f} ms, "
+              f"min {v[0]:.1f}, max {v[-1]:.1f}")
     print(f"8192^3 probe after: {tp2:.3f} ms ({2 * 8192 ** 3 / tp2 / 1e9:.0f} TF/s)")
 
 

@@ -244,7 +244,7 @@ def report(results, arms, args, flop, log):
         log("  " + "".join(f"{ms:14.3f} ({n:6d})  " for n, ms in cells) + f"  {k}")
     rows = side_by_side(results, ok, 0)
     diff = len(ok) > 1
-    log(f"\nkernels, total ms (count), largest first" + (f"; diff = {ok[0]} - {ok[1]}" if diff else "") + ":")
+    log("\nkernels, total ms (count), largest first" + (f"; diff = {ok[0]} - {ok[1]}" if diff else "") + ":")
     log("  " + "".join(f"{a[:22]:>24s}" for a in ok) + ("     diff" if diff else "") + "  class        kernel")
     for name, cls, cells, _ in rows[:args.top]:
         line = "".join(f"{ms:14.3f} ({n:6d})  " for n, ms in cells)

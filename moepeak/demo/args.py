@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--plain", action="store_true", help="plain PyTorch: dense MoE, F.cross_entropy, "
                    "torch.utils.checkpoint, torch.optim.AdamW")
     s.add_argument("--no-checkpoint", action="store_true", help="no activation checkpointing at all")
-    s.add_argument("--bucket-mb", type=float, default=None, help="StreamAdamW bucket size in MiB (default %(default)s: StreamAdamW's)")
+    s.add_argument("--bucket-mb", type=float, default=None,
+                   help="StreamAdamW bucket size in MiB (default %(default)s: StreamAdamW's)")
     s.add_argument("--state-dtype", choices=("float32", "bfloat16"), default=None,
                    help="StreamAdamW's exp_avg/exp_avg_sq dtype in host RAM (bfloat16: 8 instead of 12 B per "
                         "bf16 param, stochastic rounding; default %(default)s: StreamAdamW's, float32)")
@@ -101,8 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="steps of the plain run (default %(default)s: every step on CPU, the first "
                         f"{DEFAULTS['cuda']['compare_steps']} on a GPU); it stops early at an OOM")
     o = ap.add_argument_group("output")
-    o.add_argument("--save", default=None, help="directory: torch.distributed.checkpoint at the end (default %(default)s: no save)")
-    o.add_argument("--resume", default=None, help="directory written by --save: continue from it (default %(default)s: start afresh)")
+    o.add_argument("--save", default=None,
+                   help="directory: torch.distributed.checkpoint at the end (default %(default)s: no save)")
+    o.add_argument("--resume", default=None,
+                   help="directory written by --save: continue from it (default %(default)s: start afresh)")
     o.add_argument("--plot", default=None,
                    help="PNG path: loss curves and peak table (needs matplotlib: pip install -e "
                         "'.[plot]' in the moepeak checkout; default %(default)s: no plot)")
@@ -115,7 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(a, dev_kind: str):
     d = DEFAULTS[dev_kind]
-    pick = lambda k, v: d[k] if v is None else v
+
+    def pick(k, v):
+        return d[k] if v is None else v
     cfg = MoEConfig(vocab_size=pick("vocab", a.vocab), hidden=pick("hidden", a.hidden),
                     layers=pick("layers", a.layers), heads=pick("heads", a.heads),
                     kv_heads=pick("kv_heads", a.kv_heads), experts=pick("experts", a.experts),

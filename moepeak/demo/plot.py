@@ -71,7 +71,8 @@ def plot_run(path: str, losses: List[float], start: int, plain: Dict, table: Opt
     if table:
         a = ax["peaks"]
         names = [r["peak"] for r in table]
-        num = lambda v: v / MiB if isinstance(v, (int, float)) else 0.0
+        def num(v):
+            return v / MiB if isinstance(v, (int, float)) else 0.0
         xs = range(len(names))
         for off, key, label in ((-0.2, "plain", "plain PyTorch"), (0.2, "moepeak", "moepeak")):
             bars = a.bar([i + off for i in xs], [num(r[key]) for r in table], 0.4, label=label,

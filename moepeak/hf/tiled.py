@@ -361,7 +361,8 @@ def patch_tiled_layers(model, tile_tokens, report, head_groups: Optional[int] = 
                 maps_out.append(maps)
             return y
         layer.forward = forward
-    report.patched.append(f"tile_tokens: {len(layers)} decoder layers run moepeak.hf.tiled.tiled_hf_layer_training_forward "
+    report.patched.append(f"tile_tokens: {len(layers)} decoder layers run "
+                          "moepeak.hf.tiled.tiled_hf_layer_training_forward "
                           f"in training (tiles of {tile_tokens} tokens)")
 
 

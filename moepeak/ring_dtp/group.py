@@ -17,7 +17,6 @@ from ..core.abi import DTYPE_CODES
 from ..core.process_groups import group_info
 from ..core.transport import Transport
 from ..core.transport_choice import get_transport, shared_nccl_transport
-from . import blocks as B
 
 
 # What every rank of a group must pass alike: a difference in ring or the chunk sizes would

@@ -2,7 +2,8 @@
 
 A stock torchtitan job turns them on from its command line, without a fork:
 
-    --override.imports moepeak.titan.experts,moepeak.titan.loss,moepeak.titan.sco,moepeak.titan.stream_adamw,moepeak.titan.rope
+    --override.imports moepeak.titan.experts,moepeak.titan.loss,moepeak.titan.sco,\
+        moepeak.titan.stream_adamw,moepeak.titan.rope
 
 Each name is an ``@override`` factory (torchtitan.config.override) that swaps
 one component's Config in the trainer's config tree before anything is built:
@@ -78,7 +79,7 @@ try:
     from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
     from torchtitan.models.common.rope import RoPE
 except ImportError as e:  # pragma: no cover - exercised only without torchtitan
-    raise ImportError(f"moepeak.titan needs torchtitan 0.3 (pip install 'moepeak[titan]'); "
+    raise ImportError("moepeak.titan needs torchtitan 0.3 (pip install -e '.[titan]' from a moepeak checkout); "
                       f"here torch {torch.__version__}: {e}") from e
 
 from .configs import qwen3_moe_config

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 
 
 def provide_missing_torch_names() -> list[str]:
