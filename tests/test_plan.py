@@ -397,7 +397,8 @@ MEASURED_LEAN_MODEL_H200_GIB = {(16, 524288, None): 36.13, (16, 524288, 8192): 2
 def test_plan_within_15_percent_of_the_lean_model(layers, context, tile):
     m = P.ModelShape(layers=layers, hidden=2048, experts=16, top_k=4, intermediate=768, vocab=151936, heads=16,
                      kv_heads=4, head_dim=128)
-    r = P.peaks(m, P.Setup(gpus=1, act_bytes=2, tile_tokens=tile, llep_save_budget_mb=MEASURED_LLEP_BUDGET_MB), context, "moepeak")
+    s = P.Setup(gpus=1, act_bytes=2, tile_tokens=tile, llep_save_budget_mb=MEASURED_LLEP_BUDGET_MB)
+    r = P.peaks(m, s, context, "moepeak")
     pred, meas = r["total"] / P.GiB, MEASURED_LEAN_MODEL_H200_GIB[(layers, context, tile)]
     print(f"L={layers} @ {context} tile {tile}: plan {pred:.2f} GiB ({r['binding']}), measured {meas:.2f} GiB, "
           f"ratio {pred / meas:.3f}")

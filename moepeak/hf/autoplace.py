@@ -7,7 +7,8 @@ forward pre-hook on the model), or earlier by place_model(model, tokens) (call i
 creating the optimizer: its device_state_bytes is StreamAdamW's device tail,
 StreamAdamW(params, device_state=backward_tail(params, placement.device_state_bytes))).
 Host RAM is measured once, at the first plan (before StreamAdamW's state and SCO's arena
-take theirs); the GPU's free + reserved bytes at each. What it applies: SCO's keep_last and a pinned arena sized for the step's host boundaries
+take theirs); the GPU's free + reserved bytes at each. What it applies: SCO's keep_last and
+a pinned arena sized for the step's host boundaries
 (SCOOffloader.reconfigure: the arena of a shorter step is freed, not kept beside the new
 one), and sequence tiles (tile_tokens) when whole blocks do not fit. Explicit settings win:
 a given sco_config keeps SCO as configured (its keep_last is the plan's), a given tile_tokens

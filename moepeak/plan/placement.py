@@ -87,7 +87,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 from ..sco import sizes as SCO
 from ..stream_adamw import sizes as SA
