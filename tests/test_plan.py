@@ -19,7 +19,7 @@ from moepeak.demo.peaks import SavedBytes
 
 # Published total parameter counts (billions) of the presets.
 PUBLISHED = {"Qwen3-30B-A3B": 30.5, "Qwen3-235B-A22B": 235.1, "DeepSeek-V3": 671.0,
-             "gpt-oss-120b": 116.8, "Mixtral-8x22B": 140.6,
+             "gpt-oss-120b": 116.8, "Mixtral-8x22B": 140.6, "OLMoE-1B-7B": 6.92,
              # torchtitan flavors: Qwen3, DeepSeek-V2-Lite / V2 / V3, gpt-oss
              "titan:qwen3:30B-A3B": 30.5, "titan:qwen3:235B-A22B": 235.1, "titan:deepseek_v3:16B": 15.7,
              "titan:deepseek_v3:236B": 236.0, "titan:deepseek_v3:671B": 671.0, "titan:gpt_oss:20b": 20.9,
