@@ -10,6 +10,8 @@ other moepeak subpackage.
   transport_choice get_transport, shared_nccl_transport: picking one for a group
   process_groups   the registry that lets custom ops take a process group as a string key
   host_memory      MemAvailable checks before large host allocations
+  options          resolve_options: the one resolve rule of the schedules' options dataclasses
+  autograd         scale_grad: identity forward, scaled gradient
   abi              the C ABI of moepeak._C: dtype codes and row layouts (mirror of csrc/mp_abi.h)
 
 Public face (exported here, for users and tests that drive the multi-rank schedules with

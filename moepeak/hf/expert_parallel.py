@@ -29,6 +29,8 @@ from typing import Dict, List
 
 import torch
 
+from ..core.autograd import scale_grad
+
 # The experts module's parameters a rank keeps a slice of (those its layout has).
 EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 
@@ -38,25 +40,12 @@ def group_size(group) -> int:
     return 1 if group is None else torch.distributed.get_world_size(group)
 
 
-class _DividedGradient(torch.autograd.Function):
-    """Identity forward; backward divides the gradient by `ranks`."""
-
-    @staticmethod
-    def forward(ctx, t, ranks):
-        ctx.ranks = ranks
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad / ctx.ranks, None
-
-
 def group_mean_gradient(t, group):
     """An expert slice (or its bias) as the experts path reads it: the tensor itself, whose
     gradient is divided by the group's size P (the sum over the ranks' losses that
     PipelinedLLEP brings home becomes the gradient of their mean). None stays None."""
     P = group_size(group)
-    return t if t is None or P == 1 else _DividedGradient.apply(t, P)
+    return t if t is None or P == 1 else scale_grad(t, div=P)
 
 
 def keep_expert_slice(module, rank: int, P: int) -> None:

@@ -20,6 +20,8 @@ import dataclasses
 import math
 from typing import Optional, Tuple
 
+from ..core.options import resolve_options
+
 # torch._grouped_mm for the expert GEMMs (moepeak/llep/gemm.py):
 #   "auto"  where torch has it and the call qualifies (CUDA, compute capability >= 8.0,
 #           bf16, H and I multiples of 8, weight stacks it takes as they are); should it
@@ -75,15 +77,7 @@ class LLEPOptions:
     def resolve(cls, options: Optional["LLEPOptions"] = None, **keywords) -> "LLEPOptions":
         """`options` (None: the defaults) with each keyword that is not None put in its field;
         checked (a bad value raises naming the field)."""
-        unknown = sorted(k for k in keywords if k not in OPTION_NAMES)
-        if unknown:
-            raise TypeError(f"moepeak: LLEPOptions takes the keywords {OPTION_NAMES}, got {unknown}")
-        if options is None:
-            options = cls()
-        elif not isinstance(options, cls):
-            raise TypeError(f"moepeak: options must be an LLEPOptions or None, got {type(options).__name__}")
-        given = {k: v for k, v in keywords.items() if v is not None}
-        return dataclasses.replace(options, **given) if given else options
+        return resolve_options(cls, options, keywords, OPTION_NAMES, article="an")
 
 
 # The fields' names, in order (a constant: torch.compile traces llep_moe's use of it).

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..core.autograd import scale_grad
 from ..core.ext import check_tensor, require_cuda_build
 from . import blocks as B
 from . import ops  # noqa: F401 (registers moepeak::ring_dtp_ce, called below through torch.ops)
@@ -268,19 +269,6 @@ def _single_device(x, weight, y, bias, loss_definition, options: RingDTPOptions)
     return out[0], B.lse_report(out[1], out[2])
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; gradient times `scale` (averaging the ring's summed dW)."""
-
-    @staticmethod
-    def forward(ctx, t, scale):
-        ctx.scale = scale
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * ctx.scale, None
-
-
 class RingDTPLinearCrossEntropy(torch.nn.Module):
     """lm_head + cross-entropy in one module: holds `.weight` [V, H] (the name an
     lm_head uses, so checkpoints load) and `.bias` when bias=True.
@@ -339,7 +327,7 @@ class RingDTPLinearCrossEntropy(torch.nn.Module):
             w, group = self._local_shard(w, group)
             b = b.to_local() if b is not None and hasattr(b, "to_local") else b
         if group is not None and self.grad_average:
-            w = _ScaleGrad.apply(w, 1.0 / torch.distributed.get_world_size(group))
+            w = scale_grad(w, mul=1.0 / torch.distributed.get_world_size(group))  # average the ring's summed dW
         return linear_cross_entropy(hidden, w, labels, bias=b, group=group, return_lse=return_lse,
                                     options=self.options, **self.loss_definition)
 

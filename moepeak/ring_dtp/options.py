@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Tuple, Union
 
+from ..core.options import resolve_options
 from ..core.transport import Transport, check_transport_choice
 from . import sizes as S
 
@@ -100,15 +101,7 @@ class RingDTPOptions:
     def resolve(cls, options: Optional["RingDTPOptions"] = None, **keywords) -> "RingDTPOptions":
         """`options` (None: the defaults) with each keyword of KEYWORD_FIELDS that is not None
         put in its field; checked (a bad value raises naming the field)."""
-        unknown = sorted(set(keywords) - set(KEYWORD_FIELDS))
-        if unknown:
-            raise TypeError(f"moepeak: RingDTPOptions.resolve takes the keywords {KEYWORD_FIELDS}, got {unknown}")
-        if options is None:
-            options = cls()
-        elif not isinstance(options, cls):
-            raise TypeError(f"moepeak: options must be a RingDTPOptions or None, got {type(options).__name__}")
-        given = {k: v for k, v in keywords.items() if v is not None}
-        return dataclasses.replace(options, **given) if given else options
+        return resolve_options(cls, options, keywords, KEYWORD_FIELDS)
 
     def op_args(self) -> Tuple[int, int, int, bool, bool, int, bool]:
         """The schedule arguments of the ops moepeak::ring_dtp_ce and ring_dtp_ce_backward, in
