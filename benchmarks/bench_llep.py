@@ -34,6 +34,7 @@ Arms at P = 1 (same inputs, same process):
                  chunk budget with as many chunks' h cached as the room below that
                  layer's peak holds (llep.sizes.default_save_budget_mb: all 32 at 256k)
   pipelined_nocache  the same with save_budget_mb=0 (every chunk recomputed)
+  pipelined_b1536    the same with save_budget_mb=1536 (the fixed cache of issues 6 and 26)
   pipelined_hf_layout    pipelined on grouped_mm_hf's weights (gate_up_proj and down_proj
                  through transpose(1, 2), as apply_moepeak passes them) and its bf16 weights
   pipelined_titan_layout pipelined on grouped_mm_titan's weights ((w1, w3) and w2 through
@@ -225,6 +226,7 @@ def p1_arm_fns(mods, x, ids, tw, tw_act, wgu, wd, T, K):
         "pipelined": (lambda: llep_run(x, ids, tw, wgu, wd), [x, tw, wgu, wd]),
         # the same without the activation cache: backward recomputes every chunk
         "pipelined_nocache": (lambda: llep_run(x, ids, tw, wgu, wd, save_budget_mb=0), [x, tw, wgu, wd]),
+        "pipelined_b1536": (lambda: llep_run(x, ids, tw, wgu, wd, save_budget_mb=1536), [x, tw, wgu, wd]),
     }
     hf = mods.get("hf")
     if isinstance(hf, str):
@@ -354,7 +356,7 @@ def run_arm(name, fn, leaves, gy, iters, warmup):
 
 
 P1_ARMS = ("hf_loop", "grouped_mm_hf", "grouped_mm_titan", "grouped_mm_bf16w", "grouped_mm_fp32w", "moepeak_1chunk",
-           "pipelined", "pipelined_nocache", "pipelined_hf_layout", "pipelined_titan_layout")
+           "pipelined", "pipelined_nocache", "pipelined_b1536", "pipelined_hf_layout", "pipelined_titan_layout")
 P2_ARMS = ("standard_ep", "llep_1chunk", "pipelined", "pipelined_nocache", "pipelined_c32k")
 # The grouped arms of the fair comparison (issue 38): routing weights as the library's own router returns them.
 FAIR_ARMS = ("grouped_mm_hf", "grouped_mm_titan", "grouped_mm_bf16w")
