@@ -240,6 +240,7 @@ def run_arm(args, arm):
         step, note = setup_alst(args, arm, shape, device, base)
         if step is None:
             return
+        model = None  # built and held inside the ALST engine
         first_of_process = False  # the check row's step was the process's first
     else:
         model, opt, autocast, note = setup_arm(arm, shape, max(args.T), device, args.tile_tokens, family)
@@ -276,13 +277,23 @@ def run_arm(args, arm):
         peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
         row = dict(base, T=T, status="ok", peak_gib=f"{peak:.2f}", step_s=f"{med:.3f}",
                    step_s_spread=f"{max(timed_steps) - min(timed_steps):.3f}", tokens_per_s=f"{T / med:.0f}",
-                   loss=f"{loss.item():.4f}", note="; ".join(x for x in (note, first, host_rss()) if x))
+                   loss=f"{loss.item():.4f}",
+                   note="; ".join(x for x in (note, first, host_rss(), placement_line(model)) if x))
         last_step = med
         if med > args.max_step_s:
             row["status"] = "too_slow"
         emit(row)
         if row["status"] == "too_slow":
             break
+
+
+def placement_line(model):
+    """moepeak's automatic placement for this step, on one line (empty for the other arms)."""
+    if getattr(model, "_moepeak_placement", None) is None:
+        return ""
+    from moepeak.hf import placement_report
+
+    return "placement: " + " | ".join(line.strip() for line in placement_report(model).splitlines() if line.strip())
 
 
 def host_rss():
