@@ -28,7 +28,12 @@ one component's Config in the trainer's config tree before anything is built:
                 {"tile_tokens": N} also runs each block sequence-tiled
                 (moepeak.tiled: the fifth peak), GQAttention or deepseek_v3's
                 latent attention, with SDPA. {"keep_last": n}: the last n blocks'
-                inputs stay on the GPU (default 1).
+                inputs stay on the GPU. On one GPU with stream_adamw, keep_last,
+                arena_bytes and tile_tokens left unset are placed at the first
+                step (and when the step's tokens grow) from the model, the step's
+                tokens and the machine's free bytes (moepeak.plan.place, logged on
+                the 'moepeak' logger; moepeak/titan/autoplace.py); elsewhere, or
+                with {"auto_placement": false}, SCOConfig's defaults (keep_last 1).
   stream_adamw  OptimizersContainer.Config -> StreamAdamWOptimizers.Config: each
                 "AdamW" param group runs moepeak.StreamAdamW (fp32 state in host
                 RAM); its state dict has torch AdamW's keys, so DCP checkpoints
@@ -52,11 +57,11 @@ gradients come back in the parameters' strides). Only where the compute
 dtype differs from the parameters' does .to(dtype) make a cast copy.
 
 Modules: one per override's component (routed_experts, ring_dtp_loss, sco_checkpointing,
-shared_rope, optimizers), tiled (torchtitan's blocks as moepeak.tiled specs), compat (the
-torch names torchtitan 0.3 needs), configs (a cut-down stock job for tests and
-benchmarks). No submodule is named after an override: each of experts, loss, sco,
-stream_adamw and rope is the factory function defined here, which torchtitan registers
-under its import path (moepeak.titan.<name>).
+shared_rope, optimizers), autoplace (sco's automatic placement), tiled (torchtitan's
+blocks as moepeak.tiled specs), compat (the torch names torchtitan 0.3 needs), configs
+(a cut-down stock job for tests and benchmarks). No submodule is named after an override:
+each of experts, loss, sco, stream_adamw and rope is the factory function defined here,
+which torchtitan registers under its import path (moepeak.titan.<name>).
 
 Public face (exported here, for torchtitan jobs): the five override factories, their
 components (LLEPRoutedExperts, RingDTPLoss, SCOActivationCheckpointing,

@@ -9,6 +9,7 @@ from typing import Optional
 from torchtitan.components.optimizer import OptimizersContainer
 
 from ..stream_adamw import StreamAdamW, StreamAdamWOptions
+from .autoplace import STREAM_ADAMW_MARK
 
 _TORCH_IMPL_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
@@ -42,6 +43,8 @@ class StreamAdamWOptimizers(OptimizersContainer):
                                       foreach=config.implementation == "foreach", capturable=False,
                                       differentiable=False, decoupled_weight_decay=True)
         super().__init__(config, model_parts=model_parts)
+        for part in model_parts:  # read by moepeak.titan.sco's automatic placement: the state's device tail
+            setattr(part, STREAM_ADAMW_MARK, self._device_state_bytes)
 
     def state_dict(self) -> dict:
         """torchtitan's flat FQN-keyed layout, interchangeable with the stock

@@ -8,6 +8,8 @@ titan_block_spec(block, x, ...)   a block with GQAttention: attention_norm, atte
                                   wkv_b, rope, inner_attention, wo})
 tiled_titan_block_forward(...)    a drop-in for such a block's forward
 tile_block(block, index, tokens)  block.forward runs tiled in training with grad
+install_tile_switch(block)        the same, with the tile read at each call (None: untiled):
+                                  the automatic placement sets it after SCO wrapped the block
 
 The spec runs exactly the ops of the block's own forward, in the same order, on a tile of
 rows; only the split into pre_attn / attn_core / post_attn is new.
@@ -91,9 +93,9 @@ def tiled_titan_block_forward(block: torch.nn.Module, x: torch.Tensor, attention
     return tiled_block(x, titan_block_spec(block, x, attention_masks, positions), tile_tokens)
 
 
-def tile_block(block: torch.nn.Module, index: int, tile_tokens: int) -> None:
-    """block.forward runs tiled_titan_block_forward in training with
-    grad enabled (inside FSDP2's hooks, which wrap __call__), else the stock forward."""
+def check_tileable(block: torch.nn.Module, index: int) -> None:
+    """ValueError unless layers.<index> can run tiled: GQAttention or deepseek_v3's latent
+    Attention, with torchtitan's ScaledDotProductAttention."""
     from torchtitan.models.common.attention import GQAttention, ScaledDotProductAttention
 
     try:
@@ -106,10 +108,30 @@ def tile_block(block: torch.nn.Module, index: int, tile_tokens: int) -> None:
         what = type(attn).__name__ if not known else f"{type(attn).__name__} with {type(attn.inner_attention).__name__}"
         raise ValueError(f"moepeak.titan.sco: tile_tokens tiles blocks whose attention is GQAttention or deepseek_v3's "
                          f"latent Attention, with torchtitan's ScaledDotProductAttention; layers.{index} has {what}")
+
+
+def install_tile_switch(block: torch.nn.Module) -> None:
+    """block.forward runs tiled_titan_block_forward with block._moepeak_tile_tokens tokens per
+    tile in training with grad enabled (inside FSDP2's hooks, which wrap __call__), else the
+    stock forward; the tile is read at each call (None: untiled), so it can be set after SCO
+    wrapped the block. Idempotent."""
+    if hasattr(block, "_moepeak_tile_tokens"):
+        return
+    block._moepeak_tile_tokens = None
     untiled = block.forward
 
     def forward(x, attention_masks=None, positions=None, _block=block, _untiled=untiled):
-        if not (_block.training and torch.is_grad_enabled()):
+        tile = _block._moepeak_tile_tokens
+        if tile is None or not (_block.training and torch.is_grad_enabled()):
             return _untiled(x, attention_masks, positions)
-        return tiled_titan_block_forward(_block, x, attention_masks, positions, tile_tokens=tile_tokens)
+        return tiled_titan_block_forward(_block, x, attention_masks, positions, tile_tokens=tile)
     block.forward = forward
+
+
+def tile_block(block: torch.nn.Module, index: int, tile_tokens: int) -> None:
+    """block.forward runs tiled_titan_block_forward (tile_tokens per tile) in training with
+    grad enabled, else the stock forward (install_tile_switch); ValueError for a block that
+    cannot be tiled (check_tileable)."""
+    check_tileable(block, index)
+    install_tile_switch(block)
+    block._moepeak_tile_tokens = tile_tokens
