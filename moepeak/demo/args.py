@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--state-dtype", choices=("float32", "bfloat16"), default=None,
                    help="StreamAdamW's exp_avg/exp_avg_sq dtype in host RAM (bfloat16: 8 instead of 12 B per "
                         "bf16 param, stochastic rounding; default %(default)s: StreamAdamW's, float32)")
+    s.add_argument("--auto-placement", action=argparse.BooleanOptionalAction, default=True,
+                   help="on one GPU: place SCO's kept blocks, its arena, StreamAdamW's device tail and the "
+                        "tiling from the model, the tokens per step and this machine's free GPU and host "
+                        "memory (moepeak.plan.place; --tile-tokens, when given, is kept)")
     s.add_argument("--chunk-rows", type=int, default=None,
                    help="PipelinedLLEP chunk budget" + DEVICE_DEFAULT)
     s.add_argument("--tile-tokens", type=int, default=None,

@@ -179,13 +179,16 @@ def param_count(cfg: MoEConfig) -> int:
 
 def build_optimizer(params, kind: str = "stream", *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                     weight_decay=1e-2, bucket_mb: Optional[float] = None,
-                    state_dtype: Optional[torch.dtype] = None):
+                    state_dtype: Optional[torch.dtype] = None, device_state_bytes: int = 0):
     """"stream": moepeak.StreamAdamW (state in host RAM; bucket_mb, state_dtype: its options,
-    None: its defaults); "torch": torch.optim.AdamW (fused where this torch supports it:
-    StreamAdamW's bitwise target)."""
+    None: its defaults; device_state_bytes: the state of the leading parameters on the GPU,
+    StreamAdamW.backward_tail); "torch": torch.optim.AdamW (fused where this torch supports
+    it: StreamAdamW's bitwise target)."""
     params = list(params)
     if kind == "stream":
         kw = {k: v for k, v in (("bucket_mb", bucket_mb), ("state_dtype", state_dtype)) if v is not None}
+        if device_state_bytes:
+            kw["device_state"] = component("optimizer").backward_tail(params, device_state_bytes)
         return component("optimizer")(params, lr=lr, betas=betas, eps=eps,
                                       weight_decay=weight_decay, **kw)
     if kind != "torch":

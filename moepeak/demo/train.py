@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..version import __version__
 from . import peaks as peakmod
 from .args import build_parser, config_from_args, validate_train
+from .autoplace import place_demo
 from .config import build_optimizer, param_count, resolve
 from .context_parallel import cp_slice
 from .data import TokenStream
@@ -331,6 +332,10 @@ def _run(a, res: Run, stop: StopRequest) -> Dict:
     cfg.validate(world_size=world, seq_len=train["seq_len"], batch=train["batch"], dtype=train["dtype"],
                  arena_limit_bytes=_host_mem_bytes() // 2)
     cfg, opt_kind, notes = resolve(cfg, "stream", want_moepeak=want)
+    # before anything is allocated: PlacementError (a ValueError) on a machine too small
+    cfg, placed = place_demo(cfg, opt_kind, enabled=a.auto_placement, device=torch.device(dev_name), world=world,
+                             batch=train["batch"], seq_len=train["seq_len"], dtype=train["dtype"],
+                             bucket_mb=a.bucket_mb, state_dtype=a.state_dtype)
     rank, group = 0, None
     if world > 1:
         if not dist.is_initialized():
@@ -362,15 +367,21 @@ def _run(a, res: Run, stop: StopRequest) -> Dict:
     say("schedules: moe=%s head=%s checkpoint=%s optimizer=%s" % (cfg.moe, cfg.head, cfg.checkpoint, opt_kind))
     for n in notes:
         say("  note: " + n)
+    if placed.placement is not None or device.type == "cuda":  # on CPU a no-op: the report stays as it was
+        for line in placed.lines():
+            say(line)
 
     # ---- model + optimizer
     def build(cfg, opt_kind):
         model = MoELM(cfg, group=group, world_size=world, device=device, dtype=train["dtype"], seed=a.seed)
         res.model = model
         local_params = shard_model(model, world) if world > 1 else set()
+        if placed.placement is not None and cfg.checkpoint == "sco":
+            model.sco.reconfigure(arena_bytes=placed.arena_bytes())  # one pinned chunk for the step
         res.opt = build_optimizer(model.parameters(), opt_kind, lr=train["lr"], weight_decay=0.0,
                                   bucket_mb=a.bucket_mb,
-                                  state_dtype=getattr(torch, a.state_dtype) if a.state_dtype else None)
+                                  state_dtype=getattr(torch, a.state_dtype) if a.state_dtype else None,
+                                  device_state_bytes=placed.device_state_bytes() if opt_kind == "stream" else 0)
         return model, res.opt, local_params
 
     model, opt, local_params = build(cfg, opt_kind)
@@ -422,7 +433,7 @@ def _run(a, res: Run, stop: StopRequest) -> Dict:
         plot_run(a.plot, losses, start, plain, table, title, say)
     return {"losses": losses, "start": start, "step_times": step_times, "peak": peak_seen, "cfg": cfg,
             "optimizer": opt_kind, "peaks": table, "tokens_per_step": job.tok_step, "notes": notes,
-            "data": data.source, "plain": plain}
+            "data": data.source, "plain": plain, "placement": placed}
 
 
 def _compare(a, job, train, cfg, opt_kind, start, steps, res, build, stop, say, show, every) -> Dict:
