@@ -35,7 +35,7 @@ class Job:
     """The small qwen3 MoE job of tests/test_titan.py with the sco override (its kwargs) and,
     unless stock_optimizer, stream_adamw; the SCO component kept as self.sco."""
 
-    def __init__(self, stock_optimizer=False, **sco):
+    def __init__(self, stock_optimizer=False, device="cpu", **sco):
         cfg = mt.qwen3_moe_config(2, 8, 2, 64)
         cfg.optimizer.implementation = "fused"
         imports = [("moepeak.titan.sco", sco)] + ([] if stock_optimizer else ["moepeak.titan.stream_adamw"])
@@ -43,17 +43,19 @@ class Job:
         torch.manual_seed(0)
         with torch.device("meta"):
             model = cfg.model_spec.model.build()
-        model.to_empty(device="cpu")
+        model.to_empty(device=device)
         with torch.no_grad():
-            model.init_weights(buffer_device=None)
+            model.init_weights(buffer_device=None if device == "cpu" else torch.device(device))
         model.train()
         self.sco = cfg.activation_checkpoint.build()
         self.sco.apply(model)
         self.model = model
         self.optimizer = cfg.optimizer.build(model_parts=[model])
 
+        self.device = device
+
     def step(self, tokens: int):
-        ids = torch.randint(0, V, (1, tokens))
+        ids = torch.randint(0, V, (1, tokens), device=self.device)
         self.model(ids).float().square().mean().backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
@@ -179,3 +181,18 @@ def test_off_without_a_gpu_or_stream_adamw_and_says_so_once(monkeypatch, caplog)
     machine(monkeypatch, 100 * G, 200 * G)
     assert stock.sco.placement.plan(64) is None
     assert "not moepeak.titan.stream_adamw" in stock.sco.placement.note
+
+
+@pytest.mark.cuda
+def test_cuda_step_is_placed_and_logged(caplog):
+    """On a GPU the first step measures the machine, places it and logs the decision once."""
+    job = Job(device="cuda")
+    with caplog.at_level(logging.INFO, logger="moepeak"):
+        job.step(4096)
+        job.step(4096)
+    p = job.sco.placement.placement
+    assert p is not None and job.sco.sco.config.keep_last == p.keep_last
+    assert job.sco.sco.config.arena_bytes == p.sco_options()["arena_bytes"]
+    said = [r.getMessage() for r in caplog.records if "automatic placement" in r.getMessage()]
+    assert len(said) == 1 and "4096 tokens on" in said[0] and "keep_last:" in said[0], said
+    print(said[0])
