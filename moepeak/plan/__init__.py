@@ -5,6 +5,8 @@ a step goes (GPU, host RAM, disk) on a given machine.
 
   model      ModelShape, Setup and the GPU peak formulas (peaks, longest_context); its
              docstring states every term and where it is read off the code
+  sequence   Hugging Face sequence parallelism's layout (--sp): S, P_ep, tokens and
+             parameters per rank, the attention exchange's bytes, the checks
   host       moepeak's host RAM per GPU, term by term (host_bytes, longest_host_context)
   placement  the placement on a machine: place() -> Placement (keep_last, host and disk
              boundaries, StreamAdamW's device tail, tiling), Margins, PlacementError
@@ -27,6 +29,7 @@ check it against measurements): the names below.
 from .cli import build_parser, from_args, main
 from .model import (BINDING, IMPLS, PEAKS, GiB, ModelShape, Setup, keep_last, longest_context, peaks,
                     ring_dtp_vocab_bytes, tiled_full_len_bytes)
+from .sequence import SHARDS, SP_ENGINES, sequence_attention_bytes
 from .host import HOST_TERMS, host_bytes, longest_host_context
 from .machine import Machine, disk_free_bytes, read_host_ram
 from .placement import Margins, Placement, PlacementError, longest_placed_context, place
@@ -34,8 +37,8 @@ from .chart import plot, plot_spec
 from .presets import PRESETS
 from .table import ROW_LEGEND, report
 
-__all__ = ["ModelShape", "Setup", "PRESETS", "PEAKS", "BINDING", "IMPLS", "GiB", "ROW_LEGEND", "peaks", "host_bytes",
-           "HOST_TERMS", "keep_last", "longest_context", "longest_host_context", "ring_dtp_vocab_bytes",
-           "tiled_full_len_bytes", "place", "Placement", "PlacementError", "Margins", "longest_placed_context",
-           "Machine", "read_host_ram", "disk_free_bytes", "report", "build_parser", "from_args", "main", "plot",
-           "plot_spec"]
+__all__ = ["ModelShape", "Setup", "PRESETS", "PEAKS", "BINDING", "IMPLS", "SP_ENGINES", "SHARDS", "GiB", "ROW_LEGEND",
+           "peaks", "host_bytes", "HOST_TERMS", "keep_last", "longest_context", "longest_host_context",
+           "ring_dtp_vocab_bytes", "sequence_attention_bytes", "tiled_full_len_bytes", "place", "Placement",
+           "PlacementError", "Margins", "longest_placed_context", "Machine", "read_host_ram", "disk_free_bytes",
+           "report", "build_parser", "from_args", "main", "plot", "plot_spec"]

@@ -18,7 +18,8 @@ from typing import List, Optional, Tuple
 from ..version import __version__
 from .chart import plot
 from .machine import Machine, disk_free_bytes, read_host_ram
-from .model import GiB, IMPLS, ModelShape, Setup
+from .model import IMPLS, GiB, ModelShape, Setup
+from .sequence import SHARDS, SP_ENGINES, sequence_problems
 from .presets import PRESETS
 from .table import ROW_LEGEND, report
 
@@ -60,6 +61,20 @@ def add_args(ap: argparse.ArgumentParser):
                          "transformers model under moepeak.hf.apply_moepeak (its RoPE tables, its final "
                          "RMSNorm's fp32 backward, the head's backward before any block's gradient exists) "
                          "(default: demo)")
+    ap.add_argument("--sp", choices=SP_ENGINES, default=None,
+                    help="--impl hf with sequence parallelism from an engine (apply_moepeak(sequence_group=...)): "
+                         "ulysses (DeepSpeed Ulysses) or ring (torch context_parallel, accelerate's cp_size) "
+                         "(default: none, the context split over --gpus with FSDP2)")
+    ap.add_argument("--sp-size", type=int, default=None, metavar="S",
+                    help="with --sp: the GPUs holding one sequence, dividing --gpus (--gpus / S data-parallel "
+                         "replicas) (default: --gpus)")
+    ap.add_argument("--shard", choices=SHARDS, default=None,
+                    help="with --sp: the non-expert weights replicated (ddp: DistributedDataParallel, their "
+                         "optimizer state on every rank) or sharded (fsdp2) (default: ddp for ulysses, fsdp2 for "
+                         "ring; DeepSpeed ZeRO-3 is not modelled)")
+    ap.add_argument("--ep-size", type=int, default=None, metavar="N",
+                    help="with --sp: the GPUs the experts are split over, dividing --gpus and the experts "
+                         "(default: --sp-size)")
     ap.add_argument("--eager-norm", action="store_true",
                     help="moepeak's RMSNorms (the final one, the checkpointed blocks') run their eager autograd "
                          "backward (apply_moepeak(lean_norm=False), the demo's MoEConfig(lean_norm=False)) "
@@ -146,14 +161,17 @@ def from_args(a) -> Tuple[ModelShape, Setup]:
         given.setdefault("kv_heads", given["heads"])
         m = ModelShape(**given)
     bad = m.problems(flags=True) + _flag_problems(a)
-    if not bad and m.experts % a.gpus and a.gpus <= m.experts:
+    if not bad and a.sp is None and m.experts % a.gpus and a.gpus <= m.experts:
         bad.append(f"--gpus ({a.gpus}) must divide the experts ({m.experts})")
+    s = Setup(gpus=a.gpus, gpu_mem_gib=a.gpu_mem, act_bytes=a.act_bytes, imbalance=a.imbalance,
+              tile_tokens=a.tile_tokens, impl=a.impl, lean_norm=not a.eager_norm,
+              device_state_gib=a.device_state_gib, state_dtype_bytes=STATE_DTYPES[a.state_dtype],
+              sco_keep_last=a.sco_keep_last, sp=a.sp, sp_size=a.sp_size, shard=a.shard, ep_size=a.ep_size)
+    if not bad:
+        bad = sequence_problems(m, s, flags=True)
     if bad:
         raise ValueError("; ".join(bad))
-    return m, Setup(gpus=a.gpus, gpu_mem_gib=a.gpu_mem, act_bytes=a.act_bytes, imbalance=a.imbalance,
-                    tile_tokens=a.tile_tokens, impl=a.impl, lean_norm=not a.eager_norm,
-                    device_state_gib=a.device_state_gib, state_dtype_bytes=STATE_DTYPES[a.state_dtype],
-                    sco_keep_last=a.sco_keep_last)
+    return m, s
 
 
 def machine_of(a, gpus: int) -> Machine:

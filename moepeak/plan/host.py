@@ -12,6 +12,8 @@ step, read off that code and computed with its schedule's own byte formulas
   sco_spill_staging  the disk tier's pinned staging slots (spill_slots x the boundary's
                    4096-aligned extent), only when boundaries go to disk.
   optimizer_state  StreamAdamW's host state: state_bytes_per_param(b, state dtype) x N / P
+                   (--sp with --shard ddp: x the rank's parameters, (N - N_e) + N_e / P_ep,
+                   the non-expert weights' state replicated on every rank; model.local_params)
                    (fp32 master + exp_avg + exp_avg_sq: 12 B per bf16 param with fp32 state,
                    8 with bf16 state), less the elements whose state a device tail keeps on
                    the GPU (at device_state_bytes_per_param each, 12 B for bf16 params).
@@ -31,18 +33,14 @@ shrinks; a chunk too small for the new boundaries stays allocated beside the new
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 from ..sco import sizes as SCO
 from ..stream_adamw import sizes as SA
 from .model import GiB, ModelShape, Setup, keep_last, largest_fitting_context
+from .sequence import expert_ranks, local_params, shard_of, tokens_per_rank
 
 HOST_TERMS = ("sco_boundaries", "sco_spill_staging", "optimizer_state", "pinned_slots", "state_init")
-
-
-def tokens_per_rank(s: Setup, context: int) -> int:
-    """T: the batch's tokens on one rank (the sequence split over s.gpus)."""
-    return s.batch * -(-context // s.gpus)
 
 
 def arena_grown_bytes(slots: int, boundary: int, grow_bytes: int = SCO.DEFAULTS.grow_bytes) -> int:
@@ -57,19 +55,23 @@ def arena_grown_bytes(slots: int, boundary: int, grow_bytes: int = SCO.DEFAULTS.
     return -(-slots // per_chunk) * chunk
 
 
-def largest_param_elems(m: ModelShape, ranks: int) -> int:
+def largest_param_elems(m: ModelShape, ranks: int, expert_ranks: Optional[int] = None) -> int:
     """Elements of the largest parameter tensor on one rank: the embedding or lm_head [V, H],
     one layer's fused expert weights [E, H, 2I] (the demo's, llep's and transformers' layout),
-    a dense MLP's [H, 2 I_dense]; sharded over the ranks (FSDP2's dim 0, the experts)."""
+    a dense MLP's [H, 2 I_dense]; sharded over the ranks (FSDP2's dim 0, the experts).
+    expert_ranks given (ddp: the non-expert weights replicated): only the experts are split,
+    over expert_ranks."""
     H = m.hidden
-    biggest = max(m.vocab * H, m.experts * H * 2 * m.intermediate, 2 * H * m.dense_intermediate)
-    return -(-biggest // ranks)
+    experts = m.experts * H * 2 * m.intermediate
+    if expert_ranks is not None:
+        return max(m.vocab * H, -(-experts // expert_ranks), 2 * H * m.dense_intermediate)
+    return -(-max(m.vocab * H, experts, 2 * H * m.dense_intermediate) // ranks)
 
 
 def device_tail_bytes(m: ModelShape, s: Setup) -> float:
     """GPU bytes per rank of StreamAdamW's device tail (Setup.device_state_gib): the budget, at
     most all the state at device_state_bytes_per_param (fp32 moments + fp32 master)."""
-    return min(s.device_state_gib * GiB, SA.device_state_bytes_per_param(s.act_bytes) * m.params() / s.gpus)
+    return min(s.device_state_gib * GiB, SA.device_state_bytes_per_param(s.act_bytes) * local_params(m, s))
 
 
 def host_bytes(m: ModelShape, s: Setup, context: int, *, disk_boundaries: int = 0,
@@ -92,9 +94,10 @@ def host_bytes(m: ModelShape, s: Setup, context: int, *, disk_boundaries: int = 
     on_device = device_tail_bytes(m, s) * per_param / SA.device_state_bytes_per_param(s.act_bytes)
     out = {"sco_boundaries": arena,
            "sco_spill_staging": SCO.staging_bytes(SCO.DEFAULTS.spill_slots, boundary) if disk_boundaries else 0,
-           "optimizer_state": per_param * m.params() / s.gpus - on_device,
+           "optimizer_state": per_param * local_params(m, s) - on_device,
            "pinned_slots": SA.pinned_staging_bytes(s.bucket_mb, grad_dtype=s.act_bytes, param_dtype=s.act_bytes),
-           "state_init": s.act_bytes * largest_param_elems(m, s.gpus)}
+           "state_init": s.act_bytes * largest_param_elems(
+               m, s.gpus, expert_ranks(s) if shard_of(s) == "ddp" else None)}
     out["total"] = sum(out[k] for k in HOST_TERMS)
     return out
 

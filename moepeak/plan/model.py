@@ -65,6 +65,24 @@ With --tile-tokens t (moepeak.tiled; moepeak plan only): the block term becomes
   T * tiled_full_len_bytes (the attention core's full-length tensors at the backward peak,
   see tiled_full_len_bytes) + min(t, T) * (the untiled block's per-token bytes), and the
   dispatch term is that of one tile of min(t, T) tokens (the MoE runs per tile).
+--impl hf --sp {ulysses,ring} (Setup.sp: moepeak.hf's sequence_group, README "Across GPUs with
+sequence parallelism"): one sequence over S = --sp-size ranks (default P; P / S data-parallel
+replicas), T = batch * ceil(context / S) tokens per rank; the experts over P_ep = --ep-size ranks
+(default S: the sequence group, E % P_ep == 0); the non-expert weights --shard ddp (replicated,
+DistributedDataParallel: Ulysses' default) or fsdp2 (ring's default). Where the terms differ:
+  block     + the engine's attention exchange per local token (sequence_attention_bytes:
+            Ulysses' full-sequence q, k, v, out of the rank's heads; ring's kv buffer in flight
+            and fp32 merge state); Ulysses' tiled layer calls the core with one head group
+            (tiled_full_len_bytes(groups=1)), ring's with nkv
+  fixed     ddp: 2*b*((N - N_e) + N_e/P_ep) + DDP's gradient buckets b*(N - N_e), no gathered
+            blocks; fsdp2: 2*b*N/P + the gathered blocks, as above (N_e: expert_params)
+  vocab     ddp: the replicated head's Ring-DTP without the shard's ring buffers; fsdp2: as above
+  dispatch  PipelinedLLEP over P_ep ranks
+  optimizer StreamAdamW's state of local_params (host.py: 12*((N - N_e) + N_e/P_ep) under ddp)
+The plain plan there: stock transformers under the same engine (its attention exchange, no
+expert parallelism: every rank runs its tokens through every expert), FSDP2/ZeRO-3 sharded.
+Validation (sequence_problems): S divides P and the heads; Ulysses: S divides the kv heads or is
+a multiple of them; P_ep divides P and E.
 The binding peak is the largest of the four and the block term; the longest context is
 found by bisection on the total. Checked against H200 measurements in tests/test_plan.py.
 """
@@ -77,6 +95,8 @@ from ..ring_dtp import sizes as RS
 from ..sco import sizes as SCO
 from ..stream_adamw import StreamAdamWOptions
 from ..stream_adamw import sizes as SA
+from .sequence import (expert_params, expert_ranks, local_params, sequence_attention_bytes,
+                       sequence_problems, shard_of, tokens_per_rank)
 
 GiB = 2 ** 30
 
@@ -169,19 +189,20 @@ BINDING = PEAKS + ("block", "final_norm")  # what the report can name as binding
 # Whose modeling code runs the layers (Setup.impl, --impl): moepeak's demo model, or a Hugging
 # Face transformers model under moepeak.hf.apply_moepeak.
 IMPLS = ("demo", "hf")
-
-
-def tiled_full_len_bytes(m: "ModelShape", b: int) -> float:
+def tiled_full_len_bytes(m: "ModelShape", b: int, groups: Optional[int] = None) -> float:
     """Bytes per token of the full-length tensors of a sequence-tiled block at its backward
-    peak (the first kv-head group's attention backward; moepeak/tiled/block.py's docstring):
+    peak (the first head group's attention backward; moepeak/tiled/block.py's docstring):
     grad_y, dx [H]; q [nh*dqk]; out, dout [nh*d]; k [nkv*dqk], v [nkv*d] (all b bytes); lse
-    fp32 [nh]; and the group's flash backward (G = nkv groups): fp32 dq accumulator and dk, dv
-    expanded to the group's q heads, dq, dk, dv of the group. dqk = d except for MLA, whose q
-    and k heads are wider than v's. The block input x is the boundaries term's."""
-    H, nh, nkv, G = m.hidden, m.heads, m.kv_heads, m.kv_heads
+    fp32 [nh]; and the group's flash backward (G = groups head groups, default nkv; 1 under
+    Ulysses, whose attention function needs every head in one call): fp32 dq accumulator and
+    dk, dv expanded to the group's q heads, dq, dk, dv of the group. dqk = d except for MLA,
+    whose q and k heads are wider than v's. The block input x is the boundaries term's."""
+    H, nh, nkv = m.hidden, m.heads, m.kv_heads
+    G = groups or nkv
     Qq, Qo, Kk, Kv = nh * m.dqk(), nh * m.d(), nkv * m.dqk(), nkv * m.d()
     return b * (2 * H + Qq + 2 * Qo + Kk + Kv) + 4 * nh + \
         (4 * Qq + b * (Qq + Qo) + b * (Qq + Kk + Kv)) / G
+
 
 @dataclass
 class Setup:
@@ -203,6 +224,13 @@ class Setup:
     sco_prefetch: int = SCO.DEFAULTS.prefetch  # SCOConfig.prefetch: boundaries loaded ahead in backward
     sco_keep_last: Optional[int] = None  # SCOConfig.keep_last (None: the layers' code's default, keep_last)
     batch: int = 1
+    # Hugging Face sequence parallelism (moepeak.hf's sequence_group; --impl hf only). None: the
+    # sequence split over every GPU, FSDP2-sharded, the experts over every GPU.
+    sp: Optional[str] = None    # SP_ENGINES: DeepSpeed Ulysses or torch context_parallel (ring)
+    sp_size: Optional[int] = None  # S, the ranks holding one sequence (None: gpus); gpus / S replicas
+    shard: Optional[str] = None  # SHARDS: how the non-expert weights are held (None: ddp for
+    #                              ulysses, fsdp2 for ring)
+    ep_size: Optional[int] = None  # P_ep, the ranks the experts are split over (None: S)
     # plain plan's bytes per parameter: FSDP2 mixed precision keeps fp32 master,
     # m, v (12, "optimizer") and fp32 grads (4, fixed). The demo's plain run on
     # bf16 params with torch AdamW: m, v bf16 (4) and bf16 params + grads (4).
@@ -238,15 +266,20 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         raise ValueError(f"moepeak.plan: plan must be 'plain' or 'moepeak', got {plan!r}")
     if s.impl not in IMPLS:
         raise ValueError(f"moepeak.plan: Setup.impl must be one of {IMPLS}, got {s.impl!r}")
+    bad = sequence_problems(m, s)
+    if bad:
+        raise ValueError("moepeak.plan: Setup: " + "; ".join(bad))
     hf = s.impl == "hf"
     P, b = s.gpus, s.act_bytes
-    T = s.batch * -(-context // P)
+    T = tokens_per_rank(s, context)
+    Pep, ddp = expert_ranks(s), shard_of(s) == "ddp"
     H, I, V, K, L, E = m.hidden, m.intermediate, m.vocab, m.top_k, m.layers, m.experts
     N = m.params()
     nblock = m.block_params(True)
     d = m.d()
     Hq, Hqk = m.heads * d, m.heads * m.dqk()
-    gathered = 2 * b * nblock if P > 1 else 0   # FSDP2: current + prefetched block
+    # FSDP2: current + prefetched block (the plain plan is always FSDP2/ZeRO-3 sharded over the P GPUs)
+    gathered = 2 * b * nblock if P > 1 and not (ddp and plan == "moepeak") else 0
     # Per token, saved by autograd for the one block being recomputed (its backward):
     #   RMSNorm x2: fp32 x (pow, mul) + fp32 normalised y (mul by weight) + rstd = 8H + 4 each;
     #   attention: the norm output (q/k/v input) b*H; flash SDPA keeps q, k and v repeated to
@@ -276,13 +309,16 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         head_act = (4 * H + 4 + 2 * b * H) if hf else (8 * H + 4 + b * H)
         out["final_norm"] = T * 24 * H
     if plan == "plain":
-        rho = min(max(s.imbalance, 1.0), float(P))
+        # stock transformers' experts: no expert parallelism under sequence parallelism (every
+        # rank runs its own tokens through every expert), else plain EP's imbalance
+        rho = 1.0 if s.sp else min(max(s.imbalance, 1.0), float(P))
         # DenseMoE per routed row (K per token): gathered x b*H, gate_up output b*2I (silu, mul),
         # silu b*I, act b*I, the fp32 expert output 4H and its gate-scaled copy 4H (mul,
         # index_add), the gate weight 4 and the row/slot ids 16; P > 1: rho x.
         moe_saved = rho * K * (b * H + 4 * b * I + 8 * H + 20)
         out["saved_moe"] = moe_saved
-        block = T * (norms + attn + router + b * H)   # + the incoming grad [T, H]
+        # + the incoming grad [T, H]; + the sequence-parallel attention's exchange (one call)
+        block = T * (norms + attn + router + b * H + sequence_attention_bytes(m, s, b, tiled=False))
         out["dispatch"] = T * moe_saved + 4 * T * H    # + the fp32 [T, H] combine accumulator
         # F.linear -> .float() -> F.cross_entropy: backward holds the saved fp32 log-softmax,
         # nll_loss's fp32 grad and log_softmax's fp32 grad, all [T, V]: 12 B per logit.
@@ -293,32 +329,34 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
     else:
         from ..llep.sizes import (cache_slots, capped_save_bytes, default_chunk_rows, default_save_budget_mb,
                                   effective_chunk_rows, slot_elems, workspace_bytes)
-        C = effective_chunk_rows(s.chunk_rows or default_chunk_rows(P), T, K, P)  # llep_moe's chunk size
+        C = effective_chunk_rows(s.chunk_rows or default_chunk_rows(Pep), T, K, Pep)  # llep_moe's chunk size
         # llep_dispatch saves its input b*H + the normalised weights 4K (ids: the router's)
         # + forward's send list 8K (int64, so backward need not route again);
         # its backward adds an fp32 [T, H]
         # dX and fp32 [T*K] d(weights); the chunk's GEMM working set C*(2H + 3I)
         # (P > 1 adds the single-buffered send, receive and combine buffers of C rows: llep.sizes.workspace_bytes).
         out["saved_moe"] = b * H + 4 * K + 8 * K
-        block = T * (norms + attn + router + b * H)
+        block = T * (norms + attn + router + b * H + sequence_attention_bytes(m, s, b, tiled=False))
         Tm = T  # tokens one MoE call sees
         if s.tile_tokens:
             Tm = min(s.tile_tokens, T)
-            block = T * tiled_full_len_bytes(m, b) + Tm * (norms + attn + router + b * H)
+            groups = 1 if s.sp == "ulysses" else None   # the tiled layer's head groups
+            block = T * (tiled_full_len_bytes(m, b, groups) + sequence_attention_bytes(m, s, b, tiled=True)) \
+                + Tm * (norms + attn + router + b * H)
         # + the activation cache, alive from the layer's (re)computed forward to its
         # backward: whole slots of h [C, 2I] within the launch budget, never more
         # slots than chunks (llep.sizes.cache_slots, as llep_moe sizes it).
-        budget = s.llep_save_budget_mb if s.llep_save_budget_mb is not None else default_save_budget_mb(P)
-        slots = cache_slots(capped_save_bytes(budget << 20, T, K, C, H, I, P, b), Tm, K, C, I, P, b)
+        budget = s.llep_save_budget_mb if s.llep_save_budget_mb is not None else default_save_budget_mb(Pep)
+        slots = cache_slots(capped_save_bytes(budget << 20, T, K, C, H, I, Pep, b), Tm, K, C, I, Pep, b)
         cache = slots * b * slot_elems(C, I)
         out["llep_cache"] = cache
         # the chunk's working set: P = 1, forward's (llep.sizes.workspace_bytes); P > 1, the chunk
         # budget's bound b*C*(16H + 7I) (backward's double-buffered send/receive rings and the
         # cache room they leave)
-        chunk_ws = workspace_bytes(C, H, I, 1, b, False) if P == 1 else b * C * (16 * H + 7 * I)
+        chunk_ws = workspace_bytes(C, H, I, 1, b, False) if Pep == 1 else b * C * (16 * H + 7 * I)
         out["dispatch"] = Tm * out["saved_moe"] + chunk_ws + 4 * Tm * H + 4 * Tm * K + cache
         ws = ring_dtp_vocab_bytes(T, H, V, b, s.ring_workspace_mb)
-        if P > 1:
+        if P > 1 and not ddp:   # a vocab-sharded head's ring: the shard in flight and its fp32 dW
             ws += 2 * (V // P) * H * b + 4 * (V // P) * H
         out["vocab"] = ws
         # SCO (moepeak/sco/checkpoint.py): the last W forward copies stay referenced until the first
@@ -334,15 +372,19 @@ def peaks(m: ModelShape, s: Setup, context: int, plan: str) -> Dict[str, float]:
         # StreamAdamW: fp32 master/m/v in host RAM, its bucket slots pinned host memory;
         # on the GPU only a device_state tail: at most the budget, at most all the state
         # (12 B per bf16/fp16 param, 8 per fp32). Params + grads are in 'fixed'.
-        out["optimizer"] = min(s.device_state_gib * GiB, SA.device_state_bytes_per_param(b) * N / P)
-        out["fixed"] = 2 * b * N / P + gathered + T * rope
+        Nloc = local_params(m, s)
+        out["optimizer"] = min(s.device_state_gib * GiB, SA.device_state_bytes_per_param(b) * Nloc)
+        # ddp: DistributedDataParallel's gradient buckets, a flat copy of the replicated
+        # gradients (its default gradient_as_bucket_view=False; the expert slices are left out)
+        buckets = b * (N - expert_params(m)) if ddp else 0
+        out["fixed"] = 2 * b * Nloc + buckets + gathered + T * rope
     out["block"] = block                   # the recomputed block's saved tensors (+ its grad in)
     out["head_act"] = T * head_act         # what the head's backward also holds
     # Held during the head's backward: every gradient (demo, plain: conservative), or (hf,
     # moepeak) the params and the head's gradients only, lm_head [V, H] and the norm's [H].
     out["head_fixed"] = out["fixed"]
-    if hf and plan == "moepeak":
-        out["head_fixed"] -= b * (N - V * H - H) / P
+    if hf and plan == "moepeak":   # less every gradient but the head's (replicated under ddp)
+        out["head_fixed"] -= b * (local_params(m, s) - (V * H + H) / (1 if ddp else P))
     head = max(out["head_act"] + out["vocab"], out["final_norm"])
     out["boundaries_block"], out["boundaries_head"] = bounds_block, bounds_head  # each phase's
     out["total"] = out["optimizer"] + max(bounds_block + out["fixed"] + out["block"] + out["dispatch"],

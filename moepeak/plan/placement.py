@@ -91,8 +91,9 @@ from typing import Dict, Optional
 
 from ..sco import sizes as SCO
 from ..stream_adamw import sizes as SA
-from .host import host_bytes, tokens_per_rank
+from .host import host_bytes
 from .model import GiB, ModelShape, Setup, keep_last, largest_fitting_context, peaks
+from .sequence import local_params, tokens_per_rank
 
 # Tiles tried, largest first, when whole blocks do not fit: 8192 is the tile every tiled
 # measurement in benchmarks/RESULTS.md ran (1.03x the untiled step at 512k); 4096 for a step
@@ -228,7 +229,7 @@ class _Step:
 
     def __init__(self, m: ModelShape, s: Setup, context: int, tile: Optional[int]):
         self.m, self.s, self.context, self.tile = m, s, context, tile
-        self.state_all = SA.device_state_bytes_per_param(s.act_bytes) * m.params() / s.gpus  # all on the GPU
+        self.state_all = SA.device_state_bytes_per_param(s.act_bytes) * local_params(m, s)  # all on the GPU
         # host bytes a device byte of tail saves: the state's host bytes per element over its device bytes
         self.host_per_device = SA.state_bytes_per_param(s.act_bytes, s.state_dtype_bytes) / \
             SA.device_state_bytes_per_param(s.act_bytes)

@@ -9,6 +9,7 @@ from typing import Dict, List, Optional
 from .host import HOST_TERMS, host_bytes, longest_host_context
 from .machine import Machine
 from .model import PEAKS, GiB, ModelShape, Setup, longest_context, peaks
+from .sequence import expert_ranks, sequence_size, shard_of
 from .placement import Margins, PlacementError, longest_placed_context, place
 
 HOST_LABELS = {"sco_boundaries": "SCO boundaries", "sco_spill_staging": "SCO spill staging",
@@ -109,9 +110,13 @@ def report(m: ModelShape, s: Setup, context: int, machine: Optional[Machine] = N
     res = {p: peaks(m, s, context, p) for p in ("plain", "moepeak")}
     rows.append(f"model: {m.params() / 1e9:.2f} B params, L={m.layers} H={m.hidden} E={m.experts} "
                 f"K={m.top_k} I={m.intermediate} V={m.vocab} heads={m.heads}/{m.kv_heads}")
+    S = sequence_size(s)
     rows.append(f"context {context} tokens over {s.gpus} GPU(s) of {s.gpu_mem_gib:g} GiB "
-                f"({-(-context // s.gpus)} tokens per GPU), activations {s.act_bytes} B/elem"
+                f"({-(-context // S)} tokens per GPU), activations {s.act_bytes} B/elem"
                 + (", Hugging Face layers (--impl hf)" if s.impl == "hf" else ""))
+    if s.sp:
+        rows.append(f"sequence parallel: {s.sp} over {S} GPU(s) ({s.gpus // S} replica(s)), non-expert weights "
+                    f"{shard_of(s)}, experts over {expert_ranks(s)} GPU(s)")
     rows.append("")
     rows.append(f"{'GiB per GPU':<22}{'plain FSDP2+AC':>16}{'moepeak':>12}")
     for k in PEAKS + ("fixed", "block", "head_act", "final_norm", "total"):
