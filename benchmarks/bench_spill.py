@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from _common import append_results  # noqa: E402
 from moepeak import _C  # noqa: E402
+from moepeak.core.spill import HostBuffer  # noqa: E402
 
 MiB = 1 << 20
 FIELDS = ["dir", "fstype", "direct", "threads", "depth", "request_MiB", "total_MiB", "host_buffers",
@@ -41,15 +42,16 @@ FIELDS = ["dir", "fstype", "direct", "threads", "depth", "request_MiB", "total_M
 
 
 class HostBuffers:
-    """`count` 4096-aligned buffers of `nbytes`: pinned (moepeak._C.host_alloc) when CUDA is usable,
+    """`count` 4096-aligned buffers of `nbytes`: pinned (moepeak.core.spill.HostBuffer) when CUDA is usable,
     else slices of one anonymous mmap (page-aligned); filled with random bytes, so every page is
     faulted in before timing."""
 
     def __init__(self, count, nbytes):
         self.pinned = bool(_C.has_cuda) and torch.cuda.is_available()
         self.map = None
-        if self.pinned:
-            self.ptrs = [_C.host_alloc(nbytes) for _ in range(count)]
+        if self.pinned:  # HostBuffer: 4096-aligned by construction (cudaHostAlloc alone is not always)
+            self.host = [HostBuffer(nbytes, pinned=True) for _ in range(count)]
+            self.ptrs = [b.address for b in self.host]
         else:
             self.map = mmap.mmap(-1, count * nbytes)
             base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
@@ -60,8 +62,8 @@ class HostBuffers:
 
     def free(self):
         if self.pinned:
-            for p in self.ptrs:
-                _C.host_free(p)
+            for b in self.host:
+                b.free()
         self.ptrs = []  # the mmap is unmapped when this object dies (no exported views are kept)
 
 

@@ -88,6 +88,20 @@ def test_sco_arena_refuses_before_pinning_cuda(monkeypatch):
     sco.free()
 
 
+def test_sco_arena_refuses_before_any_extension_call(monkeypatch):
+    """The arena's host-RAM check runs before the engine binds its device: a refused arena
+    makes no call into the extension at all (set_device included), so this runs without a
+    GPU on a CUDA build (the engine never reaches torch.cuda)."""
+    if not moepeak._C.has_cuda:
+        pytest.skip("needs moepeak._C built with CUDA")
+    monkeypatch.setattr(host_memory, "available_bytes", lambda pinned: 1 << 20)
+    ext = _CountingExt(moepeak._C)
+    sco = moepeak.SCOOffloader(moepeak.SCOConfig(arena_bytes=1 << 30), extension=ext)
+    with pytest.raises(MemoryError, match=r"moepeak: SCO arena chunk: needs 1.00 GiB of page-locked memory"):
+        sco.engine(torch.device("cuda", 0))
+    assert not ext.calls and sco.devices() == []
+
+
 def test_sco_spill_staging_refuses_before_pinning(monkeypatch):
     """The disk tier's pinned staging slot is checked against the host RAM left before it is
     page-locked (the check comes first, so this runs without a GPU)."""

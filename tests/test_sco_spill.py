@@ -5,6 +5,7 @@ blocks backward, then disk for the earliest), the host budget counted in bytes, 
 that say where each boundary went, the file unlinked while open, ENOSPC (a 1 MiB tmpfs in a
 private mount namespace) refused before anything is written and, when a write fails later,
 nothing lost; the SpillFile wrapper's own contract; CUDA: the overlapped GPU path."""
+import ctypes
 import errno
 import functools
 import gc
@@ -93,6 +94,76 @@ def test_spill_file_refuses_what_the_disk_cannot_hold(tmp_path, monkeypatch):
     f.close()
 
 
+class _MisalignedPinnedC:
+    """moepeak._C's host_alloc/host_free over ordinary memory, handing out addresses 0xc00 past
+    a page boundary (as cudaHostAlloc did for a staging slot on an H200)."""
+
+    def __init__(self):
+        self.blocks, self.freed = {}, []
+
+    def host_alloc(self, n):
+        raw = (ctypes.c_uint8 * (n + 2 * spill.ALIGN))()
+        ptr = ctypes.addressof(raw) + (-ctypes.addressof(raw)) % spill.ALIGN + 0xC00
+        self.blocks[ptr] = (raw, n)
+        return ptr
+
+    def host_free(self, ptr):
+        self.freed.append(ptr)
+
+
+@pytest.mark.parametrize("nbytes", [1, 4096, 10_000, 1 << 20])
+def test_host_buffer_is_aligned_by_construction(monkeypatch, nbytes):
+    """A pinned HostBuffer is 4096-aligned whatever address the pinned allocator returns: it
+    allocates ALIGN bytes more and views the aligned slice (freeing the allocator's pointer);
+    the pageable one likewise; aligned_view refuses a base too short to hold the slice."""
+    fake = _MisalignedPinnedC()
+    monkeypatch.setattr(spill, "_C", fake)
+    buf = HostBuffer(nbytes, pinned=True)
+    (ptr, (raw, n)), = fake.blocks.items()
+    assert ptr % spill.ALIGN == 0xC00 and n == buf.allocated == spill.round_up(nbytes) + spill.ALIGN
+    assert buf.address % spill.ALIGN == 0 and buf.view.numel() == buf.nbytes == spill.round_up(nbytes)
+    assert ptr <= buf.address and buf.address + buf.nbytes <= ptr + n  # inside what was allocated
+    buf.view.fill_(7)  # writable end to end
+    buf.free()
+    assert fake.freed == [ptr] and buf.view is None
+    assert HostBuffer(nbytes, pinned=False).address % spill.ALIGN == 0
+    base = torch.empty(spill.ALIGN + 1, dtype=torch.uint8)[1:]  # 4096 bytes at an odd address
+    with pytest.raises(ValueError, match=r"holds no 4096-aligned 4096 bytes \(it needs nbytes \+ 4095\)"):
+        spill.aligned_view(base, spill.ALIGN)
+
+
+def test_disk_tier_close_returns_its_staging_events(monkeypatch, tmp_path):
+    """Closing the disk tier (SCOOffloader.free, reconfigure) gives its staging slots' events
+    back to the engine's pool, so slots made again afterwards take them from there instead of
+    creating new ones (the CUDA engine's bookkeeping, on a stand-in engine)."""
+    import collections
+    import types
+
+    from moepeak.sco.disk import DiskTier
+
+    monkeypatch.setattr(spill, "_C", _MisalignedPinnedC())
+    created = []
+
+    def event():
+        if eng.events:
+            return eng.events.pop()
+        created.append(len(created) + 1)
+        return created[-1]
+
+    eng = types.SimpleNamespace(cfg=SCOConfig(spill_dir=str(tmp_path), host_budget_bytes=0, spill_slots=2),
+                                is_cuda=True, counts=collections.Counter(), events=[], event=event)
+    disk = DiskTier(eng)
+    for _ in range(2):
+        disk._acquire(4096, "write")
+    assert created == [1, 2, 3, 4] and eng.counts["staging_allocs"] == 2
+    disk.close()
+    assert sorted(eng.events) == [1, 2, 3, 4] and all(st.d2h_ev == st.h2d_ev == 0 for st in disk.stages)
+    for _ in range(2):
+        disk._acquire(4096, "write")
+    assert created == [1, 2, 3, 4] and eng.events == []  # the pool's events, none new
+    disk.close()
+
+
 # ---------------------------------------------------------------------------
 # SCO with the disk tier, on CPU
 # ---------------------------------------------------------------------------
@@ -166,7 +237,7 @@ def test_placement_order_and_stats(tmp_path):
     assert [e for e in st["log"] if e[0] == "spill"] == [("spill", 0, 0), ("spill", 1, 4096), ("spill", 2, 8192)]
     assert st["spilled_bytes"] == 3 * ONE and st["offloaded_bytes"] == 5 * ONE
     assert st["host_bytes"] == 2 * ONE and st["max_host_bytes"] == 2 * ONE
-    assert st["staging_bytes"] == 2 * sizes.spill_extent(ONE) and st["spill_file_bytes"] == 3 * 4096
+    assert st["staging_bytes"] == sizes.staging_bytes(2, ONE) and st["spill_file_bytes"] == 3 * 4096
     assert st["spill_direct"] in (True, False)
     # the two latest disk boundaries were still in their staging slots: only the earliest was read
     assert st["spill_reads"] == 1 and st["spill_read_bytes"] == ONE
@@ -348,11 +419,16 @@ def _cuda_stack(n, h=256):
     return torch.nn.ModuleList([SCOBlock(h, attention=False) for _ in range(n)]).cuda().to(torch.bfloat16)
 
 
-def _cuda_run(blocks, x, sco, keep_last=1):
+def _cuda_step(blocks, x, sco, keep_last=1):
+    """One forward and backward; nothing of it is left referenced on return."""
     y = x
     for i, b in enumerate(blocks):
         y = moepeak.sco_checkpoint(b, y, sco_offloader=sco, sco_keep_on_gpu=i >= len(blocks) - keep_last)
     y.float().square().sum().backward()
+
+
+def _cuda_run(blocks, x, sco, keep_last=1):
+    _cuda_step(blocks, x, sco, keep_last)
     return [p.grad.clone() for p in blocks.parameters()]
 
 
@@ -390,7 +466,11 @@ def test_cuda_disk_tier_bitwise_and_overlapped(tmp_path, host_slots, delay):
 
 @pytest.mark.cuda
 def test_cuda_disk_tier_peak_flat_in_depth(tmp_path):
-    """With every boundary on disk (host budget 0) the GPU peak does not grow with depth."""
+    """With every boundary on disk (host budget 0) the GPU peak of a step does not grow with
+    depth. Measured on the second step, whose parameter gradients exist before it (in the base)
+    and are accumulated in place: the peak is the step's working set only. (Copies of the
+    gradients taken inside the measured window would add 16 MiB per block, a term of the
+    test, not of SCO.)"""
     h, t = 1024, 4096
     bnd = t * h * 2
 
@@ -402,7 +482,7 @@ def test_cuda_disk_tier_peak_flat_in_depth(tmp_path):
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            _cuda_run(blocks, x, sco, keep_last=0)
+            _cuda_step(blocks, x, sco, keep_last=0)
             torch.cuda.synchronize()
             p = torch.cuda.max_memory_allocated() - base
         sco.free()

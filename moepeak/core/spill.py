@@ -42,9 +42,23 @@ def free_bytes(directory: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def aligned_view(base: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """The first ALIGN-aligned nbytes of base (a uint8 tensor of at least nbytes + ALIGN - 1
+    bytes), whatever base's own alignment: the slice starts at the first multiple of ALIGN at
+    or after base's address."""
+    start = (-base.data_ptr()) % ALIGN
+    if base.numel() - start < nbytes:
+        raise ValueError(f"moepeak: aligned_view: a base of {base.numel()} bytes at {base.data_ptr():#x} holds no "
+                         f"{ALIGN}-aligned {nbytes} bytes (it needs nbytes + {ALIGN - 1})")
+    return base[start:start + nbytes]
+
+
 class HostBuffer:
     """nbytes (rounded up to 4096) of 4096-aligned host memory; .view is a uint8 tensor over it.
 
+    Aligned by construction: ALIGN more bytes than needed are allocated and .view is the
+    aligned slice of them (aligned_view), so the alignment holds whatever the allocator gives
+    (cudaHostAlloc sub-allocates small pinned blocks at addresses that are not page aligned).
     pinned=True: page-locked (moepeak._C.host_alloc: needs the CUDA build and a GPU), checked
     against the host RAM left first; free() releases it (the view must not be used after).
     pinned=False: pageable, released with its last reference."""
@@ -53,15 +67,15 @@ class HostBuffer:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
             raise ValueError(f"moepeak: HostBuffer nbytes must be an int >= 1, got {nbytes!r}")
         self.nbytes, self.pinned, self.ptr = round_up(nbytes), pinned, 0
+        self.allocated = allocated = self.nbytes + ALIGN  # host bytes taken: the view plus the alignment pad
         if pinned:
-            check_room(self.nbytes, "moepeak: SCO spill staging slot", "lower SCOConfig.spill_slots or the "
+            check_room(allocated, "moepeak: SCO spill staging slot", "lower SCOConfig.spill_slots or the "
                        "boundary size", pinned=True)
-            self.ptr = _C.host_alloc(self.nbytes)
-            self.view = torch.frombuffer((ctypes.c_uint8 * self.nbytes).from_address(self.ptr), dtype=torch.uint8)
+            self.ptr = _C.host_alloc(allocated)
+            base = torch.frombuffer((ctypes.c_uint8 * allocated).from_address(self.ptr), dtype=torch.uint8)
         else:
-            base = torch.empty(self.nbytes + ALIGN, dtype=torch.uint8)
-            start = (-base.data_ptr()) % ALIGN
-            self.view = base[start:start + self.nbytes]
+            base = torch.empty(allocated, dtype=torch.uint8)
+        self.view = aligned_view(base, self.nbytes)
 
     @property
     def address(self) -> int:

@@ -29,18 +29,27 @@ class Arena:
         self.used = 0  # bytes handed out since the last rewind, the ends of skipped chunks included
         self.cap: Optional[int] = cfg.arena_cap
         if cfg.arena_bytes:
-            self._add_chunk(cfg.arena_bytes)
+            self._check_room(cfg.arena_bytes)  # pure Python: refuses before any call into ext
+
+    def reserve(self) -> None:
+        """Allocate the arena_bytes reserved at first use (the caller binds the device for ext)."""
+        if self.cfg.arena_bytes and not self.chunks:
+            self._add_chunk(self.cfg.arena_bytes)
 
     @property
     def nbytes(self) -> int:
         return sum(c[1] for c in self.chunks)
 
-    def _add_chunk(self, n: int) -> None:
+    def _check_room(self, n: int) -> None:
         if self.pinned:
             check_room(n, "moepeak: SCO arena chunk", "each checkpoint boundary held by SCO takes tokens x hidden "
                        "x element bytes of it per block: shorten the sequence, split it over more ranks, "
                        "checkpoint fewer blocks with SCO, or spill the earliest to disk (SCOConfig.spill_dir)",
                        pinned=True)
+
+    def _add_chunk(self, n: int) -> None:
+        self._check_room(n)
+        if self.pinned:
             ptr = self.ext.sco_arena_alloc(n)  # MemoryError naming the size on failure
             buf = (ctypes.c_uint8 * n).from_address(ptr)
             view = torch.frombuffer(buf, dtype=torch.uint8)

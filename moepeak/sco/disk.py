@@ -243,7 +243,7 @@ class DiskTier:
         self.next_offset = 0
 
     def stats(self) -> dict:
-        return dict(staging_bytes=sum(st.buf.nbytes for st in self.stages if st.buf is not None),
+        return dict(staging_bytes=sum(st.buf.allocated for st in self.stages if st.buf is not None),
                     spill_file_bytes=self.file.extent if self.file is not None else 0,
                     spill_direct=self.file.direct if self.file is not None else None)
 
@@ -257,3 +257,7 @@ class DiskTier:
             if st.buf is not None:
                 st.buf.free()
                 st.buf = None
+            for ev in (st.d2h_ev, st.h2d_ev):  # waited for above: idle, back to the engine's pool
+                if ev:
+                    self.engine.events.append(ev)
+            st.d2h_ev = st.h2d_ev = 0

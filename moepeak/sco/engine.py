@@ -110,15 +110,18 @@ class SCOEngine:
         self.events: List[int] = []  # pool of idle events (moepeak runtime handles)
         if self.is_cuda:
             require_cuda_build("sco_checkpoint")
+        # the arena first, outside bound(): a host that cannot hold arena_bytes refuses before
+        # any call into ext (set_device included), so nothing is pinned and no event exists
+        self.arena = Arena(cfg, pinned=self.is_cuda, counts=self.counts, ext=ext)
+        if self.is_cuda:
             with self.bound():
-                # the arena first: a host that cannot hold it refuses before any event exists
-                self.arena = Arena(cfg, pinned=True, counts=self.counts, ext=ext)  # arena_bytes allocated now
+                self.arena.reserve()  # arena_bytes pinned now
                 self.copy_stream = torch.cuda.Stream(device)
                 self.load_stream = torch.cuda.Stream(device)
                 self.ready_ev = self.event()  # re-recorded on compute before each side-stream use
                 self.load_tail_ev = self.event()  # last event on the load stream
         else:
-            self.arena = Arena(cfg, pinned=False, counts=self.counts, ext=ext)
+            self.arena.reserve()
         self.disk = DiskTier(self) if cfg.spills else None
         self.live: "collections.OrderedDict[int, Boundary]" = collections.OrderedDict()
         self.inflight: "collections.deque[Boundary]" = collections.deque()
@@ -433,6 +436,7 @@ class SCOEngine:
                 self._release_resources()
                 self.cfg = cfg
                 self.arena = Arena(cfg, pinned=self.is_cuda, counts=self.counts, ext=self.ext)
+                self.arena.reserve()
                 self.disk = DiskTier(self) if cfg.spills else None
         self.cfg = self.arena.cfg = cfg
         if blocks_per_step is not None:

@@ -94,8 +94,10 @@ def disk_bytes(layers: int, keep_last: int, boundary: int, host_budget: Optional
 
 
 def staging_bytes(spill_slots: int, boundary: int) -> int:
-    """Pinned host bytes of the disk tier's staging slots (on top of the arena)."""
-    return spill_slots * spill_extent(boundary)
+    """Pinned host bytes of the disk tier's staging slots (on top of the arena): each one
+    boundary's extent plus SPILL_ALIGN, the pad its 4096-aligned slice is cut from
+    (moepeak.core.spill.HostBuffer)."""
+    return spill_slots * (spill_extent(boundary) + SPILL_ALIGN)
 
 
 def gpu_head_bytes(layers: int, keep_last: int, in_flight: int, boundary: int) -> int:
