@@ -211,7 +211,8 @@ def main():
     gpu = torch.cuda.get_device_name()
     rows = []
     print(f"{gpu}  torch {torch.__version__}  moepeak {moepeak.__version__}  H={a.H} bf16")
-    print(f"{'T':>7} {'L':>3} {'arm':>9} {'status':>8} {'peak GiB':>9} {'step ms':>9} {'min':>8} {'max':>8} {'vs ckpt':>8}")
+    print(f"{'T':>7} {'L':>3} {'arm':>9} {'status':>8} {'peak GiB':>9} {'step ms':>9} {'min':>8} {'max':>8} "
+          f"{'vs ckpt':>8}")
     for T in a.T:
         for L in a.L:
             t0 = time.time()
@@ -230,8 +231,8 @@ def main():
                 if arm == "ckpt" and r["status"] == "ok":
                     ckpt_ms = med
                 rel = med / ckpt_ms if ckpt_ms and r["status"] == "ok" else float("nan")
-                print(f"{T:>7} {L:>3} {arm:>9} {r['status']:>8} {r['peak_gib']:>9.2f} {med:>9.1f} {lo:>8.1f} {hi:>8.1f} {rel:>8.3f}",
-                      flush=True)
+                print(f"{T:>7} {L:>3} {arm:>9} {r['status']:>8} {r['peak_gib']:>9.2f} {med:>9.1f} {lo:>8.1f} "
+                      f"{hi:>8.1f} {rel:>8.3f}", flush=True)
                 rows.append(dict(H=a.H, T=T, L=L, dtype="bf16", arm=arm, status=r["status"],
                                  peak_above_base_gib=round(r["peak_gib"], 4), step_ms_median=round(med, 2),
                                  step_ms_min=round(lo, 2), step_ms_max=round(hi, 2), iters=a.iters))
