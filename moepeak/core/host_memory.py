@@ -16,7 +16,7 @@ below the host's RAM the check is loose, never falsely strict.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 MEMINFO_PATH = "/proc/meminfo"
 
@@ -46,3 +46,17 @@ def check_room(nbytes: int, what: str, remedy: str, *, pinned: bool) -> None:
         raise MemoryError(f"{what}: needs {nbytes / 2**30:.2f} GiB of {kind} memory, but this host has "
                           f"{avail / 2**30:.2f} GiB available ({MEMINFO_PATH} MemAvailable"
                           f"{'' if pinned else ' + SwapFree'}); {remedy}. Nothing was allocated.")
+
+
+def placement_room(model) -> Optional[Tuple[float, float]]:
+    """What automatic placement measures (moepeak.hf and moepeak.titan): (GPU bytes the step may
+    use: free + what torch already reserved, the host's available RAM for pinned buffers, 0 if
+    unknown) where the model's parameters are on a CUDA device; None elsewhere."""
+    import torch
+
+    p = next(model.parameters(), None)
+    if p is None or p.device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(p.device)
+    host = available_bytes(pinned=True)
+    return float(free + torch.cuda.memory_reserved(p.device)), float(host or 0)

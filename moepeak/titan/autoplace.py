@@ -65,14 +65,9 @@ def model_shape(model) -> ModelShape:
 
 
 def measure(model) -> Optional[Tuple[float, float]]:
-    """(GPU bytes the step may use: free + what torch already reserved, the host's available
-    RAM) where the model's parameters are on a CUDA device; None elsewhere."""
-    p = next(model.parameters(), None)
-    if p is None or p.device.type != "cuda":
-        return None
-    free, _ = torch.cuda.mem_get_info(p.device)
-    host = host_memory.available_bytes(pinned=True)
-    return float(free + torch.cuda.memory_reserved(p.device)), float(host or 0)
+    """The machine's room for this model's step (core.host_memory.placement_room); a module
+    function so tests can stand in for the GPU."""
+    return host_memory.placement_room(model)
 
 
 def step_tokens(args, kwargs) -> Optional[int]:
