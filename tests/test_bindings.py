@@ -131,7 +131,6 @@ CASES = [
     ("layout_A_disagrees_with_S", "llep_chunk_layout(A=i64(5))", "A"),
     ("layout_tables_overflow", "llep_chunk_layout(P=2**20, E=2**30)", "overflows"),
     ("layout_E_zero", "llep_chunk_layout(E=0)", "E"),
-    ("layout_perm_null", "llep_chunk_layout(perm=0)", "perm"),
     # llep_route_cpu: E < 0 (calloc of SIZE_MAX); tables that would write outside out [n]
     ("route_E_negative", "llep_route_cpu(E=-1)", "E"),
     ("route_P_zero", "llep_route_cpu(P=0)", "P"),
@@ -232,6 +231,7 @@ def test_valid_calls_still_pass():
         llep_plan(Q=Q, A=A, S=S); assert sum(ints(Q, 4)) == 15 and sum(ints(S, 4)) == 15
         assert llep_num_chunks() == 4            # ceil(7 / (4 // 2))
         perm = i64(n=3); assert llep_chunk_layout(perm=perm) == 3 and ints(perm, 3) == [0, 1, 2]
+        assert llep_chunk_layout(perm=0) == 3    # 0: no grouping permutation (one rank, cd916fc)
         out = i64(n=3); llep_route_cpu(out=out); assert ints(out, 3) == [0, 2, 1]
         out = f32(n=4); llep_gather(out=out); assert floats(out, 4) == [3, 4, 1, 2]
         acc = f32(n=4); llep_combine(acc=acc); assert floats(acc, 4) == [3, 4, 1, 2]
