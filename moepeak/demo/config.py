@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -98,15 +98,24 @@ class MoEConfig:
     def validate(self, *, world_size: int = 1, seq_len: Optional[int] = None,
                  batch: int = 1, dtype: torch.dtype = torch.float32,
                  arena_limit_bytes: Optional[int] = None) -> "MoEConfig":
-        """Raise ValueError with every problem found, before any work starts."""
-        bad = []
-        for f in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "experts",
-                  "top_k", "intermediate"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                bad.append(f"{f} must be a positive integer, got {v!r}")
+        """Raise ValueError with every problem found, before any work starts: the sizes first
+        (nothing else can be checked without them), then the shape, the ranks, the switches
+        and options, and the step's length."""
+        bad = self._size_problems()
+        if not bad:
+            bad = (self._shape_problems() + self._rank_problems(world_size) + self._option_problems()
+                   + self._length_problems(world_size, seq_len, batch, dtype, arena_limit_bytes))
         if bad:
             raise ValueError("moepeak: invalid model config: " + "; ".join(bad))
+        return self
+
+    def _size_problems(self) -> List[str]:
+        return [f"{f} must be a positive integer, got {v!r}"
+                for f in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "experts", "top_k", "intermediate")
+                for v in (getattr(self, f),) if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+
+    def _shape_problems(self) -> List[str]:
+        bad = []
         if self.hidden % self.heads:
             bad.append(f"heads ({self.heads}) must divide hidden ({self.hidden})")
         elif self.head_dim % 2:
@@ -117,14 +126,21 @@ class MoEConfig:
             bad.append(f"top_k ({self.top_k}) must be <= experts ({self.experts})")
         if self.vocab_size < 259:
             bad.append(f"vocab_size ({self.vocab_size}) must be >= 259 (256 bytes + 3 specials)")
+        return bad
+
+    def _rank_problems(self, world_size: int) -> List[str]:
+        bad = []
         if world_size > 1 and self.experts % world_size:
             bad.append(f"experts ({self.experts}) must be divisible by the number of ranks ({world_size})")
         if world_size > 1 and self.head == "ring_dtp" and self.vocab_size % world_size:
             bad.append(f"vocab_size ({self.vocab_size}) must be divisible by the number of ranks "
                        f"({world_size}) for the Ring-DTP vocab shards")
-        for sw, choices in (("moe", MOE_CHOICES), ("head", HEAD_CHOICES), ("checkpoint", CKPT_CHOICES)):
-            if getattr(self, sw) not in choices:
-                bad.append(f"{sw} must be one of {choices}, got {getattr(self, sw)!r}")
+        return bad
+
+    def _option_problems(self) -> List[str]:
+        bad = [f"{sw} must be one of {choices}, got {getattr(self, sw)!r}"
+               for sw, choices in (("moe", MOE_CHOICES), ("head", HEAD_CHOICES), ("checkpoint", CKPT_CHOICES))
+               if getattr(self, sw) not in choices]
         for f in ("chunk_rows", "chunk_tokens", "chunk_vocab", "tile_tokens"):
             v = getattr(self, f)
             if v is not None and (not isinstance(v, int) or v < 1):
@@ -132,26 +148,25 @@ class MoEConfig:
         keep = self.sco_keep_last
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
             bad.append(f"sco_keep_last must be an integer >= 0, got {keep!r}")
-        if seq_len is not None:
-            if seq_len < 2:
-                bad.append(f"seq_len must be >= 2, got {seq_len}")
-            elif self.context_parallel and world_size > 1 and seq_len % world_size:
-                bad.append(f"seq_len ({seq_len}) must be divisible by the number of ranks ({world_size}) "
-                           f"for context parallelism (each rank holds seq_len/ranks tokens)")
-            elif self.checkpoint == "sco" and arena_limit_bytes is not None:
-                local = seq_len // world_size if self.context_parallel and world_size > 1 else seq_len
-                need = sco_arena_bytes(self, local, batch, dtype)
-                if need > arena_limit_bytes:
-                    bad.append(
-                        f"seq_len {seq_len}: the SCO arena needs (layers - sco_keep_last)*batch*seq_len*hidden*bytes = "
-                        f"{need / 2**30:.2f} GiB of pinned host memory, more than the "
-                        f"{arena_limit_bytes / 2**30:.2f} GiB allowed; lower --seq-len or --layers")
-        if bad:
-            raise ValueError("moepeak: invalid model config: " + "; ".join(bad))
-        return self
+        return bad
 
-    def moepeak_settings(self) -> Dict[str, str]:
-        return {"moe": self.moe, "head": self.head, "checkpoint": self.checkpoint}
+    def _length_problems(self, world_size: int, seq_len: Optional[int], batch: int, dtype: torch.dtype,
+                         arena_limit_bytes: Optional[int]) -> List[str]:
+        if seq_len is None:
+            return []
+        if seq_len < 2:
+            return [f"seq_len must be >= 2, got {seq_len}"]
+        split = self.context_parallel and world_size > 1
+        if split and seq_len % world_size:
+            return [f"seq_len ({seq_len}) must be divisible by the number of ranks ({world_size}) "
+                    f"for context parallelism (each rank holds seq_len/ranks tokens)"]
+        if self.checkpoint == "sco" and arena_limit_bytes is not None:
+            need = sco_arena_bytes(self, seq_len // world_size if split else seq_len, batch, dtype)
+            if need > arena_limit_bytes:
+                return [f"seq_len {seq_len}: the SCO arena needs (layers - sco_keep_last)*batch*seq_len*hidden*bytes = "
+                        f"{need / 2**30:.2f} GiB of pinned host memory, more than the "
+                        f"{arena_limit_bytes / 2**30:.2f} GiB allowed; lower --seq-len or --layers"]
+        return []
 
     def replace(self, **kw) -> "MoEConfig":
         return dataclasses.replace(self, **kw)
