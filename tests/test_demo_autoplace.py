@@ -11,20 +11,11 @@ from moepeak.demo import autoplace, run
 from moepeak.demo import train as demo_train
 from moepeak.sco import KEEP_LAST_DEMO
 from test_demo import TINY
+from tests.autoplace_helpers import fake_machine
 
 G = P.GiB
 QUIET = TINY.index("--quiet")
 LOUD = TINY[:QUIET] + TINY[QUIET + 1:]  # TINY without --quiet
-
-
-def machine(monkeypatch, gpu, host):
-    calls = []
-
-    def measure(device):
-        calls.append(device)
-        return gpu, host
-    monkeypatch.setattr(autoplace, "measure", measure)
-    return calls
 
 
 def built_models(monkeypatch):
@@ -39,7 +30,7 @@ def built_models(monkeypatch):
 
 
 def test_the_plan_reaches_the_model_and_the_report(monkeypatch, capsys):
-    calls = machine(monkeypatch, 100 * G, 200 * G)
+    calls = fake_machine(monkeypatch, autoplace, 100 * G, 200 * G)
     models = built_models(monkeypatch)
     r = run(LOUD + ["--steps", "2", "--no-peaks"])
     p = r["placement"].placement
@@ -67,7 +58,7 @@ def test_cuda_demo_is_placed(capsys):
 
 
 def test_the_plans_arena_and_tiles_reach_sco(monkeypatch):
-    machine(monkeypatch, 100 * G, 200 * G)
+    fake_machine(monkeypatch, autoplace, 100 * G, 200 * G)
     arenas = []
     reconfigure = demo_train.MoELM.use_sco
 
@@ -88,7 +79,7 @@ def test_the_plans_arena_and_tiles_reach_sco(monkeypatch):
 
 
 def test_too_small_a_machine_raises_before_anything_is_built(monkeypatch):
-    machine(monkeypatch, 100 * G, 9 * G)  # 9 GiB less the 8 GiB + 10% margin: nothing left
+    fake_machine(monkeypatch, autoplace, 100 * G, 9 * G)  # 9 GiB less the 8 GiB + 10% margin: nothing left
     models = built_models(monkeypatch)
     with pytest.raises(P.PlacementError) as e:
         run(TINY + ["--steps", "1"])
@@ -99,7 +90,7 @@ def test_off_switches_and_cpu(monkeypatch):
     r = run(TINY + ["--steps", "1", "--no-peaks"])  # the real measure: CPU
     assert r["placement"].placement is None and r["placement"].note == "off on CPU (no-op)"
     assert r["cfg"].sco_keep_last == KEEP_LAST_DEMO
-    calls = machine(monkeypatch, 100 * G, 200 * G)
+    calls = fake_machine(monkeypatch, autoplace, 100 * G, 200 * G)
     off = run(TINY + ["--steps", "1", "--no-peaks", "--no-auto-placement"])
     assert off["placement"].note == "off (--no-auto-placement)" and not calls
     plain = run(TINY + ["--steps", "1", "--no-peaks", "--no-sco"])
@@ -109,7 +100,7 @@ def test_off_switches_and_cpu(monkeypatch):
 def test_cpu_losses_unchanged_by_the_placement(monkeypatch):
     """The placed run (the CPU defaults' keep_last, a sized arena) trains the same numbers."""
     want = run(TINY + ["--steps", "3", "--no-peaks", "--no-auto-placement"])["losses"]
-    machine(monkeypatch, 100 * G, 200 * G)
+    fake_machine(monkeypatch, autoplace, 100 * G, 200 * G)
     got = run(TINY + ["--steps", "3", "--no-peaks"])["losses"]
     assert got == want
     assert torch.isfinite(torch.tensor(got)).all()

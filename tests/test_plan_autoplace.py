@@ -2,7 +2,6 @@
 numbers (autoplace.measure monkeypatched): the plan's keep_last and arena reach SCO, explicit
 settings win, a machine too small raises before the step allocates, T growth re-plans, and
 without a GPU it does nothing and says so."""
-import dataclasses
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from moepeak import plan as P  # noqa: E402
 from moepeak.hf import apply_moepeak, autoplace, place_model, placement_report  # noqa: E402
 from moepeak.sco import SCOConfig  # noqa: E402
 from moepeak.sco import sizes as SCO  # noqa: E402
+from tests.autoplace_helpers import fake_machine, host_room_between  # noqa: E402
 
 G = P.GiB
 
@@ -23,28 +23,6 @@ def _model():
                                    num_attention_heads=4, num_key_value_heads=4, num_experts=4,
                                    num_experts_per_tok=2, max_position_embeddings=4096)
     return transformers.OlmoeForCausalLM(cfg)
-
-
-def _machine(monkeypatch, gpu, host):
-    calls = []
-
-    def measure(model):
-        calls.append(1)
-        return gpu, host
-    monkeypatch.setattr(autoplace, "measure", measure)
-    return calls
-
-
-def _host_room_between(model, tokens, keep_more, keep_fewer):
-    """Host bytes (before the margin) whose room holds the step with keep_more blocks' inputs
-    on the GPU but not with keep_fewer."""
-    m = autoplace.model_shape(model)
-    s = P.Setup(gpus=1, impl="hf", act_bytes=4)
-    lo = P.host_bytes(m, dataclasses.replace(s, sco_keep_last=keep_more), tokens, sized_arena=True)["total"]
-    hi = P.host_bytes(m, dataclasses.replace(s, sco_keep_last=keep_fewer), tokens, sized_arena=True)["total"]
-    room = (lo + hi) / 2
-    M = P.Margins()
-    return (room + M.host_bytes) / (1 - M.host_fraction)
 
 
 def test_model_shape_counts_the_models_parameters():
@@ -58,8 +36,8 @@ def test_the_plans_keep_last_and_arena_reach_sco(monkeypatch):
     model = _model()
     report = apply_moepeak(model)
     tokens = 1 << 20
-    host = _host_room_between(model, tokens, 3, 2)
-    _machine(monkeypatch, 100 * G, host)
+    host = host_room_between(autoplace, model, tokens, 3, 2)
+    fake_machine(monkeypatch, autoplace, 100 * G, host)
     p = place_model(model, tokens)
     expect = P.place(autoplace.model_shape(model), P.Setup(gpus=1, impl="hf", act_bytes=4), tokens,
                      gpu_bytes=100 * G, host_bytes=host)
@@ -72,7 +50,7 @@ def test_the_plans_keep_last_and_arena_reach_sco(monkeypatch):
 def test_explicit_settings_win(monkeypatch):
     model = _model()
     report = apply_moepeak(model, sco_config=SCOConfig(keep_last=0), tile_tokens=16)
-    _machine(monkeypatch, 100 * G, 200 * G)
+    fake_machine(monkeypatch, autoplace, 100 * G, 200 * G)
     p = place_model(model, 1 << 20)
     assert p.keep_last == 0 and p.tile_tokens == 16
     assert report.sco.config == SCOConfig(keep_last=0)  # the given config stays as given
@@ -88,7 +66,7 @@ def test_explicit_settings_win(monkeypatch):
 def test_too_small_a_machine_raises_before_the_step(monkeypatch):
     model = _model()
     report = apply_moepeak(model)
-    _machine(monkeypatch, 100 * G, 9 * G)  # 9 GiB less the 8 GiB + 10% margin: nothing left
+    fake_machine(monkeypatch, autoplace, 100 * G, 9 * G)  # 9 GiB less the 8 GiB + 10% margin: nothing left
     before = report.sco.config
     with pytest.raises(P.PlacementError) as e:
         model.train()

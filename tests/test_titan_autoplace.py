@@ -5,7 +5,6 @@ fields win, a machine too small raises before the step allocates, T growth re-pl
 without a GPU (or without StreamAdamW) it does nothing and says so on the 'moepeak' logger."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import pytest
@@ -26,6 +25,7 @@ from moepeak.plan.placement import TILE_TOKENS_CHOICES  # noqa: E402
 from moepeak.sco import SCOConfig  # noqa: E402
 from moepeak.sco import sizes as SCO  # noqa: E402
 from moepeak.titan import autoplace  # noqa: E402
+from tests.autoplace_helpers import fake_machine, host_room_between  # noqa: E402
 
 G = P.GiB
 V = 2048
@@ -61,27 +61,6 @@ class Job:
         self.optimizer.zero_grad()
 
 
-def machine(monkeypatch, gpu, host):
-    calls = []
-
-    def measure(model):
-        calls.append(1)
-        return gpu, host
-    monkeypatch.setattr(autoplace, "measure", measure)
-    return calls
-
-
-def host_between(model, tokens, keep_more, keep_fewer):
-    """Host bytes (before the margin) whose room holds the step with keep_more blocks' inputs
-    on the GPU but not with keep_fewer."""
-    m = autoplace.model_shape(model)
-    s = P.Setup(gpus=1, impl="hf", act_bytes=4)
-    lo = P.host_bytes(m, dataclasses.replace(s, sco_keep_last=keep_more), tokens, sized_arena=True)["total"]
-    hi = P.host_bytes(m, dataclasses.replace(s, sco_keep_last=keep_fewer), tokens, sized_arena=True)["total"]
-    M = P.Margins()
-    return ((lo + hi) / 2 + M.host_bytes) / (1 - M.host_fraction)
-
-
 def test_model_shape_reads_the_torchtitan_model():
     job = Job()
     m = autoplace.model_shape(job.model)
@@ -93,8 +72,8 @@ def test_model_shape_reads_the_torchtitan_model():
 def test_the_plans_keep_last_and_arena_reach_sco(monkeypatch, caplog):
     job = Job()
     tokens = 1 << 20
-    host = host_between(job.model, tokens, 2, 1)
-    machine(monkeypatch, 100 * G, host)
+    host = host_room_between(autoplace, job.model, tokens, 2, 1)
+    fake_machine(monkeypatch, autoplace, 100 * G, host)
     with caplog.at_level(logging.INFO, logger="moepeak"):
         p = job.sco.placement.plan(tokens)
     expect = P.place(autoplace.model_shape(job.model), P.Setup(gpus=1, impl="hf", act_bytes=4), tokens,
@@ -114,7 +93,7 @@ def test_whole_blocks_that_do_not_fit_are_tiled(monkeypatch):
     tiled = [g for g in gpus if _fits(m, s, tokens, g)
              and P.place(m, s, tokens, gpu_bytes=g, host_bytes=1e15).tile_tokens]
     assert tiled, "no GPU size where only tiles fit"
-    machine(monkeypatch, tiled[0], 1e15)
+    fake_machine(monkeypatch, autoplace, tiled[0], 1e15)
     p = job.sco.placement.plan(tokens)
     assert p.tile_tokens in TILE_TOKENS_CHOICES
     assert [b._moepeak_tile_tokens for b in job.model.layers.values()] == [p.tile_tokens] * 2
@@ -130,7 +109,7 @@ def _fits(m, s, tokens, gpu):
 
 
 def test_explicit_fields_win(monkeypatch):
-    machine(monkeypatch, 100 * G, 200 * G)
+    fake_machine(monkeypatch, autoplace, 100 * G, 200 * G)
     job = Job(keep_last=0, tile_tokens=16)
     p = job.sco.placement.plan(1 << 20)
     assert p.keep_last == 0 and p.tile_tokens == 16
@@ -149,7 +128,7 @@ def test_explicit_fields_win(monkeypatch):
 
 def test_too_small_a_machine_raises_before_the_step(monkeypatch):
     job = Job()
-    machine(monkeypatch, 100 * G, 9 * G)  # 9 GiB less the 8 GiB + 10% margin: nothing left
+    fake_machine(monkeypatch, autoplace, 100 * G, 9 * G)  # 9 GiB less the 8 GiB + 10% margin: nothing left
     before = job.sco.sco.config
     with pytest.raises(P.PlacementError) as e:
         job.step(64)
@@ -159,7 +138,7 @@ def test_too_small_a_machine_raises_before_the_step(monkeypatch):
 
 def test_the_first_step_and_longer_ones_re_plan(monkeypatch):
     job = Job()
-    calls = machine(monkeypatch, 100 * G, 200 * G)
+    calls = fake_machine(monkeypatch, autoplace, 100 * G, 200 * G)
     for T, plans in ((32, 1), (32, 1), (16, 1), (64, 2)):
         job.step(T)
         assert len(calls) == plans and job.sco.placement.tokens == max(32, T)
@@ -178,7 +157,7 @@ def test_off_without_a_gpu_or_stream_adamw_and_says_so_once(monkeypatch, caplog)
     assert said == ["moepeak.titan.sco: automatic placement off: the model is not on a GPU (no-op)"]
     assert job.sco.sco.config == SCOConfig()
     stock = Job(stock_optimizer=True)
-    machine(monkeypatch, 100 * G, 200 * G)
+    fake_machine(monkeypatch, autoplace, 100 * G, 200 * G)
     assert stock.sco.placement.plan(64) is None
     assert "not moepeak.titan.stream_adamw" in stock.sco.placement.note
 
