@@ -277,16 +277,24 @@ def _fold_weights_ring(x, w, y, tr, geo, ignore_index, softcap, ct, cv):
     return st
 
 
+def _padded_tokens(x, y, Tmax, ignore_index):
+    """This rank's tokens and labels padded to the ring's common length Tmax (the travelling
+    buffers every rank sends alike); the padding rows are zeros with ignored labels."""
+    T, H = x.shape
+    xb = torch.zeros((Tmax, H), dtype=x.dtype, device=x.device)
+    xb[:T] = x
+    yb = torch.full((Tmax,), ignore_index, dtype=torch.int64, device=x.device)
+    yb[:T] = y
+    return xb, yb
+
+
 def _fold_activations_ring(x, w, y, tr, geo, ignore_index, softcap, ct, cv):
     """This rank's tokens' state: the tokens and their state travel, each rank folds its shard
     in, and the P-th hop brings the state home."""
     P, r = geo.P, geo.r
     nxt, prv = (r + 1) % P, (r - 1) % P
     T, H = x.shape
-    xb = torch.zeros((geo.Tmax, H), dtype=x.dtype, device=x.device)
-    xb[:T] = x
-    yb = torch.full((geo.Tmax,), ignore_index, dtype=torch.int64, device=x.device)
-    yb[:T] = y
+    xb, yb = _padded_tokens(x, y, geo.Tmax, ignore_index)
     stb = torch.zeros((5, geo.Tmax), dtype=torch.float32, device=x.device)
     stb[0].fill_(-math.inf)
     xo, yo, sto = torch.empty_like(xb), torch.empty_like(yb), torch.empty_like(stb)
@@ -357,10 +365,7 @@ def _activations_ring_backward(x, w, y, m, ls, q, g, tr, geo, ignore_index, soft
     P, r = geo.P, geo.r
     nxt, prv = (r + 1) % P, (r - 1) % P
     T, H = x.shape
-    xb = torch.zeros((geo.Tmax, H), dtype=x.dtype, device=x.device)
-    xb[:T] = x
-    yb = torch.full((geo.Tmax,), ignore_index, dtype=torch.int64, device=x.device)
-    yb[:T] = y
+    xb, yb = _padded_tokens(x, y, geo.Tmax, ignore_index)
     aux = torch.zeros((4, geo.Tmax), dtype=torch.float32, device=x.device)  # m, log s, 1 - p_y, g
     aux[0, :T], aux[1, :T], aux[2, :T], aux[3, :T] = m, ls, q, g
     xo, yo, auxo = torch.empty_like(xb), torch.empty_like(yb), torch.empty_like(aux)
