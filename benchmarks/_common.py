@@ -14,7 +14,7 @@ import os
 import statistics
 import subprocess
 import time
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -161,6 +161,17 @@ def relerr(a: torch.Tensor, ref: torch.Tensor) -> float:
     a, ref = a.double(), ref.double()
     n = ref.norm()
     return ((a - ref).norm() / (n if n > 0 else 1.0)).item()
+
+
+def doubling(lo: int, hi: int, multiple_of: int = 1) -> List[int]:
+    """lo, 2 lo, 4 lo, ... up to hi, keeping those that multiple_of divides (the lengths a
+    doubling benchmark runs)."""
+    lengths = []
+    while lo <= hi:
+        if lo % multiple_of == 0:
+            lengths.append(lo)
+        lo *= 2
+    return lengths
 
 
 def is_oom(exc: BaseException) -> bool:

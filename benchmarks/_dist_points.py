@@ -185,6 +185,11 @@ def sweep(arms, lengths, point_fn, point_args, *, rank, world, steps, budget, gr
     return result
 
 
+def rank0_say(rank: int):
+    """print(..., flush=True) on rank 0, nothing on the others."""
+    return (lambda *x: print(*x, flush=True)) if rank == 0 else (lambda *x: None)
+
+
 def point_line(arm, L, status, peak, step, note) -> str:
     """One point's console line: arm, length, status, peak GiB, step s, tokens/s (per rank), note."""
     tps = L / step if step else None

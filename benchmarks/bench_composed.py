@@ -54,7 +54,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))  # the repo root
-from _common import append_results, is_oom  # noqa: E402
+from _common import append_results, doubling, is_oom  # noqa: E402
 from bench_demo_reach import SMOKE  # noqa: E402  (the CPU smoke shape of the demo model)
 
 GiB = 2 ** 30
@@ -273,10 +273,7 @@ def main(argv=None):
         d, device = dict(SHAPE_2B), torch.device("cuda")
         lo, hi = a.min_len or 8192, a.max_len or (1 << 20)
     d["opt_threads"] = a.opt_threads
-    lengths = []
-    while lo <= hi:
-        lengths.append(lo)
-        lo *= 2
+    lengths = doubling(lo, hi)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"bench_composed: {model_tag(d)} on {gpu}, T {lengths[0]}..{lengths[-1]}, arms {arms}, "
           f"budget {a.budget_s:.0f} s", flush=True)

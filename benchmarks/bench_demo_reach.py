@@ -61,8 +61,8 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))  # the repo root
-from _common import append_results  # noqa: E402
-from _dist_points import finish, parse_simulated_oom, sweep, timed_steps, torchrun_ranks  # noqa: E402
+from _common import append_results, doubling  # noqa: E402
+from _dist_points import finish, parse_simulated_oom, rank0_say, sweep, timed_steps, torchrun_ranks  # noqa: E402
 
 GiB = 2 ** 30
 MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "experts", "top_k", "intermediate", "vocab")
@@ -185,12 +185,8 @@ def main():
     os.makedirs(workdir, exist_ok=True)
     # gpu= for append_results: asking torch for the GPU name would create a CUDA context
     # on GPU 0 in both parents; the children report the GPU instead
-    say = (lambda *x: print(*x, flush=True)) if rank == 0 else (lambda *x: None)
-    lengths = []
-    L = lo
-    while L <= hi:
-        lengths.append(L)
-        L *= 2
+    say = rank0_say(rank)
+    lengths = doubling(lo, hi)
     say(f"bench_demo_reach: P={world}, model {_model_tag(d)}, lengths {lengths[0]}..{lengths[-1]}, "
         f"{a.steps} steps each, budget {budget:.0f} s per arm")
     say(f"{'arm':>8} {'seq_len':>9} {'status':>11} {'peak GiB':>9} {'step s':>8} {'tok/s':>10}  note")

@@ -40,8 +40,8 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))  # the repo root
-from _common import append_results  # noqa: E402
-from _dist_points import finish, parse_simulated_oom, sweep, timed_steps, torchrun_ranks  # noqa: E402
+from _common import append_results, doubling  # noqa: E402
+from _dist_points import finish, parse_simulated_oom, rank0_say, sweep, timed_steps, torchrun_ranks  # noqa: E402
 from bench_hf import FULL, TINY, build_model  # noqa: E402
 
 FIELDS = ["P", "arm", "tokens_per_rank", "status", "peak_gib", "step_s", "tokens_per_s_per_gpu", "loss",
@@ -122,14 +122,11 @@ def main(argv=None):
         raise SystemExit(f"bench_hf_dist: {shape['num_experts']} experts do not split over {world} ranks")
     lo = a.min_len or (64 if a.tiny else 8192)
     hi = a.max_len or (128 if a.tiny else 1 << 19)
-    lengths = []
-    while lo <= hi:
-        lengths.append(lo)
-        lo *= 2
+    lengths = doubling(lo, hi)
     dist.init_process_group("gloo")  # the parents coordinate on the CPU; children own the GPUs
     workdir = os.path.join(a.out, ".hf_dist_tmp")
     os.makedirs(workdir, exist_ok=True)
-    say = (lambda *x: print(*x, flush=True)) if rank == 0 else (lambda *x: None)
+    say = rank0_say(rank)
     say(f"bench_hf_dist: P={world}, Qwen3-MoE {'tiny' if a.tiny else '2.0B'}, tokens per rank "
         f"{lengths[0]}..{lengths[-1]}, {a.steps} steps each, budget {a.max_seconds:.0f} s per arm")
     say(f"{'arm':>8} {'T/rank':>9} {'status':>11} {'peak GiB':>9} {'step s':>8} {'tok/s/GPU':>10}  note")

@@ -44,8 +44,8 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))  # the repo root
-from _common import append_results  # noqa: E402
-from _dist_points import finish, sweep, timed_steps, torchrun_ranks  # noqa: E402
+from _common import append_results, doubling  # noqa: E402
+from _dist_points import finish, rank0_say, sweep, timed_steps, torchrun_ranks  # noqa: E402
 from bench_hf import FULL, TINY  # noqa: E402
 
 FIELDS = ["P", "model", "arm", "T", "tokens_per_rank", "status", "peak_gib", "step_s", "tokens_per_s", "loss",
@@ -172,15 +172,11 @@ def main(argv=None):
     tile = a.tile_tokens or (16 if a.smoke else 8192)
     lo = a.min_len or (64 if a.smoke else 16384)
     hi = a.max_len or (128 if a.smoke else 1 << 22)
-    lengths = []
-    while lo <= hi:
-        if lo % world == 0:
-            lengths.append(lo)
-        lo *= 2
+    lengths = doubling(lo, hi, multiple_of=world)
     dist.init_process_group("gloo")  # the parents coordinate on the CPU; children own the GPUs
     workdir = os.path.join(a.out, ".hf_sp_tmp")
     os.makedirs(workdir, exist_ok=True)
-    say = (lambda *x: print(*x, flush=True)) if rank == 0 else (lambda *x: None)
+    say = rank0_say(rank)
     say(f"bench_hf_sp: P={world}, {model_name}, sequence of {lengths[0]}..{lengths[-1]} tokens, {a.steps} steps "
         f"each, budget {a.max_seconds:.0f} s per arm")
     say(f"{'arm':>8} {'T':>9} {'status':>11} {'peak GiB':>9} {'step s':>8} {'tok/s':>10}  note")
