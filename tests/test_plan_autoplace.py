@@ -105,3 +105,41 @@ def test_without_a_gpu_it_does_nothing_and_says_so():
     assert report.sco.config == SCOConfig()
     off = apply_moepeak(_model(), auto_placement=False)
     assert "auto_placement=False" in str(off)
+
+
+def test_a_placed_step_equals_stock_transformers_on_packed_rows(monkeypatch):
+    """Placement moves boundaries between tiers, never the arithmetic: a placed step (3 blocks
+    kept on the GPU) on a packed row (position_ids restarting per document), accumulated over
+    two micro-batches, gives stock transformers' loss and gradients (stock with its own activation
+    checkpointing, as long-context runs use it: apply_moepeak checkpoints every layer too);
+    frozen embeddings stay without a gradient."""
+    stock, model = _model(), _model()
+    enable = getattr(stock, "activation_checkpointing_enable", None) or stock.gradient_checkpointing_enable
+    enable()
+    for m in (stock, model):
+        m.model.embed_tokens.weight.requires_grad_(False)
+    report = apply_moepeak(model)
+    tokens = 32
+    fake_machine(monkeypatch, autoplace, 100 * G, host_room_between(autoplace, model, tokens, 3, 2))
+    g = torch.Generator().manual_seed(1)
+    pos = torch.cat([torch.arange(12), torch.arange(20)])[None]
+    for m in (stock, model):
+        m.train()
+    losses = {}
+    for name, m in (("stock", stock), ("placed", model)):
+        g.manual_seed(1)
+        total = 0.0
+        for _ in range(2):
+            ids = torch.randint(0, 128, (1, tokens), generator=g)
+            loss = m(input_ids=ids, labels=ids, position_ids=pos).loss / 2
+            loss.backward()
+            total += loss.item()
+        losses[name] = total
+    assert report.sco.config.keep_last == 3
+    torch.testing.assert_close(losses["placed"], losses["stock"], rtol=1e-5, atol=1e-6)
+    for (name, a), (_, b) in zip(stock.named_parameters(), model.named_parameters()):
+        if not a.requires_grad:
+            assert a.grad is None and b.grad is None, name
+            continue
+        scale = a.grad.abs().max().item() or 1.0
+        assert (a.grad - b.grad).abs().max().item() <= 1e-4 * scale, name
