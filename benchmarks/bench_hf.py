@@ -56,6 +56,8 @@ One H200, each command under ~9 minutes (see RESULTS.md):
   python benchmarks/bench_hf.py --arms moepeak --T 524288 --budget-s 540
   python benchmarks/bench_hf.py --arms alst --budget-s 540     # after installing .whl/ (gpu_env.sh)
   python benchmarks/bench_hf.py --model olmoe --arms hf,alst,moepeak_tiled
+  python benchmarks/bench_hf.py --model olmoe --arms moepeak --T 262144 --sco-keep-last 10   # the manual setting
+  python benchmarks/bench_hf.py --model olmoe --arms moepeak_tiled --layers 4 --T 1048576    # 1M on 4 of 16 layers
 CPU smoke run (the test suite runs it): python benchmarks/bench_hf.py --tiny --csv /tmp/hf.csv
 """
 from __future__ import annotations
@@ -121,9 +123,11 @@ def build_model(shape, max_T, dtype, device, family="qwen3_moe"):
     return model.to(dtype)
 
 
-def setup_arm(arm, shape, max_T, device, tile_tokens=8192, family="qwen3_moe"):
+def setup_arm(arm, shape, max_T, device, tile_tokens=8192, family="qwen3_moe", keep_last=None):
     """(model, optimizer, autocast dtype or None, note). moepeak_tiled: moepeak with the
-    decoder layers sequence-tiled (apply_moepeak's tile_tokens)."""
+    decoder layers sequence-tiled (apply_moepeak's tile_tokens). keep_last: the moepeak arms'
+    SCO boundaries kept on the GPU, set by hand (SCOConfig(keep_last=...): the automatic
+    placement then leaves SCO as given); None: apply_moepeak's automatic placement."""
     note = ""
     if arm == "liger":
         import liger_kernel.transformers
@@ -134,9 +138,11 @@ def setup_arm(arm, shape, max_T, device, tile_tokens=8192, family="qwen3_moe"):
         from moepeak.hf import apply_moepeak
         model = build_model(shape, max_T, torch.bfloat16, device, family)
         tile = tile_tokens if arm == "moepeak_tiled" else None
-        report = apply_moepeak(model, tile_tokens=tile)
+        sco = {} if keep_last is None else dict(sco_config=moepeak.SCOConfig(keep_last=keep_last))
+        report = apply_moepeak(model, tile_tokens=tile, **sco)
         lean = any(line.startswith("final norm:") for line in report.patched)
-        note = (f"tile_tokens {tile}; " if tile else "") + ("lean final norm; " if lean else "") + \
+        note = (f"manual keep_last {keep_last}; " if keep_last is not None else "") + \
+            (f"tile_tokens {tile}; " if tile else "") + ("lean final norm; " if lean else "") + \
             f"experts on moepeak: {len(report.experts_on_moepeak)}" + "".join(
             f"; left alone: {line}" for line in report.left_alone)
         opt = moepeak.StreamAdamW(model.parameters(), lr=1e-4)
@@ -222,6 +228,8 @@ def host_available():
 def run_arm(args, arm):
     family = args.model
     shape = MODELS[family][3] if args.tiny else MODELS[family][2]
+    if args.layers is not None:
+        shape = dict(shape, num_hidden_layers=args.layers)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     base = dict(arm=arm)
     if arm in ("liger", "alst_liger") and family not in LIGER_PATCHES:
@@ -243,7 +251,10 @@ def run_arm(args, arm):
         model = None  # built and held inside the ALST engine
         first_of_process = False  # the check row's step was the process's first
     else:
-        model, opt, autocast, note = setup_arm(arm, shape, max(args.T), device, args.tile_tokens, family)
+        model, opt, autocast, note = setup_arm(arm, shape, max(args.T), device, args.tile_tokens, family,
+                                               args.sco_keep_last)
+        if args.layers is not None:
+            note = f"{args.layers} layers; " + note
         params = sum(p.numel() for p in model.parameters())
         base.update(params=params)
         model.train()
@@ -354,6 +365,10 @@ def main(argv=None):
                          "offloaded state (CPU smoke runs: no build)")
     ap.add_argument("--alst-offload-param", default="cpu", choices=("cpu", "none"),
                     help="ZeRO-3 offload_param of the ALST arms (the recipes': cpu)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decoder layers of the model (default: the family's shape; e.g. 4 of OLMoE's 16 at 1M)")
+    ap.add_argument("--sco-keep-last", type=int, default=None,
+                    help="the moepeak arms' SCO boundaries on the GPU set by hand (default: automatic placement)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: run one arm, print rows
     ap.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -362,6 +377,10 @@ def main(argv=None):
         args.check_T = 64 if args.tiny else 8192
     if args.check_T < 2:
         ap.error(f"--check-T: the correctness check needs at least 2 tokens, got {args.check_T}")
+    if args.layers is not None and args.layers < 1:
+        ap.error(f"--layers: a model needs at least 1 decoder layer, got {args.layers}")
+    if args.sco_keep_last is not None and args.sco_keep_last < 0:
+        ap.error(f"--sco-keep-last must be >= 0, got {args.sco_keep_last}")
     if args.csv is None:
         args.csv = os.path.join(HERE, "results", MODELS[args.model][4])
     if args.worker:
@@ -382,7 +401,9 @@ def main(argv=None):
                "--model", args.model, "--T", ",".join(map(str, args.T)), "--warmup", str(args.warmup),
                "--steps", str(args.steps), "--max-step-s", str(args.max_step_s), "--tile-tokens",
                str(args.tile_tokens), "--check-T", str(args.check_T), "--alst-optimizer", args.alst_optimizer,
-               "--alst-offload-param", args.alst_offload_param] + (["--tiny"] if args.tiny else [])
+               "--alst-offload-param", args.alst_offload_param] + (["--tiny"] if args.tiny else []) + \
+            (["--layers", str(args.layers)] if args.layers is not None else []) + \
+            (["--sco-keep-last", str(args.sco_keep_last)] if args.sco_keep_last is not None else [])
         with tempfile.TemporaryFile("w+") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=worker_env(arm))
             got = 0

@@ -418,3 +418,28 @@ def test_bench_hf_tiny_runs(tmp_path):
     else:  # save_on_cpu pins host memory
         assert {"hf", "moepeak"} <= ok, rows
         assert [r["status"] for r in rows if r["arm"] == "hf_offload"] == ["skipped"], rows
+
+
+def test_bench_hf_layers_and_manual_keep_last(tmp_path):
+    """--layers builds the family's shape with that many decoder layers (issue 40's 1M step on 4
+    of OLMoE's 16); --sco-keep-last runs the moepeak arm with SCOConfig(keep_last=...) by hand,
+    the manual setting the default placement is compared with; bad values name the flag."""
+    csv = tmp_path / "hf.csv"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_hf.py"), "--tiny", "--model", "olmoe",
+           "--arms", "moepeak", "--T", "64", "--layers", "1", "--sco-keep-last", "1", "--csv", str(csv)]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    with open(csv) as f:
+        (row,) = list(DictReader(f))
+    assert row["status"] == "ok" and row["note"].startswith("1 layers; manual keep_last 1; "), row
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_hf
+
+    one_layer = dict(bench_hf.OLMOE_TINY, num_hidden_layers=1)
+    model = bench_hf.build_model(one_layer, 64, torch.float32, "meta", "olmoe")
+    assert int(row["params"]) == sum(p.numel() for p in model.parameters())
+    for flag, value, says in (("--layers", "0", "at least 1 decoder layer"), ("--sco-keep-last", "-1", ">= 0")):
+        res = subprocess.run(cmd[:2] + ["--tiny", flag, value, "--csv", str(csv)], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120, env=env)
+        assert res.returncode == 2 and flag in res.stderr and says in res.stderr, res.stderr
