@@ -166,3 +166,21 @@ def test_bench_attention_causal_block_mask_is_create_block_masks(T):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, T, 16, generator=g) for _ in range(3))
     assert torch.equal(flex_attention(q, k, v, block_mask=mine), flex_attention(q, k, v, block_mask=ref))
+
+
+def test_run_gpu_stages_parse():
+    """benchmarks/run_gpu.sh (the GPU machine's runbook) is valid bash, every stage its header
+    names has a case, and every flag its bench_hf.py stages pass is one bench_hf.py takes."""
+    import re
+
+    path = os.path.join(ROOT, "benchmarks", "run_gpu.sh")
+    res = subprocess.run(["bash", "-n", path], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    text = open(path).read()
+    header = [m.group(1) for m in re.finditer(r"^#   ([a-z_]+)  ", text, flags=re.M)]
+    cases = set(re.findall(r"^    ([a-z_0-9]+)\)$", text, flags=re.M))
+    assert header and set(header) <= cases, (header, cases)
+    commands = text.replace("\\\n", " ").splitlines()  # continuation lines joined
+    hf_flags = set(re.findall(r"(--[a-z][a-z-]*)", "\n".join(c for c in commands if c.strip().startswith("hf "))))
+    helptext = _run(["benchmarks/bench_hf.py", "--help"], timeout=120).stdout
+    assert hf_flags and all(f in helptext for f in hf_flags), sorted(f for f in hf_flags if f not in helptext)
