@@ -176,3 +176,57 @@ def test_disk_tier_gradients_are_plain_autograds(tmp_path):
     assert _tiers(sco) == ["disk"] * 2 + ["host", "device"] and sco.stats()["spill_reads"] >= 1
     sco.free()
     assert os.listdir(tmp_path) == []
+
+
+def _arena_refuses(monkeypatch, refused):
+    """Arena.reserve raises MemoryError (as a short host's pinned allocation does) for every
+    config refused(cfg) is true of; the others reserve as usual."""
+    from moepeak.sco import arena
+
+    reserve = arena.Arena.reserve
+
+    def maybe(self):
+        if refused(self.cfg):
+            raise MemoryError(f"pinned memory short for {self.cfg.arena_bytes} bytes")
+        reserve(self)
+    monkeypatch.setattr(arena.Arena, "reserve", maybe)
+
+
+def test_a_reconfigure_whose_arena_cannot_be_made_changes_nothing(monkeypatch):
+    """The new arena's pinned memory is short: the error names arena_bytes, the offloader and its
+    engine keep the previous config (arena made again), and the next step is exact."""
+    sco = SCOOffloader(SCOConfig(keep_last=1, arena_bytes=4 * ONE))
+    model = _model(5)
+    moepeak.apply_sco(model, list(model), offloader=sco)
+    ref = _torch_checkpointed(_model(5))
+    _assert_exact(_steps(model, steps=1), _steps(ref, steps=1))
+    before = sco.config
+    _arena_refuses(monkeypatch, lambda cfg: cfg.arena_bytes == 64 * ONE)
+    with pytest.raises(MemoryError, match=r"SCOConfig.arena_bytes=65536 could not be honoured on cpu: pinned "
+                                          r"memory short .* nothing changed: the previous config runs on"):
+        sco.reconfigure(arena_bytes=64 * ONE, keep_last=2)
+    assert sco.config is before and sco.stats()["arena_bytes"] == 4 * ONE
+    _assert_exact(_steps(model, steps=1, seed=1), _steps(ref, steps=1, seed=1))
+    assert _tiers(sco) == ["host"] * 4 + ["device"]  # keep_last=1 still
+    sco.free()
+
+
+def test_a_reconfigure_that_cannot_be_undone_drops_the_engine(monkeypatch):
+    """Neither the new arena nor the previous one can be made again: the error says the engine must
+    be made anew, the offloader keeps its previous config and drops the engine, and once memory
+    is back the next step makes a fresh engine and is exact."""
+    sco = SCOOffloader(SCOConfig(keep_last=1, arena_bytes=4 * ONE))
+    model = _model(5)
+    moepeak.apply_sco(model, list(model), offloader=sco)
+    ref = _torch_checkpointed(_model(5))
+    _steps(model, steps=1), _steps(ref, steps=1)
+    before = sco.config
+    _arena_refuses(monkeypatch, lambda cfg: True)
+    with pytest.raises(MemoryError, match=r"arena_bytes=65536 could not be honoured .* the previous config's arena "
+                                          r"could not be made again .* must be made anew"):
+        sco.reconfigure(arena_bytes=64 * ONE)
+    assert sco.config is before and sco.devices() == []
+    monkeypatch.undo()
+    _assert_exact(_steps(model, steps=1, seed=1), _steps(ref, steps=1, seed=1))
+    assert sco.stats()["arena_bytes"] == 4 * ONE and sco.config is before
+    sco.free()

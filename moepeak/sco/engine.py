@@ -134,6 +134,7 @@ class SCOEngine:
         # Test knob: GPU cycles of torch.cuda._sleep enqueued on the side stream
         # before every copy, so a missing event shows up as wrong numbers.
         self.delay_cycles = 0
+        self.unusable = ""  # why this engine must be made anew (a reconfigure that could not be undone)
 
     def set_extension(self, ext) -> None:
         self.ext = self.arena.ext = ext
@@ -426,19 +427,52 @@ class SCOEngine:
             self.disk.close()
         self.arena.free()
 
+    def _make_resources(self, cfg, step: list) -> None:
+        """The arena (arena_bytes reserved now) and the disk tier of cfg (caller holds bound());
+        step[0] names the field being honoured when it raises (MemoryError: pinned memory short)."""
+        self.cfg, self.disk = cfg, None
+        step[:] = [f"arena_bytes={cfg.arena_bytes}"]
+        self.arena = Arena(cfg, pinned=self.is_cuda, counts=self.counts, ext=self.ext)
+        self.arena.reserve()
+        step[:] = [f"spill_dir={cfg.spill_dir!r}"]
+        self.disk = DiskTier(self) if cfg.spills else None
+
     def reconfigure(self, cfg, blocks_per_step) -> None:
         """Run to cfg from the next boundary on (no boundary live: SCOOffloader.reconfigure
         checks). Only max_in_flight, prefetch and keep_last changed: nothing else to do; any
-        other field: the arena and the disk tier are released and made anew to cfg."""
+        other field: the arena and the disk tier are released and made anew to cfg.
+
+        All or nothing: if cfg's arena cannot be made (its arena_bytes of pinned memory, the
+        one allocation made here), the previous config's arena and disk tier are made again
+        (their memory was just freed) and the error names the field; the engine runs as
+        before. If even that fails, self.unusable says why and the error says the engine must
+        be made anew (SCOOffloader drops it; its next use makes a fresh one)."""
         soft = ("max_in_flight", "prefetch", "keep_last")
         if dataclasses.replace(cfg, **{f: getattr(self.cfg, f) for f in soft}) != self.cfg:
+            old = self.cfg
             with self.bound():
                 self._release_resources()
-                self.cfg = cfg
-                self.arena = Arena(cfg, pinned=self.is_cuda, counts=self.counts, ext=self.ext)
-                self.arena.reserve()
-                self.disk = DiskTier(self) if cfg.spills else None
+                step = []
+                try:
+                    self._make_resources(cfg, step)
+                except Exception as e:
+                    why = (f"moepeak: SCOOffloader.reconfigure: SCOConfig.{step[0]} could not be honoured on "
+                           f"{self.device}")
+                    try:
+                        self._make_resources(old, [])
+                    except Exception as again:
+                        self.unusable = (f"{why} ({e}), and the previous config's arena could not be made again "
+                                         f"({again}): this engine holds no arena and must be made anew")
+                        raise _retold(e, self.unusable) from e
+                    raise _retold(e, f"{why}: {e}; nothing changed: the previous config runs on") from e
         self.cfg = self.arena.cfg = cfg
         if blocks_per_step is not None:
             self.expected = blocks_per_step  # the next step's forecast, for the disk tier's placement
         self.step_offloads = 0
+
+
+def _retold(e: Exception, message: str) -> Exception:
+    """e's kind (MemoryError, OSError with its errno) with message; RuntimeError for any other."""
+    if isinstance(e, OSError):
+        return OSError(e.errno, message)
+    return MemoryError(message) if isinstance(e, MemoryError) else RuntimeError(message)

@@ -81,7 +81,10 @@ class SCOOffloader:
         moepeak.hf) follow the new keep_last; a change of max_in_flight, prefetch or keep_last
         only is free; any other field frees each engine's arena, staging slots and spill file
         (made again, to the new config, at their next use; the counters carry on). Raises
-        RuntimeError while boundaries are live (between a forward and its backward)."""
+        RuntimeError while boundaries are live (between a forward and its backward). If an
+        engine cannot make the new arena (MemoryError naming the field), every engine and the
+        offloader go back to the previous config (SCOEngine.reconfigure); an engine that cannot
+        get it back either is dropped and made anew at its next use."""
         if config is None:
             unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(SCOConfig)})
             if unknown:
@@ -96,9 +99,25 @@ class SCOOffloader:
         if busy:
             raise RuntimeError(f"moepeak: SCOOffloader.reconfigure between steps only: boundaries are still live "
                                f"({busy}); call it before a forward or after its backward")
+        previous, done = self.config, []
         self.config = config
-        for eng in self._engines.values():
-            eng.reconfigure(config, self.blocks_per_step)
+        for device, eng in list(self._engines.items()):
+            try:
+                eng.reconfigure(config, self.blocks_per_step)
+            except Exception:
+                # all or nothing: the previous config back on every engine; an engine that could
+                # not get it back (eng.unusable) is dropped, to be made anew at its next use
+                self.config = previous
+                for d, e in [(device, eng)] + done:
+                    if not e.unusable and e is not eng:
+                        try:
+                            e.reconfigure(previous, self.blocks_per_step)
+                        except Exception:
+                            pass  # e.unusable is set: dropped below
+                    if e.unusable:
+                        del self._engines[d]
+                raise
+            done.append((device, eng))
         return config
 
     def engine(self, device) -> SCOEngine:
