@@ -33,28 +33,10 @@ Every recompute in steps 1, 2, 3 and 5 runs under the autocast state and the RNG
 same call saw in the forward. Per-tile saved tensors live only during their tile's
 autograd.grad call, so the position-wise working set is O(tile_tokens).
 
-Full-length tensors at the backward peak (the first head group's core backward), in bf16
-[T, H] equivalents for the 2.0B model of issue 25 (H = 2048, 16 q / 4 kv heads of 128,
-head_groups = 4; one unit = 4 KiB per token), with torch's flash attention:
-    x (block input, reloaded by SCO)                    1
-    grad_y (held by autograd for this node)             1
-    dx (post-attention part's contribution so far)     1
-    q (4 groups)                                        1
-    k, v (4 groups each, kv heads only)                 0.5
-    out (4 groups, saved by the core)                   1
-    dout (4 groups)                                     1
-    lse (fp32 [16 heads, T])                            0.02
-    group 0's flash backward: dq_accum fp32 (4 heads)   0.5
-        dk, dv expanded to the group's 4 q heads        0.5
-        dq, dk, dv of the group                         0.38
-    total                                               7.9  (31.6 KiB/token)
-Under SCO the previous block's boundary is not in this list: its prefetch, which the
-reload of x would start, is held back until half the head groups' core backward is done
-(moepeak.sco.DeferredPrefetch), when the set above has shrunk by more than it adds.
-Untiled checkpoint recompute of the same block (for comparison): ~17 units measured.
-Without head groups the core's backward alone would add 4 (dq_accum for 16 heads, dk/dv
-expanded to 16 heads) instead of 1. The tile's own working set (one tile of the
-position-wise parts, PipelinedLLEP's chunk) is O(tile_tokens) and not counted here.
+Full-length tensors at the backward peak: x, grad_y, dx, q, k, v, out, dout, lse and the first
+head group's core backward, whose share scales as 1/head_groups (moepeak/tiled/sizes.py: the
+table, 7.9 bf16 [T, H] units for the 2.0B model at 4 head groups, and the formula the
+head-group choice of spec.head_group_budget reads, made at the forward and kept for backward).
 
 Exactness: each tile runs the untiled block's ops on its rows, so every per-token value
 (y, dx, q/k/v, their grads) is that of the untiled block up to the kernels' own
@@ -68,7 +50,7 @@ tokens). tiled_block then returns them at full length beside y, as outputs of th
 autograd node: their gradients enter step 3 with grad_y (each tile's autograd.grad takes
 (y_t, e_t) with (grad_y_t, grad_e_t)), so a loss over all tokens' side outputs reaches the
 weights and x through the same tiled recompute. Full-length bytes: n side outputs of
-[T, E] beside the [T, H] list above (router logits in bf16 at E = 16: 32 B/token per
+[T, E] beside the [T, H] list (router logits in bf16 at E = 16: 32 B/token per
 block, 1/128 of one [T, H] bf16 unit).
 
 Requirements on the block (checked where possible, else documented):
@@ -91,6 +73,8 @@ from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tup
 import torch
 
 from ..sco import DeferredPrefetch
+from . import sizes
+from .attention import attention_backend_context, check_attention_backend
 
 __all__ = ["TiledBlockSpec", "tiled_block", "TiledBlock", "tile_ranges", "requires_grad_params"]
 
@@ -113,6 +97,10 @@ class TiledBlockSpec:
         [g*nq/G, (g+1)*nq/G) (true of GQA attention for any G dividing nkv). The tiled
         block then keeps q, k, v, out, dout as G separate buffers and runs the core's
         backward one group at a time, freeing each group's inputs as it goes.
+    head_group_budget: None runs head_groups groups; bytes (an int) or "free" (a share of the
+        device memory free at the forward, CUDA only) runs the fewest groups dividing head_groups
+        whose full-length set fits (sizes.fewest_head_groups; attn_core takes any such grouping).
+    attention_backend: the SDPA backends attn_core runs on (attention.py; None: torch's own).
     extras: n > 0 makes post_attn return (y_t, e_1, ..., e_n): per-token side outputs of
         the tile (floating point, tokens at dim `seq_dim`, e.g. router logits [B, t, E]);
         tiled_block then returns (y, E_1, ..., E_n), each E_i at full length, and the
@@ -130,6 +118,8 @@ class TiledBlockSpec:
     qkv_head_dim: int = 1
     out_head_dim: int = 2
     extras: int = 0
+    head_group_budget: Optional[object] = None
+    attention_backend: Optional[str] = "auto"
 
 
 def requires_grad_params(module: torch.nn.Module) -> Callable[[], List[torch.Tensor]]:
@@ -252,13 +242,20 @@ def _scatter_tile(groups: List[torch.Tensor], tile: torch.Tensor, seq_dim: int, 
         h0 += h
 
 
+def _core(spec: TiledBlockSpec, q, k, v):
+    """spec.attn_core(q, k, v) on the SDPA backends spec.attention_backend names."""
+    with attention_backend_context(spec.attention_backend, q.device, q.dtype):
+        return spec.attn_core(q, k, v)
+
+
 def _run_forward(x, spec: TiledBlockSpec, tile_tokens: int, around: Callable[[tuple], ContextManager]):
-    """y (or (y, *side outputs)) of the block, each part call made inside around(key)."""
+    """(y or (y, *side outputs), the head groups run): the block, each part call made inside
+    around(key)."""
     qkv = _pre_attn_groups(x, spec, tile_tokens, around)
-    outs = []
+    outs, G = [], len(qkv)
     for g, (q, k, v) in enumerate(qkv):
         with around(("core", g)):
-            outs.append(spec.attn_core(q, k, v))
+            outs.append(_core(spec, q, k, v))
     del qkv
     sd, T = spec.seq_dim, x.shape[spec.seq_dim]
     y = torch.empty_like(x)
@@ -272,7 +269,7 @@ def _run_forward(x, spec: TiledBlockSpec, tile_tokens: int, around: Callable[[tu
             extras = [_full_length_like(e, sd, T) for e in e_t]
         for full, e in zip(extras, e_t):
             full.narrow(sd, s, n).copy_(e)
-    return (y, *extras) if spec.extras else y
+    return ((y, *extras) if spec.extras else y), G
 
 
 class _TiledBlock(torch.autograd.Function):
@@ -284,7 +281,8 @@ class _TiledBlock(torch.autograd.Function):
         ctx.calls = _CallStates(x.device)
         if spec.extras:
             ctx.set_materialize_grads(False)  # an unused side output's gradient stays None
-        return _run_forward(x, spec, tile_tokens, ctx.calls.in_forward)
+        result, ctx.head_groups = _run_forward(x, spec, tile_tokens, ctx.calls.in_forward)
+        return result
 
     @staticmethod
     def backward(ctx, grad_y, *grad_extras):
@@ -312,13 +310,13 @@ class _TiledBlock(torch.autograd.Function):
 
         # 1-2. q, k, v again (no graph), then the attention core per head group with its graph
         with torch.no_grad():
-            qkv = _pre_attn_groups(x, spec, tile, calls.in_recompute)
+            qkv = _pre_attn_groups(x, spec, tile, calls.in_recompute, ctx.head_groups)
         leaves = [[_detached_leaf(t) for t in group] for group in qkv]
         del qkv
         outs = []
         for g, group in enumerate(leaves):
             with torch.enable_grad(), calls.in_recompute(("core", g)):
-                outs.append(spec.attn_core(*group))
+                outs.append(_core(spec, *group))
         out_values = [o.detach() for o in outs]
 
         # 3. post-attention tiles: dx (residual path + norm), dout, weight grads
@@ -416,13 +414,14 @@ def _empty_in_layout_of(t: torch.Tensor, shape) -> torch.Tensor:
     return buf.permute(*[order.index(i) for i in range(t.dim())])
 
 
-def _pre_attn_groups(x, spec: TiledBlockSpec, tile_tokens: int,
-                     around: Callable[[tuple], ContextManager]) -> List[List[torch.Tensor]]:
+def _pre_attn_groups(x, spec: TiledBlockSpec, tile_tokens: int, around: Callable[[tuple], ContextManager],
+                     head_groups: Optional[int] = None) -> List[List[torch.Tensor]]:
     """[[q_g, k_g, v_g] for each head group g]: q, k, v at full length, built tile by tile
     (the only full-length tensors pre_attn makes), each group its own buffer; each pre_attn
-    call made inside around(("pre", tile start))."""
+    call made inside around(("pre", tile start)). head_groups: the count to run (None: chosen
+    here from the first tile's q, k, v, sizes.head_groups_to_run)."""
     T = x.shape[spec.seq_dim]
-    G, d, hd = spec.head_groups, spec.qkv_seq_dim, spec.qkv_head_dim
+    G, d, hd = head_groups, spec.qkv_seq_dim, spec.qkv_head_dim
     groups = None
     for s, n in tile_ranges(T, tile_tokens):
         with around(("pre", s)):
@@ -431,9 +430,11 @@ def _pre_attn_groups(x, spec: TiledBlockSpec, tile_tokens: int,
             raise ValueError(f"moepeak: tiled block pre_attn must return (q, k, v), got {len(parts)} tensors")
         if groups is None:
             for name, t in zip("qkv", parts):
-                if t.shape[hd] % G:
-                    raise ValueError(f"moepeak: tiled block head_groups ({G}) must divide the {name} heads "
-                                     f"({t.shape[hd]}, dim {hd} of shape {tuple(t.shape)})")
+                if t.shape[hd] % spec.head_groups:
+                    raise ValueError(f"moepeak: tiled block head_groups ({spec.head_groups}) must divide the {name} "
+                                     f"heads ({t.shape[hd]}, dim {hd} of shape {tuple(t.shape)})")
+            G = G or sizes.head_groups_to_run(spec.head_groups, sizes.resolve_budget(spec.head_group_budget, x.device),
+                                              x, *parts, head_dim=hd)
             groups = []
             for _ in range(G):
                 bufs = []
@@ -468,12 +469,14 @@ def tiled_block(x: torch.Tensor, spec: TiledBlockSpec, tile_tokens: int):
         raise ValueError(f"moepeak: spec.head_groups must be a positive integer, got {spec.head_groups!r}")
     if isinstance(spec.extras, bool) or not isinstance(spec.extras, int) or spec.extras < 0:
         raise ValueError(f"moepeak: spec.extras must be a non-negative integer, got {spec.extras!r}")
+    sizes.check_head_group_budget(spec.head_group_budget, "spec.head_group_budget")
+    check_attention_backend(spec.attention_backend, "spec.attention_backend")
     if x.shape[spec.seq_dim] == 0:
         raise ValueError(f"moepeak: tiled_block x has no tokens (shape {tuple(x.shape)})")
     params = tuple(spec.parameters())
     if not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for p in params)):
         with torch.no_grad():
-            return _run_forward(x, spec, tile_tokens, _untracked)
+            return _run_forward(x, spec, tile_tokens, _untracked)[0]
     box = _Box()
     anchor = None if x.requires_grad else torch.empty(0, device=x.device, requires_grad=True)
     xb = _Boundary.apply(x, box, anchor)
