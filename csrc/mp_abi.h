@@ -84,36 +84,15 @@ typedef struct {
   int64_t param_slot_offset; /* byte offset of its new low-precision params in a pinned param slot */
 } mp_adamw_segment_row;
 
-/* ---- layout checks: 8-byte fields at 8 * index, no padding --------------- */
-#define MP_ROW_FIELD_AT(type, field, index) \
-  MP_STATIC_ASSERT(offsetof(type, field) == 8 * (index), #type "." #field " is field " #index)
+/* ---- layout checks ---------------------------------------------------------
+ * Every field is 8 bytes, so a struct of 8 * (its field count) bytes has no
+ * padding and its fields sit at 8 * (declaration index). The field names and
+ * indices are checked against moepeak/core/abi.py by tests/test_abi.py
+ * (through the offsetof table of csrc/abi.c). */
 #define MP_ROW_WIDTH(type, width) MP_STATIC_ASSERT(sizeof(type) == 8 * (width), #type " has " #width " fields")
 
 MP_ROW_WIDTH(mp_adamw_param_row, 9);
-MP_ROW_FIELD_AT(mp_adamw_param_row, master, 0);
-MP_ROW_FIELD_AT(mp_adamw_param_row, exp_avg, 1);
-MP_ROW_FIELD_AT(mp_adamw_param_row, exp_avg_sq, 2);
-MP_ROW_FIELD_AT(mp_adamw_param_row, grad, 3);
-MP_ROW_FIELD_AT(mp_adamw_param_row, param_lowp, 4);
-MP_ROW_FIELD_AT(mp_adamw_param_row, numel, 5);
-MP_ROW_FIELD_AT(mp_adamw_param_row, grad_dtype, 6);
-MP_ROW_FIELD_AT(mp_adamw_param_row, param_dtype, 7);
-MP_ROW_FIELD_AT(mp_adamw_param_row, max_exp_avg_sq, 8);
-
 MP_ROW_WIDTH(mp_adamw_hyper_row, 7);
-MP_ROW_FIELD_AT(mp_adamw_hyper_row, lr, 0);
-MP_ROW_FIELD_AT(mp_adamw_hyper_row, beta1, 1);
-MP_ROW_FIELD_AT(mp_adamw_hyper_row, beta2, 2);
-MP_ROW_FIELD_AT(mp_adamw_hyper_row, eps, 3);
-MP_ROW_FIELD_AT(mp_adamw_hyper_row, weight_decay, 4);
-MP_ROW_FIELD_AT(mp_adamw_hyper_row, step, 5);
-MP_ROW_FIELD_AT(mp_adamw_hyper_row, maximize, 6);
-
 MP_ROW_WIDTH(mp_adamw_segment_row, 5);
-MP_ROW_FIELD_AT(mp_adamw_segment_row, param, 0);
-MP_ROW_FIELD_AT(mp_adamw_segment_row, first, 1);
-MP_ROW_FIELD_AT(mp_adamw_segment_row, numel, 2);
-MP_ROW_FIELD_AT(mp_adamw_segment_row, grad_slot_offset, 3);
-MP_ROW_FIELD_AT(mp_adamw_segment_row, param_slot_offset, 4);
 
 #endif
