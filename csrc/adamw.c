@@ -101,10 +101,48 @@ static uint64_t row_seed(const state_args *a, Py_ssize_t i) {
   return s;
 }
 
-/* Parse the per-step buffers into coefficient records. Returns 0 and sets a
- * Python error on a malformed buffer. */
-static int parse_step(const char *fn, Py_buffer *ptrs, Py_buffer *hyper, int tthreads, int tvlen, state_args *sa,
-                      Py_ssize_t *nparam, mp_adamw_coef **coef) {
+/* The arguments adamw_cpu and adamw_plan_step share: the buffers are held
+ * from argument parsing to step_call_release; parse_step fills coef and n. */
+typedef struct {
+  Py_buffer ptrs, hyper;
+  int isa, threads, tthreads, tvlen;
+  state_args sa;
+  mp_adamw_coef *coef; /* one per row */
+  Py_ssize_t n;        /* rows (parameters) */
+} step_call;
+
+#define STEP_CALL_INIT {.ptrs = {0}, .hyper = {0}, .tthreads = 1, .sa = {MP_DTYPE_F32, NULL, {0}, 0}}
+
+static void step_call_release(step_call *c) {
+  free(c->coef);
+  c->coef = NULL;
+  if (c->sa.seeds.buf) PyBuffer_Release(&c->sa.seeds);
+  PyBuffer_Release(&c->ptrs);
+  PyBuffer_Release(&c->hyper);
+}
+
+static int check_isa_threads(int isa, int threads) {
+  if (isa < 0 || isa > mp_cpu_best_isa()) {
+    PyErr_Format(PyExc_ValueError, "moepeak: isa must be in [0, %d] on this CPU (0 scalar, 1 avx2, 2 avx512), got %d",
+                 mp_cpu_best_isa(), isa);
+    return 0;
+  }
+  if (threads < 0 || threads > 256) {
+    PyErr_Format(PyExc_ValueError, "moepeak: adamw threads must be in [0, 256] (0: the pool's default), got %d",
+                 threads);
+    return 0;
+  }
+  return 1;
+}
+
+/* Check isa / threads and parse the per-step buffers into coefficient
+ * records. Returns 0 and sets a Python error on bad input. */
+static int parse_step(const char *fn, step_call *c) {
+  if (!check_isa_threads(c->isa, c->threads)) return 0;
+  const Py_buffer *ptrs = &c->ptrs, *hyper = &c->hyper;
+  const int tthreads = c->tthreads, tvlen = c->tvlen;
+  state_args *sa = &c->sa;
+  mp_adamw_coef **coef = &c->coef;
   Py_ssize_t n = ptrs->len / (Py_ssize_t)sizeof(mp_adamw_param_row);
   if (ptrs->len != n * (Py_ssize_t)sizeof(mp_adamw_param_row) ||
       hyper->len != n * (Py_ssize_t)sizeof(mp_adamw_hyper_row)) {
@@ -154,50 +192,18 @@ static int parse_step(const char *fn, Py_buffer *ptrs, Py_buffer *hyper, int tth
     mp_adamw_coef_set_tails(&(*coef)[i], r->numel, tthreads, tvlen);
     mp_adamw_coef_set_rounding(&(*coef)[i], row_seed(sa, i), h->step);
   }
-  *nparam = n;
+  c->n = n;
   return 1;
 }
 
-static int check_isa_threads(int isa, int threads) {
-  if (isa < 0 || isa > mp_cpu_best_isa()) {
-    PyErr_Format(PyExc_ValueError, "moepeak: isa must be in [0, %d] on this CPU (0 scalar, 1 avx2, 2 avx512), got %d",
-                 mp_cpu_best_isa(), isa);
-    return 0;
-  }
-  if (threads < 0 || threads > 256) {
-    PyErr_Format(PyExc_ValueError, "moepeak: adamw threads must be in [0, 256] (0: the pool's default), got %d",
-                 threads);
-    return 0;
-  }
-  return 1;
-}
-
-/* adamw_cpu(ptrs, hyper, isa, threads, torch_threads, torch_vlen, state_dtype=0, seed=0): every tensor on
- * the CPU, updated in place (the "param" column is the low-precision copy to write, or 0). */
-static PyObject *py_adamw_cpu(PyObject *self, PyObject *args, PyObject *kwargs) {
-  (void)self;
-  static char *kwlist[] = {"ptrs", "hyper", "isa", "threads", "torch_threads", "torch_vlen", "state_dtype", "seed",
-                           NULL};
-  Py_buffer ptrs = {0}, hyper = {0};
-  int isa = 0, threads = 0, tthreads = 1, tvlen = 0;
-  state_args sa = {MP_DTYPE_F32, NULL, {0}, 0};
-  mp_adamw_coef *coef = NULL;
-  mp_adamw_seg *segs = NULL;
-  PyObject *ret = NULL;
-  Py_ssize_t n = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*y*iiii|iO:adamw_cpu", kwlist, &ptrs, &hyper, &isa, &threads,
-                                   &tthreads, &tvlen, &sa.sdt, &sa.seed))
-    return NULL;
-  if (!check_isa_threads(isa, threads) || !parse_step("adamw_cpu", &ptrs, &hyper, tthreads, tvlen, &sa, &n, &coef))
-    goto fail;
-  segs = (mp_adamw_seg *)calloc((size_t)(n > 0 ? n : 1), sizeof(mp_adamw_seg));
-  if (!segs) {
-    PyErr_NoMemory();
-    goto fail;
-  }
+/* adamw_cpu's step on a parsed call: the rows with a grad and elements, run
+ * without the GIL. None, or NULL with an exception set. */
+static PyObject *run_cpu_step(const step_call *c) {
+  mp_adamw_seg *segs = (mp_adamw_seg *)calloc((size_t)(c->n > 0 ? c->n : 1), sizeof(mp_adamw_seg));
+  if (!segs) return PyErr_NoMemory();
   int ns = 0;
-  const mp_adamw_param_row *rows = (const mp_adamw_param_row *)ptrs.buf;
-  for (Py_ssize_t i = 0; i < n; i++) {
+  const mp_adamw_param_row *rows = (const mp_adamw_param_row *)c->ptrs.buf;
+  for (Py_ssize_t i = 0; i < c->n; i++) {
     const mp_adamw_param_row *r = &rows[i];
     if (r->grad == 0 || r->numel == 0) continue; /* no grad / empty */
     mp_adamw_seg s = {.p = (float *)(intptr_t)r->master,
@@ -210,21 +216,30 @@ static PyObject *py_adamw_cpu(PyObject *self, PyObject *args, PyObject *kwargs) 
                       .base = 0,
                       .gdt = (int)r->grad_dtype,
                       .ldt = (int)r->param_dtype,
-                      .coef = &coef[i],
+                      .coef = &c->coef[i],
                       .lp_stream = 0,
-                      .sdt = sa.sdt};
+                      .sdt = c->sa.sdt};
     segs[ns++] = s;
   }
   mp_status st;
-  MP_CALL_NOGIL(st, mp_adamw_run(segs, ns, isa, threads));
-  ret = Py_None;
-  Py_INCREF(ret);
-fail:
+  Py_BEGIN_ALLOW_THREADS st = mp_adamw_run(segs, ns, c->isa, c->threads);
+  Py_END_ALLOW_THREADS
   free(segs);
-  free(coef);
-  if (sa.seeds.buf) PyBuffer_Release(&sa.seeds);
-  PyBuffer_Release(&ptrs);
-  PyBuffer_Release(&hyper);
+  return mp_return_none(st);
+}
+
+/* adamw_cpu(ptrs, hyper, isa, threads, torch_threads, torch_vlen, state_dtype=0, seed=0): every tensor on
+ * the CPU, updated in place (the "param" column is the low-precision copy to write, or 0). */
+static PyObject *py_adamw_cpu(PyObject *self, PyObject *args, PyObject *kwargs) {
+  (void)self;
+  static char *kwlist[] = {"ptrs", "hyper", "isa", "threads", "torch_threads", "torch_vlen", "state_dtype", "seed",
+                           NULL};
+  step_call c = STEP_CALL_INIT;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*y*iiii|iO:adamw_cpu", kwlist, &c.ptrs, &c.hyper, &c.isa,
+                                   &c.threads, &c.tthreads, &c.tvlen, &c.sa.sdt, &c.sa.seed))
+    return NULL;
+  PyObject *ret = parse_step("adamw_cpu", &c) ? run_cpu_step(&c) : NULL;
+  step_call_release(&c);
   return ret;
 }
 
@@ -515,35 +530,17 @@ fail:
   return st;
 }
 
-/* adamw_plan_step(plan, ptrs, hyper, current_stream, isa, threads, torch_threads, torch_vlen, state_dtype=0,
- * seed=0) */
-static PyObject *py_adamw_plan_step(PyObject *self, PyObject *args, PyObject *kwargs) {
-  (void)self;
-  static char *kwlist[] = {"plan", "ptrs", "hyper", "stream", "isa", "threads", "torch_threads", "torch_vlen",
-                           "state_dtype", "seed", NULL};
-  PyObject *cap;
-  Py_buffer ptrs = {0}, hyper = {0};
-  unsigned long long cur;
-  int isa, threads, tthreads, tvlen;
-  state_args sa = {MP_DTYPE_F32, NULL, {0}, 0};
-  mp_adamw_coef *coef = NULL;
-  int64_t *active = NULL;
-  PyObject *ret = NULL;
-  Py_ssize_t n = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Oy*y*Kiiii|iO:adamw_plan_step", kwlist, &cap, &ptrs, &hyper, &cur,
-                                   &isa, &threads, &tthreads, &tvlen, &sa.sdt, &sa.seed))
+/* adamw_plan_step's step on a parsed call: every segment checked against its
+ * parameter and its plan's slots, then the pipeline without the GIL. None, or
+ * NULL with an exception set. */
+static PyObject *run_plan_step(adamw_plan *p, uintptr_t cur, const step_call *c) {
+  if (c->n != p->nparam) {
+    PyErr_Format(PyExc_ValueError, "moepeak: adamw_plan_step: plan has %lld params, got %zd", (long long)p->nparam,
+                 c->n);
     return NULL;
-  adamw_plan *p = (adamw_plan *)PyCapsule_GetPointer(cap, "moepeak.adamw_plan");
-  if (!p) goto fail;
-  if (!check_isa_threads(isa, threads) ||
-      !parse_step("adamw_plan_step", &ptrs, &hyper, tthreads, tvlen, &sa, &n, &coef))
-    goto fail;
-  if (n != p->nparam) {
-    PyErr_Format(PyExc_ValueError, "moepeak: adamw_plan_step: plan has %lld params, got %zd", (long long)p->nparam, n);
-    goto fail;
   }
   /* Every segment must lie inside its parameter and its slots. */
-  const mp_adamw_param_row *rows = (const mp_adamw_param_row *)ptrs.buf;
+  const mp_adamw_param_row *rows = (const mp_adamw_param_row *)c->ptrs.buf;
   for (int64_t k = 0; k < p->nseg; k++) {
     const mp_adamw_segment_row *s = &p->segs[k];
     const mp_adamw_param_row *r = &rows[s->param];
@@ -554,24 +551,33 @@ static PyObject *py_adamw_plan_step(PyObject *self, PyObject *args, PyObject *kw
         s->numel * (int64_t)mp_dtype_bytes(r->param_dtype) > (int64_t)p->pslot_bytes - s->param_slot_offset) {
       PyErr_Format(PyExc_ValueError, "moepeak: adamw_plan_step: segment %lld does not fit its param or slot "
                    "(the plan was built for other shapes or dtypes, or the param pointer is null)", (long long)k);
-      goto fail;
+      return NULL;
     }
   }
-  active = (int64_t *)malloc(sizeof(int64_t) * (size_t)p->nb);
-  if (!active) {
-    PyErr_NoMemory();
-    goto fail;
-  }
+  int64_t *active = (int64_t *)malloc(sizeof(int64_t) * (size_t)p->nb);
+  if (!active) return PyErr_NoMemory();
   mp_status st;
-  MP_CALL_NOGIL(st, run_pipeline(p, rows, coef, (uintptr_t)cur, isa, threads, sa.sdt, active));
-  ret = Py_None;
-  Py_INCREF(ret);
-fail:
-  free(coef);
+  Py_BEGIN_ALLOW_THREADS st = run_pipeline(p, rows, c->coef, cur, c->isa, c->threads, c->sa.sdt, active);
+  Py_END_ALLOW_THREADS
   free(active);
-  if (sa.seeds.buf) PyBuffer_Release(&sa.seeds);
-  PyBuffer_Release(&ptrs);
-  PyBuffer_Release(&hyper);
+  return mp_return_none(st);
+}
+
+/* adamw_plan_step(plan, ptrs, hyper, current_stream, isa, threads, torch_threads, torch_vlen, state_dtype=0,
+ * seed=0) */
+static PyObject *py_adamw_plan_step(PyObject *self, PyObject *args, PyObject *kwargs) {
+  (void)self;
+  static char *kwlist[] = {"plan", "ptrs", "hyper", "stream", "isa", "threads", "torch_threads", "torch_vlen",
+                           "state_dtype", "seed", NULL};
+  PyObject *cap;
+  unsigned long long cur;
+  step_call c = STEP_CALL_INIT;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Oy*y*Kiiii|iO:adamw_plan_step", kwlist, &cap, &c.ptrs, &c.hyper,
+                                   &cur, &c.isa, &c.threads, &c.tthreads, &c.tvlen, &c.sa.sdt, &c.sa.seed))
+    return NULL;
+  adamw_plan *p = (adamw_plan *)PyCapsule_GetPointer(cap, "moepeak.adamw_plan");
+  PyObject *ret = p && parse_step("adamw_plan_step", &c) ? run_plan_step(p, (uintptr_t)cur, &c) : NULL;
+  step_call_release(&c);
   return ret;
 }
 
