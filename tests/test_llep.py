@@ -361,8 +361,6 @@ def test_module_matches_reference_block():
     yr, lr = refs.moe_block_ref(x.reshape(-1, 16), m.router.weight, m.w_gate_up, m.w_down, 2)
     torch.testing.assert_close(y.reshape(-1, 16), yr, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(logits, lr)
-    y2, _ = m.reference_forward(x)
-    torch.testing.assert_close(y, y2, rtol=1e-5, atol=1e-6)
     y.square().sum().backward()
     assert m.router.weight.grad is not None and m.w_gate_up.grad is not None
 
@@ -534,9 +532,8 @@ def test_hidden_size_mismatch_names_x_and_both_shapes():
     """x's last dim against the experts' H: the module and llep_moe refuse a mismatch (a
     reshape to [-1, H] would mix tokens' features whenever the sizes divide)."""
     moe = moepeak.PipelinedLLEPMoE(32, 64, 8, 2)
-    for run in (moe, moe.reference_forward):
-        with pytest.raises(ValueError, match=re.escape("hidden_size=32) takes x [..., 32], got (2, 16, 48)")):
-            run(torch.randn(2, 16, 48))
+    with pytest.raises(ValueError, match=re.escape("hidden_size=32) takes x [..., 32], got (2, 16, 48)")):
+        moe(torch.randn(2, 16, 48))
     with pytest.raises(ValueError, match=re.escape("takes x [..., 32], got ()")):
         moe(torch.randn(()))
     x, ids, tw, wgu, wd, _ = [t.float() if t.is_floating_point() else t for t in _problem(6, 8, 4, 4, 2, torch.float32)]

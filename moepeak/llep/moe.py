@@ -172,22 +172,6 @@ def llep_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     return y.view(x.shape)
 
 
-def dense_moe_reference(x, topk_ids, topk_weights, w_gate_up, w_down):
-    """Plain PyTorch: a loop over all experts (full weights [E, H, 2I], [E, I, H])."""
-    T, H = x.reshape(-1, x.shape[-1]).shape
-    xf = x.reshape(T, H)
-    I = w_down.shape[1]
-    y = torch.zeros(T, H, dtype=torch.float32, device=x.device)
-    for e in range(w_gate_up.shape[0]):
-        t, k = (topk_ids == e).nonzero(as_tuple=True)
-        if t.numel() == 0:
-            continue
-        hh = xf[t] @ w_gate_up[e]
-        o = (F.silu(hh[:, :I]) * hh[:, I:]) @ w_down[e]
-        y = y.index_add(0, t, topk_weights[t, k].float().unsqueeze(1) * o.float())
-    return y.to(x.dtype).view(x.shape)
-
-
 class PipelinedLLEPMoE(nn.Module):
     """Router + SwiGLU experts, experts split over the ranks of `group`.
 
@@ -257,13 +241,5 @@ class PipelinedLLEPMoE(nn.Module):
                      stats=self.last_stats)
         return y.view(x.shape), logits
 
-    def reference_forward(self, x):
-        """The same block in plain PyTorch (a loop over experts); one rank only."""
-        if self.world != 1:
-            raise RuntimeError("moepeak: reference_forward needs all experts on one rank (group of size 1)")
-        x2 = self._tokens(x)
-        logits, ti, tw = self.route(x2)
-        return dense_moe_reference(x2, ti, tw, self.w_gate_up, self.w_down).view(x.shape), logits
 
-
-__all__ = ["llep_moe", "PipelinedLLEPMoE", "dense_moe_reference"]
+__all__ = ["llep_moe", "PipelinedLLEPMoE"]
