@@ -23,6 +23,8 @@ them) and nothing double-buffered or recomputed.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from . import gemm
@@ -40,6 +42,25 @@ def _kept_views(cache, R: int, H: int, I: int):
 
 def _nbytes(t) -> int:
     return t.numel() * t.element_size() if t is not None else 0
+
+
+class _Exchange(NamedTuple):
+    """What a P > 1 one-chunk step exchanges: its chunk layout, the R rows this rank
+    receives, the N = T*K rows it sends, idx (the sent rows' flat (token, k) indices,
+    dst-major), and the step's Held, from base bytes (the kept cache, where the step
+    holds it throughout)."""
+    lay: lp.ChunkLayout
+    R: int
+    N: int
+    idx: torch.Tensor
+    base: int
+    held: Held
+
+
+def _exchange(ctx: Ctx, cache, cached: bool) -> _Exchange:
+    lay = ctx.layout(0)
+    base = _nbytes(cache) if cached else 0
+    return _Exchange(lay, lay.rows, sum(lay.send_len), ctx.send_idx(lay, None), base, Held(ctx.x.device, base))
 
 
 def backward_local_lean(ctx: Ctx, gy, g: Grads, hcache, dx, dtw) -> None:
@@ -67,12 +88,8 @@ def forward_ep(ctx: Ctx, cache, keep: bool) -> torch.Tensor:
     cache, [1, R*(2I + H)]) receives h and the grouped x rows.
     stats workspace_bytes: the most this call held above the cache."""
     x, H, I, K, tr, dt = ctx.x, ctx.H, ctx.I, ctx.K, ctx.tr, ctx.x.dtype
-    lay = ctx.layout(0)
-    R, N = lay.rows, sum(lay.send_len)
-    idx = ctx.send_idx(lay, None)
-    base = _nbytes(cache) if keep else 0
+    lay, R, N, idx, base, held = _exchange(ctx, cache, keep)
     acc = torch.zeros(ctx.T, H, dtype=torch.float32, device=x.device)
-    held = Held(x.device, base)
     sx = lp.gather_rows(x, idx, K, held.new((N, H), dt))            # send rows [N, H], dst-major
     rx = held.new((R, H), dt)                                        # receive rows [R, H], src-major
     hd = tr.all_to_all_v(sx, lay.send_len, rx, lay.recv_len)
@@ -124,13 +141,9 @@ def backward_ep(ctx: Ctx, gy, g: Grads, cache, kept: bool, overwrite: bool):
     where experts.lean_ok). stats workspace_bytes_bwd: the most
     this call held above the cache."""
     x, H, I, K, tr, dt = ctx.x, ctx.H, ctx.I, ctx.K, ctx.tr, ctx.x.dtype
-    lay = ctx.layout(0)
-    R, N = lay.rows, sum(lay.send_len)
-    idx = ctx.send_idx(lay, None)
-    base = _nbytes(cache) if kept else 0
+    lay, R, N, idx, base, held = _exchange(ctx, cache, kept)
     dx = torch.zeros(ctx.T, H, dtype=torch.float32, device=x.device)
     dtw = torch.zeros(ctx.T * K, dtype=torch.float32, device=x.device)
-    held = Held(x.device, base)
     sg = lp.gather_rows(gy, idx, K, held.new((N, H), dt))
     sw = held.new((N,), torch.float32)
     torch.index_select(ctx.wflat, 0, idx, out=sw)
