@@ -23,8 +23,10 @@ pytest.importorskip("accelerate")
 
 try:
     from tests.dist_utils import run_ranks
+    from tests.hf_tiny import tiny_qwen3_moe
 except ImportError:  # rootdir not on sys.path
     from dist_utils import run_ranks
+    from hf_tiny import tiny_qwen3_moe
 
 pytestmark = pytest.mark.cuda
 
@@ -33,17 +35,7 @@ REL = 1e-3
 
 
 def tiny_model():
-    torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        max_position_embeddings=512, intermediate_size=48, moe_intermediate_size=24, num_experts=8,
-        num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.01, attn_implementation="sdpa")
-    model = transformers.Qwen3MoeForCausalLM(config)
-    with torch.no_grad():  # transformers' zero router init ties every route
-        for name, p in model.named_parameters():
-            if ".gate.weight" in name:
-                p.normal_(0, 1.0)
-    return model.float().train()
+    return tiny_qwen3_moe(V, 512)
 
 
 def _gathered(t, group):

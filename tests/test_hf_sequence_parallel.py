@@ -41,8 +41,10 @@ deepspeed = pytest.importorskip("deepspeed")
 
 try:
     from tests.dist_utils import ROOT, run_ranks
+    from tests.hf_tiny import tiny_qwen3_moe
 except ImportError:  # rootdir not on sys.path
     from dist_utils import ROOT, run_ranks
+    from hf_tiny import tiny_qwen3_moe
 
 V, T = 97, 64
 RTOL, ATOL = 1e-4, 1e-6  # fp32: the same sums in another order
@@ -50,17 +52,7 @@ TILE = 8
 
 
 def tiny_model(attn="sdpa"):
-    torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        max_position_embeddings=128, intermediate_size=48, moe_intermediate_size=24, num_experts=8,
-        num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.01, attn_implementation=attn)
-    model = transformers.Qwen3MoeForCausalLM(config)
-    with torch.no_grad():  # transformers' zero router init ties every route
-        for name, p in model.named_parameters():
-            if ".gate.weight" in name:
-                p.normal_(0, 1.0)
-    return model.float().train()
+    return tiny_qwen3_moe(V, 128, attn)
 
 
 def sequence(kind, seed=1):
