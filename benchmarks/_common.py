@@ -109,21 +109,22 @@ def append_results(out_dir: str, component: str, rows: Sequence[Dict[str, object
     return path
 
 
+def cuda_event_ms(fn: Callable[[], object]) -> float:
+    """Milliseconds of fn() between two CUDA events on the current stream (waits for the second)."""
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    fn()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e)
+
+
 def cuda_times_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 3):
     """All per-rep milliseconds of fn() (for median and spread), timed with CUDA events."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s = torch.cuda.Event(enable_timing=True)
-        e = torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return times
+    return [cuda_event_ms(fn) for _ in range(reps)]
 
 
 def wall_times_s(fn: Callable[[], object], reps: int = 3, warmup: int = 1):
@@ -220,11 +221,6 @@ def cuda_times_and_peak(fn: Callable[[], object], reps: int, warmup: int = 1, cu
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
+        times.append(cuda_event_ms(fn))
         peak = max(peak, torch.cuda.max_memory_allocated() - before)
     return times, peak

@@ -51,6 +51,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/: bench_llep's arms
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 import bench_llep  # noqa: E402
+from _common import cuda_event_ms  # noqa: E402
 
 DEFAULT_ARMS = "pipelined,grouped_mm_hf,pipelined_nocache,moepeak_1chunk"
 # Kernel classes, first match wins (lower-case substrings of the kernel name).
@@ -123,12 +124,7 @@ def wall_ms(fn, leaves, gy, reps):
     for _ in range(reps):
         if gy.is_cuda:
             torch.cuda.synchronize()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fwd_bwd(fn, leaves, gy)
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
+            times.append(cuda_event_ms(lambda: fwd_bwd(fn, leaves, gy)))
         else:
             t0 = time.perf_counter()
             fwd_bwd(fn, leaves, gy)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import moepeak  # noqa: E402
+from _common import cuda_event_ms  # noqa: E402
 
 
 def _kernels(prof):
@@ -128,12 +129,7 @@ def main():
         ts = []
         for _ in range(a.iters):
             dist.barrier(device_ids=[dev.index])
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            step()
-            e.record()
-            e.synchronize()
-            ts.append(s.elapsed_time(e))
+            ts.append(cuda_event_ms(step))
         dist.barrier(device_ids=[dev.index])
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
