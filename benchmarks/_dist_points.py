@@ -15,6 +15,10 @@ group is up ("nccl" on CUDA with rank r on cuda:r, "gloo" on the CPU); it return
 least step_s (a list, the last timed) and may add fields (settings, loss, ...). The
 child adds status, rank, gpu, total_gib and peak_gib (max_memory_allocated on CUDA).
 point_fn must be a module-level function (the child is spawned).
+
+A sweep script (bench_hf_dist.py, bench_hf_sp.py) adds add_sweep_args' flags to its parser,
+reads them with parse_sweep, and runs sweep_to_csv (lengths ascending per arm until a failure
+or the arm's budget, one CSV row a point) and say_reach (the summary).
 """
 from __future__ import annotations
 
@@ -29,9 +33,10 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from _common import is_oom
+from _common import append_results, is_oom
 
 GiB = 2 ** 30
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 FAILURES = ("oom", "timeout", "error", "peer-failed")  # worst first: what a point reports
 
 
@@ -185,9 +190,74 @@ def sweep(arms, lengths, point_fn, point_args, *, rank, world, steps, budget, gr
     return result
 
 
+def add_sweep_args(ap, arms) -> None:
+    """The flags of a sweep script run through sweep_to_csv: --out, --arms (from `arms`), --steps,
+    --max-seconds, --grace."""
+    ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--arms", default=",".join(arms), help=f"comma list of {arms}")
+    ap.add_argument("--steps", type=int, default=2, help="steps per length; the last is timed")
+    ap.add_argument("--max-seconds", type=float, default=270.0, help="wall-clock budget per arm")
+    ap.add_argument("--grace", type=float, default=20.0,
+                    help="seconds a rank waits after its peer failed before killing its own child")
+
+
+def parse_sweep(script, ap, arms, argv):
+    """(flags, the --arms chosen, rank, world) of a sweep script under torchrun, its parser `ap`
+    holding add_sweep_args' flags; SystemExit naming --arms unless each is one of `arms`; None
+    (the usage printed) when not run under torchrun with >= 2 ranks."""
+    a = ap.parse_args(argv)
+    chosen = a.arms.split(",")
+    if any(arm not in arms for arm in chosen):
+        raise SystemExit(f"{script}: --arms must name some of {arms}, got {a.arms!r}")
+    ranks = torchrun_ranks(script)
+    return None if ranks is None else (a, chosen, *ranks)
+
+
+def sweep_to_csv(a, table, fields, row, arms, lengths, point_fn, point_args, *, rank, world, device_kind, say):
+    """A sweep (see sweep) recorded in a.out/<table>.csv, from the parents: their gloo group, the
+    work folder a.out/.<table>_tmp, and each point's row appended by rank 0 with the GPU the
+    children report: P, arm, status, peak_gib, step_s, loss (rank 0's last, for an ok point) and
+    note, then the script's own columns row(L, step_s) (step_s None unless ok). a: the flags of
+    add_sweep_args. Returns sweep's result, after finish."""
+    dist.init_process_group("gloo")  # the parents coordinate on the CPU; children own the GPUs
+    workdir = os.path.join(a.out, f".{table}_tmp")
+    os.makedirs(workdir, exist_ok=True)
+    gpu = {"name": "cpu"}  # asking torch here would create a CUDA context on GPU 0 in every parent
+
+    def on_point(arm, L, status, peak, step, note, outs):
+        loss = ""
+        if outs is not None:
+            gpu["name"] = outs[0].get("gpu", gpu["name"])
+            if status == "ok":
+                loss = f"{outs[0]['loss'][-1]:.4f}"
+        if rank == 0:
+            append_results(a.out, table, [dict(
+                P=world, arm=arm, status=status, peak_gib=f"{peak:.3f}" if peak is not None else "",
+                step_s=f"{step:.4f}" if step else "", loss=loss, note=note, **row(L, step))], fields, gpu=gpu["name"])
+
+    res = sweep(arms, lengths, point_fn, point_args, rank=rank, world=world, steps=a.steps, budget=a.max_seconds,
+                grace=a.grace, workdir=workdir, device_kind=device_kind, on_point=on_point, say=say)
+    finish(rank, workdir)
+    return res
+
+
+def say_reach(res, say, reached, ours="moepeak", baseline=None) -> None:
+    """sweep's result in words: per arm the longest length completed (reached(L): its words) and
+    why the arm stopped, then ours' reach over baseline's where both completed one."""
+    for arm, (reach, stop, _) in res.items():
+        say(f"{arm}: longest {reached(reach)}; stopped: {stop}")
+    if res.get(ours, (0,))[0] and res.get(baseline, (0,))[0]:
+        say(f"reach ratio {ours}/{baseline}: {res[ours][0] / res[baseline][0]:.1f}x")
+
+
 def rank0_say(rank: int):
     """print(..., flush=True) on rank 0, nothing on the others."""
     return (lambda *x: print(*x, flush=True)) if rank == 0 else (lambda *x: None)
+
+
+def header_line(length: str, rate: str) -> str:
+    """The column heads above point_line's lines: `length` and `rate` name its length and tokens/s."""
+    return f"{'arm':>8} {length:>9} {'status':>11} {'peak GiB':>9} {'step s':>8} {rate:>10}  note"
 
 
 def point_line(arm, L, status, peak, step, note) -> str:

@@ -40,8 +40,9 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))  # the repo root
-from _common import append_results, doubling  # noqa: E402
-from _dist_points import finish, parse_simulated_oom, rank0_say, sweep, timed_steps, torchrun_ranks  # noqa: E402
+from _common import doubling  # noqa: E402
+from _dist_points import (add_sweep_args, header_line, parse_simulated_oom, parse_sweep, rank0_say,  # noqa: E402
+                          say_reach, sweep_to_csv, timed_steps)
 from bench_hf import FULL, TINY, build_model  # noqa: E402
 
 FIELDS = ["P", "arm", "tokens_per_rank", "status", "peak_gib", "step_s", "tokens_per_s_per_gpu", "loss",
@@ -97,25 +98,16 @@ def _point(rank, world, dev, arm, T, steps, shape, tile_tokens, simulate_oom):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {ARMS}")
+    add_sweep_args(ap, ARMS)
     ap.add_argument("--tiny", action="store_true", help="bench_hf's tiny model on CPU gloo (tests the script)")
     ap.add_argument("--min-len", type=int, default=None, help="tokens per rank (default 8192; --tiny 64)")
     ap.add_argument("--max-len", type=int, default=None, help="(default 524288; --tiny 128)")
-    ap.add_argument("--steps", type=int, default=2, help="steps per length; the last is timed")
-    ap.add_argument("--max-seconds", type=float, default=270.0, help="wall-clock budget per arm")
     ap.add_argument("--tile-tokens", type=int, default=None, help="moepeak arm: apply_moepeak's tile_tokens")
-    ap.add_argument("--grace", type=float, default=20.0,
-                    help="seconds a rank waits after its peer failed before killing its own child")
     ap.add_argument("--simulate-oom", default=None, help=argparse.SUPPRESS)  # ARM:LEN:RANK (tests)
-    a = ap.parse_args(argv)
-    arms = a.arms.split(",")
-    if any(arm not in ARMS for arm in arms):
-        raise SystemExit(f"bench_hf_dist: --arms must name some of {ARMS}, got {a.arms!r}")
-    ranks = torchrun_ranks("bench_hf_dist")
-    if ranks is None:
+    parsed = parse_sweep("bench_hf_dist", ap, ARMS, argv)
+    if parsed is None:
         return 2
-    rank, world = ranks
+    a, arms, rank, world = parsed
     import transformers
     shape, device_kind = (TINY, "cpu") if a.tiny else (FULL, "cuda")
     if shape["num_experts"] % world:
@@ -123,38 +115,20 @@ def main(argv=None):
     lo = a.min_len or (64 if a.tiny else 8192)
     hi = a.max_len or (128 if a.tiny else 1 << 19)
     lengths = doubling(lo, hi)
-    dist.init_process_group("gloo")  # the parents coordinate on the CPU; children own the GPUs
-    workdir = os.path.join(a.out, ".hf_dist_tmp")
-    os.makedirs(workdir, exist_ok=True)
     say = rank0_say(rank)
     say(f"bench_hf_dist: P={world}, Qwen3-MoE {'tiny' if a.tiny else '2.0B'}, tokens per rank "
         f"{lengths[0]}..{lengths[-1]}, {a.steps} steps each, budget {a.max_seconds:.0f} s per arm")
-    say(f"{'arm':>8} {'T/rank':>9} {'status':>11} {'peak GiB':>9} {'step s':>8} {'tok/s/GPU':>10}  note")
-    gpu = {"name": "cpu"}
+    say(header_line("T/rank", "tok/s/GPU"))
 
-    def on_point(arm, L, status, peak, step, note, outs):
-        loss = ""
-        if outs is not None:
-            gpu["name"] = outs[0].get("gpu", gpu["name"])
-            if status == "ok":
-                loss = f"{outs[0]['loss'][-1]:.4f}"
-        tps = L / step if step else None
-        if rank != 0:
-            return
-        append_results(a.out, "hf_dist", [dict(
-            P=world, arm=arm, tokens_per_rank=L, status=status, peak_gib=f"{peak:.3f}" if peak is not None else "",
-            step_s=f"{step:.4f}" if step else "", tokens_per_s_per_gpu=f"{tps:.1f}" if tps else "", loss=loss,
-            transformers=transformers.__version__, note=note)], FIELDS, gpu=gpu["name"])
+    def row(L, step):
+        return dict(tokens_per_rank=L, tokens_per_s_per_gpu=f"{L / step:.1f}" if step else "",
+                    transformers=transformers.__version__)
 
     sim = parse_simulated_oom(a.simulate_oom)
-    res = sweep(arms, lengths, _point, lambda arm, L: (arm, L, a.steps, shape, a.tile_tokens, sim), rank=rank,
-                world=world, steps=a.steps, budget=a.max_seconds, grace=a.grace, workdir=workdir,
-                device_kind=device_kind, on_point=on_point, say=say)
-    for arm, (reach, stop, _) in res.items():
-        say(f"{arm}: longest length completed {reach} tokens per rank; stopped: {stop}")
-    if res.get("moepeak", (0,))[0] and res.get("fsdp", (0,))[0]:
-        say(f"reach ratio moepeak/fsdp: {res['moepeak'][0] / res['fsdp'][0]:.1f}x")
-    finish(rank, workdir)
+    res = sweep_to_csv(a, "hf_dist", FIELDS, row, arms, lengths, _point,
+                       lambda arm, L: (arm, L, a.steps, shape, a.tile_tokens, sim), rank=rank, world=world,
+                       device_kind=device_kind, say=say)
+    say_reach(res, say, lambda L: f"length completed {L} tokens per rank", baseline="fsdp")
     return 0
 
 

@@ -44,8 +44,9 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))  # the repo root
-from _common import append_results, doubling  # noqa: E402
-from _dist_points import finish, rank0_say, sweep, timed_steps, torchrun_ranks  # noqa: E402
+from _common import doubling  # noqa: E402
+from _dist_points import (add_sweep_args, header_line, parse_sweep, rank0_say, say_reach, sweep_to_csv,  # noqa: E402
+                          timed_steps)
 from bench_hf import FULL, TINY  # noqa: E402
 
 FIELDS = ["P", "model", "arm", "T", "tokens_per_rank", "status", "peak_gib", "step_s", "tokens_per_s", "loss",
@@ -140,27 +141,18 @@ def _point(rank, world, dev, arm, T, steps, model_name, shape, tile_tokens, attn
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    add_sweep_args(ap, ARMS)
     ap.add_argument("--model", default="qwen3_moe", choices=sorted(MODELS))
-    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {ARMS}")
     ap.add_argument("--smoke", action="store_true", help="bench_hf's tiny model on CPU gloo ranks (the test)")
     ap.add_argument("--min-len", type=int, default=None, help="tokens of the sequence (default 16384; --smoke 64)")
     ap.add_argument("--max-len", type=int, default=None, help="(default 4194304; --smoke 128)")
-    ap.add_argument("--steps", type=int, default=2, help="steps per length; the last is timed")
-    ap.add_argument("--max-seconds", type=float, default=270.0, help="wall-clock budget per arm")
     ap.add_argument("--tile-tokens", type=int, default=None, help="moepeak arm's tile_tokens (default 8192; "
                                                                   "--smoke 16)")
     ap.add_argument("--attn", default="sdpa", help="the attention core behind Ulysses")
-    ap.add_argument("--grace", type=float, default=20.0,
-                    help="seconds a rank waits after its peer failed before killing its own child")
-    a = ap.parse_args(argv)
-    arms = a.arms.split(",")
-    if any(arm not in ARMS for arm in arms):
-        raise SystemExit(f"bench_hf_sp: --arms must name some of {ARMS}, got {a.arms!r}")
-    ranks = torchrun_ranks("bench_hf_sp")
-    if ranks is None:
+    parsed = parse_sweep("bench_hf_sp", ap, ARMS, argv)
+    if parsed is None:
         return 2
-    rank, world = ranks
+    a, arms, rank, world = parsed
     import deepspeed
     import transformers
     shape, device_kind = (TINY, "cpu") if a.smoke else (MODELS[a.model], "cuda")
@@ -173,37 +165,19 @@ def main(argv=None):
     lo = a.min_len or (64 if a.smoke else 16384)
     hi = a.max_len or (128 if a.smoke else 1 << 22)
     lengths = doubling(lo, hi, multiple_of=world)
-    dist.init_process_group("gloo")  # the parents coordinate on the CPU; children own the GPUs
-    workdir = os.path.join(a.out, ".hf_sp_tmp")
-    os.makedirs(workdir, exist_ok=True)
     say = rank0_say(rank)
     say(f"bench_hf_sp: P={world}, {model_name}, sequence of {lengths[0]}..{lengths[-1]} tokens, {a.steps} steps "
         f"each, budget {a.max_seconds:.0f} s per arm")
-    say(f"{'arm':>8} {'T':>9} {'status':>11} {'peak GiB':>9} {'step s':>8} {'tok/s':>10}  note")
-    gpu = {"name": "cpu"}
+    say(header_line("T", "tok/s"))
 
-    def on_point(arm, L, status, peak, step, note, outs):
-        loss = ""
-        if outs is not None:
-            gpu["name"] = outs[0].get("gpu", gpu["name"])
-            if status == "ok":
-                loss = f"{outs[0]['loss'][-1]:.4f}"
-        if rank != 0:
-            return
-        append_results(a.out, "hf_sp", [dict(
-            P=world, model=model_name, arm=arm, T=L, tokens_per_rank=L // world, status=status,
-            peak_gib=f"{peak:.3f}" if peak is not None else "", step_s=f"{step:.4f}" if step else "",
-            tokens_per_s=f"{L / step:.1f}" if step else "", loss=loss, transformers=transformers.__version__,
-            deepspeed=deepspeed.__version__, note=note)], FIELDS, gpu=gpu["name"])
+    def row(L, step):
+        return dict(model=model_name, T=L, tokens_per_rank=L // world, tokens_per_s=f"{L / step:.1f}" if step else "",
+                    transformers=transformers.__version__, deepspeed=deepspeed.__version__)
 
-    res = sweep(arms, lengths, _point, lambda arm, L: (arm, L, a.steps, model_name, shape, tile, a.attn),
-                rank=rank, world=world, steps=a.steps, budget=a.max_seconds, grace=a.grace, workdir=workdir,
-                device_kind=device_kind, on_point=on_point, say=say)
-    for arm, (reach, stop, _) in res.items():
-        say(f"{arm}: longest sequence completed {reach} tokens ({reach // world} per rank); stopped: {stop}")
-    if res.get("moepeak", (0,))[0] and res.get("ulysses", (0,))[0]:
-        say(f"reach ratio moepeak/ulysses: {res['moepeak'][0] / res['ulysses'][0]:.1f}x")
-    finish(rank, workdir)
+    res = sweep_to_csv(a, "hf_sp", FIELDS, row, arms, lengths, _point,
+                       lambda arm, L: (arm, L, a.steps, model_name, shape, tile, a.attn), rank=rank, world=world,
+                       device_kind=device_kind, say=say)
+    say_reach(res, say, lambda L: f"sequence completed {L} tokens ({L // world} per rank)", baseline="ulysses")
     return 0
 
 
