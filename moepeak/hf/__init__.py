@@ -77,7 +77,14 @@ what transformers expects. Three parts, each can be turned off:
   output collector, transformers.utils.output_capturing._active_collector; checked at apply
   time.) The logits cost L x [T, E] in the activation dtype: 32 B/token per layer at E = 16
   in bf16, 1/128 of one [T, H] at H = 2048 (transformers' aux loss also keeps each layer's
-  softmax of them). Other families' layers are left alone (the report says so).
+  softmax of them). Other families' layers are left alone (the report says so). Their
+  attention runs in the fewest head groups (dividing num_key_value_heads) whose full-length
+  set fits half the GPU memory free at the forward (attention_head_groups forces a count).
+
+- attention_backend ("auto" unless given): the SDPA backends the attention runs on in training,
+  in the tiled layers' core and in every self_attn (attention.py's patch_attention_backend):
+  "auto" = cuDNN, then flash, efficient, math on CUDA sm90+ for fp16/bf16 (torch's own choice
+  elsewhere); "cudnn", "flash", "efficient", "math" = that one first; None or "torch" = off.
 
 - sequence_group (off unless given): sequence parallelism from an existing engine (DeepSpeed
   Ulysses' UlyssesSPAttentionHF, torch's context_parallel through accelerate's cp_size): each

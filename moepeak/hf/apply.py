@@ -10,6 +10,8 @@ from typing import Optional
 import torch
 
 from ..llep import LLEPOptions
+from ..tiled import DEFAULT_ATTENTION_BACKEND, check_attention_backend
+from .attention import patch_attention_backend
 from .autoplace import PLACEMENT_OPTIONS, install as install_placement
 from .checkpoint import patch_checkpoint
 from .experts import patch_experts
@@ -43,7 +45,7 @@ def _transformers():
 def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint: bool = True, group=None,
                   tile_tokens: Optional[int] = None, lean_norm: bool = True, sequence_group=None,
                   sequence_loss: str = "mean", attention_head_groups: Optional[int] = None,
-                  **options) -> MoepeakReport:
+                  attention_backend: Optional[str] = DEFAULT_ATTENTION_BACKEND, **options) -> MoepeakReport:
     """Put moepeak's schedules into a transformers model instance (in place);
     returns a MoepeakReport. See moepeak.hf's docstring for what each part does.
 
@@ -73,7 +75,11 @@ def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint:
     sequence_loss: "mean" (DDP, FSDP2, average_gradients: gradients averaged over the ranks) or
     "sum" (a DeepSpeed engine: summed over the sequence group); see SequenceOptions.
     attention_head_groups: the tiled layers' attention head groups (None: 1 when the attention
-    function exchanges heads across ranks, DeepSpeed Ulysses; else num_key_value_heads)."""
+    function exchanges heads across ranks, DeepSpeed Ulysses; else the fewest groups, dividing
+    num_key_value_heads, whose full-length set fits half the GPU memory free at the forward).
+    attention_backend: the SDPA backends the attention runs on in training, tiled or not
+    (moepeak.tiled.ATTENTION_BACKENDS: "auto" = cuDNN first on CUDA sm90+ for fp16/bf16, "cudnn",
+    "flash", "efficient", "math" = that one first; None or "torch": torch's own choice)."""
     transformers = _transformers()
     if not isinstance(model, transformers.PreTrainedModel):
         raise TypeError(f"moepeak.hf: model must be a transformers PreTrainedModel, got {type(model).__name__}")
@@ -85,10 +91,13 @@ def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint:
     if unknown:
         raise TypeError(f"moepeak.hf: unknown option(s) {unknown}; expected some of {list(known)}")
     sequence = SequenceOptions(sequence_group, sequence_loss, attention_head_groups)
+    check_attention_backend(attention_backend, "attention_backend")
     _check_head_groups(model.config, attention_head_groups, tile_tokens)
     report = MoepeakReport(type(model).__name__)
     if tile_tokens is not None:  # checked first: it may refuse the model's config
-        patch_tiled_layers(model, tile_tokens, report, head_groups=attention_head_groups)
+        patch_tiled_layers(model, tile_tokens, report, head_groups=attention_head_groups,
+                           attention_backend=attention_backend)
+    patch_attention_backend(model, attention_backend, report)
     if experts:
         patch_experts(model, group, {k: v for k, v in options.items() if k in EXPERTS_OPTIONS}, report)
     else:
@@ -114,7 +123,8 @@ def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint:
         report.left_alone.append("checkpoint: turned off (checkpoint=False)")
     # each training step placed on the GPU, host RAM (moepeak/hf/autoplace.py): explicit settings win
     install_placement(model, report, options=options, sco_config=options.get("sco_config"), tile_tokens=tile_tokens,
-                      group=group, sequence_group=sequence_group, checkpoint=checkpoint and report.sco is not None)
+                      group=group, sequence=sequence if sequence_group is not None else None,
+                      checkpoint=checkpoint and report.sco is not None)
     model._moepeak_hf = report
     return report
 

@@ -15,6 +15,14 @@ position_ids gathered at full length, so the documents are the whole sequence's 
 
 No mask function is registered for it, so transformers builds none; a padding mask is not
 read (pack instead of padding). One host read per call (the document boundaries).
+
+patch_attention_backend(model, choice, report): apply_moepeak's attention_backend for the
+layers it does not tile: each decoder layer's self_attn runs, in training with grad (its
+forward and its checkpoint recompute), under moepeak.tiled.attention_backend_context, so the
+SDPA calls of its attention function ("sdpa", VARLEN_SDPA, Ulysses' core) take that backend
+order; other attention functions (eager, flash_attention_2, flex) make no SDPA call and are
+unaffected. Eval and no_grad (generation) keep torch's own choice. Exact as the tiled core's:
+the backends compute the same attention (moepeak/tiled/attention.py).
 """
 from __future__ import annotations
 
@@ -22,6 +30,8 @@ from typing import List, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from ..tiled import attention_backend_context, attention_dtype, check_attention_backend, describe_attention_backend
 
 VARLEN_SDPA = "moepeak_varlen_sdpa"
 
@@ -75,4 +85,28 @@ def register_varlen_sdpa() -> None:
     AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
 
 
-__all__ = ["VARLEN_SDPA", "varlen_sdpa_attention", "register_varlen_sdpa", "document_spans"]
+def patch_attention_backend(model, choice, report) -> None:
+    """Every decoder layer's self_attn (a module at .self_attn) runs under choice's SDPA backend
+    order in training with grad (the module docstring); choice None / "torch": nothing changes."""
+    choice = check_attention_backend(choice)
+    attns = [m.self_attn for m in model.modules() if isinstance(getattr(m, "self_attn", None), torch.nn.Module)]
+    if choice == "torch" or not attns:
+        report.left_alone.append("attention_backend: " + (describe_attention_backend(choice) if attns else
+                                                          "no decoder layer with a self_attn module"))
+        return
+    for attn in attns:
+        own = attn.forward
+
+        def forward(*args, _attn=attn, _own=own, **kwargs):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            if not (_attn.training and torch.is_grad_enabled() and isinstance(hidden, torch.Tensor)):
+                return _own(*args, **kwargs)
+            with attention_backend_context(choice, hidden.device, attention_dtype(hidden)):
+                return _own(*args, **kwargs)
+        attn.forward = forward
+    report.patched.append(f"attention_backend: {len(attns)} self_attn modules in training, and the tiled layers' "
+                          f"attention core where tile_tokens is set: {describe_attention_backend(choice)}")
+
+
+__all__ = ["VARLEN_SDPA", "varlen_sdpa_attention", "register_varlen_sdpa", "document_spans",
+           "patch_attention_backend"]

@@ -23,7 +23,8 @@ from typing import Optional
 
 import torch
 
-from ..tiled import TiledBlockSpec, requires_grad_params, tiled_block
+from ..tiled import DEFAULT_ATTENTION_BACKEND, TiledBlockSpec, requires_grad_params, tiled_block
+from ..tiled.sizes import FREE, FREE_MEMORY_SHARE
 from .sequence import crosses_heads
 
 
@@ -111,21 +112,26 @@ def _attention_pre_hooks(attn: torch.nn.Module, arguments: dict, name: str) -> d
     return arguments
 
 
-def attention_head_groups(attn: torch.nn.Module, interface, forced: Optional[int], name: str) -> int:
-    """How many head groups the tiled layer calls the attention function with: forced, or 1 when
-    the function crosses ranks by heads (DeepSpeed Ulysses checks it receives every head), else
-    num_key_value_heads (each group's backward frees its tensors before the next runs)."""
+def attention_head_groups(attn: torch.nn.Module, interface, forced: Optional[int], name: str, budget=FREE):
+    """(head_groups, head_group_budget) of the tiled layer's spec: forced, or 1 when the function
+    crosses ranks by heads (DeepSpeed Ulysses checks it receives every head), with no budget; else
+    num_key_value_heads groups (each group's backward frees its tensors before the next runs) and
+    `budget`, with which the tiled block runs fewer, larger groups where their full-length set
+    fits (moepeak/tiled/sizes.py; FREE: a share of the GPU memory free at the forward)."""
     if crosses_heads(interface):
         if forced not in (None, 1):
             raise ValueError(f"moepeak: attention_head_groups={forced}, but the attention function of {name} "
                              f"({attn.config._attn_implementation!r}, from {interface.__module__}) exchanges heads "
                              "across ranks and needs every head in one call; pass attention_head_groups=1 or None")
-        return 1
-    return forced if forced is not None else attn.config.num_key_value_heads
+        return 1, None
+    if forced is not None:
+        return forced, None
+    return attn.config.num_key_value_heads, budget
 
 
 def hf_moe_layer_spec(layer: torch.nn.Module, x: torch.Tensor, *args, return_router_logits=False,
-                      attention_weights=None, head_groups: Optional[int] = None, **kwargs) -> TiledBlockSpec:
+                      attention_weights=None, head_groups: Optional[int] = None, head_group_budget=FREE,
+                      attention_backend: Optional[str] = DEFAULT_ATTENTION_BACKEND, **kwargs) -> TiledBlockSpec:
     """Spec for a Hugging Face pre-norm MoE decoder layer (a class of HF_TILED_LAYERS) called as
     layer(x, *args, **kwargs): the same arguments, placed by the layer's own signature. Every
     argument but attention_mask, position_embeddings and the KV cache reaches the attention
@@ -151,7 +157,10 @@ def hf_moe_layer_spec(layer: torch.nn.Module, x: torch.Tensor, *args, return_rou
     backward's recompute adds nothing): [B, heads of the group, T, T] from the eager interface,
     None from sdpa or flash attention.
     head_groups: the attention's head groups (attention_head_groups: None picks 1 for an
-    attention function that crosses ranks by heads, else num_key_value_heads).
+    attention function that crosses ranks by heads, else num_key_value_heads or, with
+    head_group_budget (bytes, FREE or None), the fewest groups whose full-length set fits it).
+    attention_backend: the SDPA backends the attention function's calls run on
+    (moepeak.tiled.ATTENTION_BACKENDS; None: torch's own choice).
     self_attn's keyword forward pre-hooks run on the attention's keyword arguments first
     (_attention_pre_hooks), as they would when the layer calls self_attn."""
     import sys
@@ -191,7 +200,7 @@ def hf_moe_layer_spec(layer: torch.nn.Module, x: torch.Tensor, *args, return_rou
     clip = getattr(attn.config, "clip_qkv", None)
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
                                                       modeling.eager_attention_forward)
-    head_groups = attention_head_groups(attn, interface, head_groups, name)
+    head_groups, head_group_budget = attention_head_groups(attn, interface, head_groups, name, head_group_budget)
     cos, sin = position_embeddings
 
     def mla_pre_attn(x_t, start):
@@ -254,7 +263,8 @@ def hf_moe_layer_spec(layer: torch.nn.Module, x: torch.Tensor, *args, return_rou
 
     return TiledBlockSpec(pre_attn, attn_core, post_attn, requires_grad_params(layer),
                           seq_dim=1, qkv_seq_dim=2, out_seq_dim=1, head_groups=head_groups,
-                          qkv_head_dim=1, out_head_dim=2, extras=1 if return_router_logits else 0)
+                          qkv_head_dim=1, out_head_dim=2, extras=1 if return_router_logits else 0,
+                          head_group_budget=head_group_budget, attention_backend=attention_backend)
 
 
 def tiled_hf_moe_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *args,
@@ -273,7 +283,8 @@ def tiled_hf_moe_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tens
 
 def tiled_hf_layer_training_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *args, tile_tokens: int,
                                     router_logits: bool = False, attention_weights: bool = False,
-                                    head_groups: Optional[int] = None, **kwargs):
+                                    head_groups: Optional[int] = None, head_group_budget=FREE,
+                                    attention_backend: Optional[str] = DEFAULT_ATTENTION_BACKEND, **kwargs):
     """layer(hidden_states, *args, **kwargs) in training, sequence-tiled, run the way transformers'
     GradientCheckpointingLayer runs the layer's own forward: with layer.gradient_checkpointing on,
     under layer._gradient_checkpointing_func (SCO under apply_moepeak; the tiled block is then
@@ -292,7 +303,8 @@ def tiled_hf_layer_training_forward(layer: torch.nn.Module, hidden_states: torch
     with_logits = router_logits and isinstance(getattr(layer.mlp, "gate", None), torch.nn.Module)
     weights = [] if attention_weights else None
     run = functools.partial(tiled_hf_moe_layer_forward, layer, tile_tokens=tile_tokens,
-                            return_router_logits=with_logits, attention_weights=weights, head_groups=head_groups)
+                            return_router_logits=with_logits, attention_weights=weights, head_groups=head_groups,
+                            head_group_budget=head_group_budget, attention_backend=attention_backend)
     if getattr(layer, "gradient_checkpointing", False) and "__call__" not in vars(GradientCheckpointingLayer):
         kwargs = dict(kwargs)
         if kwargs.get("use_cache"):
@@ -325,7 +337,10 @@ class _WithoutGradient(torch.autograd.Function):
                            "no gradient path; a loss on them needs the untiled layer (tile_tokens=None)")
 
 
-def patch_tiled_layers(model, tile_tokens, report, head_groups: Optional[int] = None):
+def patch_tiled_layers(model, tile_tokens, report, head_groups: Optional[int] = None, head_group_budget=FREE,
+                       attention_backend: Optional[str] = DEFAULT_ATTENTION_BACKEND):
+    """Every layer of TILED_LAYERS runs tiled_hf_layer_training_forward in training with grad
+    (head_groups, head_group_budget, attention_backend: hf_moe_layer_spec's)."""
     if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 1:
         raise ValueError(f"moepeak.hf: tile_tokens must be a positive integer or None, got {tile_tokens!r}")
     layers = [m for m in model.modules() if type(m).__name__ in TILED_LAYERS]
@@ -346,7 +361,8 @@ def patch_tiled_layers(model, tile_tokens, report, head_groups: Optional[int] = 
             first = None if logits_out is None else len(logits_out)
             y, logits, maps = tiled_hf_layer_training_forward(
                 _layer, hidden_states, *args, tile_tokens=tile_tokens, router_logits=logits_out is not None,
-                attention_weights=maps_out is not None, head_groups=head_groups, **kwargs)
+                attention_weights=maps_out is not None, head_groups=head_groups, head_group_budget=head_group_budget,
+                attention_backend=attention_backend, **kwargs)
             if logits_out is not None:
                 # transformers' hook on the router recorded one graph-less entry per tile (none in
                 # a dense layer); the layer's one entry is the full-length logits with their graph
@@ -361,9 +377,14 @@ def patch_tiled_layers(model, tile_tokens, report, head_groups: Optional[int] = 
                 maps_out.append(maps)
             return y
         layer.forward = forward
+    groups = f"{head_groups} head groups" if head_groups is not None else \
+        f"the fewest head groups whose full-length set fits {FREE_MEMORY_SHARE:.0%} of the free GPU memory" \
+        if head_group_budget == FREE else f"the fewest head groups that fit {head_group_budget} bytes" \
+        if head_group_budget is not None else "num_key_value_heads head groups"
     report.patched.append(f"tile_tokens: {len(layers)} decoder layers run "
                           "moepeak.hf.tiled.tiled_hf_layer_training_forward "
-                          f"in training (tiles of {tile_tokens} tokens)")
+                          f"in training (tiles of {tile_tokens} tokens; attention in {groups}, one head group "
+                          "under an attention function that exchanges heads across ranks)")
 
 
 def output_collector():

@@ -11,13 +11,13 @@ full-length tensors (docs/design.md section 6, "the fifth peak").
 Public face (exported here), for users and for the adapters that describe known blocks
 (moepeak/demo/tiled.py, moepeak/hf/tiled.py, moepeak/titan/tiled.py): TiledBlockSpec,
 tiled_block, TiledBlock, tile_ranges, requires_grad_params; ATTENTION_BACKENDS,
-check_attention_backend, attention_backend_context, attention_dtype,
+DEFAULT_ATTENTION_BACKEND, check_attention_backend, attention_backend_context, attention_dtype,
 describe_attention_backend; and the module sizes. Everything else is internal to moepeak.tiled.
 """
-from .attention import (ATTENTION_BACKENDS, attention_backend_context, attention_dtype, check_attention_backend,
-                        describe_attention_backend)
+from .attention import (ATTENTION_BACKENDS, DEFAULT_ATTENTION_BACKEND, attention_backend_context, attention_dtype,
+                        check_attention_backend, describe_attention_backend)
 from .block import TiledBlock, TiledBlockSpec, requires_grad_params, tile_ranges, tiled_block
 
 __all__ = ["TiledBlockSpec", "tiled_block", "TiledBlock", "tile_ranges", "requires_grad_params",
-           "ATTENTION_BACKENDS", "check_attention_backend", "attention_backend_context", "attention_dtype",
-           "describe_attention_backend"]
+           "ATTENTION_BACKENDS", "DEFAULT_ATTENTION_BACKEND", "check_attention_backend", "attention_backend_context",
+           "attention_dtype", "describe_attention_backend"]

@@ -37,6 +37,7 @@ from typing import Iterator, Optional, Sequence, Tuple
 import torch
 
 ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math", "torch")
+DEFAULT_ATTENTION_BACKEND = "auto"  # TiledBlockSpec's and apply_moepeak's default
 OFF = "torch"  # torch's own choice; None means the same
 FALLBACKS = ("flash", "efficient", "math")  # after the first choice, in this order
 AUTO_MIN_CAPABILITY = (9, 0)

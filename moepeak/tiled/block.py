@@ -74,7 +74,7 @@ import torch
 
 from ..sco import DeferredPrefetch
 from . import sizes
-from .attention import attention_backend_context, check_attention_backend
+from .attention import DEFAULT_ATTENTION_BACKEND, attention_backend_context, check_attention_backend
 
 __all__ = ["TiledBlockSpec", "tiled_block", "TiledBlock", "tile_ranges", "requires_grad_params"]
 
@@ -119,7 +119,7 @@ class TiledBlockSpec:
     out_head_dim: int = 2
     extras: int = 0
     head_group_budget: Optional[object] = None
-    attention_backend: Optional[str] = "auto"
+    attention_backend: Optional[str] = DEFAULT_ATTENTION_BACKEND
 
 
 def requires_grad_params(module: torch.nn.Module) -> Callable[[], List[torch.Tensor]]:

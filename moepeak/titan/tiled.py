@@ -19,10 +19,11 @@ from __future__ import annotations
 import torch
 
 from ..tiled import TiledBlockSpec, requires_grad_params, tiled_block
+from ..tiled.sizes import FREE
 
 
 def titan_block_spec(block: torch.nn.Module, x: torch.Tensor, attention_masks=None,
-                     positions=None) -> TiledBlockSpec:
+                     positions=None, head_group_budget=FREE) -> TiledBlockSpec:
     """Spec for a torchtitan decoder block called as block(x, attention_masks, positions):
     x [B, T, D] plain (not DTensor: no tensor/sequence parallel); the attention's inner
     attention is torchtitan's ScaledDotProductAttention (causal, no masks). q/k/v: [B, T,
@@ -30,7 +31,11 @@ def titan_block_spec(block: torch.nn.Module, x: torch.Tensor, attention_masks=No
     as deepseek_v3's Attention makes them (q, k: nope + rope head dims, v: v_head_dim);
     out: [B, T, heads, head_dim]. RoPE at a tile's positions: positions[:, start:start + t],
     or start .. start + t - 1 when the model passes none (the rows of the prefix table the
-    untiled block reads)."""
+    untiled block reads). Head groups: the fewest (dividing the kv heads; MLA: the heads) whose
+    full-length set fits head_group_budget (moepeak/tiled/sizes.py; FREE: a share of the GPU
+    memory free at the forward; None: one group per kv head). The SDPA backend is torchtitan's:
+    ScaledDotProductAttention runs its own sdpa_kernel(cuDNN > flash > math, set_priority=True)
+    inside the core, so the spec sets no order of its own (attention_backend=None)."""
     attn = block.attention
     name = type(block).__name__
     mla = hasattr(attn, "wkv_a")  # deepseek_v3's multi-head latent attention
@@ -83,7 +88,7 @@ def titan_block_spec(block: torch.nn.Module, x: torch.Tensor, attention_masks=No
 
     return TiledBlockSpec(pre_attn, attn_core, post_attn, requires_grad_params(block),
                           seq_dim=1, qkv_seq_dim=1, out_seq_dim=1, head_groups=attn.n_heads if mla else attn.n_kv_heads,
-                          qkv_head_dim=2, out_head_dim=2)
+                          qkv_head_dim=2, out_head_dim=2, head_group_budget=head_group_budget, attention_backend=None)
 
 
 def tiled_titan_block_forward(block: torch.nn.Module, x: torch.Tensor, attention_masks=None, positions=None, *,
