@@ -34,32 +34,40 @@ def _gate_up_pair(w_gate_up):
     return w_gate_up, None
 
 
+def _gate_up_weights(w_gate_up, w_up, I):
+    """(name, tensor, its last dim's name, its size) of the gate/up weights: the fused
+    w_gate_up [E_local, H, 2I], or the pair w_gate, w_up [E_local, H, I]."""
+    if w_up is None:
+        return (("w_gate_up", w_gate_up, "2*I", 2 * I),)
+    return (("w_gate", w_gate_up, "I", I), ("w_up", w_up, "I", I))
+
+
+def _validate_biases(x, b_gate_up, b_down, El, I, H):
+    """Both biases or neither; b_gate_up [E_local, 2I], b_down [E_local, H]."""
+    if (b_gate_up is None) != (b_down is None):
+        raise ValueError("moepeak: pass both b_gate_up and b_down, or neither")
+    if b_gate_up is None:
+        return
+    for name, b, n in (("b_gate_up", b_gate_up, 2 * I), ("b_down", b_down, H)):
+        check_tensor(name, b, dtypes=(x.dtype,), ndim=2, device=x.device)
+        if tuple(b.shape) != (El, n):
+            raise ValueError(f"moepeak: {name} must be [E_local={El}, {n}], got {tuple(b.shape)}")
+
+
 def _validate_weights(x, w_gate_up, w_down, w_up, b_gate_up, b_down):
     """Checks the experts' tensors against w_down [E_local, I, H]; returns (E_local, I, H)."""
     check_tensor("w_down", w_down, dtypes=(x.dtype,), ndim=3, device=x.device)
     El, I, H = w_down.shape
     if I < 1:
         raise ValueError(f"moepeak: w_down must be [E_local, I, H] with I >= 1, got {tuple(w_down.shape)}")
-    if w_up is None:
-        check_tensor("w_gate_up", w_gate_up, dtypes=(x.dtype,), ndim=3, device=x.device)
-        if tuple(w_gate_up.shape) != (El, H, 2 * I):
-            raise ValueError(f"moepeak: w_gate_up must be [E_local={El}, H={H}, 2*I={2 * I}] to match w_down "
-                             f"{tuple(w_down.shape)}, got {tuple(w_gate_up.shape)}")
-    else:
-        for name, w in (("w_gate", w_gate_up), ("w_up", w_up)):
-            check_tensor(name, w, dtypes=(x.dtype,), ndim=3, device=x.device)
-            if tuple(w.shape) != (El, H, I):
-                raise ValueError(f"moepeak: {name} must be [E_local={El}, H={H}, I={I}] to match w_down "
-                                 f"{tuple(w_down.shape)}, got {tuple(w.shape)}")
+    for name, w, last, n in _gate_up_weights(w_gate_up, w_up, I):
+        check_tensor(name, w, dtypes=(x.dtype,), ndim=3, device=x.device)
+        if tuple(w.shape) != (El, H, n):
+            raise ValueError(f"moepeak: {name} must be [E_local={El}, H={H}, {last}={n}] to match w_down "
+                             f"{tuple(w_down.shape)}, got {tuple(w.shape)}")
     if El < 1:
         raise ValueError("moepeak: the weights must hold at least one expert")
-    if (b_gate_up is None) != (b_down is None):
-        raise ValueError("moepeak: pass both b_gate_up and b_down, or neither")
-    if b_gate_up is not None:
-        for name, b, n in (("b_gate_up", b_gate_up, 2 * I), ("b_down", b_down, H)):
-            check_tensor(name, b, dtypes=(x.dtype,), ndim=2, device=x.device)
-            if tuple(b.shape) != (El, n):
-                raise ValueError(f"moepeak: {name} must be [E_local={El}, {n}], got {tuple(b.shape)}")
+    _validate_biases(x, b_gate_up, b_down, El, I, H)
     return El, I, H
 
 
