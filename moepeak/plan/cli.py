@@ -28,87 +28,81 @@ SHAPE_FLAGS = ("layers", "hidden", "experts", "top_k", "intermediate", "vocab", 
 STATE_DTYPES = {"float32": 4, "bfloat16": 2}  # StreamAdamW state_dtype -> bytes per element
 
 
+def _option(ap: argparse.ArgumentParser, flag: str, help: str, default=None, shown=None, **kw) -> None:
+    """ap.add_argument(flag, ...) whose help ends with its one default: `shown` (words) where
+    given, else the default value itself."""
+    ap.add_argument(flag, default=default, help=f"{help} (default: {default if shown is None else shown})", **kw)
+
+
+# The model's shape flags (ModelShape fields): what each is, and its default where it is not
+# only the preset's.
+SHAPE_HELP = (("layers", "decoder blocks L", None), ("hidden", "hidden size H", None),
+              ("experts", "routed experts E", None), ("top-k", "experts per token K", None),
+              ("intermediate", "expert intermediate size I", None), ("vocab", "vocabulary size V", None),
+              ("heads", "attention heads", None),
+              ("kv-heads", "key/value heads", "the preset's, else --heads"),
+              ("head-dim", "attention head size (MLA: the value head size)", "the preset's, else hidden / heads"),
+              ("qk-head-dim", "q and k head size where it differs from --head-dim (MLA: nope + rope)",
+               "the preset's, else --head-dim"))
+
+
 def add_args(ap: argparse.ArgumentParser):
     ap.add_argument("--version", action="version", version=f"moepeak {__version__}")
     ap.add_argument("--explain", action="store_true",
                     help="print what each row of the table holds (alone: only that)")
-    ap.add_argument("--preset", metavar="NAME", choices=sorted(PRESETS), default=None,
-                    help="a model's shape: " + ", ".join(sorted(PRESETS)) + " (titan:* are torchtitan's flavors; "
-                         "the flags below override its fields; default: none, give them all)")
-    for f, what in (("layers", "decoder blocks L"), ("hidden", "hidden size H"),
-                    ("experts", "routed experts E"), ("top-k", "experts per token K"),
-                    ("intermediate", "expert intermediate size I"), ("vocab", "vocabulary size V"),
-                    ("heads", "attention heads"),
-                    ("kv-heads", "key/value heads (default: the preset's, else --heads)"),
-                    ("head-dim", "attention head size (MLA: the value head size; default: the preset's, else "
-                                 "hidden / heads)"),
-                    ("qk-head-dim", "q and k head size where it differs from --head-dim (MLA: nope + rope; "
-                                    "default: the preset's, else --head-dim)")):
-        ap.add_argument(f"--{f}", type=int, default=None, metavar="N",
-                        help=what if "default:" in what else what + " (default: the preset's)")
-    ap.add_argument("--context", type=int, default=131072, metavar="TOKENS",
-                    help="tokens per sequence, split over the GPUs by context parallelism (default: 131072)")
-    ap.add_argument("--gpus", type=int, default=8, metavar="P",
-                    help="GPUs, the experts and the context split over them (default: 8)")
-    ap.add_argument("--gpu-mem", type=float, default=141.0, metavar="GIB", help="GiB per GPU (default: 141)")
-    ap.add_argument("--imbalance", type=float, default=1.5, metavar="RHO",
-                    help="routing imbalance of plain expert parallelism, >= 1: the busiest GPU gets rho x the "
-                         "mean rows (above --gpus it counts as --gpus: one GPU gets every row; default: 1.5)")
-    ap.add_argument("--act-bytes", type=int, default=2, choices=(2, 4),
-                    help="bytes per activation element, 2 (bf16/fp16) or 4 (fp32) (default: 2)")
-    ap.add_argument("--impl", choices=IMPLS, default="demo",
-                    help="whose modeling code runs the layers: moepeak's demo model, or a Hugging Face "
-                         "transformers model under moepeak.hf.apply_moepeak (its RoPE tables, its final "
-                         "RMSNorm's fp32 backward, the head's backward before any block's gradient exists) "
-                         "(default: demo)")
-    ap.add_argument("--sp", choices=SP_ENGINES, default=None,
-                    help="--impl hf with sequence parallelism from an engine (apply_moepeak(sequence_group=...)): "
-                         "ulysses (DeepSpeed Ulysses) or ring (torch context_parallel, accelerate's cp_size) "
-                         "(default: none, the context split over --gpus with FSDP2)")
-    ap.add_argument("--sp-size", type=int, default=None, metavar="S",
-                    help="with --sp: the GPUs holding one sequence, dividing --gpus (--gpus / S data-parallel "
-                         "replicas) (default: --gpus)")
-    ap.add_argument("--shard", choices=SHARDS, default=None,
-                    help="with --sp: the non-expert weights replicated (ddp: DistributedDataParallel, their "
-                         "optimizer state on every rank) or sharded (fsdp2) (default: ddp for ulysses, fsdp2 for "
-                         "ring; DeepSpeed ZeRO-3 is not modelled)")
-    ap.add_argument("--ep-size", type=int, default=None, metavar="N",
-                    help="with --sp: the GPUs the experts are split over, dividing --gpus and the experts "
-                         "(default: --sp-size)")
+    _option(ap, "--preset", "a model's shape: " + ", ".join(sorted(PRESETS)) + " (titan:* are torchtitan's "
+            "flavors; the flags below override its fields)", shown="none, give them all", metavar="NAME",
+            choices=sorted(PRESETS))
+    for flag, what, shown in SHAPE_HELP:
+        _option(ap, f"--{flag}", what, shown=shown or "the preset's", type=int, metavar="N")
+    _option(ap, "--context", "tokens per sequence, split over the GPUs by context parallelism", 131072, type=int,
+            metavar="TOKENS")
+    _option(ap, "--gpus", "GPUs, the experts and the context split over them", 8, type=int, metavar="P")
+    _option(ap, "--gpu-mem", "GiB per GPU", 141.0, shown="141", type=float, metavar="GIB")
+    _option(ap, "--imbalance", "routing imbalance of plain expert parallelism, >= 1: the busiest GPU gets rho x "
+            "the mean rows (above --gpus it counts as --gpus: one GPU gets every row)", 1.5, type=float,
+            metavar="RHO")
+    _option(ap, "--act-bytes", "bytes per activation element, 2 (bf16/fp16) or 4 (fp32)", 2, type=int,
+            choices=(2, 4))
+    _option(ap, "--impl", "whose modeling code runs the layers: moepeak's demo model, or a Hugging Face "
+            "transformers model under moepeak.hf.apply_moepeak (its RoPE tables, its final RMSNorm's fp32 "
+            "backward, the head's backward before any block's gradient exists)", "demo", choices=IMPLS)
+    _option(ap, "--sp", "--impl hf with sequence parallelism from an engine (apply_moepeak(sequence_group=...)): "
+            "ulysses (DeepSpeed Ulysses) or ring (torch context_parallel, accelerate's cp_size)",
+            shown="none, the context split over --gpus with FSDP2", choices=SP_ENGINES)
+    _option(ap, "--sp-size", "with --sp: the GPUs holding one sequence, dividing --gpus (--gpus / S data-parallel "
+            "replicas)", shown="--gpus", type=int, metavar="S")
+    _option(ap, "--shard", "with --sp: the non-expert weights replicated (ddp: DistributedDataParallel, their "
+            "optimizer state on every rank) or sharded (fsdp2); DeepSpeed ZeRO-3 is not modelled",
+            shown="ddp for ulysses, fsdp2 for ring", choices=SHARDS)
+    _option(ap, "--ep-size", "with --sp: the GPUs the experts are split over, dividing --gpus and the experts",
+            shown="--sp-size", type=int, metavar="N")
     ap.add_argument("--eager-norm", action="store_true",
                     help="moepeak's RMSNorms (the final one, the checkpointed blocks') run their eager autograd "
                          "backward (apply_moepeak(lean_norm=False), the demo's MoEConfig(lean_norm=False)) "
                          "instead of moepeak.norms.rms_norm's")
-    ap.add_argument("--tile-tokens", type=int, default=None, metavar="N",
-                    help="sequence-tiled blocks (moepeak.tiled) with tiles of N tokens (default: whole blocks; "
-                         "the placement tiles when whole blocks do not fit)")
-    ap.add_argument("--device-state-gib", type=float, default=0.0, metavar="GIB",
-                    help="GiB per GPU of StreamAdamW's state kept on the GPU (device_state, "
-                         "StreamAdamW.backward_tail) (default: 0)")
-    ap.add_argument("--state-dtype", choices=sorted(STATE_DTYPES), default="float32",
-                    help="StreamAdamW's state_dtype: bfloat16 keeps exp_avg and exp_avg_sq in bf16, 8 instead of "
-                         "12 bytes of host RAM per bf16 parameter (default: float32)")
-    ap.add_argument("--sco-keep-last", type=int, default=None, metavar="N",
-                    help="the last N blocks whose inputs SCO keeps on the GPU (SCOConfig.keep_last), GPU memory "
-                         "for host RAM (default: that of the code running the layers, 0 for --impl demo, 1 for "
-                         "--impl hf)")
-    ap.add_argument("--host-mem", type=float, default=None, metavar="GIB",
-                    help="GiB of host RAM available on each host of the training machine (default: this "
-                         "machine's MemAvailable, which the report names)")
-    ap.add_argument("--gpus-per-node", type=int, default=None, metavar="N",
-                    help="GPUs sharing one host's RAM and disk (default: min(--gpus, 8))")
-    ap.add_argument("--spill-dir", default=None, metavar="DIR",
-                    help="a directory on a local disk for SCO's disk tier: the placement reads its free space "
-                         "(default: no disk tier)")
-    ap.add_argument("--disk-free", type=float, default=None, metavar="GIB",
-                    help="GiB free for SCO's disk tier on each host of the training machine, instead of reading "
-                         "--spill-dir (default: no disk tier)")
+    _option(ap, "--tile-tokens", "sequence-tiled blocks (moepeak.tiled) with tiles of N tokens",
+            shown="whole blocks; the placement tiles when whole blocks do not fit", type=int, metavar="N")
+    _option(ap, "--device-state-gib", "GiB per GPU of StreamAdamW's state kept on the GPU (device_state, "
+            "StreamAdamW.backward_tail)", 0.0, shown="0", type=float, metavar="GIB")
+    _option(ap, "--state-dtype", "StreamAdamW's state_dtype: bfloat16 keeps exp_avg and exp_avg_sq in bf16, 8 "
+            "instead of 12 bytes of host RAM per bf16 parameter", "float32", choices=sorted(STATE_DTYPES))
+    _option(ap, "--sco-keep-last", "the last N blocks whose inputs SCO keeps on the GPU (SCOConfig.keep_last), "
+            "GPU memory for host RAM", shown="that of the code running the layers, 0 for --impl demo, 1 for "
+            "--impl hf", type=int, metavar="N")
+    _option(ap, "--host-mem", "GiB of host RAM available on each host of the training machine",
+            shown="this machine's MemAvailable, which the report names", type=float, metavar="GIB")
+    _option(ap, "--gpus-per-node", "GPUs sharing one host's RAM and disk", shown="min(--gpus, 8)", type=int,
+            metavar="N")
+    _option(ap, "--spill-dir", "a directory on a local disk for SCO's disk tier: the placement reads its free "
+            "space", shown="no disk tier", metavar="DIR")
+    _option(ap, "--disk-free", "GiB free for SCO's disk tier on each host of the training machine, instead of "
+            "reading --spill-dir", shown="no disk tier", type=float, metavar="GIB")
     ap.add_argument("--placement", action="store_true",
                     help="print where each tensor class goes (GPU, host RAM, disk) on the machine: the GPU of "
                          "--gpu-mem, the host RAM and the disk tier above")
-    ap.add_argument("--plot", default=None, metavar="PNG",
-                    help="write a PNG of each peak against context (needs matplotlib: moepeak[plot]; "
-                         "default: no plot)")
+    _option(ap, "--plot", "write a PNG of each peak against context (needs matplotlib: moepeak[plot])",
+            shown="no plot", metavar="PNG")
 
 
 def build_parser() -> argparse.ArgumentParser:
