@@ -79,7 +79,7 @@ def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint:
     num_key_value_heads, whose full-length set fits half the GPU memory free at the forward).
     attention_backend: the SDPA backends the attention runs on in training, tiled or not
     (moepeak.tiled.ATTENTION_BACKENDS: "auto" = cuDNN first on CUDA sm90+ for fp16/bf16, "cudnn",
-    "flash", "efficient", "math" = that one first; None or "torch": torch's own choice)."""
+    "flash", "efficient", "math" = that one only; None or "torch": torch's own choice)."""
     transformers = _transformers()
     if not isinstance(model, transformers.PreTrainedModel):
         raise TypeError(f"moepeak.hf: model must be a transformers PreTrainedModel, got {type(model).__name__}")

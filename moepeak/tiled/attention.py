@@ -10,14 +10,16 @@ Choices (ATTENTION_BACKENDS):
              16 q heads in one call) it ran 555-575 TFLOP/s fwd+bwd against flash's 324-328 at
              128k-256k tokens, with the same error against fp64 (issue 38).
   "cudnn", "flash", "efficient", "math"
-             that backend first, then flash, efficient, math (the ones not named already).
+             that backend only (forced, as benchmarks and comparisons need it): torch raises when
+             it cannot run the call's inputs, its warnings saying why.
   "torch", None
              torch's own choice: no context at all (the off switch).
 
 The order goes to torch.nn.attention.sdpa_kernel(backends, set_priority=True) (torch 2.6 and
 later, 2.11 and 2.13 included; without set_priority, torch's own order among the listed ones):
-torch runs the first backend of the list that accepts the call's inputs (dtype, head size,
-mask, GQA, layout), so a backend that cannot run them is passed over, never an error. The
+on CUDA torch runs the first backend of the list that accepts the call's inputs (dtype, head
+size, mask, GQA, layout), so under "auto" a backend that cannot run them is passed over, never
+an error. (torch's CPU path ignores the priority and tries flash before math.) The
 backward runs the kernel the forward picked, so only forward calls need the context (the tiled
 block's forward and its recompute). The order used is logged once per distinct (choice, device,
 dtype, order) on the 'moepeak' logger.
@@ -35,11 +37,12 @@ import logging
 from typing import Iterator, Optional, Sequence, Tuple
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math", "torch")
 DEFAULT_ATTENTION_BACKEND = "auto"  # TiledBlockSpec's and apply_moepeak's default
 OFF = "torch"  # torch's own choice; None means the same
-FALLBACKS = ("flash", "efficient", "math")  # after the first choice, in this order
+FALLBACKS = ("flash", "efficient", "math")  # "auto"'s after cuDNN, in this order
 AUTO_MIN_CAPABILITY = (9, 0)
 AUTO_DTYPES = (torch.float16, torch.bfloat16)
 # moepeak's name -> (torch.nn.attention.SDPBackend member, torch.backends.cuda switch reader)
@@ -48,6 +51,9 @@ _TORCH_BACKENDS = {"cudnn": ("CUDNN_ATTENTION", "cudnn_sdp_enabled"),
                    "efficient": ("EFFICIENT_ATTENTION", "mem_efficient_sdp_enabled"),
                    "math": ("MATH", "math_sdp_enabled")}
 
+# sdpa_kernel's priority keyword (torch >= 2.6), read once: without it the listed backends run in
+# torch's own order
+_PRIORITY = {"set_priority": True} if "set_priority" in inspect.signature(sdpa_kernel).parameters else {}
 _LOG = logging.getLogger("moepeak")
 _logged = set()  # (choice, device type, dtype, order) already logged
 
@@ -82,7 +88,7 @@ def backend_order(choice, device: torch.device, dtype: torch.dtype) -> Optional[
     if choice == OFF:
         return None
     if choice != "auto":
-        return (choice,) + tuple(b for b in FALLBACKS if b != choice)
+        return (choice,)
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
@@ -113,10 +119,8 @@ def attention_backend_context(choice, device: torch.device, dtype: torch.dtype) 
     if order is None:
         yield None
         return
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     backends = [getattr(SDPBackend, _TORCH_BACKENDS[b][0]) for b in order]
-    keywords = {"set_priority": True} if "set_priority" in inspect.signature(sdpa_kernel).parameters else {}
-    with sdpa_kernel(backends, **keywords):
+    with torch.nn.attention.sdpa_kernel(backends, **_PRIORITY):  # looked up at the call (tests spy on it)
         yield order
 
 
@@ -128,5 +132,4 @@ def describe_attention_backend(choice) -> str:
     if choice == "auto":
         return ("SDPA backends cudnn > flash > efficient > math on CUDA sm90+ for fp16/bf16 (else torch's own "
                 "choice; attention_backend='auto', the order used is logged once on the 'moepeak' logger)")
-    return f"SDPA backends {' > '.join((choice,) + tuple(b for b in FALLBACKS if b != choice))} " \
-           f"(attention_backend={choice!r})"
+    return f"SDPA backend {choice} only (attention_backend={choice!r})"
