@@ -10,6 +10,8 @@ a step goes (GPU, host RAM, disk) on a given machine.
   host       moepeak's host RAM per GPU, term by term (host_bytes, longest_host_context)
   placement  the placement on a machine: place() -> Placement (keep_last, host and disk
              boundaries, StreamAdamW's device tail, tiling), Margins, PlacementError
+  integration  what moepeak.hf's, moepeak.titan's and the demo's automatic placement share:
+             Ranks, job_ranks, place_rank (several ranks), StepPlacement, TilesNeeded
   machine    what the command reads off the machine it runs on (read_host_ram,
              disk_free_bytes) and Machine, the machine a report checks against
   presets    public models' and torchtitan flavors' shapes (PRESETS)
@@ -33,6 +35,8 @@ from .sequence import SHARDS, SP_ENGINES, sequence_attention_bytes
 from .host import HOST_TERMS, host_bytes, longest_host_context
 from .machine import Machine, disk_free_bytes, read_host_ram
 from .placement import Margins, Placement, PlacementError, longest_placed_context, place
+from .integration import (ALL_STATE_ON_GPU, Ranks, StepPlacement, TilesNeeded, activation_bytes, forward_tokens,
+                          job_ranks, place_rank, rank_context, setup_problems)
 from .chart import plot, plot_spec
 from .presets import PRESETS
 from .table import ROW_LEGEND, report
@@ -41,4 +45,6 @@ __all__ = ["ModelShape", "Setup", "PRESETS", "PEAKS", "BINDING", "IMPLS", "SP_EN
            "peaks", "host_bytes", "HOST_TERMS", "keep_last", "longest_context", "longest_host_context",
            "ring_dtp_vocab_bytes", "sequence_attention_bytes", "tiled_full_len_bytes", "place", "Placement",
            "PlacementError", "Margins", "longest_placed_context", "Machine", "read_host_ram", "disk_free_bytes",
-           "report", "build_parser", "from_args", "main", "plot", "plot_spec"]
+           "report", "build_parser", "from_args", "main", "plot", "plot_spec", "Ranks", "job_ranks", "place_rank",
+           "StepPlacement", "TilesNeeded", "ALL_STATE_ON_GPU", "activation_bytes", "forward_tokens", "rank_context",
+           "setup_problems"]

@@ -304,9 +304,18 @@ def _device_tail(step: _Step, room: _Budgets, keep: int, floor: float, reasons: 
                                       f"short" + ("" if tail >= step.state_all else
                                                   ", the rest in host RAM" + ("" if tail >= want else
                                                                              " (the GPU has no more room)")))
+    elif tail >= step.state_all:
+        reasons["optimizer_state"] = f"on the GPU, all of it ({_gib(step.state_all)}): {_given_tail(step, floor)}"
     else:
-        reasons["optimizer_state"] = "in host RAM" + (f" but the given {_gib(floor)} device tail" if floor else "")
+        reasons["optimizer_state"] = "in host RAM" + (f" but {_given_tail(step, floor)}" if floor else "")
     return tail
+
+
+def _given_tail(step: _Step, floor: float) -> str:
+    """Setup.device_state_gib in words: a device tail, or all the state (math.inf: a stock
+    optimizer, whose state lives on the GPU)."""
+    return "all optimizer state on the GPU, as given" if floor >= step.state_all else \
+        f"the given {_gib(floor)} device tail"
 
 
 def _disk(step: _Step, room: _Budgets, keep: int, tail: float, reasons: Dict[str, str]) -> int:
@@ -350,9 +359,9 @@ def _place_tiled(m: ModelShape, s: Setup, context: int, room: _Budgets, tile: Op
         raise PlacementError(f"the GPU is short even with every boundary and all optimizer state off it "
                              f"({r['binding']} binds): " + _short("the step", r["total"], room.gpu),
                              "gpu", r["total"], room.gpu)
-    floor = s.device_state_gib * GiB
+    floor = min(s.device_state_gib * GiB, step.state_all)  # math.inf: all of it
     if step.gpu(0, floor) > room.gpu:
-        raise PlacementError(f"the GPU is short: with the given {s.device_state_gib:g} GiB device tail the step " +
+        raise PlacementError(f"the GPU is short: with {_given_tail(step, floor)} the step " +
                              _short("", step.gpu(0, floor), room.gpu).lstrip(), "gpu", step.gpu(0, floor), room.gpu)
     first = dict(reasons)
     try:  # the GPU's room to boundaries first (each kept saves a PCIe round trip), then to state
@@ -395,11 +404,15 @@ def _placement(m: ModelShape, s: Setup, context: int, disk: int, room: _Budgets,
 
 
 def place(m: ModelShape, s: Setup, context: int, *, gpu_bytes: float, host_bytes: float,
-          disk_bytes: Optional[float] = None, ranks_per_host: int = 1, margins: Margins = Margins()) -> Placement:
+          disk_bytes: Optional[float] = None, ranks_per_host: int = 1, margins: Margins = Margins(),
+          tiles: bool = True) -> Placement:
     """The placement of one moepeak step of `context` tokens (all ranks together, as peaks()
     takes it) on a machine: gpu_bytes per GPU, host_bytes of RAM and disk_bytes of spill
     space per host shared by ranks_per_host ranks (the module docstring says how to measure
-    them). Raises PlacementError (naming the short tier, with the bytes) when nothing fits,
+    them). tiles=False: whole blocks only where the setup gives no tile_tokens (the ranks of
+    a job whose tiles each run a collective must agree on the tiling: moepeak.plan.integration).
+    Setup.device_state_gib = math.inf: all the optimizer state on the GPU (a stock optimizer).
+    Raises PlacementError (naming the short tier, with the bytes) when nothing fits,
     ValueError on bad arguments."""
     for name, v in (("gpu_bytes", gpu_bytes), ("host_bytes", host_bytes)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
@@ -416,9 +429,9 @@ def place(m: ModelShape, s: Setup, context: int, *, gpu_bytes: float, host_bytes
     room = _Budgets(gpu=margins.gpu_room(gpu_bytes), host=margins.host_room(host_bytes) / ranks_per_host,
                     disk=None if disk_bytes is None else max(0.0, margins.disk_room(disk_bytes)) / ranks_per_host)
     # whole blocks first; tiles free GPU memory (for the step, then for boundaries and state)
-    tiles = (s.tile_tokens,) if s.tile_tokens else (None,) + TILE_TOKENS_CHOICES
+    tilings = (s.tile_tokens,) if s.tile_tokens else (None,) + (TILE_TOKENS_CHOICES if tiles else ())
     failures, last = [], None
-    for tile in tiles:
+    for tile in tilings:
         why = ("as given" if s.tile_tokens else "the untiled step fits" if tile is None else
                "; ".join(failures) + " (a tile frees GPU memory for the step, the boundaries and the state)")
         reasons = {"tiling": ("whole blocks: " if tile is None else f"tiles of {tile} tokens: ") + why}
@@ -428,7 +441,8 @@ def place(m: ModelShape, s: Setup, context: int, *, gpu_bytes: float, host_bytes
             failures.append(f"{'whole blocks' if tile is None else f'{tile}-token tiles'} leave {e.tier} "
                             f"{_gib(e.need - e.room)} short")
             last = e
-    tried = "as given" if s.tile_tokens else f"whole blocks or tiles down to {tiles[-1]} tokens"
+    tried = "as given" if s.tile_tokens else \
+        f"whole blocks or tiles down to {tilings[-1]} tokens" if tiles else "whole blocks"
     raise PlacementError(f"moepeak.plan: nothing fits at {context} tokens ({tokens_per_rank(s, context)} per GPU, "
                          f"{tried}): {last}", last.tier, last.need, last.room)
 

@@ -28,8 +28,9 @@ def sequence_attention_bytes(m, s, b: int, tiled: bool) -> float:
       ring     torch context_parallel (accelerate's cp_size) per head-group call: the kv shard in
                flight beside the one in use (send + receive buffers of k and v, 2*b*(Kk + Kv))
                and the fp32 merge state (output 4*Qo, lse 4*nh), over the call's head groups
-               (the tiled layer's nkv; the untiled model's one call: 1)."""
-    if s.sp is None:
+               (the tiled layer's nkv; the untiled model's one call: 1).
+    With one rank per sequence (S = 1: expert parallelism alone) nothing is exchanged."""
+    if s.sp is None or sequence_size(s) == 1:
         return 0.0
     nh, nkv = m.heads, m.kv_heads
     Qq, Qo, Kk, Kv = nh * m.dqk(), nh * m.d(), nkv * m.dqk(), nkv * m.d()
