@@ -12,29 +12,45 @@ a pinned arena sized for the step's host boundaries
 (SCOOffloader.reconfigure: the arena of a shorter step is freed, not kept beside the new
 one), and sequence tiles (tile_tokens) when whole blocks do not fit. Explicit settings win:
 a given sco_config keeps SCO as configured (its keep_last is the plan's), a given tile_tokens
-is the plan's tiling, gpu_budget_gib / host_budget_gib replace the measured bytes.
-Where: one GPU per process, without expert or sequence parallelism (group=None,
-sequence_group=None); elsewhere, and where the model is not on a GPU, it does nothing and
-the report says so. No disk tier automatically: give sco_config=SCOConfig(spill_dir=...,
-host_budget_bytes=...).
+is the plan's tiling, gpu_budget_gib / host_budget_gib (this host's, shared by its ranks)
+replace the measured bytes.
+Several ranks (moepeak.plan.integration states the rule): each rank places its own share
+from its own GPU and its share of the host, with no collective. The share: expert
+parallelism (group=, P_ep ranks) holds 1/P_ep of the experts and the other weights whole
+(DistributedDataParallel or average_gradients; FSDP2 when the parameters are DTensors),
+sequence parallelism (sequence_group=, S ranks) holds T / S of each sequence (Setup's sp,
+sp_size, shard, ep_size: moepeak.plan.sequence). Under either, the tiling is the ranks' to
+share: where whole blocks do not fit and tile_tokens was not given, the first training
+forward raises moepeak.plan.TilesNeeded naming the tile_tokens to give on every rank.
+Where the model is not on a GPU it does nothing and the report says so. No disk tier
+automatically: give sco_config=SCOConfig(spill_dir=..., host_budget_bytes=...).
 """
 from __future__ import annotations
 
 import logging
+import math
 from typing import Optional, Tuple
 
 import torch
 
 from ..core import host_memory
-from ..plan import GiB, ModelShape, Placement, Setup, place
+from ..plan import (GiB, ModelShape, Placement, Ranks, Setup, StepPlacement, activation_bytes, job_ranks,
+                    setup_problems)
+from .expert_parallel import expert_slices, group_size
+from .sequence import crosses_heads
 
 PLACEMENT_OPTIONS = ("auto_placement", "gpu_budget_gib", "host_budget_gib")
+TOKEN_ARGUMENTS = ("input_ids", "inputs_embeds")  # a forward's token tensor (positional: the first)
+TILE_OPTION = "apply_moepeak(..., tile_tokens=N)"
 log = logging.getLogger("moepeak")
+# The machine's room for this model's step: a module name, so tests can stand in for the GPU
+measure = host_memory.placement_room
 
 
-def model_shape(model) -> ModelShape:
+def model_shape(model, expert_ranks: int = 1) -> ModelShape:
     """The planner's shape of a transformers MoE model from its (text) config; params() is the
-    model's own parameter count (sum of numel), whatever the family's extra tensors."""
+    model's own parameter count (sum of numel), whatever the family's extra tensors, with its
+    expert slices counted on each of their expert_ranks ranks (expert parallelism)."""
     c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
 
     def first(*names, default=None):
@@ -44,60 +60,79 @@ def model_shape(model) -> ModelShape:
                 return v
         return default
     heads = first("num_attention_heads")
+    sliced = sum(p.numel() for p in expert_slices(model).values()) if expert_ranks > 1 else 0
     return ModelShape(layers=first("num_hidden_layers"), hidden=first("hidden_size"),
                       experts=first("num_experts", "num_local_experts", "n_routed_experts", default=1),
                       top_k=first("num_experts_per_tok", "top_k", default=1),
                       intermediate=first("moe_intermediate_size", "intermediate_size"), vocab=first("vocab_size"),
                       heads=heads, kv_heads=first("num_key_value_heads", default=heads), head_dim=first("head_dim"),
                       tied_embeddings=bool(first("tie_word_embeddings", default=False)),
-                      param_count=sum(p.numel() for p in model.parameters()))
+                      param_count=sum(p.numel() for p in model.parameters()) + (expert_ranks - 1) * sliced)
 
 
-def measure(model) -> Optional[Tuple[float, float]]:
-    """The machine's room for this model's step (core.host_memory.placement_room); a module
-    function so tests can stand in for the GPU."""
-    return host_memory.placement_room(model)
+def _sharded(model) -> bool:
+    """The model's parameters are DTensors (FSDP2): the non-expert weights are sharded."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def batch_tokens(args, kwargs) -> Optional[int]:
-    """T of a forward call: input_ids' or inputs_embeds' batch x sequence."""
-    x = kwargs.get("input_ids", args[0] if args else None)
-    if x is None:
-        x = kwargs.get("inputs_embeds")
-    if not isinstance(x, torch.Tensor) or x.dim() < 2:
-        return None
-    return int(x.shape[0] * x.shape[1])
+def _attention_crosses_heads(model) -> bool:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    return crosses_heads(ALL_ATTENTION_FUNCTIONS.get_interface(model.config._attn_implementation, None))
 
 
-class AutoPlacement:
+class AutoPlacement(StepPlacement):
     """The placement state of one model (model._moepeak_placement): the explicit settings, the
-    last plan and what it applied. apply_moepeak makes it; place_model and the hook run it."""
+    ranks' layout, the last plan and what it applied. apply_moepeak makes it; place_model and
+    the hook run it."""
 
     def __init__(self, model, report, *, keep_given: Optional[int], sco_given: bool, tile_tokens: Optional[int],
-                 gpu_budget_gib: Optional[float], host_budget_gib: Optional[float], enabled: bool, why_off: str = ""):
+                 gpu_budget_gib: Optional[float], host_budget_gib: Optional[float], enabled: bool, why_off: str = "",
+                 group=None, sequence=None):
         for name, v in (("gpu_budget_gib", gpu_budget_gib), ("host_budget_gib", host_budget_gib)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
                 raise ValueError(f"moepeak.hf: {name} must be a number of GiB > 0 or None, got {v!r}")
+        super().__init__(tile_tokens)
         self.model, self.report = model, report
-        self.keep_given, self.sco_given, self.tile_tokens = keep_given, sco_given, tile_tokens
+        self.keep_given, self.sco_given = keep_given, sco_given
         self.gpu_budget_gib, self.host_budget_gib = gpu_budget_gib, host_budget_gib
+        self.group, self.sequence = group, sequence  # expert group, SequenceOptions (None: none)
         self.enabled, self.why_off = enabled, why_off
-        self.tokens = 0                   # T of the last plan
-        self.host_measured = 0.0          # the host's available RAM at the first plan
         self.device_state_bytes = None    # StreamAdamW's device tail once the optimizer took it
-        self.placement: Optional[Placement] = None
         self.note = why_off or "not run yet (at the first training forward, or place_model(model, tokens))"
 
     def __call__(self, module, args, kwargs):
-        if not (self.enabled and module.training and torch.is_grad_enabled()):
-            return
-        T = batch_tokens(args, kwargs)
-        if T is not None and T > self.tokens:
+        T = self.due(module, args, kwargs, TOKEN_ARGUMENTS) if self.enabled else None
+        if T is not None:
             self.plan(T)
 
+    def layout(self) -> Tuple[ModelShape, Setup, Ranks]:
+        """The planner's shape and Setup of this rank's share (the module docstring), and the ranks."""
+        experts = group_size(self.group)
+        seq = self.sequence.resolve_group() if self.sequence is not None else None
+        S = torch.distributed.get_world_size(seq) if seq is not None else 1
+        ranks = job_ranks(tiles_agree=experts > 1 or S > 1)
+        common = dict(impl="hf", act_bytes=activation_bytes(next(self.model.parameters()).dtype),
+                      tile_tokens=self.tile_tokens, sco_keep_last=self.keep_given,
+                      device_state_gib=(self.device_state_bytes or 0) / GiB)
+        shape = model_shape(self.model, experts)
+        if experts == 1 and S == 1:  # one process, or replicas of the whole model (DDP, FSDP2 of it)
+            return shape, Setup(gpus=1, **common), ranks
+        world = ranks.world
+        gpus = world if world % S == 0 and world % experts == 0 else math.lcm(S, experts)
+        # S = 1 (expert parallelism alone): nothing is exchanged by the sequence; "ring" only names
+        # the tiled layers' head groups (num_key_value_heads, as moepeak.hf.tiled picks them)
+        engine = "ulysses" if S > 1 and _attention_crosses_heads(self.model) else "ring"
+        return shape, Setup(gpus=gpus, sp=engine, sp_size=S, shard="fsdp2" if _sharded(self.model) else "ddp",
+                            ep_size=experts, **common), ranks
+
     def plan(self, tokens: int) -> Optional[Placement]:
-        """Place a step of `tokens` tokens and apply it; None where placement is off or there is no
-        GPU (self.note says why). PlacementError (the short tier, the bytes) when nothing fits."""
+        """Place a step of `tokens` tokens (this rank's) and apply it; None where placement is off
+        or there is no GPU (self.note says why). PlacementError (the short tier, the bytes) when
+        nothing fits; TilesNeeded under several ranks when only tiles fit and none were given."""
         if not self.enabled:
             return None
         measured = measure(self.model)
@@ -105,32 +140,22 @@ class AutoPlacement:
             self.note = "off: the model is not on a GPU (no-op)"
             return None
         gpu, host = measured or (0.0, 0.0)
-        # host RAM as first measured, before StreamAdamW's state and SCO's arena existed: a later
-        # measure would see them taken and count them twice (the arena is freed on re-plan)
         if measured is not None:
-            self.host_measured = host = self.host_measured or host
+            host = self.first_host(host)
         gpu = self.gpu_budget_gib * GiB if self.gpu_budget_gib is not None else gpu
         host = self.host_budget_gib * GiB if self.host_budget_gib is not None else host
         if not host > 0:
             self.note = "off: this host's available RAM could not be read (give host_budget_gib)"
             return None
-        shape = model_shape(self.model)
-        bad = shape.problems()
+        shape, setup, ranks = self.layout()
+        bad = setup_problems(shape, setup)
         if bad:
             self.note = "off: the model's config does not give the planner's shape (" + "; ".join(bad) + ")"
             return None
-        dtype = next(self.model.parameters()).dtype
-        setup = Setup(gpus=1, impl="hf", act_bytes=2 if dtype in (torch.bfloat16, torch.float16) else 4,
-                      tile_tokens=self.tile_tokens, sco_keep_last=self.keep_given,
-                      device_state_gib=(self.device_state_bytes or 0) / GiB)
-        p = place(shape, setup, tokens, gpu_bytes=gpu, host_bytes=host)
+        p = self.place(shape, setup, tokens, gpu_bytes=gpu, host_bytes=host, ranks=ranks, tile_option=TILE_OPTION)
         self._apply(p)
-        self.tokens, self.placement = tokens, p
-        src = "given" if measured is None else "measured"
-        self.note = (f"{tokens} tokens on {gpu / GiB:.1f} GiB of GPU and {host / GiB:.1f} GiB of host RAM "
-                     f"({src}): {p.keep_last} boundaries on the GPU, {p.host_boundaries} in host RAM; "
-                     f"StreamAdamW device tail {p.device_state_bytes / GiB:.2f} GiB; "
-                     + (f"tiles of {p.tile_tokens} tokens" if p.tile_tokens else "whole blocks"))
+        self.planned(tokens, p)
+        self.note = self.summary(p, f"{tokens} tokens", gpu, host, "given" if measured is None else "measured", ranks)
         if self.device_state_bytes is not None and p.device_state_bytes > self.device_state_bytes:
             log.warning("moepeak.hf: the step of %d tokens wants %.2f GiB of StreamAdamW's state on the GPU, the "
                         "optimizer has %.2f GiB: host RAM may be short; make the optimizer with "
@@ -145,7 +170,6 @@ class AutoPlacement:
         if p.tile_tokens and self.tile_tokens is None:
             from .tiled import patch_tiled_layers
             patch_tiled_layers(self.model, p.tile_tokens, self.report)
-            self.tile_tokens = p.tile_tokens  # installed: later plans keep it
 
     def describe(self) -> str:
         lines = [f"placement: {self.note}"]
@@ -154,20 +178,19 @@ class AutoPlacement:
         return "\n".join(lines)
 
 
-def install(model, report, *, options, sco_config, tile_tokens, group, sequence_group, checkpoint) -> AutoPlacement:
+def install(model, report, *, options, sco_config, tile_tokens, group, sequence, checkpoint) -> AutoPlacement:
     """The automatic placement of apply_moepeak (see the module docstring): made, hooked on the
-    model's forward, kept as model._moepeak_placement and report.placement."""
+    model's forward, kept as model._moepeak_placement and report.placement. sequence: the
+    SequenceOptions of sequence_group (None: none)."""
     enabled = options.get("auto_placement", True)
     if not isinstance(enabled, bool):
         raise ValueError(f"moepeak.hf: auto_placement must be a bool, got {enabled!r}")
     why = ("off: auto_placement=False" if not enabled else
-           "off: expert or sequence parallelism (group/sequence_group): give sco_config and tile_tokens"
-           if group is not None or sequence_group is not None else
            "off: checkpoint=False (nothing of SCO's to place)" if not checkpoint else "")
     auto = AutoPlacement(model, report, keep_given=sco_config.keep_last if sco_config is not None else None,
                          sco_given=sco_config is not None, tile_tokens=tile_tokens,
                          gpu_budget_gib=options.get("gpu_budget_gib"), host_budget_gib=options.get("host_budget_gib"),
-                         enabled=not why, why_off=why)
+                         enabled=not why, why_off=why, group=group, sequence=sequence)
     if auto.enabled:
         model.register_forward_pre_hook(auto, with_kwargs=True)
     model._moepeak_placement = report.placement = auto
@@ -199,4 +222,4 @@ def placement_report(model) -> str:
 
 
 __all__ = ["PLACEMENT_OPTIONS", "AutoPlacement", "model_shape", "measure", "place_model", "placement_report",
-           "install"]
+           "install", "TOKEN_ARGUMENTS", "TILE_OPTION"]
