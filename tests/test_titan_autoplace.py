@@ -148,7 +148,7 @@ def test_the_first_step_and_longer_ones_re_plan(monkeypatch):
     assert len(calls) == 2
 
 
-def test_off_without_a_gpu_or_stream_adamw_and_says_so_once(monkeypatch, caplog):
+def test_off_without_a_gpu_and_says_so_once(caplog):
     job = Job()
     with caplog.at_level(logging.INFO, logger="moepeak"):
         job.step(32)
@@ -156,10 +156,32 @@ def test_off_without_a_gpu_or_stream_adamw_and_says_so_once(monkeypatch, caplog)
     said = [r.getMessage() for r in caplog.records if "automatic placement" in r.getMessage()]
     assert said == ["moepeak.titan.sco: automatic placement off: the model is not on a GPU (no-op)"]
     assert job.sco.sco.config == SCOConfig()
+
+
+def test_a_stock_optimizer_is_planned_with_its_state_on_the_gpu(monkeypatch):
+    """torch's AdamW (not stream_adamw) keeps its state on the GPU: the plan counts all of it there
+    (8 B per fp32 parameter: the moments) and none in host RAM, and says so; a GPU that cannot
+    hold it beside the step refuses."""
     stock = Job(stock_optimizer=True)
     fake_machine(monkeypatch, autoplace, 100 * G, 200 * G)
-    assert stock.sco.placement.plan(64) is None
-    assert "not moepeak.titan.stream_adamw" in stock.sco.placement.note
+    tokens = 4096
+    p = stock.sco.placement.plan(tokens)
+    N = sum(q.numel() for q in stock.model.parameters())
+    m = autoplace.model_shape(stock.model)
+    expect = P.place(m, P.Setup(gpus=1, impl="hf", act_bytes=4, device_state_gib=P.ALL_STATE_ON_GPU), tokens,
+                     gpu_bytes=100 * G, host_bytes=200 * G)
+    assert p.device_state_bytes == expect.device_state_bytes == 8 * N
+    assert p.tiers["optimizer_state"] == {"gpu": 8 * N, "host": 0}
+    assert p.reasons["optimizer_state"].startswith("on the GPU, all of it")
+    assert "not moepeak.titan.stream_adamw: its state is counted on the GPU" in stock.sco.placement.note
+    assert stock.sco.sco.config.keep_last == p.keep_last
+    # a GPU one byte short of the step with the state on it: the step with StreamAdamW fits there
+    gpu = (p.used["gpu"] - 1 + P.Margins().gpu_bytes) / (1 - P.Margins().gpu_fraction)
+    assert P.place(m, P.Setup(gpus=1, impl="hf", act_bytes=4), tokens, gpu_bytes=gpu, host_bytes=200 * G)
+    fake_machine(monkeypatch, autoplace, gpu, 200 * G)
+    with pytest.raises(P.PlacementError) as e:
+        Job(stock_optimizer=True).sco.placement.plan(tokens)
+    assert e.value.tier == "gpu"
 
 
 @pytest.mark.cuda

@@ -13,22 +13,35 @@ host_budget_bytes) keeps SCO's arena as given, a given tile_tokens is the plan's
 auto_placement=False turns it off. The decision is logged once per plan on the 'moepeak'
 logger, with the planner's reasons.
 
-Where: one process on one GPU, the optimizer moepeak.titan.stream_adamw (place() counts
-StreamAdamW's state in host RAM; its device_state_mb is the plan's device tail). Elsewhere
-(CPU, several ranks, a stock optimizer) it does nothing and the log says why, once.
+The optimizer: moepeak.titan.stream_adamw keeps its state in host RAM but for its device tail
+(device_state_mb, marked on the model: the plan's device tail); any other optimizer (a stock
+torch AdamW, torchtitan's default) is planned with all its state on the GPU (Setup's
+device_state_gib = ALL_STATE_ON_GPU: fp32 master + moments, 12 B per bf16 parameter beside
+the parameter and its gradient; 8 per fp32 one), as AdamW keeps it.
+Several ranks (torch.distributed's world; moepeak.plan.integration states the rule): each
+rank places its own share from its own GPU and its share of the host, with no collective:
+the model's parameters over the world (FSDP2), the tokens its forward sees (T per rank). Its
+tiles may each run the experts' all-to-all, so the tiling is the ranks' to share: where whole
+blocks do not fit and tile_tokens was not given, the first training forward raises
+moepeak.plan.TilesNeeded naming the Config's tile_tokens to give. Tensor parallelism's shards
+are not modelled (the plan counts each rank's blocks whole: more than they hold). On CPU it
+does nothing and the log says why, once.
 """
 from __future__ import annotations
 
 import logging
-from typing import Optional, Tuple
-
-import torch
+from typing import Optional
 
 from ..core import host_memory
-from ..plan import GiB, ModelShape, Placement, Setup, place
+from ..plan import (ALL_STATE_ON_GPU, GiB, ModelShape, Placement, Setup, StepPlacement, activation_bytes,
+                    job_ranks, setup_problems)
 
 log = logging.getLogger("moepeak")
 STREAM_ADAMW_MARK = "_moepeak_device_state_bytes"  # set on each model part by StreamAdamWOptimizers
+TOKEN_ARGUMENTS = ("tokens",)  # a Decoder forward's token tensor (positional: the first)
+TILE_OPTION = "tile_tokens=N in moepeak.titan.sco's Config (the job config's activation_checkpoint.tile_tokens)"
+# The machine's room for this model's step: a module name, so tests can stand in for the GPU
+measure = host_memory.placement_room
 
 
 def _blocks(model):
@@ -64,39 +77,21 @@ def model_shape(model) -> ModelShape:
         param_count=sum(p.numel() for p in model.parameters()))
 
 
-def measure(model) -> Optional[Tuple[float, float]]:
-    """The machine's room for this model's step (core.host_memory.placement_room); a module
-    function so tests can stand in for the GPU."""
-    return host_memory.placement_room(model)
-
-
-def step_tokens(args, kwargs) -> Optional[int]:
-    """T of a Decoder forward call: the tokens tensor's batch x sequence."""
-    x = kwargs.get("tokens", args[0] if args else None)
-    if not isinstance(x, torch.Tensor) or x.dim() < 2:
-        return None
-    return int(x.shape[0] * x.shape[1])
-
-
-class TitanAutoPlacement:
+class TitanAutoPlacement(StepPlacement):
     """The placement state of one job's SCO component: what the Config gave, the last plan.
     SCOActivationCheckpointing makes it and hooks it on the model's forward."""
 
     def __init__(self, component, model, *, keep_given: Optional[int], arena_given: bool,
                  tile_given: Optional[int]):
+        super().__init__(tile_given)
         self.component, self.model = component, model
-        self.keep_given, self.arena_given, self.tile_tokens = keep_given, arena_given, tile_given
-        self.tokens = 0                   # T of the last plan
-        self.host_measured = 0.0          # the host's available RAM at the first plan
-        self.placement: Optional[Placement] = None
+        self.keep_given, self.arena_given = keep_given, arena_given
         self.note = "not run yet (at the first training forward)"
         self._said_off = False
 
     def __call__(self, module, args, kwargs):
-        if not (module.training and torch.is_grad_enabled()):
-            return
-        T = step_tokens(args, kwargs)
-        if T is not None and T > self.tokens:
+        T = self.due(module, args, kwargs, TOKEN_ARGUMENTS)
+        if T is not None:
             self.plan(T)
 
     def _off(self, why: str) -> None:
@@ -106,48 +101,37 @@ class TitanAutoPlacement:
             self._said_off = True
 
     def plan(self, tokens: int) -> Optional[Placement]:
-        """Place a step of `tokens` tokens and apply it; None where it does not run (self.note
-        says why). PlacementError (the short tier, the bytes) when nothing fits."""
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
-            self._off(f"{torch.distributed.get_world_size()} ranks (one GPU per job only): "
-                      "give keep_last, arena_bytes and tile_tokens")
-            return None
+        """Place a step of `tokens` tokens (this rank's) and apply it; None where it does not run
+        (self.note says why). PlacementError (the short tier, the bytes) when nothing fits;
+        TilesNeeded under several ranks when only tiles fit and none were given."""
         measured = measure(self.model)
         if measured is None:
             self._off("the model is not on a GPU (no-op)")
             return None
-        device_state = getattr(self.model, STREAM_ADAMW_MARK, None)
-        if device_state is None:
-            self._off("the optimizer is not moepeak.titan.stream_adamw (the plan counts StreamAdamW's "
-                      "state in host RAM)")
-            return None
         gpu, host = measured
-        # host RAM as first measured, before StreamAdamW's state and SCO's arena existed: a later
-        # measure would see them taken and count them twice (the arena is freed on re-plan)
-        self.host_measured = host = self.host_measured or host
+        host = self.first_host(host)
         if not host > 0:
             self._off("this host's available RAM could not be read (/proc/meminfo)")
             return None
+        ranks = job_ranks(tiles_agree=True)
+        device_state = getattr(self.model, STREAM_ADAMW_MARK, None)
+        setup = Setup(gpus=ranks.world, impl="hf", act_bytes=activation_bytes(next(self.model.parameters()).dtype),
+                      tile_tokens=self.tile_tokens, sco_keep_last=self.keep_given,
+                      device_state_gib=ALL_STATE_ON_GPU if device_state is None else device_state / GiB)
         shape = model_shape(self.model)
-        bad = shape.problems()
+        bad = setup_problems(shape, setup)
         if bad:
             self._off("the model does not give the planner's shape (" + "; ".join(bad) + ")")
             return None
-        dtype = next(self.model.parameters()).dtype
-        setup = Setup(gpus=1, impl="hf", act_bytes=2 if dtype in (torch.bfloat16, torch.float16) else 4,
-                      tile_tokens=self.tile_tokens, sco_keep_last=self.keep_given,
-                      device_state_gib=device_state / GiB)
-        p = place(shape, setup, tokens, gpu_bytes=gpu, host_bytes=host)
+        p = self.place(shape, setup, tokens, gpu_bytes=gpu, host_bytes=host, ranks=ranks, tile_option=TILE_OPTION)
         self._apply(p)
-        self.tokens, self.placement = tokens, p
-        self.note = (f"{tokens} tokens on {gpu / GiB:.1f} GiB of GPU and {host / GiB:.1f} GiB of host RAM: "
-                     f"{p.keep_last} boundaries on the GPU, {p.host_boundaries} in host RAM"
-                     + ("" if self.arena_given else f" (arena {p.sco_options()['arena_bytes'] / GiB:.2f} GiB)")
-                     + "; " + (f"tiles of {p.tile_tokens} tokens" if p.tile_tokens else "whole blocks"))
+        self.planned(tokens, p)
+        self.note = self.summary(p, f"{tokens} tokens", gpu, host, "measured", ranks) + (
+            "; the optimizer is not moepeak.titan.stream_adamw: its state is counted on the GPU"
+            if device_state is None else "")
         log.info("moepeak.titan.sco: automatic placement: %s\n%s", self.note,
                  "\n".join(f"  {k}: {v}" for k, v in p.reasons.items()))
-        if p.device_state_bytes > device_state:
+        if device_state is not None and p.device_state_bytes > device_state:
             log.warning("moepeak.titan.sco: the step of %d tokens wants %.2f GiB of StreamAdamW's state on the "
                         "GPU, the optimizer has %.2f GiB (stream_adamw's device_state_mb): host RAM may be short; "
                         "give device_state_mb=%d", tokens, p.device_state_bytes / GiB, device_state / GiB,
@@ -163,7 +147,6 @@ class TitanAutoPlacement:
             self.component.sco.reconfigure(**fields)
         if p.tile_tokens and self.tile_tokens is None:
             self.component.set_tiles(self.model, p.tile_tokens)
-            self.tile_tokens = p.tile_tokens  # installed: later plans keep it
 
 
-__all__ = ["TitanAutoPlacement", "model_shape", "measure", "step_tokens", "STREAM_ADAMW_MARK"]
+__all__ = ["TitanAutoPlacement", "model_shape", "measure", "STREAM_ADAMW_MARK", "TOKEN_ARGUMENTS", "TILE_OPTION"]
