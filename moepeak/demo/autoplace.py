@@ -4,21 +4,30 @@ machine's measured free bytes how many blocks keep their input on the GPU (sco_k
 the pinned arena SCO reserves for the others, and whether blocks run sequence-tiled.
 
 Measured: the GPU's free + reserved bytes (torch.cuda.mem_get_info, in a process that holds
-nothing yet) and the host's MemAvailable (moepeak.core.host_memory), both before the model,
-the optimizer state and the arena exist. Explicit settings win: --tile-tokens is the plan's
-tiling. --no-auto-placement turns it off (MoEConfig's defaults: KEEP_LAST_DEMO, an arena
-grown on demand, whole blocks). It runs for one process on a GPU with all four schedules
-(the plan's step); elsewhere (CPU, torchrun, a schedule off) it does nothing and says why.
-A machine too small raises moepeak.plan.PlacementError before anything is allocated.
+nothing yet: under torchrun this rank's GPU, LOCAL_RANK's) and the host's MemAvailable
+(moepeak.core.host_memory), both before the model, the optimizer state and the arena exist.
+Explicit settings win: --tile-tokens is the plan's tiling. --no-auto-placement turns it off
+(MoEConfig's defaults: KEEP_LAST_DEMO, an arena grown on demand, whole blocks). It runs on a
+GPU with all four schedules (the plan's step); elsewhere (CPU, a schedule off) it does
+nothing and says why. A machine too small raises moepeak.plan.PlacementError before
+anything is allocated.
+Under torchrun (moepeak.plan.integration states the rule) each rank places its own share
+(its tokens: seq_len / world of each sequence with context parallelism, else its own batch;
+the parameters over the world, as the planner's default layout is the demo's) from its own
+GPU and its share of the host (LOCAL_WORLD_SIZE), with no collective. PipelinedLLEP's
+all-to-all runs per tile, so the ranks' tiling is not picked for them: where whole blocks do
+not fit and --tile-tokens was not given, moepeak.plan.TilesNeeded names the --tile-tokens to
+give.
 """
 from __future__ import annotations
 
+import os
 from typing import List, Optional, Tuple
 
 import torch
 
 from ..core import host_memory
-from ..plan import GiB, ModelShape, Placement, Setup, place
+from ..plan import ModelShape, Placement, Setup, StepPlacement, job_ranks, place_rank
 from ..stream_adamw import StreamAdamWOptions
 from .config import MoEConfig, param_count
 
@@ -35,6 +44,8 @@ def measure(device: torch.device) -> Optional[Tuple[float, float]]:
     RAM) on a CUDA device; None elsewhere or where MemAvailable cannot be read."""
     if device.type != "cuda":
         return None
+    if device.index is None:  # before torch.cuda.set_device: this rank's GPU under torchrun
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     free, _ = torch.cuda.mem_get_info(device)
     host = host_memory.available_bytes(pinned=True)
     if not host:
@@ -75,23 +86,22 @@ def place_demo(cfg: MoEConfig, opt_kind: str, *, enabled: bool, device: torch.de
     if schedules != ("llep", "ring_dtp", "sco", "stream"):
         return cfg, DemoPlacement("off: the plan's step runs all four schedules; here "
                                   "moe=%s head=%s checkpoint=%s optimizer=%s" % schedules)
-    if world > 1:
-        return cfg, DemoPlacement(f"off under {world} ranks (one process on one GPU only)")
     measured = measure(device)
     if measured is None:
         return cfg, DemoPlacement("off on CPU (no-op)" if device.type != "cuda" else
                                   "off: this host's available RAM could not be read (/proc/meminfo)")
     gpu, host = measured
-    setup = Setup(gpus=1, impl="demo", act_bytes=torch.empty((), dtype=dtype).element_size(), batch=batch,
+    ranks = job_ranks(tiles_agree=True, world=world)
+    setup = Setup(gpus=world, impl="demo", act_bytes=torch.empty((), dtype=dtype).element_size(), batch=batch,
                   chunk_rows=cfg.chunk_rows, tile_tokens=cfg.tile_tokens, lean_norm=cfg.lean_norm,
                   bucket_mb=StreamAdamWOptions.bucket_mb if bucket_mb is None else bucket_mb,
                   state_dtype_bytes=2 if state_dtype == "bfloat16" else 4)
-    p = place(demo_shape(cfg), setup, seq_len, gpu_bytes=gpu, host_bytes=host)
-    note = (f"{batch * seq_len} tokens per step on {gpu / GiB:.1f} GiB of GPU and {host / GiB:.1f} GiB of host RAM "
-            f"(measured): {p.keep_last} boundaries on the GPU, {p.host_boundaries} in host RAM (arena "
-            f"{p.sco_options()['arena_bytes'] / GiB:.2f} GiB); "
-            + (f"tiles of {p.tile_tokens} tokens" if p.tile_tokens else "whole blocks")
-            + (f"; StreamAdamW device tail {p.device_state_bytes / GiB:.2f} GiB" if p.device_state_bytes else ""))
+    # the context whose tokens per rank are this rank's: context parallelism splits seq_len over
+    # the ranks; without it each rank runs its own batch x seq_len
+    context = seq_len if cfg.context_parallel or world == 1 else seq_len * world
+    p = place_rank(demo_shape(cfg), setup, context, gpu_bytes=gpu, host_bytes=host, ranks=ranks,
+                   tile_option="--tile-tokens N")
+    note = StepPlacement.summary(p, f"{batch * seq_len} tokens per step", gpu, host, "measured", ranks)
     return cfg.replace(sco_keep_last=p.keep_last, tile_tokens=p.tile_tokens), DemoPlacement(note, p)
 
 
