@@ -104,3 +104,49 @@ def test_cpu_losses_unchanged_by_the_placement(monkeypatch):
     got = run(TINY + ["--steps", "3", "--no-peaks"])["losses"]
     assert got == want
     assert torch.isfinite(torch.tensor(got)).all()
+
+
+def _share(world, batch, **fields):
+    """The Setup of one rank of the demo under torchrun, written out: the planner's default
+    layout (the parameters over the world, the context split over it)."""
+    return P.Setup(gpus=world, impl="demo", act_bytes=4, batch=batch, **fields)
+
+
+def test_each_rank_places_its_share_and_never_picks_tiles(monkeypatch):
+    """Under torchrun (world 2, LOCAL_WORLD_SIZE 2) a rank plans its own tokens (seq_len / 2 of
+    each sequence with context parallelism, its own batch x seq_len without) on its own GPU and
+    half the host; where only tiles fit and --tile-tokens was not given, TilesNeeded names it."""
+    from moepeak.demo.config import MoEConfig
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    fake_machine(monkeypatch, autoplace, 100 * G, 200 * G)
+    common = dict(opt_kind="stream", enabled=True, device=torch.device("cuda"), world=2, batch=2,
+                  dtype=torch.float32, bucket_mb=None, state_dtype=None)
+    m = autoplace.demo_shape(MoEConfig())
+    for cp, context in ((True, 4096), (False, 8192)):
+        cfg, placed = autoplace.place_demo(MoEConfig(context_parallel=cp), seq_len=4096, **common)
+        expect = P.place(m, _share(2, 2), context, gpu_bytes=100 * G, host_bytes=200 * G, ranks_per_host=2)
+        p = placed.placement
+        assert (p.tokens, p.keep_last, p.used) == ((2048 if cp else 4096) * 2, expect.keep_last, expect.used)
+        assert cfg.sco_keep_last == p.keep_last and "one rank of 2, 2 on this host" in placed.note
+    # a GPU where only tiles fit the step
+    seq = 1 << 16
+    s = _share(2, 1)
+
+    def fits(gpu, tiles=True):
+        try:
+            return P.place(m, s, seq, gpu_bytes=gpu, host_bytes=1e15, ranks_per_host=2, tiles=tiles)
+        except P.PlacementError:
+            return None
+    lo, hi = 2.11 * G, 400 * G
+    while hi - lo > 1024:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    tile = fits(hi).tile_tokens
+    assert tile and not fits(hi, tiles=False)
+    fake_machine(monkeypatch, autoplace, hi, 1e15)
+    with pytest.raises(P.TilesNeeded, match=rf"give --tile-tokens {tile} on every rank"):
+        autoplace.place_demo(MoEConfig(context_parallel=True), seq_len=seq, **dict(common, batch=1))
+    _, given = autoplace.place_demo(MoEConfig(context_parallel=True, tile_tokens=tile), seq_len=seq,
+                                    **dict(common, batch=1))
+    assert given.placement.tile_tokens == tile

@@ -197,3 +197,37 @@ def test_cuda_step_is_placed_and_logged(caplog):
     said = [r.getMessage() for r in caplog.records if "automatic placement" in r.getMessage()]
     assert len(said) == 1 and "4096 tokens on" in said[0] and "keep_last:" in said[0], said
     print(said[0])
+
+
+def test_each_rank_places_its_share_and_never_picks_tiles(monkeypatch):
+    """Under several ranks (job_ranks stood in for: 2 ranks, both on this host) a rank plans its
+    own tokens with the parameters over the world and half the host; where only tiles fit and
+    the Config gives no tile_tokens, TilesNeeded names it, before anything is applied."""
+    monkeypatch.setattr(autoplace, "job_ranks", lambda tiles_agree: P.Ranks(2, 2, False, tiles_agree))
+    job = Job()
+    fake_machine(monkeypatch, autoplace, 100 * G, 200 * G)
+    tokens = 4096
+    p = job.sco.placement.plan(tokens)
+    m = autoplace.model_shape(job.model)
+    s = P.Setup(gpus=2, impl="hf", act_bytes=4)
+    expect = P.place(m, s, 2 * tokens, gpu_bytes=100 * G, host_bytes=200 * G, ranks_per_host=2)
+    assert (p.tokens, p.keep_last, p.used) == (tokens, expect.keep_last, expect.used)
+    assert job.sco.sco.config.keep_last == p.keep_last and "one rank of 2" in job.sco.placement.note
+
+    def fits(gpu, tiles=True):
+        try:
+            return P.place(m, s, 2 << 16, gpu_bytes=gpu, host_bytes=1e15, ranks_per_host=2, tiles=tiles)
+        except P.PlacementError:
+            return None
+    lo, hi = 2.11 * G, 400 * G
+    while hi - lo > 1024:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    tile = fits(hi).tile_tokens
+    assert tile and not fits(hi, tiles=False)
+    fake_machine(monkeypatch, autoplace, hi, 1e15)
+    fresh = Job()
+    before = fresh.sco.sco.config
+    with pytest.raises(P.TilesNeeded, match=rf"give tile_tokens={tile} in moepeak.titan.sco's Config"):
+        fresh.sco.placement.plan(1 << 16)
+    assert fresh.sco.sco.config == before and fresh.sco.tile_tokens is None
