@@ -11,7 +11,7 @@ from moepeak.demo import autoplace, run
 from moepeak.demo import train as demo_train
 from moepeak.sco import KEEP_LAST_DEMO
 from test_demo import TINY
-from tests.autoplace_helpers import fake_machine
+from tests.autoplace_helpers import fake_machine, tiles_only_gpu
 
 G = P.GiB
 QUIET = TINY.index("--quiet")
@@ -132,18 +132,7 @@ def test_each_rank_places_its_share_and_never_picks_tiles(monkeypatch):
     # a GPU where only tiles fit the step
     seq = 1 << 16
     s = _share(2, 1)
-
-    def fits(gpu, tiles=True):
-        try:
-            return P.place(m, s, seq, gpu_bytes=gpu, host_bytes=1e15, ranks_per_host=2, tiles=tiles)
-        except P.PlacementError:
-            return None
-    lo, hi = 2.11 * G, 400 * G
-    while hi - lo > 1024:
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-    tile = fits(hi).tile_tokens
-    assert tile and not fits(hi, tiles=False)
+    hi, tile = tiles_only_gpu(m, s, seq, ranks_per_host=2)
     fake_machine(monkeypatch, autoplace, hi, 1e15)
     with pytest.raises(P.TilesNeeded, match=rf"give --tile-tokens {tile} on every rank"):
         autoplace.place_demo(MoEConfig(context_parallel=True), seq_len=seq, **dict(common, batch=1))

@@ -14,8 +14,10 @@ import torch
 pytest.importorskip("transformers")
 
 try:
+    from tests.autoplace_helpers import tiles_only_gpu
     from tests.dist_utils import run_ranks
 except ImportError:  # rootdir not on sys.path
+    from autoplace_helpers import tiles_only_gpu
     from dist_utils import run_ranks
 
 V, T, LAYERS = 97, 12, 4
@@ -53,24 +55,6 @@ def _host_for_keep(m, s, tokens, per_host, keep_more, keep_fewer):
     hi = P.host_bytes(m, dataclasses.replace(s, sco_keep_last=keep_fewer), tokens, sized_arena=True)["total"]
     M = P.Margins()
     return ((lo + hi) / 2 * per_host + M.host_bytes) / (1 - M.host_fraction)
-
-
-def _tiles_only_gpu(m, s, tokens):
-    """The smallest GPU (bytes) where the step fits, and its tile: whole blocks must not fit there."""
-    from moepeak import plan as P
-
-    def fits(gpu, tiles=True):
-        try:
-            return P.place(m, s, tokens, gpu_bytes=gpu, host_bytes=1e15, tiles=tiles)
-        except P.PlacementError:
-            return None
-    lo, hi = 2.11 * G, 400 * G  # fits at hi, not at lo (the 2 GiB + 5% margin leaves ~5 MiB)
-    assert fits(hi) and not fits(lo)
-    while hi - lo > 1024:
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-    assert fits(hi).tile_tokens and not fits(hi, tiles=False), "whole blocks fit wherever tiles do"
-    return hi, fits(hi).tile_tokens
 
 
 def _expert_parallel_ranks(rank, world):
@@ -115,7 +99,7 @@ def _expert_parallel_ranks(rank, world):
         assert torch.equal(a.grad, b.grad), (rank, n)
 
     # a longer step that fits only in tiles: refused before it allocates, the tile named
-    gpu, tile = _tiles_only_gpu(m, s, 1 << 15)
+    gpu, tile = tiles_only_gpu(m, s, 1 << 15)
     autoplace.measure = lambda target: (gpu, 500 * G)
     longer = _model()
     report = apply_moepeak(longer, group=dist.group.WORLD, chunk_rows=16)
@@ -148,7 +132,7 @@ def _sequence_parallel_ranks(rank, world):
     assert (p.context, p.tokens, p.keep_last) == (world * T, T, expect.keep_last)
     assert p.used == expect.used
     assert "one rank of 2, 2 on this host: assumed: LOCAL_WORLD_SIZE is not set" in model._moepeak_placement.note
-    gpu, tile = _tiles_only_gpu(m, s, world << 15)
+    gpu, tile = tiles_only_gpu(m, s, world << 15, ranks_per_host=world)
     autoplace.measure = lambda target: (gpu, 500 * G)
     with pytest.raises(P.TilesNeeded) as e:
         place_model(model, 1 << 15)

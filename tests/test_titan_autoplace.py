@@ -25,7 +25,7 @@ from moepeak.plan.placement import TILE_TOKENS_CHOICES  # noqa: E402
 from moepeak.sco import SCOConfig  # noqa: E402
 from moepeak.sco import sizes as SCO  # noqa: E402
 from moepeak.titan import autoplace  # noqa: E402
-from tests.autoplace_helpers import fake_machine, host_room_between  # noqa: E402
+from tests.autoplace_helpers import fake_machine, host_room_between, tiles_only_gpu  # noqa: E402
 
 G = P.GiB
 V = 2048
@@ -213,18 +213,7 @@ def test_each_rank_places_its_share_and_never_picks_tiles(monkeypatch):
     expect = P.place(m, s, 2 * tokens, gpu_bytes=100 * G, host_bytes=200 * G, ranks_per_host=2)
     assert (p.tokens, p.keep_last, p.used) == (tokens, expect.keep_last, expect.used)
     assert job.sco.sco.config.keep_last == p.keep_last and "one rank of 2" in job.sco.placement.note
-
-    def fits(gpu, tiles=True):
-        try:
-            return P.place(m, s, 2 << 16, gpu_bytes=gpu, host_bytes=1e15, ranks_per_host=2, tiles=tiles)
-        except P.PlacementError:
-            return None
-    lo, hi = 2.11 * G, 400 * G
-    while hi - lo > 1024:
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-    tile = fits(hi).tile_tokens
-    assert tile and not fits(hi, tiles=False)
+    hi, tile = tiles_only_gpu(m, s, 2 << 16, ranks_per_host=2)
     fake_machine(monkeypatch, autoplace, hi, 1e15)
     fresh = Job()
     before = fresh.sco.sco.config
