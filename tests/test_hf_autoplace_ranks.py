@@ -145,3 +145,41 @@ def test_expert_parallel_ranks_place_their_own_share():
 
 def test_sequence_parallel_ranks_place_their_share_and_refuse_tiles():
     run_ranks(2, _sequence_parallel_ranks)
+
+
+def _cuda_ranks(rank, world):
+    """Two GPUs, expert parallelism: each rank measures its own GPU and the host, places its
+    share, and the placed step's loss and gradients equal the unplaced step's."""
+    import torch.distributed as dist
+
+    from moepeak.hf import apply_moepeak, average_gradients
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    device = torch.device("cuda", rank)
+    model, ref = _model().to(device), _model().to(device)
+    report = apply_moepeak(model, group=dist.group.WORLD, chunk_rows=16)
+    apply_moepeak(ref, group=dist.group.WORLD, chunk_rows=16, auto_placement=False)
+    model.train(), ref.train()
+    g = torch.Generator().manual_seed(1 + rank)
+    ids = torch.randint(0, V, (1, 4096), generator=g).to(device)
+    losses = {}
+    for name, m_ in (("placed", model), ("unplaced", ref)):
+        loss = m_(input_ids=ids, labels=ids).loss
+        loss.backward()
+        average_gradients(m_)
+        losses[name] = loss.detach()
+    p = report.placement.placement
+    assert p is not None and report.sco.config.keep_last == p.keep_last, report.placement.note
+    assert "(measured) (one rank of 2, 2 on this host: LOCAL_WORLD_SIZE)" in report.placement.note
+    print(f"rank {rank}: {report.placement.note}", flush=True)
+    # fp32 defaults: the GPU's atomics may sum in another order between two runs
+    torch.testing.assert_close(losses["placed"], losses["unplaced"])
+    for (n, a), (_, b) in zip(ref.named_parameters(), model.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=lambda m, n=n: f"rank {rank} {n}: {m}")
+
+
+@pytest.mark.cuda
+def test_cuda_expert_parallel_ranks_measure_and_place_their_share():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    run_ranks(2, _cuda_ranks, backend="nccl")

@@ -220,3 +220,15 @@ def test_each_rank_places_its_share_and_never_picks_tiles(monkeypatch):
     with pytest.raises(P.TilesNeeded, match=rf"give tile_tokens={tile} in moepeak.titan.sco's Config"):
         fresh.sco.placement.plan(1 << 16)
     assert fresh.sco.sco.config == before and fresh.sco.tile_tokens is None
+
+
+@pytest.mark.cuda
+def test_cuda_step_with_a_stock_optimizer_is_placed():
+    """On a GPU a job with torch's AdamW is placed with its state counted on the GPU."""
+    job = Job(stock_optimizer=True, device="cuda")
+    job.step(4096)
+    p = job.sco.placement.placement
+    assert p is not None and p.tiers["optimizer_state"]["host"] == 0
+    assert job.sco.sco.config.keep_last == p.keep_last
+    assert "its state is counted on the GPU" in job.sco.placement.note
+    print(job.sco.placement.note)
