@@ -28,11 +28,11 @@ one component's Config in the trainer's config tree before anything is built:
                 {"tile_tokens": N} also runs each block sequence-tiled
                 (moepeak.tiled: the fifth peak), GQAttention or deepseek_v3's
                 latent attention, with SDPA. {"keep_last": n}: the last n blocks'
-                inputs stay on the GPU. On one GPU with stream_adamw, keep_last,
-                arena_bytes and tile_tokens left unset are placed at the first
+                inputs stay on the GPU. On a GPU, keep_last, arena_bytes (and,
+                on one rank, tile_tokens) left unset are placed at the first
                 step (and when the step's tokens grow) from the model, the step's
                 tokens and the machine's free bytes (moepeak.plan.place, logged on
-                the 'moepeak' logger; moepeak/titan/autoplace.py); elsewhere, or
+                the 'moepeak' logger; moepeak/titan/autoplace.py); on CPU, or
                 with {"auto_placement": false}, SCOConfig's defaults (keep_last 1).
   stream_adamw  OptimizersContainer.Config -> StreamAdamWOptimizers.Config: each
                 "AdamW" param group runs moepeak.StreamAdamW (fp32 state in host
