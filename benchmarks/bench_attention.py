@@ -4,8 +4,10 @@ calls it (moepeak/tiled/block.py: once per kv-head group).
 
 Backends: flash, cudnn, efficient (F.scaled_dot_product_attention under
 torch.nn.attention.sdpa_kernel with FLASH_ATTENTION, CUDNN_ATTENTION, EFFICIENT_ATTENTION),
-default (F.scaled_dot_product_attention with torch's own choice: what the tiled core gets), and
-flex (torch.compile(flex_attention) with a causal BlockMask; eager on CPU).
+default (F.scaled_dot_product_attention with torch's own choice), auto (the same call inside
+moepeak.tiled.attention_backend_context("auto"): what the tiled core and apply_moepeak's attention
+run by default, cuDNN first on sm90+ for bf16), and flex (torch.compile(flex_attention) with a
+causal BlockMask; eager on CPU).
 Models (q heads / kv heads): qwen3 = the 2.0B Qwen3-MoE, 16 / 4; olmoe = OLMoE, 16 / 16.
 Groupings: kv heads per call g (a divisor of the kv heads), q heads per call g * hq / hkv,
 hkv / g calls per layer: g = hkv is one call with all heads, g = 1 is tiled.py's per kv-head
@@ -40,6 +42,9 @@ OUT/attention.csv as each case finishes.
   python benchmarks/bench_attention.py --full --max-seconds 540 --out DIR  # every grouping/backend at every T
   python benchmarks/bench_attention.py --T 524288 --models olmoe --backends flash --groups all
   python benchmarks/bench_attention.py --smoke --out /tmp/a              # CPU, tiny T: code paths
+  python benchmarks/bench_attention.py --quick --backends auto,cudnn,flash --groups all --gqa gqa \
+      --reps 2 --max-seconds 70 --out benchmarks/results   # the tiled core's defaults (~1 min): backend
+      # and head groups per call, both models at 128k, fwd+bwd rate, layer time and peak per grouping
 
 Default grid, in this order (the first T of --T is T0, default 128k, then 256k, 512k):
 accuracy and docmask at 4k; at T0 flash and cudnn x {all heads, an intermediate grouping, per
@@ -71,11 +76,13 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 from _common import TimeBudget, append_results, cuda_times_and_peak, is_oom, relerr  # noqa: E402
 
+from moepeak.tiled import attention_backend_context  # noqa: E402
+
 D = 128
 MODELS = {"qwen3": (16, 4), "olmoe": (16, 16)}  # (q heads, kv heads)
 SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
                  "math": "MATH"}
-BACKENDS = ("flash", "cudnn", "efficient", "default", "flex")
+BACKENDS = ("flash", "cudnn", "efficient", "default", "auto", "flex")
 BWD_FACTOR = 2.5  # backward FLOP / forward FLOP
 FIELDS = ["kind", "model", "T", "head_dim", "backend", "gqa", "layout", "q_heads", "kv_heads", "calls_per_layer",
           "status", "reps", "fwd_ms", "fwd_bwd_ms", "bwd_ms", "layer_fwd_bwd_ms", "fwd_tflops", "bwd_tflops",
@@ -162,8 +169,8 @@ def default_grid(Ts, models, backends, scope, groups_flag, gqa_wanted):
     add(T0, [b for b in ("flash", "cudnn") if b in sdpa], groups_flag or "default", gqa_wanted)
     for which in ("full", "per_kv"):
         add(T0, [b for b in ("efficient",) if b in sdpa], groups_flag or which, gqa_wanted)
-        # torch's own choice as the tiled core calls it (GQA in place), and flex
-        add(T0, [b for b in ("default", "flex") if b in backends], groups_flag or which, gqa_wanted[:1])
+        # torch's own choice and moepeak's default as the tiled core calls them (GQA in place), and flex
+        add(T0, [b for b in ("default", "auto", "flex") if b in backends], groups_flag or which, gqa_wanted[:1])
     if scope == "default":
         for T in Ts[1:]:
             add(T, [b for b in ("cudnn", "flash") if b in backends], groups_flag or "per_kv", gqa_wanted[:1])
@@ -235,6 +242,9 @@ def attention_call(backend: str, gqa: str, r: int, flex: Flex = None, block_mask
             return flex.fn(q, k, v, block_mask=block_mask, enable_gqa=gqa == "gqa")
         if backend == "default":
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa == "gqa")
+        if backend == "auto":
+            with attention_backend_context("auto", q.device, q.dtype):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa == "gqa")
         with sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[backend])]):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa == "gqa")
     return call
