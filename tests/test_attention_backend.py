@@ -380,6 +380,39 @@ def test_apply_moepeak_off_switch_patches_nothing():
     assert any(p.startswith("attention_backend: torch's own") for p in report.left_alone), report
 
 
+@pytest.mark.parametrize("sequence_group", [None, "engine"])
+def test_apply_moepeak_measures_the_budget_only_without_sequence_parallelism(monkeypatch, sequence_group):
+    """Without sequence parallelism the tiled layers run the fewest head groups that fit the
+    measured budget (here: all heads in one call); under a sequence group every rank keeps
+    num_key_value_heads groups (a ring core's collectives need the same calls everywhere)."""
+    from moepeak.hf import apply_moepeak
+    measured = []
+    monkeypatch.setattr(sizes, "free_memory_budget", lambda device: measured.append(device) or 1 << 40)
+    seen = _sdpa_heads(monkeypatch)
+    model = _tiny_qwen3()
+    apply_moepeak(model, tile_tokens=4, checkpoint=False, experts=False, sequence_group=sequence_group,
+                  **({} if sequence_group is None else {"sequence_loss": "sum"}))
+    model.train()
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(3))
+    model(input_ids=ids, labels=ids, position_ids=torch.arange(12).unsqueeze(0)).loss.backward()
+    if sequence_group is None:
+        assert len(measured) == 2 and set(seen) == {4}  # one forward per layer, all 4 q heads per call
+    else:
+        assert measured == [] and set(seen) == {2}  # 2 kv-head groups of 2 q heads
+
+
+def _sdpa_heads(monkeypatch):
+    """Records the q heads of each scaled_dot_product_attention call."""
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, *args, **kwargs):
+        seen.append(q.shape[1])
+        return real(q, *args, **kwargs)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    return seen
+
+
 def test_hf_spec_takes_the_budget_unless_forced():
     pytest.importorskip("transformers")
     from moepeak.hf.tiled import hf_moe_layer_spec

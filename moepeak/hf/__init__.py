@@ -79,7 +79,8 @@ what transformers expects. Three parts, each can be turned off:
   in bf16, 1/128 of one [T, H] at H = 2048 (transformers' aux loss also keeps each layer's
   softmax of them). Other families' layers are left alone (the report says so). Their
   attention runs in the fewest head groups (dividing num_key_value_heads) whose full-length
-  set fits half the GPU memory free at the forward (attention_head_groups forces a count).
+  set fits half the GPU memory free at the forward (attention_head_groups forces a count;
+  with sequence_group num_key_value_heads, the same calls on every rank).
 
 - attention_backend ("auto" unless given): the SDPA backends the attention runs on in training,
   in the tiled layers' core and in every self_attn (attention.py's patch_attention_backend):

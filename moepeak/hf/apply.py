@@ -11,6 +11,7 @@ import torch
 
 from ..llep import LLEPOptions
 from ..tiled import DEFAULT_ATTENTION_BACKEND, check_attention_backend
+from ..tiled.sizes import FREE
 from .attention import patch_attention_backend
 from .autoplace import PLACEMENT_OPTIONS, install as install_placement
 from .checkpoint import patch_checkpoint
@@ -76,7 +77,8 @@ def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint:
     "sum" (a DeepSpeed engine: summed over the sequence group); see SequenceOptions.
     attention_head_groups: the tiled layers' attention head groups (None: 1 when the attention
     function exchanges heads across ranks, DeepSpeed Ulysses; else the fewest groups, dividing
-    num_key_value_heads, whose full-length set fits half the GPU memory free at the forward).
+    num_key_value_heads, whose full-length set fits half the GPU memory free at the forward;
+    with sequence_group, num_key_value_heads: every rank must make the same calls).
     attention_backend: the SDPA backends the attention runs on in training, tiled or not
     (moepeak.tiled.ATTENTION_BACKENDS: "auto" = cuDNN first on CUDA sm90+ for fp16/bf16, "cudnn",
     "flash", "efficient", "math" = that one only; None or "torch": torch's own choice)."""
@@ -95,7 +97,9 @@ def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint:
     _check_head_groups(model.config, attention_head_groups, tile_tokens)
     report = MoepeakReport(type(model).__name__)
     if tile_tokens is not None:  # checked first: it may refuse the model's config
+        # the same head groups on every rank of a sequence group (a ring core's collectives per call)
         patch_tiled_layers(model, tile_tokens, report, head_groups=attention_head_groups,
+                           head_group_budget=FREE if sequence_group is None else None,
                            attention_backend=attention_backend)
     patch_attention_backend(model, attention_backend, report)
     if experts:

@@ -33,7 +33,9 @@ def titan_block_spec(block: torch.nn.Module, x: torch.Tensor, attention_masks=No
     or start .. start + t - 1 when the model passes none (the rows of the prefix table the
     untiled block reads). Head groups: the fewest (dividing the kv heads; MLA: the heads) whose
     full-length set fits head_group_budget (moepeak/tiled/sizes.py; FREE: a share of the GPU
-    memory free at the forward; None: one group per kv head). The SDPA backend is torchtitan's:
+    memory free at the forward, in a single process only: under torchtitan's context parallel
+    the core is ring attention, whose collectives need the same calls on every rank, and free
+    memory differs by rank; None: one group per kv head). The SDPA backend is torchtitan's:
     ScaledDotProductAttention runs its own sdpa_kernel(cuDNN > flash > math, set_priority=True)
     inside the core, so the spec sets no order of its own (attention_backend=None)."""
     attn = block.attention
@@ -46,6 +48,8 @@ def titan_block_spec(block: torch.nn.Module, x: torch.Tensor, attention_masks=No
         raise NotImplementedError(f"moepeak: a tiled {name} takes a plain block input (FSDP2 only), got a DTensor "
                                   "(tensor or sequence parallel)")
     B = x.shape[0]
+    if head_group_budget == FREE and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        head_group_budget = None
 
     def tile_positions(start, t, device):
         return positions[:, start:start + t] if positions is not None else \
