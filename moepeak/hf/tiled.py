@@ -377,7 +377,7 @@ def patch_tiled_layers(model, tile_tokens, report, head_groups: Optional[int] = 
                 maps_out.append(maps)
             return y
         layer.forward = forward
-    groups = f"{head_groups} head groups" if head_groups is not None else \
+    groups = f"attention_head_groups={head_groups}" if head_groups is not None else \
         f"the fewest head groups whose full-length set fits {FREE_MEMORY_SHARE:.0%} of the free GPU memory" \
         if head_group_budget == FREE else f"the fewest head groups that fit {head_group_budget} bytes" \
         if head_group_budget is not None else "num_key_value_heads head groups"
