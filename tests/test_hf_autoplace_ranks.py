@@ -57,11 +57,27 @@ def _host_for_keep(m, s, tokens, per_host, keep_more, keep_fewer):
     return ((lo + hi) / 2 * per_host + M.host_bytes) / (1 - M.host_fraction)
 
 
+def _step_both(model, ref, rank, tokens, device):
+    """One training step of the placed model and of the unplaced one on this rank's tokens (the
+    replicated gradients averaged over the group); {"placed": loss, "unplaced": loss}."""
+    from moepeak.hf import average_gradients
+    g = torch.Generator().manual_seed(1 + rank)
+    ids = torch.randint(0, V, (1, tokens), generator=g).to(device)
+    losses = {}
+    for name, m in (("placed", model), ("unplaced", ref)):
+        m.train()
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        average_gradients(m)
+        losses[name] = loss.detach()
+    return losses
+
+
 def _expert_parallel_ranks(rank, world):
     import torch.distributed as dist
 
     from moepeak import plan as P
-    from moepeak.hf import apply_moepeak, autoplace, average_gradients, place_model
+    from moepeak.hf import apply_moepeak, autoplace, place_model
     from moepeak.sco import sizes as SCO
 
     os.environ["LOCAL_WORLD_SIZE"] = str(world)
@@ -75,15 +91,7 @@ def _expert_parallel_ranks(rank, world):
     # rank 0's host share holds the step only with 3 blocks' inputs kept on the GPU; rank 1's has room
     host = _host_for_keep(m, s, T, world, 3, 2) if rank == 0 else 500 * G
     autoplace.measure = lambda target: (100 * G, host)
-    model.train(), ref.train()
-    g = torch.Generator().manual_seed(1 + rank)
-    ids = torch.randint(0, V, (1, T), generator=g)
-    losses = {}
-    for name, m_ in (("placed", model), ("unplaced", ref)):
-        loss = m_(input_ids=ids, labels=ids).loss
-        loss.backward()
-        average_gradients(m_)
-        losses[name] = loss.detach()
+    losses = _step_both(model, ref, rank, T, torch.device("cpu"))
     p = report.placement.placement
     expect = P.place(m, s, T, gpu_bytes=100 * G, host_bytes=host, ranks_per_host=world)
     assert p.keep_last == expect.keep_last == (3 if rank == 0 else SCO.KEEP_LAST), (rank, p.keep_last)
@@ -152,22 +160,14 @@ def _cuda_ranks(rank, world):
     share, and the placed step's loss and gradients equal the unplaced step's."""
     import torch.distributed as dist
 
-    from moepeak.hf import apply_moepeak, average_gradients
+    from moepeak.hf import apply_moepeak
 
     os.environ["LOCAL_WORLD_SIZE"] = str(world)
     device = torch.device("cuda", rank)
     model, ref = _model().to(device), _model().to(device)
     report = apply_moepeak(model, group=dist.group.WORLD, chunk_rows=16)
     apply_moepeak(ref, group=dist.group.WORLD, chunk_rows=16, auto_placement=False)
-    model.train(), ref.train()
-    g = torch.Generator().manual_seed(1 + rank)
-    ids = torch.randint(0, V, (1, 4096), generator=g).to(device)
-    losses = {}
-    for name, m_ in (("placed", model), ("unplaced", ref)):
-        loss = m_(input_ids=ids, labels=ids).loss
-        loss.backward()
-        average_gradients(m_)
-        losses[name] = loss.detach()
+    losses = _step_both(model, ref, rank, 4096, device)
     p = report.placement.placement
     assert p is not None and report.sco.config.keep_last == p.keep_last, report.placement.note
     assert "(measured) (one rank of 2, 2 on this host: LOCAL_WORLD_SIZE)" in report.placement.note
