@@ -136,13 +136,13 @@ static int check_isa_threads(int isa, int threads) {
 }
 
 /* Check isa / threads and parse the per-step buffers into coefficient
- * records. Returns 0 and sets a Python error on bad input. */
+ * records (c->coef, freed by step_call_release, also after an error).
+ * Returns 0 and sets a Python error on bad input. */
 static int parse_step(const char *fn, step_call *c) {
   if (!check_isa_threads(c->isa, c->threads)) return 0;
   const Py_buffer *ptrs = &c->ptrs, *hyper = &c->hyper;
   const int tthreads = c->tthreads, tvlen = c->tvlen;
   state_args *sa = &c->sa;
-  mp_adamw_coef **coef = &c->coef;
   Py_ssize_t n = ptrs->len / (Py_ssize_t)sizeof(mp_adamw_param_row);
   if (ptrs->len != n * (Py_ssize_t)sizeof(mp_adamw_param_row) ||
       hyper->len != n * (Py_ssize_t)sizeof(mp_adamw_hyper_row)) {
@@ -159,8 +159,8 @@ static int parse_step(const char *fn, step_call *c) {
   if (!parse_state_args(fn, sa, n)) return 0;
   const mp_adamw_param_row *rows = (const mp_adamw_param_row *)ptrs->buf;
   const mp_adamw_hyper_row *hypers = (const mp_adamw_hyper_row *)hyper->buf;
-  *coef = (mp_adamw_coef *)malloc(sizeof(mp_adamw_coef) * (size_t)(n > 0 ? n : 1));
-  if (!*coef) {
+  mp_adamw_coef *coef = c->coef = (mp_adamw_coef *)malloc(sizeof(mp_adamw_coef) * (size_t)(n > 0 ? n : 1));
+  if (!coef) {
     PyErr_NoMemory();
     return 0;
   }
@@ -170,8 +170,6 @@ static int parse_step(const char *fn, step_call *c) {
      * and elements names its master, exp_avg and exp_avg_sq */
     if (r->numel < 0 || r->numel >= MAX_NUMEL || !mp_dtype_valid(r->grad_dtype) || !mp_dtype_valid(r->param_dtype) ||
         (r->grad != 0 && r->numel > 0 && (r->master == 0 || r->exp_avg == 0 || r->exp_avg_sq == 0))) {
-      free(*coef);
-      *coef = NULL;
       PyErr_Format(PyExc_ValueError, "moepeak: adamw ptrs row %zd is malformed (numel %lld must be in [0, 2^48), "
                    "dtype codes %lld, %lld in [0, 2], master/exp_avg/exp_avg_sq non-null)", i, (long long)r->numel,
                    (long long)r->grad_dtype, (long long)r->param_dtype);
@@ -181,16 +179,14 @@ static int parse_step(const char *fn, step_call *c) {
     const int64_t ss = (int64_t)mp_dtype_bytes(sa->sdt);
     if (r->grad != 0 && r->numel > 0 &&
         (r->exp_avg % ss != 0 || r->exp_avg_sq % ss != 0 || r->max_exp_avg_sq % ss != 0)) {
-      free(*coef);
-      *coef = NULL;
       PyErr_Format(PyExc_ValueError, "moepeak._C.%s: ptrs row %zd: exp_avg, exp_avg_sq and max_exp_avg_sq must be "
                    "aligned to their dtype's %d bytes (state_dtype %d)", fn, i, (int)ss, sa->sdt);
       return 0;
     }
     const mp_adamw_hyper_row *h = &hypers[i];
-    mp_adamw_coef_init(&(*coef)[i], h->lr, h->beta1, h->beta2, h->eps, h->weight_decay, h->step, h->maximize != 0.0);
-    mp_adamw_coef_set_tails(&(*coef)[i], r->numel, tthreads, tvlen);
-    mp_adamw_coef_set_rounding(&(*coef)[i], row_seed(sa, i), h->step);
+    mp_adamw_coef_init(&coef[i], h->lr, h->beta1, h->beta2, h->eps, h->weight_decay, h->step, h->maximize != 0.0);
+    mp_adamw_coef_set_tails(&coef[i], r->numel, tthreads, tvlen);
+    mp_adamw_coef_set_rounding(&coef[i], row_seed(sa, i), h->step);
   }
   c->n = n;
   return 1;
