@@ -6,7 +6,7 @@ Backends: flash, cudnn, efficient (F.scaled_dot_product_attention under
 torch.nn.attention.sdpa_kernel with FLASH_ATTENTION, CUDNN_ATTENTION, EFFICIENT_ATTENTION),
 default (F.scaled_dot_product_attention with torch's own choice), auto (the same call inside
 moepeak.tiled.attention_backend_context("auto"): what the tiled core and apply_moepeak's attention
-run by default, cuDNN first on sm90+ for bf16), and flex (torch.compile(flex_attention) with a
+run by default, cuDNN first on Hopper for bf16), and flex (torch.compile(flex_attention) with a
 causal BlockMask; eager on CPU).
 Models (q heads / kv heads): qwen3 = the 2.0B Qwen3-MoE, 16 / 4; olmoe = OLMoE, 16 / 16.
 Groupings: kv heads per call g (a divisor of the kv heads), q heads per call g * hq / hkv,

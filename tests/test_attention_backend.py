@@ -100,8 +100,10 @@ def test_tiled_block_refuses_bad_fields_before_running(field, bad, match):
 def test_auto_order_prefers_cudnn_only_where_it_runs():
     bf16 = torch.bfloat16
     assert auto_order("cuda", (9, 0), bf16, True) == ("cudnn", "flash", "efficient", "math")
-    assert auto_order("cuda", (10, 0), torch.float16, True) == ("cudnn", "flash", "efficient", "math")
+    assert auto_order("cuda", (9, 0), torch.float16, True) == ("cudnn", "flash", "efficient", "math")
     assert auto_order("cuda", (8, 0), bf16, True) is None         # A100: torch's own choice
+    assert auto_order("cuda", (10, 0), bf16, True) is None        # Blackwell: unmeasured, a GQA report
+    assert auto_order("cuda", (9, 0), bf16, True, masked=True) is None  # cuDNN's masked-backward NaN
     assert auto_order("cuda", (9, 0), torch.float32, True) is None
     assert auto_order("cuda", (9, 0), bf16, False) is None        # no cuDNN
     assert auto_order("cpu", None, bf16, True) is None
@@ -421,10 +423,10 @@ def test_hf_spec_takes_the_budget_unless_forced():
     x = torch.randn(1, 6, 32)
     rope = model.model.rotary_emb(x, torch.arange(6).unsqueeze(0))
     spec = hf_moe_layer_spec(layer, x, position_embeddings=rope, attention_mask=None)
-    assert (spec.head_groups, spec.head_group_budget, spec.attention_backend) == (2, "free", "auto")
-    spec = hf_moe_layer_spec(layer, x, position_embeddings=rope, attention_mask=None, head_groups=1,
-                             attention_backend=None)
-    assert (spec.head_groups, spec.head_group_budget, spec.attention_backend) == (1, None, None)
+    assert (spec.head_groups, spec.head_group_budget) == (2, "free")
+    spec = hf_moe_layer_spec(layer, x, position_embeddings=rope, attention_mask=None, head_groups=1)
+    assert (spec.head_groups, spec.head_group_budget) == (1, None)
+    assert spec.attention_backend is None  # the HF core enters the order itself (it knows the mask)
 
 
 # ---------------------------------------------------------------- CUDA: the default against fp64
@@ -493,3 +495,31 @@ def test_cuda_untiled_attention_under_auto_within_twice_torch_default_error():
         got = run(blk, x.bfloat16(), gy.bfloat16())
     for i, (r, s, t) in enumerate(zip(ref, stock, got)):
         assert _max_err(t, r) <= 2 * _max_err(s, r) + 2 ** -8 * r.abs().max().item(), i
+
+
+@pytest.mark.parametrize("tile", [None, 4])
+def test_apply_moepeak_tells_auto_whether_the_call_is_masked(monkeypatch, tile):
+    """"auto" stays torch's own choice for calls with an explicit mask (cuDNN's masked-backward
+    NaN): the tiled core and the self_attn wrapper pass masked=True exactly when the layer passes
+    an attention_mask (here: a padding mask), False for plain causal calls."""
+    from moepeak.hf import apply_moepeak
+    from moepeak.tiled import attention as attention_module
+    flags = []
+    real = attention_module.backend_order
+
+    def spy(choice, device, dtype, masked=False):
+        if choice == "auto":  # (the tiled block's own context for the HF spec is None: the core enters "auto")
+            flags.append(masked)
+        return real(choice, device, dtype, masked)
+    monkeypatch.setattr(attention_module, "backend_order", spy)
+    model = _tiny_qwen3()
+    apply_moepeak(model, tile_tokens=tile, checkpoint=False, experts=False)
+    model.train()
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(3))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert flags and not any(flags)
+    flags.clear()
+    pad = torch.ones(1, 12, dtype=torch.long)
+    pad[0, :2] = 0
+    model(input_ids=ids, labels=ids, attention_mask=pad).loss.backward()
+    assert flags and all(flags)

@@ -84,7 +84,7 @@ what transformers expects. Three parts, each can be turned off:
 
 - attention_backend ("auto" unless given): the SDPA backends the attention runs on in training,
   in the tiled layers' core and in every self_attn (attention.py's patch_attention_backend):
-  "auto" = cuDNN, then flash, efficient, math on CUDA sm90+ for fp16/bf16 (torch's own choice
+  "auto" = cuDNN, then flash, efficient, math on Hopper for unmasked fp16/bf16 (torch's own choice
   elsewhere); "cudnn", "flash", "efficient", "math" = that one only; None or "torch" = off.
 
 - sequence_group (off unless given): sequence parallelism from an existing engine (DeepSpeed

@@ -80,7 +80,7 @@ def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint:
     num_key_value_heads, whose full-length set fits half the GPU memory free at the forward;
     with sequence_group, num_key_value_heads: every rank must make the same calls).
     attention_backend: the SDPA backends the attention runs on in training, tiled or not
-    (moepeak.tiled.ATTENTION_BACKENDS: "auto" = cuDNN first on CUDA sm90+ for fp16/bf16, "cudnn",
+    (moepeak.tiled.ATTENTION_BACKENDS: "auto" = cuDNN first on Hopper for unmasked fp16/bf16, "cudnn",
     "flash", "efficient", "math" = that one only; None or "torch": torch's own choice)."""
     transformers = _transformers()
     if not isinstance(model, transformers.PreTrainedModel):

@@ -20,9 +20,10 @@ patch_attention_backend(model, choice, report): apply_moepeak's attention_backen
 layers it does not tile: each decoder layer's self_attn runs, in training with grad (its
 forward and its checkpoint recompute), under moepeak.tiled.attention_backend_context, so the
 SDPA calls of its attention function ("sdpa", VARLEN_SDPA, Ulysses' core) take that backend
-order; other attention functions (eager, flash_attention_2, flex) make no SDPA call and are
-unaffected. Eval and no_grad (generation) keep torch's own choice. Exact as the tiled core's:
-the backends compute the same attention (moepeak/tiled/attention.py).
+order ("auto": none when the layer passes a mask, see moepeak/tiled/attention.py); other
+attention functions (eager, flash_attention_2, flex) make no SDPA call and are unaffected.
+Eval and no_grad (generation) keep torch's own choice. Exact as the tiled core's: the backends
+compute the same attention (moepeak/tiled/attention.py).
 """
 from __future__ import annotations
 
@@ -101,7 +102,8 @@ def patch_attention_backend(model, choice, report) -> None:
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             if not (_attn.training and torch.is_grad_enabled() and isinstance(hidden, torch.Tensor)):
                 return _own(*args, **kwargs)
-            with attention_backend_context(choice, hidden.device, attention_dtype(hidden)):
+            masked = kwargs.get("attention_mask") is not None
+            with attention_backend_context(choice, hidden.device, attention_dtype(hidden), masked=masked):
                 return _own(*args, **kwargs)
         attn.forward = forward
     report.patched.append(f"attention_backend: {len(attns)} self_attn modules in training, and the tiled layers' "

@@ -23,7 +23,8 @@ from typing import Optional
 
 import torch
 
-from ..tiled import DEFAULT_ATTENTION_BACKEND, TiledBlockSpec, requires_grad_params, tiled_block
+from ..tiled import (DEFAULT_ATTENTION_BACKEND, TiledBlockSpec, attention_backend_context, requires_grad_params,
+                     tiled_block)
 from ..tiled.sizes import FREE, FREE_MEMORY_SHARE
 from .sequence import crosses_heads
 
@@ -160,7 +161,8 @@ def hf_moe_layer_spec(layer: torch.nn.Module, x: torch.Tensor, *args, return_rou
     attention function that crosses ranks by heads, else num_key_value_heads or, with
     head_group_budget (bytes, FREE or None), the fewest groups whose full-length set fits it).
     attention_backend: the SDPA backends the attention function's calls run on
-    (moepeak.tiled.ATTENTION_BACKENDS; None: torch's own choice).
+    (moepeak.tiled.ATTENTION_BACKENDS; None: torch's own choice; "auto" with attention_mask:
+    torch's own), entered by the core itself (the spec's own attention_backend is None).
     self_attn's keyword forward pre-hooks run on the attention's keyword arguments first
     (_attention_pre_hooks), as they would when the layer calls self_attn."""
     import sys
@@ -238,7 +240,10 @@ def hf_moe_layer_spec(layer: torch.nn.Module, x: torch.Tensor, *args, return_rou
         return q, k, v.transpose(1, 2)
 
     def attn_core(q, k, v):
-        out, weights = interface(attn, q, k, v, attention_mask, dropout=dropout, scaling=attn.scaling, **core_kwargs)
+        # the backend order here, not through the spec: "auto" reads whether the call passes a mask
+        with attention_backend_context(attention_backend, q.device, q.dtype, masked=attention_mask is not None):
+            out, weights = interface(attn, q, k, v, attention_mask, dropout=dropout, scaling=attn.scaling,
+                                     **core_kwargs)
         if attention_weights is not None and len(attention_weights) < head_groups:
             attention_weights.append(weights)  # the forward's calls, one per head group, come first
         return out
@@ -264,7 +269,7 @@ def hf_moe_layer_spec(layer: torch.nn.Module, x: torch.Tensor, *args, return_rou
     return TiledBlockSpec(pre_attn, attn_core, post_attn, requires_grad_params(layer),
                           seq_dim=1, qkv_seq_dim=2, out_seq_dim=1, head_groups=head_groups,
                           qkv_head_dim=1, out_head_dim=2, extras=1 if return_router_logits else 0,
-                          head_group_budget=head_group_budget, attention_backend=attention_backend)
+                          head_group_budget=head_group_budget, attention_backend=None)
 
 
 def tiled_hf_moe_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *args,

@@ -4,7 +4,7 @@ full-length tensors (docs/design.md section 6, "the fifth peak").
   block      TiledBlockSpec (a block as pre_attn / attn_core / post_attn), tiled_block, the
              module TiledBlock, and the autograd node that runs them tile by tile
   attention  the SDPA backend option of the attention core (attention_backend: "auto" runs
-             cuDNN first on CUDA sm90+), its check and the context a core call runs inside
+             cuDNN first on Hopper), its check and the context a core call runs inside
   sizes      the block's full-length bytes per token and the head-group choice they drive
              (public by design: the planner reads it)
 

@@ -2,13 +2,17 @@
 apply_moepeak(attention_backend=...)), its check, and the context a core call runs inside.
 
 Choices (ATTENTION_BACKENDS):
-  "auto"     on a CUDA device of compute capability 9.0 or more, for fp16/bf16 attention, with
-             cuDNN available: cuDNN first, then flash, efficient, math, each only where torch's
-             global switch has it enabled (torch.backends.cuda.enable_cudnn_sdp(False), or an
-             sdpa_kernel around the training step, still holds); anywhere else torch's own
-             choice, untouched. Why cuDNN: on one H200 (torch 2.11, causal bf16, head_dim 128,
-             16 q heads in one call) it ran 555-575 TFLOP/s fwd+bwd against flash's 324-328 at
-             128k-256k tokens, with the same error against fp64 (issue 38).
+  "auto"     on a Hopper GPU (compute capability 9.x), for fp16/bf16 attention without an
+             explicit mask, with cuDNN available: cuDNN first, then flash, efficient, math, each
+             only where torch's global switch has it enabled (torch.backends.cuda.
+             enable_cudnn_sdp(False), or an sdpa_kernel around the training step, still holds);
+             anywhere else torch's own choice, untouched. Why cuDNN: on one H200 (torch 2.11,
+             causal bf16, head_dim 128, 16 q heads in one call) it ran 555-575 TFLOP/s fwd+bwd
+             against flash's 324-328 at 128k-256k tokens, with the same error against fp64
+             (issue 38). Why not with a mask: cuDNN's backward returns NaN dq on H100/H200 for
+             an attn_mask with T % 128 == 64 and a row's logsumexp below -88.7 (pytorch issue
+             196678; causal without a mask is clean). Why not Blackwell: unmeasured here, and
+             cuDNN SDPA has a silent-corruption report for GQA on sm_100 (pytorch issue 193893).
   "cudnn", "flash", "efficient", "math"
              that backend only (forced, as benchmarks and comparisons need it): torch raises when
              it cannot run the call's inputs, its warnings saying why.
@@ -43,7 +47,7 @@ ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math", "torch")
 DEFAULT_ATTENTION_BACKEND = "auto"  # TiledBlockSpec's and apply_moepeak's default
 OFF = "torch"  # torch's own choice; None means the same
 FALLBACKS = ("flash", "efficient", "math")  # "auto"'s after cuDNN, in this order
-AUTO_MIN_CAPABILITY = (9, 0)
+AUTO_CAPABILITY_MAJOR = 9  # Hopper: where "auto" was measured
 AUTO_DTYPES = (torch.float16, torch.bfloat16)
 # moepeak's name -> (torch.nn.attention.SDPBackend member, torch.backends.cuda switch reader)
 _TORCH_BACKENDS = {"cudnn": ("CUDNN_ATTENTION", "cudnn_sdp_enabled"),
@@ -70,20 +74,22 @@ def check_attention_backend(value, argument: str = "attention_backend") -> str:
 
 
 def auto_order(device_type: str, capability: Optional[Tuple[int, int]], dtype: torch.dtype,
-               cudnn_available: bool, enabled: Sequence[str] = tuple(_TORCH_BACKENDS)) -> Optional[Tuple[str, ...]]:
+               cudnn_available: bool, enabled: Sequence[str] = tuple(_TORCH_BACKENDS),
+               masked: bool = False) -> Optional[Tuple[str, ...]]:
     """"auto"'s order for these facts (None: torch's own choice): cuDNN first on CUDA of
-    capability >= AUTO_MIN_CAPABILITY for AUTO_DTYPES with cuDNN available; `enabled`: the
-    backends torch's global switches have on (the others are left out)."""
-    if device_type != "cuda" or capability is None or tuple(capability) < AUTO_MIN_CAPABILITY \
-            or dtype not in AUTO_DTYPES or not cudnn_available:
+    compute capability AUTO_CAPABILITY_MAJOR.x for AUTO_DTYPES with cuDNN available and no
+    explicit mask (masked: the call passes an attn_mask); `enabled`: the backends torch's
+    global switches have on (the others are left out)."""
+    if device_type != "cuda" or capability is None or capability[0] != AUTO_CAPABILITY_MAJOR \
+            or dtype not in AUTO_DTYPES or not cudnn_available or masked:
         return None
     order = tuple(b for b in ("cudnn",) + FALLBACKS if b in enabled)
     return order if order and order[0] == "cudnn" else None
 
 
-def backend_order(choice, device: torch.device, dtype: torch.dtype) -> Optional[Tuple[str, ...]]:
-    """The backends, first choice first, that a call on `device` with `dtype` attention runs
-    under for `choice` (None: torch's own choice, no context)."""
+def backend_order(choice, device: torch.device, dtype: torch.dtype, masked: bool = False) -> Optional[Tuple[str, ...]]:
+    """The backends, first choice first, that a call on `device` with `dtype` attention (with an
+    explicit mask when `masked`) runs under for `choice` (None: torch's own choice, no context)."""
     choice = check_attention_backend(choice)
     if choice == OFF:
         return None
@@ -94,7 +100,7 @@ def backend_order(choice, device: torch.device, dtype: torch.dtype) -> Optional[
         return None
     enabled = [b for b, (_, switch) in _TORCH_BACKENDS.items() if getattr(torch.backends.cuda, switch)()]
     return auto_order("cuda", torch.cuda.get_device_capability(device), dtype,
-                      torch.backends.cudnn.is_available(), enabled)
+                      torch.backends.cudnn.is_available(), enabled, masked)
 
 
 def attention_dtype(x: torch.Tensor) -> torch.dtype:
@@ -106,16 +112,18 @@ def attention_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 @contextlib.contextmanager
-def attention_backend_context(choice, device: torch.device, dtype: torch.dtype) -> Iterator[Optional[Tuple[str, ...]]]:
-    """Around an attention call: SDPA runs on `choice`'s order of backends (backend_order);
-    yields the order (None: torch's own choice, nothing changed)."""
-    order = backend_order(choice, device, dtype)
-    key = (choice, torch.device(device).type, dtype, order)
+def attention_backend_context(choice, device: torch.device, dtype: torch.dtype,
+                              masked: bool = False) -> Iterator[Optional[Tuple[str, ...]]]:
+    """Around an attention call: SDPA runs on `choice`'s order of backends (backend_order; masked:
+    the call passes an explicit attn_mask); yields the order (None: torch's own choice, nothing
+    changed)."""
+    order = backend_order(choice, device, dtype, masked)
+    key = (choice, torch.device(device).type, dtype, masked, order)
     if key not in _logged:
         _logged.add(key)
         what = " > ".join(order) if order else "torch's own choice"
-        _LOG.info("moepeak: attention on SDPA backends %s (attention_backend=%r, %s, %s)", what, choice,
-                  torch.device(device).type, str(dtype).replace("torch.", ""))
+        _LOG.info("moepeak: attention on SDPA backends %s (attention_backend=%r, %s, %s%s)", what, choice,
+                  torch.device(device).type, str(dtype).replace("torch.", ""), ", masked" if masked else "")
     if order is None:
         yield None
         return
@@ -130,6 +138,6 @@ def describe_attention_backend(choice) -> str:
     if choice == OFF:
         return "torch's own SDPA backend choice (attention_backend=None)"
     if choice == "auto":
-        return ("SDPA backends cudnn > flash > efficient > math on CUDA sm90+ for fp16/bf16 (else torch's own "
-                "choice; attention_backend='auto', the order used is logged once on the 'moepeak' logger)")
+        return ("SDPA backends cudnn > flash > efficient > math on Hopper (sm90) for fp16/bf16 without a mask (else "
+                "torch's own choice; attention_backend='auto', the order used is logged once on the 'moepeak' logger)")
     return f"SDPA backend {choice} only (attention_backend={choice!r})"
