@@ -28,6 +28,10 @@ backward runs the kernel the forward picked, so only forward calls need the cont
 block's forward and its recompute). The order used is logged once per distinct (choice, device,
 dtype, order) on the 'moepeak' logger.
 
+TiledBlockSpec.attention_backend is entered around attn_core as an unmasked call; a core that
+passes an explicit attn_mask sets the spec's to None and enters attention_backend_context(...,
+masked=True) itself (moepeak.hf.tiled's core does, knowing the layer's mask).
+
 Exactness: every backend computes the same softmax(q k^T * scale) v; they differ in blocking and
 accumulation order only. tests/test_attention_backend.py checks the tiled block under "math"
 against the untiled block on the CPU and, on CUDA, "auto" (cuDNN) against fp64 within 2x the
