@@ -4,7 +4,7 @@ call of the forward and the recompute; "math" tiled equals the untiled block on 
 packed documents through moepeak_varlen_sdpa, several head-group counts); the off switch leaves
 torch's own choice (and a user's surrounding sdpa_kernel) alone; the fewest head groups that fit a
 budget, chosen at the forward and kept for its backward; apply_moepeak's attention_backend on the
-tiled and the untiled layers. CUDA (run by the lead): "auto" (cuDNN on sm90+) against fp64 within
+tiled and the untiled layers. CUDA (run by the lead): "auto" (cuDNN on Hopper) against fp64 within
 2x the error of torch's default backend, causal and packed, head_dim 128 in bf16."""
 from __future__ import annotations
 
@@ -442,7 +442,7 @@ def _cuda_block(dtype, core=None, kv_heads=2):
 @pytest.mark.parametrize("groups", [None, 1])
 @pytest.mark.parametrize("kv_heads", [2, 4])
 def test_cuda_auto_within_twice_torch_default_error(docs, groups, kv_heads):
-    """bf16, head_dim 128, T = 4096: the tiled block under "auto" (cuDNN first on sm90+) against the
+    """bf16, head_dim 128, T = 4096: the tiled block under "auto" (cuDNN first on Hopper) against the
     fp64 block; each output and gradient within 2x the error of the untiled bf16 block on torch's
     default backend (plus one bf16 ulp of the tensor's scale). Packed: moepeak_varlen_sdpa's causal
     calls per document, two of them 64 tokens past a multiple of 128 (the tail cuDNN's masked
