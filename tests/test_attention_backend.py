@@ -382,25 +382,39 @@ def test_apply_moepeak_off_switch_patches_nothing():
     assert any(p.startswith("attention_backend: torch's own") for p in report.left_alone), report
 
 
-@pytest.mark.parametrize("sequence_group", [None, "engine"])
-def test_apply_moepeak_measures_the_budget_only_without_sequence_parallelism(monkeypatch, sequence_group):
-    """Without sequence parallelism the tiled layers run the fewest head groups that fit the
-    measured budget (here: all heads in one call); under a sequence group every rank keeps
-    num_key_value_heads groups (a ring core's collectives need the same calls everywhere)."""
+@pytest.mark.parametrize("head_groups", [None, "auto"])
+def test_apply_moepeak_measures_the_budget_only_when_asked(monkeypatch, head_groups):
+    """By default the tiled layers run num_key_value_heads groups and measure nothing;
+    attention_head_groups="auto" runs the fewest head groups that fit the measured budget (here:
+    all heads in one call), measured once per layer's forward."""
     from moepeak.hf import apply_moepeak
     measured = []
     monkeypatch.setattr(sizes, "free_memory_budget", lambda device: measured.append(device) or 1 << 40)
     seen = _sdpa_heads(monkeypatch)
     model = _tiny_qwen3()
-    apply_moepeak(model, tile_tokens=4, checkpoint=False, experts=False, sequence_group=sequence_group,
-                  **({} if sequence_group is None else {"sequence_loss": "sum"}))
+    report = apply_moepeak(model, tile_tokens=4, checkpoint=False, experts=False, attention_head_groups=head_groups)
     model.train()
     ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(3))
     model(input_ids=ids, labels=ids, position_ids=torch.arange(12).unsqueeze(0)).loss.backward()
-    if sequence_group is None:
-        assert len(measured) == 2 and set(seen) == {4}  # one forward per layer, all 4 q heads per call
+    tiled = next(p for p in report.patched if p.startswith("tile_tokens"))
+    if head_groups is None:
+        assert measured == [] and set(seen) == {2}, (measured, seen)  # 2 kv-head groups of 2 q heads
+        assert "num_key_value_heads head groups" in tiled, tiled
     else:
-        assert measured == [] and set(seen) == {2}  # 2 kv-head groups of 2 q heads
+        assert len(measured) == 2 and set(seen) == {4}  # one forward per layer, all 4 q heads per call
+        assert "free GPU memory" in tiled, tiled
+
+
+def test_apply_moepeak_auto_head_groups_refused_under_a_sequence_group():
+    """Free memory differs by rank, and every rank of a sequence group must make the same
+    attention calls: "auto" head groups are refused there, naming the option, before patching."""
+    from moepeak.hf import apply_moepeak
+    model = _tiny_qwen3()
+    with pytest.raises(ValueError, match="attention_head_groups='auto'.*same attention calls"):
+        apply_moepeak(model, tile_tokens=4, sequence_group="engine", sequence_loss="sum", attention_head_groups="auto")
+    assert getattr(model, "_moepeak_hf", None) is None
+    with pytest.raises(ValueError, match="it needs tile_tokens"):
+        apply_moepeak(_tiny_qwen3(), attention_head_groups="auto")
 
 
 def _sdpa_heads(monkeypatch):
@@ -423,6 +437,8 @@ def test_hf_spec_takes_the_budget_unless_forced():
     x = torch.randn(1, 6, 32)
     rope = model.model.rotary_emb(x, torch.arange(6).unsqueeze(0))
     spec = hf_moe_layer_spec(layer, x, position_embeddings=rope, attention_mask=None)
+    assert (spec.head_groups, spec.head_group_budget) == (2, None)  # one group per kv head by default
+    spec = hf_moe_layer_spec(layer, x, position_embeddings=rope, attention_mask=None, head_group_budget="free")
     assert (spec.head_groups, spec.head_group_budget) == (2, "free")
     spec = hf_moe_layer_spec(layer, x, position_embeddings=rope, attention_mask=None, head_groups=1)
     assert (spec.head_groups, spec.head_group_budget) == (1, None)
@@ -501,7 +517,7 @@ def test_apply_moepeak_tells_auto_whether_the_call_is_masked(monkeypatch, tile):
         return real(choice, device, dtype, masked)
     monkeypatch.setattr(attention_module, "backend_order", spy)
     model = _tiny_qwen3()
-    apply_moepeak(model, tile_tokens=tile, checkpoint=False, experts=False)
+    apply_moepeak(model, tile_tokens=tile, checkpoint=False, experts=False, attention_backend="auto")
     model.train()
     ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(3))
     model(input_ids=ids, labels=ids).loss.backward()

@@ -29,9 +29,10 @@ Modules: train (the job: run, main), args (its command line: DEFAULTS, build_par
 models (the model), config (MoEConfig and the schedule switches), tiled (the block as a
 moepeak.tiled spec), data (the corpus and batches), peaks (the peak measurement),
 context_parallel (sequence sharding), plot (the PNG), autoplace (the automatic placement:
-on a GPU (each rank its share under torchrun), SCO's kept blocks, its arena, StreamAdamW's device tail and the tiling placed
-from the config, the tokens per step and the machine before the model is built, printed as
-the report's placement lines; --no-auto-placement turns it off).
+on a GPU (each rank its share under torchrun), SCO's kept blocks, its arena, StreamAdamW's
+device tail and the tiling placed from the config, the tokens per step and the machine
+before the model is built, printed as the report's placement lines; --no-auto-placement
+turns it off).
 
 Public face (exported here, for `moepeak demo`, the benchmarks and the tests): DEFAULTS,
 build_parser, main, run, shard_model, warmup_cosine. The tests and benchmarks also build

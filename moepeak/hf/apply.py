@@ -19,7 +19,7 @@ from .experts import patch_experts
 from .loss import LOSS_OPTIONS, patch_loss
 from .norms import patch_final_norm, patch_layer_norms
 from .report import MoepeakReport
-from .sequence import SequenceOptions, install_batch_check
+from .sequence import AUTO_HEAD_GROUPS, SequenceOptions, install_batch_check
 from .tiled import patch_tiled_layers
 
 TESTED_TRANSFORMERS = ((5, 17), (6, 0))  # [lowest, first untested major)
@@ -76,12 +76,12 @@ def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint:
     sequence_loss: "mean" (DDP, FSDP2, average_gradients: gradients averaged over the ranks) or
     "sum" (a DeepSpeed engine: summed over the sequence group); see SequenceOptions.
     attention_head_groups: the tiled layers' attention head groups (None: 1 when the attention
-    function exchanges heads across ranks, DeepSpeed Ulysses; else the fewest groups, dividing
-    num_key_value_heads, whose full-length set fits half the GPU memory free at the forward;
-    with sequence_group, num_key_value_heads: every rank must make the same calls).
+    function exchanges heads across ranks, DeepSpeed Ulysses, else num_key_value_heads; an integer
+    forces a count; "auto", without sequence_group: the fewest groups, dividing num_key_value_heads,
+    whose full-length set fits half the GPU memory free at each layer's forward).
     attention_backend: the SDPA backends the attention runs on in training, tiled or not
     (moepeak.tiled.ATTENTION_BACKENDS: "auto" = cuDNN first on Hopper for unmasked fp16/bf16, "cudnn",
-    "flash", "efficient", "math" = that one only; None or "torch": torch's own choice)."""
+    "flash", "efficient", "math" = that one only; "torch" or None, the default: torch's own choice)."""
     transformers = _transformers()
     if not isinstance(model, transformers.PreTrainedModel):
         raise TypeError(f"moepeak.hf: model must be a transformers PreTrainedModel, got {type(model).__name__}")
@@ -98,9 +98,9 @@ def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint:
     report = MoepeakReport(type(model).__name__)
     if tile_tokens is not None:  # checked first: it may refuse the model's config
         # the same head groups on every rank of a sequence group (a ring core's collectives per call)
-        patch_tiled_layers(model, tile_tokens, report, head_groups=attention_head_groups,
-                           head_group_budget=FREE if sequence_group is None else None,
-                           attention_backend=attention_backend)
+        auto_groups = attention_head_groups == AUTO_HEAD_GROUPS
+        patch_tiled_layers(model, tile_tokens, report, head_groups=None if auto_groups else attention_head_groups,
+                           head_group_budget=FREE if auto_groups else None, attention_backend=attention_backend)
     patch_attention_backend(model, attention_backend, report)
     if experts:
         patch_experts(model, group, {k: v for k, v in options.items() if k in EXPERTS_OPTIONS}, report)
@@ -138,6 +138,8 @@ def _check_head_groups(config, head_groups, tile_tokens) -> None:
         return
     if tile_tokens is None:
         raise ValueError("moepeak.hf: attention_head_groups sets the tiled layers' head groups; it needs tile_tokens")
+    if head_groups == AUTO_HEAD_GROUPS:
+        return
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = (getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None))
     if any(h is not None and h % head_groups for h in heads):

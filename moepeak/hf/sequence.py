@@ -41,6 +41,7 @@ HEADS_CROSSING_MODULES = ("deepspeed.runtime.sequence_parallel",)
 # The attention implementations that read document boundaries from position_ids themselves
 # (beside moepeak's VARLEN_SDPA): transformers' flash attention and the hub's flash kernels.
 DOCUMENT_AWARE_MARK = "flash"
+AUTO_HEAD_GROUPS = "auto"  # attention_head_groups: the fewest whose full-length set fits the free GPU memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +58,10 @@ class SequenceOptions:
                  the Trainer with DeepSpeed sequence parallelism).
     head_groups  the tiled layer's attention head groups: None picks (1 when the attention
                  function crosses ranks by heads, else num_key_value_heads); an integer that
-                 divides num_attention_heads and num_key_value_heads forces it."""
+                 divides num_attention_heads and num_key_value_heads forces it; AUTO_HEAD_GROUPS
+                 ("auto", without a sequence group only: every rank of one must make the same
+                 calls) runs the fewest groups whose full-length set fits half the GPU memory
+                 free at each layer's forward."""
 
     group: object = None
     loss: str = "mean"
@@ -72,8 +76,14 @@ class SequenceOptions:
         if self.group is None and self.loss != "mean":
             raise ValueError(f"moepeak.hf: sequence_loss={self.loss!r} needs sequence_group")
         hg = self.head_groups
-        if hg is not None and (isinstance(hg, bool) or not isinstance(hg, int) or hg < 1):
-            raise ValueError(f"moepeak.hf: attention_head_groups must be a positive integer or None, got {hg!r}")
+        if hg == AUTO_HEAD_GROUPS:
+            if self.group is not None:
+                raise ValueError(f"moepeak.hf: attention_head_groups={AUTO_HEAD_GROUPS!r} measures free memory per "
+                                 "rank, but every rank of sequence_group must make the same attention calls: give "
+                                 "an integer or None")
+        elif hg is not None and (isinstance(hg, bool) or not isinstance(hg, int) or hg < 1):
+            raise ValueError(f"moepeak.hf: attention_head_groups must be a positive integer, {AUTO_HEAD_GROUPS!r} "
+                             f"or None, got {hg!r}")
 
     def resolve_group(self):
         """The sequence group of this forward: None (no sequence parallelism, also for

@@ -113,7 +113,7 @@ def _attention_pre_hooks(attn: torch.nn.Module, arguments: dict, name: str) -> d
     return arguments
 
 
-def attention_head_groups(attn: torch.nn.Module, interface, forced: Optional[int], name: str, budget=FREE):
+def attention_head_groups(attn: torch.nn.Module, interface, forced: Optional[int], name: str, budget=None):
     """(head_groups, head_group_budget) of the tiled layer's spec: forced, or 1 when the function
     crosses ranks by heads (DeepSpeed Ulysses checks it receives every head), with no budget; else
     num_key_value_heads groups (each group's backward frees its tensors before the next runs) and
@@ -131,7 +131,7 @@ def attention_head_groups(attn: torch.nn.Module, interface, forced: Optional[int
 
 
 def hf_moe_layer_spec(layer: torch.nn.Module, x: torch.Tensor, *args, return_router_logits=False,
-                      attention_weights=None, head_groups: Optional[int] = None, head_group_budget=FREE,
+                      attention_weights=None, head_groups: Optional[int] = None, head_group_budget=None,
                       attention_backend: Optional[str] = DEFAULT_ATTENTION_BACKEND, **kwargs) -> TiledBlockSpec:
     """Spec for a Hugging Face pre-norm MoE decoder layer (a class of HF_TILED_LAYERS) called as
     layer(x, *args, **kwargs): the same arguments, placed by the layer's own signature. Every
@@ -288,7 +288,7 @@ def tiled_hf_moe_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tens
 
 def tiled_hf_layer_training_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *args, tile_tokens: int,
                                     router_logits: bool = False, attention_weights: bool = False,
-                                    head_groups: Optional[int] = None, head_group_budget=FREE,
+                                    head_groups: Optional[int] = None, head_group_budget=None,
                                     attention_backend: Optional[str] = DEFAULT_ATTENTION_BACKEND, **kwargs):
     """layer(hidden_states, *args, **kwargs) in training, sequence-tiled, run the way transformers'
     GradientCheckpointingLayer runs the layer's own forward: with layer.gradient_checkpointing on,
@@ -342,7 +342,7 @@ class _WithoutGradient(torch.autograd.Function):
                            "no gradient path; a loss on them needs the untiled layer (tile_tokens=None)")
 
 
-def patch_tiled_layers(model, tile_tokens, report, head_groups: Optional[int] = None, head_group_budget=FREE,
+def patch_tiled_layers(model, tile_tokens, report, head_groups: Optional[int] = None, head_group_budget=None,
                        attention_backend: Optional[str] = DEFAULT_ATTENTION_BACKEND):
     """Every layer of TILED_LAYERS runs tiled_hf_layer_training_forward in training with grad
     (head_groups, head_group_budget, attention_backend: hf_moe_layer_spec's)."""

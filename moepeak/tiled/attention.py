@@ -48,7 +48,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math", "torch")
-DEFAULT_ATTENTION_BACKEND = "auto"  # TiledBlockSpec's and apply_moepeak's default
+DEFAULT_ATTENTION_BACKEND = "torch"  # TiledBlockSpec's and apply_moepeak's: "auto" is opt-in until measured in a step
 OFF = "torch"  # torch's own choice; None means the same
 FALLBACKS = ("flash", "efficient", "math")  # "auto"'s after cuDNN, in this order
 AUTO_CAPABILITY_MAJOR = 9  # Hopper: where "auto" was measured

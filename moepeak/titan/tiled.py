@@ -23,7 +23,7 @@ from ..tiled.sizes import FREE
 
 
 def titan_block_spec(block: torch.nn.Module, x: torch.Tensor, attention_masks=None,
-                     positions=None, head_group_budget=FREE) -> TiledBlockSpec:
+                     positions=None, head_group_budget=None) -> TiledBlockSpec:
     """Spec for a torchtitan decoder block called as block(x, attention_masks, positions):
     x [B, T, D] plain (not DTensor: no tensor/sequence parallel); the attention's inner
     attention is torchtitan's ScaledDotProductAttention (causal, no masks). q/k/v: [B, T,
@@ -35,7 +35,7 @@ def titan_block_spec(block: torch.nn.Module, x: torch.Tensor, attention_masks=No
     full-length set fits head_group_budget (moepeak/tiled/sizes.py; FREE: a share of the GPU
     memory free at the forward, in a single process only: under torchtitan's context parallel
     the core is ring attention, whose collectives need the same calls on every rank, and free
-    memory differs by rank; None: one group per kv head). The SDPA backend is torchtitan's:
+    memory differs by rank; None, the default: one group per kv head). The SDPA backend is torchtitan's:
     ScaledDotProductAttention runs its own sdpa_kernel(cuDNN > flash > math, set_priority=True)
     inside the core, so the spec sets no order of its own (attention_backend=None)."""
     attn = block.attention
