@@ -58,6 +58,7 @@ One H200, each command under ~9 minutes (see RESULTS.md):
   python benchmarks/bench_hf.py --model olmoe --arms hf,alst,moepeak_tiled
   python benchmarks/bench_hf.py --model olmoe --arms moepeak --T 262144 --sco-keep-last 10   # the manual setting
   python benchmarks/bench_hf.py --model olmoe --arms moepeak_tiled --layers 4 --T 1048576    # 1M on 4 of 16 layers
+  python benchmarks/bench_hf.py --model olmoe --arms moepeak_tiled --T 262144 --attention auto  # cuDNN, head groups
 CPU smoke run (the test suite runs it): python benchmarks/bench_hf.py --tiny --csv /tmp/hf.csv
 """
 from __future__ import annotations
@@ -123,11 +124,13 @@ def build_model(shape, max_T, dtype, device, family="qwen3_moe"):
     return model.to(dtype)
 
 
-def setup_arm(arm, shape, max_T, device, tile_tokens=8192, family="qwen3_moe", keep_last=None):
+def setup_arm(arm, shape, max_T, device, tile_tokens=8192, family="qwen3_moe", keep_last=None, attention=None):
     """(model, optimizer, autocast dtype or None, note). moepeak_tiled: moepeak with the
     decoder layers sequence-tiled (apply_moepeak's tile_tokens). keep_last: the moepeak arms'
     SCO boundaries kept on the GPU, set by hand (SCOConfig(keep_last=...): the automatic
-    placement then leaves SCO as given); None: apply_moepeak's automatic placement."""
+    placement then leaves SCO as given); None: apply_moepeak's automatic placement. attention:
+    the moepeak arms' apply_moepeak(attention_backend=..., attention_head_groups=...) (None:
+    apply_moepeak's defaults; "auto": both "auto", the head groups only where tiled)."""
     note = ""
     if arm == "liger":
         import liger_kernel.transformers
@@ -138,10 +141,15 @@ def setup_arm(arm, shape, max_T, device, tile_tokens=8192, family="qwen3_moe", k
         from moepeak.hf import apply_moepeak
         model = build_model(shape, max_T, torch.bfloat16, device, family)
         tile = tile_tokens if arm == "moepeak_tiled" else None
-        sco = {} if keep_last is None else dict(sco_config=moepeak.SCOConfig(keep_last=keep_last))
-        report = apply_moepeak(model, tile_tokens=tile, **sco)
+        extra = {} if keep_last is None else dict(sco_config=moepeak.SCOConfig(keep_last=keep_last))
+        if attention is not None:
+            extra["attention_backend"] = attention
+        if tile and attention == "auto":
+            extra["attention_head_groups"] = "auto"
+        report = apply_moepeak(model, tile_tokens=tile, **extra)
         lean = any(line.startswith("final norm:") for line in report.patched)
         note = (f"manual keep_last {keep_last}; " if keep_last is not None else "") + \
+            (f"attention {attention}; " if attention is not None else "") + \
             (f"tile_tokens {tile}; " if tile else "") + ("lean final norm; " if lean else "") + \
             f"experts on moepeak: {len(report.experts_on_moepeak)}" + "".join(
             f"; left alone: {line}" for line in report.left_alone)
@@ -252,7 +260,7 @@ def run_arm(args, arm):
         first_of_process = False  # the check row's step was the process's first
     else:
         model, opt, autocast, note = setup_arm(arm, shape, max(args.T), device, args.tile_tokens, family,
-                                               args.sco_keep_last)
+                                               args.sco_keep_last, args.attention)
         if args.layers is not None:
             note = f"{args.layers} layers; " + note
         params = sum(p.numel() for p in model.parameters())
@@ -369,6 +377,9 @@ def main(argv=None):
                     help="decoder layers of the model (default: the family's shape; e.g. 4 of OLMoE's 16 at 1M)")
     ap.add_argument("--sco-keep-last", type=int, default=None,
                     help="the moepeak arms' SCO boundaries on the GPU set by hand (default: automatic placement)")
+    ap.add_argument("--attention", default=None, choices=("auto", "torch"),
+                    help="the moepeak arms' attention_backend and (tiled) attention_head_groups "
+                         "(default: apply_moepeak's)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: run one arm, print rows
     ap.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -403,7 +414,8 @@ def main(argv=None):
                str(args.tile_tokens), "--check-T", str(args.check_T), "--alst-optimizer", args.alst_optimizer,
                "--alst-offload-param", args.alst_offload_param] + (["--tiny"] if args.tiny else []) + \
             (["--layers", str(args.layers)] if args.layers is not None else []) + \
-            (["--sco-keep-last", str(args.sco_keep_last)] if args.sco_keep_last is not None else [])
+            (["--sco-keep-last", str(args.sco_keep_last)] if args.sco_keep_last is not None else []) + \
+            (["--attention", args.attention] if args.attention is not None else [])
         with tempfile.TemporaryFile("w+") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=worker_env(arm))
             got = 0

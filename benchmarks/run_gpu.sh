@@ -15,13 +15,16 @@
 #   demo_timed   the quick start's main job, `python -m moepeak demo`, timed (issue 39: 1-2 minutes)
 #   llep_cache   PipelinedLLEP at 256k: the growing default cache vs a fixed 1536 MiB one, beside
 #                torchtitan's GroupedExperts (picks the default cache)
-#   attention    the tiled core's attention per backend and head grouping (issue 38, 3)
+#   attention    the tiled core's attention per backend and head grouping, both models at 128k, and
+#                the opt-in backend's exactness (CUDA tests of test_attention_backend) (issue 38, 3)
+#   attention_step  OLMoE at 256k tiled: torch's SDPA choice vs attention "auto" (cuDNN first, the
+#                fewest head groups that fit), decides whether "auto" becomes the default (~5 min)
 #   alst_qwen    ALST vs moepeak on the 2.0B Qwen3-MoE, T doubling from 8k (issue 38, 2; ~9 min)
 #   alst_olmoe   the same on the OLMoE-1B-7B shape (~9 min)
 #   olmoe_256k   OLMoE at 256k: automatic placement vs keep_last 10 by hand (issue 40: within 5%)
 #   olmoe_1m     OLMoE at 1M tokens on 4 of its 16 layers, placed by the planner (issue 40; ~6 min)
 # Within 30 minutes of device time, in issue order: `cuda spill demo_timed llep_cache attention`
-# (one call), `alst_qwen`, `alst_olmoe`, then `olmoe_256k olmoe_1m`.
+# (one call), `alst_qwen`, `alst_olmoe`, `attention_step olmoe_256k`, then `olmoe_1m`.
 . benchmarks/gpu_env.sh
 R="$OUT/r"; mkdir -p "$R"
 cp "$OUT/gpu.txt" "$R/" 2>/dev/null
@@ -47,8 +50,15 @@ for what in "$@"; do
       timeout 120 python3 benchmarks/bench_llep.py --quick --tokens 262144 \
         --arms grouped_mm_titan,pipelined,pipelined_b1536 --iters 5 --out "$R" 2>&1 | tee "$R/llep.log" | tail -10 ;;
     attention)
-      timeout 120 python3 benchmarks/bench_attention.py --quick --max-seconds 100 --out "$R" 2>&1 \
-        | tee "$R/attention.log" | tail -20 ;;
+      timeout 120 python3 -m pytest -q -rs -m cuda tests/test_attention_backend.py -p no:cacheprovider 2>&1 \
+        | tee "$R/attention_tests.log" | tail -5
+      timeout 120 python3 benchmarks/bench_attention.py --quick --backends auto,cudnn,flash --groups all --gqa gqa \
+        --reps 2 --max-seconds 90 --out "$R" 2>&1 | tee "$R/attention.log" | tail -20 ;;
+    attention_step)
+      for a in torch auto; do
+        hf 200 --model olmoe --arms moepeak_tiled --T 262144 --attention $a --budget-s 190 --csv "$R/hf_olmoe.csv" \
+          | tee -a "$R/attention_step.log" | tail -3
+      done ;;
     alst_qwen)
       hf 560 --arms alst,moepeak_tiled --T 8192,16384,32768,65536,131072,262144,524288 --budget-s 540 \
         --csv "$R/hf.csv" | tee "$R/alst_qwen.log" | tail -30 ;;

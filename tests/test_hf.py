@@ -423,16 +423,18 @@ def test_bench_hf_tiny_runs(tmp_path):
 def test_bench_hf_layers_and_manual_keep_last(tmp_path):
     """--layers builds the family's shape with that many decoder layers (issue 40's 1M step on 4
     of OLMoE's 16); --sco-keep-last runs the moepeak arm with SCOConfig(keep_last=...) by hand,
-    the manual setting the default placement is compared with; bad values name the flag."""
+    the manual setting the default placement is compared with; --attention auto the opt-in
+    attention backend and head groups; bad values name the flag."""
     csv = tmp_path / "hf.csv"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_hf.py"), "--tiny", "--model", "olmoe",
-           "--arms", "moepeak", "--T", "64", "--layers", "1", "--sco-keep-last", "1", "--csv", str(csv)]
+           "--arms", "moepeak_tiled", "--T", "64", "--layers", "1", "--sco-keep-last", "1", "--attention", "auto",
+           "--tile-tokens", "16", "--csv", str(csv)]
     env = {**os.environ, "PYTHONPATH": ROOT}
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     with open(csv) as f:
         (row,) = list(DictReader(f))
-    assert row["status"] == "ok" and row["note"].startswith("1 layers; manual keep_last 1; "), row
+    assert row["status"] == "ok" and row["note"].startswith("1 layers; manual keep_last 1; attention auto; "), row
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import bench_hf
 
