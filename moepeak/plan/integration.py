@@ -125,7 +125,8 @@ def place_rank(m: ModelShape, s: Setup, context: int, *, gpu_bytes: float, host_
         raise TilesNeeded(
             f"moepeak: whole blocks do not fit on this rank ({whole}); the plan wants tiles of {tiled.tile_tokens} "
             f"tokens, a choice the {ranks.world} ranks must share (each tile runs a collective): give {option} on "
-            "every rank", whole.tier, whole.need, whole.room, tiled.tile_tokens) from whole
+            "every rank (or turn the automatic placement off to run whole blocks unplaced)", whole.tier, whole.need,
+            whole.room, tiled.tile_tokens) from whole
 
 
 class StepPlacement:
