@@ -63,25 +63,11 @@ class StateDictMixin:
         tensors. The tensors are kept on the state's device in the state's dtypes
         (module docstring; torch's loader would cast them to the param's dtype and
         device). Every size and seed is checked before anything is loaded."""
-        saved_groups = state_dict["param_groups"]
-        id_map = {}
-        for g, ng in zip(saved_groups, self.param_groups):
-            for pid, p in zip(g["params"], ng["params"]):
-                id_map[pid] = p
-        for pid, st in state_dict["state"].items():  # sizes first: nothing is loaded on a mismatch
-            p = id_map.get(pid)
-            for k in STATE_TENSORS:
-                t = local_shard(st.get(k)) if p is not None else None
-                if torch.is_tensor(t) and t.numel() != local_shard(p).numel() and not (
-                        k == "master_param" and local_shard(p).dtype == torch.float32):
-                    raise RuntimeError(
-                        f"moepeak.StreamAdamW.load_state_dict: size mismatch for state {pid} ('{k}'): "
-                        f"{t.numel()} elements (shape {tuple(t.shape)}) but the param has {local_shard(p).numel()} "
-                        f"(shape {tuple(local_shard(p).shape)})")
-            if p is not None and "rounding_seed" in st:
-                _seed(st["rounding_seed"], pid)
+        saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+        id_map = _live_params_by_saved_id(saved_groups, self.param_groups)
+        _check_sizes_and_seeds(saved_state, id_map)  # sizes first: nothing is loaded on a mismatch
         kept, light = {}, {}
-        for pid, st in state_dict["state"].items():
+        for pid, st in saved_state.items():
             kept[pid] = {k: st[k] for k in STATE_TENSORS if k in st}
             light[pid] = {k: v for k, v in st.items() if k not in STATE_TENSORS and k != "rounding_seed"}
         super().load_state_dict({"state": light, "param_groups": saved_groups})
@@ -89,27 +75,71 @@ class StateDictMixin:
         self._plan = None
         for pid, tensors in kept.items():
             p = id_map.get(pid)
-            if p is None:
-                continue
-            st = self.state[p]
-            lp = local_shard(p)
-            dev = self._state_device(p, lp)
-            if "step" in st:
-                # a copy: the loaded dict's step tensor must not advance with this optimizer
-                st["step"] = torch.as_tensor(st["step"]).detach().to(dev, torch.float32, copy=True).reshape(())
-            for k, t in tensors.items():
-                t = local_shard(t)
-                if k == "master_param" and lp.dtype == torch.float32:
-                    continue  # an fp32 param is its own master
-                dtype = torch.float32 if k == "master_param" else self._moment_dtype(p)
-                st[k] = t.detach().to(dev, dtype, copy=True).reshape(lp.shape).contiguous()
-            if "rounding_seed" in state_dict["state"][pid]:
-                st["rounding_seed"] = _seed(state_dict["state"][pid]["rounding_seed"], pid)
-        for group in self.param_groups:  # groups saved by torch carry their own keys; ours need these
+            if p is not None:
+                self._load_param_state(p, pid, tensors, saved_state[pid])
+        self._complete_group_keys()
+
+    def _load_param_state(self, p, pid, tensors: dict, saved: dict) -> None:
+        """self.state[p] (its light entries loaded by torch's loader) gets its own copies of the
+        saved step, state tensors (this rank's shard, on the state's device in the state's dtypes,
+        shaped like the local param) and rounding_seed."""
+        st = self.state[p]
+        lp = local_shard(p)
+        dev = self._state_device(p, lp)
+        if "step" in st:
+            # a copy: the loaded dict's step tensor must not advance with this optimizer
+            st["step"] = torch.as_tensor(st["step"]).detach().to(dev, torch.float32, copy=True).reshape(())
+        for k, t in tensors.items():
+            t = local_shard(t)
+            if k == "master_param" and lp.dtype == torch.float32:
+                continue  # an fp32 param is its own master
+            dtype = torch.float32 if k == "master_param" else self._moment_dtype(p)
+            st[k] = t.detach().to(dev, dtype, copy=True).reshape(lp.shape).contiguous()
+        if "rounding_seed" in saved:
+            st["rounding_seed"] = _seed(saved["rounding_seed"], pid)
+
+    def _complete_group_keys(self) -> None:
+        """Groups saved by torch carry their own keys; this optimizer's need amsgrad and maximize
+        (defaulted) and TORCH_GROUP_KEYS (set: it always runs its own fused-equivalent kernel)."""
+        for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
             for k, v in TORCH_GROUP_KEYS.items():
-                group[k] = v  # this optimizer always runs its own (fused-equivalent) kernel
+                group[k] = v
+
+
+def _live_params_by_saved_id(saved_groups, live_groups) -> dict:
+    """The saved state's param ids -> this optimizer's params, matched group by group and
+    position by position (torch's rule)."""
+    id_map = {}
+    for g, ng in zip(saved_groups, live_groups):
+        for pid, p in zip(g["params"], ng["params"]):
+            id_map[pid] = p
+    return id_map
+
+
+def _check_sizes_and_seeds(saved_state: dict, id_map: dict) -> None:
+    """Raises before anything is loaded: a state tensor of a matched param whose element count
+    is not the local param's (an fp32 param's master_param is ignored: it is its own master),
+    or a rounding_seed that is not an int in [0, 2^63). States of unmatched ids are not checked."""
+    for pid, st in saved_state.items():
+        p = id_map.get(pid)
+        if p is None:
+            continue
+        for k in STATE_TENSORS:
+            _check_state_size(pid, k, local_shard(st.get(k)), local_shard(p))
+        if "rounding_seed" in st:
+            _seed(st["rounding_seed"], pid)
+
+
+def _check_state_size(pid, k: str, t, lp: torch.Tensor) -> None:
+    """Saved state tensor t ('k' of state pid; None or a non-tensor is not checked) must have
+    the local param lp's element count, but for an fp32 param's master_param."""
+    if torch.is_tensor(t) and t.numel() != lp.numel() and not (k == "master_param" and lp.dtype == torch.float32):
+        raise RuntimeError(
+            f"moepeak.StreamAdamW.load_state_dict: size mismatch for state {pid} ('{k}'): "
+            f"{t.numel()} elements (shape {tuple(t.shape)}) but the param has {lp.numel()} "
+            f"(shape {tuple(lp.shape)})")
 
 
 def _seed(value, pid) -> int:
