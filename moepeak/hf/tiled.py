@@ -181,6 +181,42 @@ def hf_moe_layer_spec(layer: torch.nn.Module, x: torch.Tensor, *args, return_rou
     if position_embeddings is None:
         raise ValueError(f"moepeak: a tiled {name} needs position_embeddings (cos, sin) [B, T, head_dim], "
                          "as the model passes them")
+    dropout = _refuse_random_draws(attn, mlp, name)
+    router = getattr(mlp, "gate", None)
+    if return_router_logits and not isinstance(router, torch.nn.Module):
+        raise ValueError(f"moepeak: a tiled {name} returns router logits only with a router module at mlp.gate")
+    projections, window = HF_TILED_LAYERS[name]
+    if window is not None:
+        core_kwargs["sliding_window"] = attn.sliding_window if window == "attn" else \
+            getattr(attn.config, "sliding_window", None)
+    B = x.shape[0]
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
+                                                      modeling.eager_attention_forward)
+    head_groups, head_group_budget = attention_head_groups(attn, interface, head_groups, name, head_group_budget)
+    make_pre_attn = _mla_pre_attn if projections == "mla" else _mha_pre_attn
+    pre_attn = make_pre_attn(layer, modeling, B, position_embeddings)
+
+    def attn_core(q, k, v):
+        # the backend order here, not through the spec: "auto" reads whether the call passes a mask
+        with attention_backend_context(attention_backend, q.device, q.dtype, masked=attention_mask is not None):
+            out, weights = interface(attn, q, k, v, attention_mask, dropout=dropout, scaling=attn.scaling,
+                                     **core_kwargs)
+        if attention_weights is not None and len(attention_weights) < head_groups:
+            attention_weights.append(weights)  # the forward's calls, one per head group, come first
+        return out
+
+    post_attn = _post_attn(layer, router, B, name, return_router_logits)
+
+    return TiledBlockSpec(pre_attn, attn_core, post_attn, requires_grad_params(layer),
+                          seq_dim=1, qkv_seq_dim=2, out_seq_dim=1, head_groups=head_groups,
+                          qkv_head_dim=1, out_head_dim=2, extras=1 if return_router_logits else 0,
+                          head_group_budget=head_group_budget, attention_backend=None)
+
+
+def _refuse_random_draws(attn: torch.nn.Module, mlp: torch.nn.Module, name: str) -> float:
+    """The attention's dropout probability (0.0 out of training). Attention dropout and router
+    jitter noise are refused with grad: the tiles would draw them per head group and tile by
+    tile, so their masks and noise would not be the untiled layer's."""
     dropout = attn.attention_dropout if attn.training else 0.0
     if dropout and torch.is_grad_enabled():
         raise ValueError(f"moepeak: a tiled {name} cannot use attention dropout ({dropout}): its core runs per "
@@ -189,41 +225,22 @@ def hf_moe_layer_spec(layer: torch.nn.Module, x: torch.Tensor, *args, return_rou
     if jitter and torch.is_grad_enabled():
         raise ValueError(f"moepeak: a tiled {name} cannot use router jitter noise ({jitter}): the tiles draw it "
                          "tile by tile, not as the untiled layer does; set config.router_jitter_noise = 0")
-    router = getattr(mlp, "gate", None)
-    if return_router_logits and not isinstance(router, torch.nn.Module):
-        raise ValueError(f"moepeak: a tiled {name} returns router logits only with a router module at mlp.gate")
-    projections, window = HF_TILED_LAYERS[name]
-    if window is not None:
-        core_kwargs["sliding_window"] = attn.sliding_window if window == "attn" else \
-            getattr(attn.config, "sliding_window", None)
+    return dropout
+
+
+def _mha_pre_attn(layer: torch.nn.Module, modeling, B: int, position_embeddings):
+    """pre_attn(x_t, start) of a q/k/v_proj attention: the layer's ops before the attention
+    interface on the tile of rows start .. start+t-1, giving q, k, v [B, heads, t, head_dim].
+    q_norm / k_norm over the whole projection (OLMoE) act before clip_qkv and the head split;
+    per head (Qwen3-MoE, weight of head_dim elements) after the split, before RoPE."""
+    attn = layer.self_attn
+    cos, sin = position_embeddings
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    B, hd = x.shape[0], getattr(attn, "head_dim", None)
+    hd = getattr(attn, "head_dim", None)
     per_head_norm = q_norm is not None and q_norm.weight.numel() == hd
     clip = getattr(attn.config, "clip_qkv", None)
-    interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
-                                                      modeling.eager_attention_forward)
-    head_groups, head_group_budget = attention_head_groups(attn, interface, head_groups, name, head_group_budget)
-    cos, sin = position_embeddings
-
-    def mla_pre_attn(x_t, start):
-        # DeepseekV3Attention.forward's ops before the attention interface, on the tile
-        t = x_t.shape[1]
-        n = layer.input_layernorm(x_t)
-        q = attn.q_proj(n) if attn.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(n)))
-        q = q.view(B, t, -1, attn.qk_head_dim).transpose(1, 2)
-        q_pass, q_rot = torch.split(q, [attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
-        kv_nope, k_rot = torch.split(attn.kv_a_proj_with_mqa(n), [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
-        kv_nope = attn.kv_a_layernorm(kv_nope).view(B, 1, t, attn.kv_lora_rank)
-        k_rot = k_rot.view(B, 1, t, attn.qk_rope_head_dim)
-        rotate = modeling.apply_rotary_pos_emb_interleave if attn.config.rope_interleave else \
-            modeling.apply_rotary_pos_emb
-        q_rot, k_rot = rotate(q_rot, k_rot, cos[:, start:start + t], sin[:, start:start + t])
-        k, v = attn.expand_kv(kv_nope, k_rot)
-        return torch.cat((q_pass, q_rot), dim=-1), k, v
 
     def pre_attn(x_t, start):
-        if projections == "mla":
-            return mla_pre_attn(x_t, start)
         t = x_t.shape[1]
         n = layer.input_layernorm(x_t)
         shape = (B, t, -1, hd)
@@ -239,14 +256,39 @@ def hf_moe_layer_spec(layer: torch.nn.Module, x: torch.Tensor, *args, return_rou
                                              cos[:, start:start + t], sin[:, start:start + t])
         return q, k, v.transpose(1, 2)
 
-    def attn_core(q, k, v):
-        # the backend order here, not through the spec: "auto" reads whether the call passes a mask
-        with attention_backend_context(attention_backend, q.device, q.dtype, masked=attention_mask is not None):
-            out, weights = interface(attn, q, k, v, attention_mask, dropout=dropout, scaling=attn.scaling,
-                                     **core_kwargs)
-        if attention_weights is not None and len(attention_weights) < head_groups:
-            attention_weights.append(weights)  # the forward's calls, one per head group, come first
-        return out
+    return pre_attn
+
+
+def _mla_pre_attn(layer: torch.nn.Module, modeling, B: int, position_embeddings):
+    """pre_attn(x_t, start) of DeepSeek-V3's latent attention: DeepseekV3Attention.forward's ops
+    before the attention interface on the tile of rows start .. start+t-1 (q through q_proj or
+    the q_a/q_b low-rank pair; one latent k/v row per token, expanded by attn.expand_kv)."""
+    attn = layer.self_attn
+    cos, sin = position_embeddings
+
+    def pre_attn(x_t, start):
+        t = x_t.shape[1]
+        n = layer.input_layernorm(x_t)
+        q = attn.q_proj(n) if attn.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(n)))
+        q = q.view(B, t, -1, attn.qk_head_dim).transpose(1, 2)
+        q_pass, q_rot = torch.split(q, [attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
+        kv_nope, k_rot = torch.split(attn.kv_a_proj_with_mqa(n), [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
+        kv_nope = attn.kv_a_layernorm(kv_nope).view(B, 1, t, attn.kv_lora_rank)
+        k_rot = k_rot.view(B, 1, t, attn.qk_rope_head_dim)
+        rotate = modeling.apply_rotary_pos_emb_interleave if attn.config.rope_interleave else \
+            modeling.apply_rotary_pos_emb
+        q_rot, k_rot = rotate(q_rot, k_rot, cos[:, start:start + t], sin[:, start:start + t])
+        k, v = attn.expand_kv(kv_nope, k_rot)
+        return torch.cat((q_pass, q_rot), dim=-1), k, v
+
+    return pre_attn
+
+
+def _post_attn(layer: torch.nn.Module, router, B: int, name: str, return_router_logits: bool):
+    """post_attn(x_t, o_t) on a tile: o_proj, the residual, post_attention_layernorm, mlp and its
+    residual; with return_router_logits also the tile's router logits [B, t, E], caught by a
+    forward hook on the router (mlp.gate) that must see exactly one call per tile."""
+    attn, mlp = layer.self_attn, layer.mlp
 
     def moe_part(h):
         return h + mlp(layer.post_attention_layernorm(h))
@@ -266,10 +308,7 @@ def hf_moe_layer_spec(layer: torch.nn.Module, x: torch.Tensor, *args, return_rou
             raise RuntimeError(f"moepeak: {name}.mlp called its router {len(seen)} times for one tile (expected 1)")
         return y, seen[0].view(B, t, -1)  # the router's [B*t, E] rows are batch-major
 
-    return TiledBlockSpec(pre_attn, attn_core, post_attn, requires_grad_params(layer),
-                          seq_dim=1, qkv_seq_dim=2, out_seq_dim=1, head_groups=head_groups,
-                          qkv_head_dim=1, out_head_dim=2, extras=1 if return_router_logits else 0,
-                          head_group_budget=head_group_budget, attention_backend=None)
+    return post_attn
 
 
 def tiled_hf_moe_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *args,
