@@ -8,6 +8,7 @@ with the losses (moepeak's and plain PyTorch's), the peak table and the settings
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import math
 import os
@@ -316,11 +317,7 @@ def _train(job: _Job, model: MoELM, opt, start: int, steps: int, local_params, s
 def _run(a, res: Run, stop: StopRequest) -> Dict:
     # ---- where, and how many ranks
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    dev_name = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if dev_name not in ("cuda", "cpu"):
-        raise ValueError(f"moepeak demo: --device must be cuda or cpu, got {a.device!r}")
-    if dev_name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("moepeak demo: --device cuda, but torch sees no CUDA device")
+    dev_name = _device_name(a)
     cfg, train = config_from_args(a, dev_name)
     cp = world > 1 and (a.context_parallel is None or a.context_parallel)
     cfg = cfg.replace(context_parallel=cp)
@@ -336,57 +333,18 @@ def _run(a, res: Run, stop: StopRequest) -> Dict:
     cfg, placed = place_demo(cfg, opt_kind, enabled=a.auto_placement, device=torch.device(dev_name), world=world,
                              batch=train["batch"], seq_len=train["seq_len"], dtype=train["dtype"],
                              bucket_mb=a.bucket_mb, state_dtype=a.state_dtype)
-    rank, group = 0, None
-    if world > 1:
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if dev_name == "cuda" else "gloo")
-            res.pg_owned = True
-        rank, group = dist.get_rank(), dist.group.WORLD
-    if dev_name == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-    else:
-        device = torch.device("cpu")
+    rank, group, device = _join_ranks(world, dev_name, res)
     say = (lambda *x: print(*x, flush=True)) if (rank == 0 and not a.quiet) else (lambda *x: None)
     T, B, steps = train["seq_len"], train["batch"], train["steps"]
     data = TokenStream(a.data, seed=a.seed, max_bytes=max(1 << 16, int(a.data_mb * 2 ** 20)))
     job = _Job(world=world, rank=rank, device=device, cp=cp, data=data, B=B, T=T, lr=train["lr"],
                tok_step=B * T if cp else B * T * world)  # tokens per optimizer step, all ranks
-
-    say(f"moepeak {__version__} demo on {device} x{world}, torch {torch.__version__}")
-    say(f"model: {params_text(cfg)}; L={cfg.layers} H={cfg.hidden} heads={cfg.heads}/"
-        f"{cfg.kv_heads} E={cfg.experts} K={cfg.top_k} I={cfg.intermediate} V={cfg.vocab_size} "
-        f"{str(train['dtype']).replace('torch.', '')}")
-    split = (f"step, context parallel over {world} ranks ({B} x {T // world} tokens per rank)" if cp
-             else "step per rank")
-    say(f"data: {data.source} ({len(data) / 1e6:.1f} M byte tokens); {B} x {T} = {B * T} tokens per "
-        f"{split}, {steps} steps")
-    say(f"learning rate: {train['lr']:g} peak, {train['warmup']} warm-up steps, cosine to "
-        f"{a.min_lr_ratio:g} x")
-    say("schedules: moe=%s head=%s checkpoint=%s optimizer=%s" % (cfg.moe, cfg.head, cfg.checkpoint, opt_kind))
-    for n in notes:
-        say("  note: " + n)
-    if placed.placement is not None or device.type == "cuda":  # on CPU a no-op: the report stays as it was
-        for line in placed.lines():
-            say(line)
+    _say_settings(say, a, job, cfg, train, opt_kind, notes, placed)
 
     # ---- model + optimizer
-    def build(cfg, opt_kind):
-        model = MoELM(cfg, group=group, world_size=world, device=device, dtype=train["dtype"], seed=a.seed)
-        res.model = model
-        local_params = shard_model(model, world) if world > 1 else set()
-        if placed.placement is not None and cfg.checkpoint == "sco":
-            model.sco.reconfigure(arena_bytes=placed.arena_bytes())  # one pinned chunk for the step
-        res.opt = build_optimizer(model.parameters(), opt_kind, lr=train["lr"], weight_decay=0.0,
-                                  bucket_mb=a.bucket_mb,
-                                  state_dtype=getattr(torch, a.state_dtype) if a.state_dtype else None,
-                                  device_state_bytes=placed.device_state_bytes() if opt_kind == "stream" else 0)
-        return model, res.opt, local_params
-
+    build = functools.partial(_build, a, job, group, train, placed, res)  # build(cfg, opt_kind)
     model, opt, local_params = build(cfg, opt_kind)
-    local_names = sorted(n for n, p in model.named_parameters()
-                         if p in local_params)  # rank-local: saved per rank
+    local_names = sorted(n for n, p in model.named_parameters() if p in local_params)  # rank-local: saved per rank
     start, losses = 0, []
     if a.resume:
         start, losses = load(a.resume, model, opt, local_names, rank)
@@ -400,22 +358,14 @@ def _run(a, res: Run, stop: StopRequest) -> Dict:
     new, step_times, peak_seen, opt_meas = _train(job, model, opt, start, steps, local_params, stop,
                                                   Progress(steps, show, every), measure_first_step=True)
     losses += new
-    cuda = device.type == "cuda"
     if steps:
         k = max(1, min(10, len(new) // 5))
-        say(f"loss: first {sum(new[:k]) / k:.4f} -> last {sum(new[-k:]) / k:.4f} "
-            f"(mean of {k} steps)" + (f"; peak GPU memory {peak_seen / GiB:.2f} GiB" if cuda else ""))
+        say(f"loss: first {sum(new[:k]) / k:.4f} -> last {sum(new[-k:]) / k:.4f} (mean of {k} steps)"
+            + (f"; peak GPU memory {peak_seen / GiB:.2f} GiB" if device.type == "cuda" else ""))
     if a.save:
         save(a.save, model, opt, start + steps, losses, local_names, rank)
         say(f"saved step {start + steps} to {a.save}")
-
-    table = None
-    if not a.no_peaks and world > 1:
-        say("(the per-component peak table is measured in single-process runs only)")
-    if not a.no_peaks and world == 1:
-        stop.stop_point()
-        table = peakmod.measure(model, cfg, opt_kind, opt, data, B, T, device, opt_meas)
-        say(peakmod.format_table(table, cfg, B * T, device))
+    table = _peak_table(a, job, model, cfg, opt_kind, opt, opt_meas, stop, say)
 
     # ---- the same model, weights and batches in plain PyTorch
     plain = _compare(a, job, train, cfg, opt_kind, start, steps, res, build, stop, say, show, every)
@@ -426,7 +376,6 @@ def _run(a, res: Run, stop: StopRequest) -> Dict:
             f"{plain['max_abs_diff']:.3g}")
     if plain["note"]:
         say(f"plain PyTorch: {plain['note']}")
-
     if a.plot and rank == 0:
         title = (f"moepeak demo: {params_text(cfg)}, {job.tok_step} tokens/step, "
                  f"{str(train['dtype']).replace('torch.', '')}, {device.type} x{world}")
@@ -434,6 +383,77 @@ def _run(a, res: Run, stop: StopRequest) -> Dict:
     return {"losses": losses, "start": start, "step_times": step_times, "peak": peak_seen, "cfg": cfg,
             "optimizer": opt_kind, "peaks": table, "tokens_per_step": job.tok_step, "notes": notes,
             "data": data.source, "plain": plain, "placement": placed}
+
+
+def _device_name(a) -> str:
+    """--device, or cuda when torch sees one, else cpu; refused unless cuda or cpu and usable."""
+    dev_name = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dev_name not in ("cuda", "cpu"):
+        raise ValueError(f"moepeak demo: --device must be cuda or cpu, got {a.device!r}")
+    if dev_name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("moepeak demo: --device cuda, but torch sees no CUDA device")
+    return dev_name
+
+
+def _join_ranks(world: int, dev_name: str, res: Run):
+    """(rank, group, device): the default group if world > 1 (res owns it if started here); CUDA: LOCAL_RANK's."""
+    rank, group = 0, None
+    if world > 1:
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if dev_name == "cuda" else "gloo")
+            res.pg_owned = True
+        rank, group = dist.get_rank(), dist.group.WORLD
+    if dev_name == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return rank, group, torch.device("cuda", local)
+    return rank, group, torch.device("cpu")
+
+
+def _say_settings(say, a, job: _Job, cfg, train, opt_kind, notes, placed) -> None:
+    """The run's header: version and device, model, data and batch, LR, schedules, notes, placement."""
+    world, device, B, T, steps = job.world, job.device, job.B, job.T, train["steps"]
+    say(f"moepeak {__version__} demo on {device} x{world}, torch {torch.__version__}")
+    say(f"model: {params_text(cfg)}; L={cfg.layers} H={cfg.hidden} heads={cfg.heads}/"
+        f"{cfg.kv_heads} E={cfg.experts} K={cfg.top_k} I={cfg.intermediate} V={cfg.vocab_size} "
+        f"{str(train['dtype']).replace('torch.', '')}")
+    split = (f"step, context parallel over {world} ranks ({B} x {T // world} tokens per rank)" if job.cp
+             else "step per rank")
+    say(f"data: {job.data.source} ({len(job.data) / 1e6:.1f} M byte tokens); {B} x {T} = {B * T} tokens per "
+        f"{split}, {steps} steps")
+    say(f"learning rate: {train['lr']:g} peak, {train['warmup']} warm-up steps, cosine to {a.min_lr_ratio:g} x")
+    say("schedules: moe=%s head=%s checkpoint=%s optimizer=%s" % (cfg.moe, cfg.head, cfg.checkpoint, opt_kind))
+    for n in notes:
+        say("  note: " + n)
+    if placed.placement is not None or device.type == "cuda":  # on CPU a no-op: the report stays as it was
+        for line in placed.lines():
+            say(line)
+
+
+def _build(a, job: _Job, group, train, placed, res: Run, cfg, opt_kind):
+    """(model, optimizer, rank-local params), both kept in res so that an error or Ctrl-C releases them."""
+    model = MoELM(cfg, group=group, world_size=job.world, device=job.device, dtype=train["dtype"], seed=a.seed)
+    res.model = model
+    local_params = shard_model(model, job.world) if job.world > 1 else set()
+    if placed.placement is not None and cfg.checkpoint == "sco":
+        model.sco.reconfigure(arena_bytes=placed.arena_bytes())  # one pinned chunk for the step
+    res.opt = build_optimizer(model.parameters(), opt_kind, lr=train["lr"], weight_decay=0.0,
+                              bucket_mb=a.bucket_mb,
+                              state_dtype=getattr(torch, a.state_dtype) if a.state_dtype else None,
+                              device_state_bytes=placed.device_state_bytes() if opt_kind == "stream" else 0)
+    return model, res.opt, local_params
+
+
+def _peak_table(a, job: _Job, model, cfg, opt_kind, opt, opt_meas, stop: StopRequest, say):
+    """The per-component peak table (single-process runs only; None with --no-peaks)."""
+    if not a.no_peaks and job.world > 1:
+        say("(the per-component peak table is measured in single-process runs only)")
+    if a.no_peaks or job.world != 1:
+        return None
+    stop.stop_point()
+    table = peakmod.measure(model, cfg, opt_kind, opt, job.data, job.B, job.T, job.device, opt_meas)
+    say(peakmod.format_table(table, cfg, job.B * job.T, job.device))
+    return table
 
 
 def _compare(a, job, train, cfg, opt_kind, start, steps, res, build, stop, say, show, every) -> Dict:
