@@ -95,6 +95,7 @@ from ..ring_dtp import sizes as RS
 from ..sco import sizes as SCO
 from ..stream_adamw import StreamAdamWOptions
 from ..stream_adamw import sizes as SA
+from ..tiled import sizes as TS
 from .sequence import (expert_params, expert_ranks, local_params, sequence_attention_bytes,
                        sequence_problems, shard_of, tokens_per_rank)
 
@@ -191,17 +192,12 @@ BINDING = PEAKS + ("block", "final_norm")  # what the report can name as binding
 IMPLS = ("demo", "hf")
 def tiled_full_len_bytes(m: "ModelShape", b: int, groups: Optional[int] = None) -> float:
     """Bytes per token of the full-length tensors of a sequence-tiled block at its backward
-    peak (the first head group's attention backward; moepeak/tiled/block.py's docstring):
-    grad_y, dx [H]; q [nh*dqk]; out, dout [nh*d]; k [nkv*dqk], v [nkv*d] (all b bytes); lse
-    fp32 [nh]; and the group's flash backward (G = groups head groups, default nkv; 1 under
-    Ulysses, whose attention function needs every head in one call): fp32 dq accumulator and
-    dk, dv expanded to the group's q heads, dq, dk, dv of the group. dqk = d except for MLA,
-    whose q and k heads are wider than v's. The block input x is the boundaries term's."""
-    H, nh, nkv = m.hidden, m.heads, m.kv_heads
-    G = groups or nkv
-    Qq, Qo, Kk, Kv = nh * m.dqk(), nh * m.d(), nkv * m.dqk(), nkv * m.d()
-    return b * (2 * H + Qq + 2 * Qo + Kk + Kv) + 4 * nh + \
-        (4 * Qq + b * (Qq + Qo) + b * (Qq + Kk + Kv)) / G
+    peak, the block input x excluded (the boundaries term's): moepeak.tiled.sizes.
+    full_length_bytes_per_token for this shape in b-byte activations, with G = groups head
+    groups (default nkv; 1 under Ulysses, whose attention function needs every head in one
+    call). dqk = d except for MLA, whose q and k heads are wider than v's."""
+    return TS.full_length_bytes_per_token(hidden=m.hidden, q_heads=m.heads, kv_heads=m.kv_heads, qk_dim=m.dqk(),
+                                          v_dim=m.d(), elem_bytes=b, head_groups=groups or m.kv_heads)
 
 
 @dataclass

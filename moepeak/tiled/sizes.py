@@ -24,7 +24,7 @@ recompute of the same block (for comparison): ~17 units measured. The tile's own
 (one tile of the position-wise parts, PipelinedLLEP's chunk) is O(tile_tokens) and not counted.
 
 full_length_bytes_per_token is that list without x (the boundary, counted where boundaries
-are): the same terms as moepeak.plan's tiled_full_len_bytes (which the planner uses). cuDNN's
+are); the planner's tiled_full_len_bytes reads it. cuDNN's
 backward keeps the same inputs and outputs; its scratch is not larger than flash's fp32 dq
 accumulator and expanded dk, dv, which the formula counts for any backend.
 
