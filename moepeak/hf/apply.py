@@ -97,7 +97,8 @@ def apply_moepeak(model, *, experts: bool = True, loss: bool = True, checkpoint:
     _check_head_groups(model.config, attention_head_groups, tile_tokens)
     report = MoepeakReport(type(model).__name__)
     if tile_tokens is not None:  # checked first: it may refuse the model's config
-        # the same head groups on every rank of a sequence group (a ring core's collectives per call)
+        # "auto": the tiled block picks the head groups from the free memory (SequenceOptions refused
+        # it with a sequence group, whose ranks must make the same attention calls)
         auto_groups = attention_head_groups == AUTO_HEAD_GROUPS
         patch_tiled_layers(model, tile_tokens, report, head_groups=None if auto_groups else attention_head_groups,
                            head_group_budget=FREE if auto_groups else None, attention_backend=attention_backend)

@@ -105,15 +105,16 @@ class SCOOffloader:
             try:
                 eng.reconfigure(config, self.blocks_per_step)
             except Exception:
-                # all or nothing: the previous config back on every engine; an engine that could
-                # not get it back (eng.unusable) is dropped, to be made anew at its next use
+                # all or nothing: eng put its previous config back itself; the engines already
+                # moved go back too; an engine that could not (its unusable says why) is dropped,
+                # to be made anew at its next use
                 self.config = previous
+                for _, e in done:
+                    try:
+                        e.reconfigure(previous, self.blocks_per_step)
+                    except Exception:
+                        pass  # e.unusable is set
                 for d, e in [(device, eng)] + done:
-                    if not e.unusable and e is not eng:
-                        try:
-                            e.reconfigure(previous, self.blocks_per_step)
-                        except Exception:
-                            pass  # e.unusable is set: dropped below
                     if e.unusable:
                         del self._engines[d]
                 raise
