@@ -48,15 +48,20 @@ def check_room(nbytes: int, what: str, remedy: str, *, pinned: bool) -> None:
                           f"{'' if pinned else ' + SwapFree'}); {remedy}. Nothing was allocated.")
 
 
-def placement_room(model) -> Optional[Tuple[float, float]]:
-    """What automatic placement measures (moepeak.hf and moepeak.titan): (GPU bytes the step may
-    use: free + what torch already reserved, the host's available RAM for pinned buffers, 0 if
-    unknown) where the model's parameters are on a CUDA device; None elsewhere."""
+def device_room(device) -> Tuple[float, float]:
+    """What automatic placement measures on a CUDA device: (GPU bytes a step may use: free + what
+    torch already reserved, the host's available RAM for pinned buffers, 0 if unknown)."""
     import torch
 
+    free, _ = torch.cuda.mem_get_info(device)
+    host = available_bytes(pinned=True)
+    return float(free + torch.cuda.memory_reserved(device)), float(host or 0)
+
+
+def placement_room(model) -> Optional[Tuple[float, float]]:
+    """device_room of the CUDA device the model's parameters are on (moepeak.hf and
+    moepeak.titan); None where they are not on one."""
     p = next(model.parameters(), None)
     if p is None or p.device.type != "cuda":
         return None
-    free, _ = torch.cuda.mem_get_info(p.device)
-    host = available_bytes(pinned=True)
-    return float(free + torch.cuda.memory_reserved(p.device)), float(host or 0)
+    return device_room(p.device)

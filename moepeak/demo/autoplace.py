@@ -46,11 +46,8 @@ def measure(device: torch.device) -> Optional[Tuple[float, float]]:
         return None
     if device.index is None:  # before torch.cuda.set_device: this rank's GPU under torchrun
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    free, _ = torch.cuda.mem_get_info(device)
-    host = host_memory.available_bytes(pinned=True)
-    if not host:
-        return None
-    return float(free + torch.cuda.memory_reserved(device)), float(host)
+    gpu, host = host_memory.device_room(device)
+    return (gpu, host) if host else None
 
 
 class DemoPlacement:
